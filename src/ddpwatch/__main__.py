@@ -1,0 +1,7 @@
+"""``python -m ddpwatch``."""
+
+import sys
+
+from ddpwatch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The agent that runs inside each training rank."""

@@ -1,0 +1,166 @@
+"""What the training thread records and the publisher thread reads.
+
+The training thread only assigns attributes and reads ``perf_counter``: no
+locks, no I/O, no device synchronisation. Single attribute writes are atomic
+under the GIL, and the publisher tolerates reading a step that is half-updated
+(it reports it on the next heartbeat).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ddpwatch.protocol import Collective
+
+EMA_WEIGHT = 0.1
+
+
+class Progress:
+    """Step, loss, phase and collective timing of one rank."""
+
+    def __init__(self) -> None:
+        now = time.perf_counter()
+        self.step: int | None = None
+        self.step_mode: str | None = None  # "explicit", "optimizer" or "forward"
+        self.last_step_end: float | None = None
+        self.step_time_s: float | None = None
+        self.avg_step_time_s: float | None = None
+        self.data_wait_s: float | None = None
+        self.phase: str = "started"
+        self.pinned = 0  # depth of user phase() blocks
+        self.phase_changed = now
+        self.last_progress = now
+        self.collective_op: str | None = None
+        self.collective_seq = 0
+        self.collective_start = 0.0
+        self.collective_depth = 0
+        self.collective_time_step = 0.0
+        self.collective_time_s: float | None = None
+        self.waiting_for_data = False
+        self.loss = LossReader()
+        self.on_step: Callable[[], object] | None = None  # e.g. note the CUDA device, now and then
+
+    # training thread -------------------------------------------------------
+    def set_phase(self, name: str) -> None:
+        if name != self.phase:
+            self.phase = name
+            self.phase_changed = time.perf_counter()
+
+    def auto_phase(self, name: str) -> None:
+        """A phase set by hooks (forward, backward, ...); a user's ``phase()`` block wins."""
+        if not self.pinned and name != self.phase:
+            self.phase = name
+            self.phase_changed = time.perf_counter()
+
+    def end_step(self, loss: Any = None, mode: str = "explicit") -> None:
+        """Count one step. The first mode seen wins, so hooks don't double count."""
+        if self.step_mode is None:
+            self.step_mode = mode
+        elif mode != self.step_mode:
+            if mode != "explicit":
+                return
+            self.step_mode = mode  # an explicit call overrides counting by hooks
+        now = time.perf_counter()
+        if self.last_step_end is not None:
+            elapsed = now - self.last_step_end
+            self.step_time_s = elapsed
+            avg = self.avg_step_time_s
+            self.avg_step_time_s = elapsed if avg is None else avg + EMA_WEIGHT * (elapsed - avg)
+        self.step = 1 if self.step is None else self.step + 1
+        if self.on_step is not None and self.step % 64 == 1:
+            self.on_step()
+        self.last_step_end = now
+        self.last_progress = now
+        self.collective_time_s = self.collective_time_step
+        self.collective_time_step = 0.0
+        self.waiting_for_data = True
+        if loss is not None:
+            self.loss.submit(loss)
+
+    def forward_started(self) -> None:
+        """Measure the time between the end of a step and the next forward: data loading."""
+        if self.waiting_for_data and self.last_step_end is not None:
+            self.data_wait_s = time.perf_counter() - self.last_step_end
+            self.waiting_for_data = False
+        self.auto_phase("forward")
+
+    def enter_collective(self, op: str) -> None:
+        self.collective_depth += 1
+        if self.collective_depth == 1:
+            self.collective_seq += 1
+            self.collective_op = op
+            self.collective_start = time.perf_counter()
+
+    def exit_collective(self) -> None:
+        self.collective_depth -= 1
+        if self.collective_depth == 0:
+            self.collective_time_step += time.perf_counter() - self.collective_start
+            self.collective_op = None
+
+    # publisher thread ------------------------------------------------------
+    def in_flight(self) -> Collective | None:
+        """The Python-level collective the training thread is inside, if any."""
+        op = self.collective_op
+        if op is None:
+            return None
+        return Collective(
+            op=op, seq=self.collective_seq, since_s=time.perf_counter() - self.collective_start
+        )
+
+    def idle_for(self) -> float:
+        """Seconds since the rank last moved: a step ended or its phase changed."""
+        return time.perf_counter() - max(self.last_progress, self.phase_changed)
+
+
+class LossReader:
+    """Hands a loss from the training thread to the publisher without a GPU sync.
+
+    The training thread only stores a reference. The publisher copies a CUDA
+    loss to the host asynchronously and reads it once the copy's event has
+    completed, so neither thread ever waits for the GPU.
+    """
+
+    def __init__(self) -> None:
+        self._pending: Any = None
+        self._copy: Any = None
+        self._event: Any = None
+        self.value: float | None = None
+
+    def submit(self, loss: Any) -> None:
+        self._pending = loss
+
+    def poll(self) -> float | None:
+        """Latest loss value that can be read without waiting (publisher thread)."""
+        if self._event is not None and self._event.query():
+            self.value = _as_float(self._copy)
+            self._event = self._copy = None
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return self.value
+        if isinstance(pending, (int, float)):
+            self.value = float(pending)
+        elif getattr(pending, "is_cuda", False):
+            if self._event is None:
+                self._start_copy(pending)
+        elif hasattr(pending, "detach"):
+            self.value = _as_float(pending)
+        return self.value
+
+    def _start_copy(self, tensor: Any) -> None:
+        import torch
+
+        with torch.cuda.device(tensor.device):
+            self._copy = tensor.detach().to("cpu", non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+
+def _as_float(tensor: Any) -> float | None:
+    try:
+        if tensor.numel() != 1:
+            return None
+        return float(tensor.detach().float().item())
+    except (RuntimeError, ValueError, TypeError):
+        return None

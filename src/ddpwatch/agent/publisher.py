@@ -1,0 +1,149 @@
+"""The agent's one background thread: it owns the ZeroMQ socket and never blocks training.
+
+Other threads hand it messages through a bounded deque (the oldest is dropped
+when full). Sends are non-blocking; with ``IMMEDIATE`` set nothing queues
+while no server is connected, so a rank with no server loses only heartbeats
+that the next one repeats, and exits without waiting on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import zmq
+
+from ddpwatch.protocol import AnyMessage, encode
+
+log = logging.getLogger("ddpwatch")
+
+QUEUE_LEN = 1000
+SEND_HWM = 1000
+LINGER_MS = 1000
+RECONNECT_MAX_MS = 5000
+
+
+class Publisher:
+    """Sends queued messages and a heartbeat every ``interval`` seconds."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        interval: float,
+        heartbeat: Callable[[], list[AnyMessage]],
+    ) -> None:
+        self.endpoint = endpoint
+        self.interval = interval
+        self.sent = 0
+        self.dropped = 0
+        self._heartbeat = heartbeat
+        self._queue: deque[AnyMessage] = deque(maxlen=QUEUE_LEN)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._drained = threading.Condition()
+        self._pending = 0
+        self._faulted = False
+        self._thread = threading.Thread(target=self._run, name="ddpwatch-publisher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def publish(self, message: AnyMessage) -> None:
+        """Queue a message from any thread; never blocks."""
+        with self._drained:
+            if len(self._queue) == QUEUE_LEN:
+                self.dropped += 1  # the deque evicts the oldest message
+            else:
+                self._pending += 1
+            self._queue.append(message)
+        self._wake.set()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for queued messages to be handed to the socket."""
+        if not self.alive:
+            return False
+        self._wake.set()
+        with self._drained:
+            return self._drained.wait_for(lambda: self._pending <= 0, timeout)
+
+    def stop(self, timeout: float = 1.5) -> None:
+        """Send what is queued, close the socket (bounded linger) and end the thread."""
+        self._stop.set()
+        self._wake.set()
+        if self.alive and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        context = zmq.Context()
+        socket = context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.SNDHWM, SEND_HWM)
+        socket.setsockopt(zmq.IMMEDIATE, 1)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
+        try:
+            socket.connect(self.endpoint)
+            self._loop(socket)
+        except Exception as exc:
+            self._fault(exc)
+        finally:
+            socket.setsockopt(zmq.LINGER, LINGER_MS)
+            socket.close()
+            context.term()
+            with self._drained:
+                self._pending = 0
+                self._drained.notify_all()
+
+    def _loop(self, socket: zmq.Socket) -> None:
+        next_beat = time.monotonic()
+        while True:
+            stopping = self._stop.is_set()
+            self._drain(socket)
+            now = time.monotonic()
+            if now >= next_beat and not stopping:
+                for message in self._safe_heartbeat():
+                    self._send(socket, message)
+                next_beat = max(next_beat + self.interval, now)
+            if stopping:
+                return
+            self._wake.wait(max(0.0, next_beat - time.monotonic()))
+            self._wake.clear()
+
+    def _drain(self, socket: zmq.Socket) -> None:
+        while self._queue:
+            try:
+                message = self._queue.popleft()
+            except IndexError:
+                break
+            self._send(socket, message)
+            with self._drained:
+                self._pending -= 1
+                self._drained.notify_all()
+
+    def _safe_heartbeat(self) -> list[AnyMessage]:
+        try:
+            return self._heartbeat()
+        except Exception as exc:
+            self._fault(exc)
+            return []
+
+    def _send(self, socket: zmq.Socket, message: AnyMessage) -> None:
+        try:
+            socket.send(encode(message), zmq.NOBLOCK, copy=True)
+            self.sent += 1
+        except zmq.Again:
+            self.dropped += 1  # no server connected, or it is not reading: the next beat repeats
+        except Exception as exc:
+            self.dropped += 1
+            self._fault(exc)
+
+    def _fault(self, exc: BaseException) -> None:
+        if not self._faulted:
+            self._faulted = True
+            log.warning("ddpwatch: agent fault, continuing degraded: %r", exc)

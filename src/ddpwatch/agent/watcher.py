@@ -1,0 +1,285 @@
+"""The Watcher: one per process, tying progress, hooks and the publisher together."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+from ddpwatch.agent.collectives import CollectiveWrappers, FlightRecorder, ensure_flight_recorder
+from ddpwatch.agent.hooks import ModelHooks, ProcessHooks
+from ddpwatch.agent.identity import RankIdentity, identity_from_env, refresh_from_torch
+from ddpwatch.agent.probes import device_info, memory_info, note_current_device
+from ddpwatch.agent.progress import Progress
+from ddpwatch.agent.publisher import Publisher
+from ddpwatch.protocol import (
+    DEFAULT_PORT,
+    PROTOCOL_VERSION,
+    AnyMessage,
+    ErrorInfo,
+    Event,
+    Hello,
+    Sample,
+)
+
+log = logging.getLogger("ddpwatch")
+
+RANK_WAIT_S = 10.0
+STACK_AFTER_S = 5.0  # half the server's default stall threshold
+CRASH_FLUSH_S = 1.0
+
+
+def resolve_endpoint(addr: str | None = None, environ: dict[str, str] | None = None) -> str:
+    """``addr``, else ``DDPWATCH_ADDR``, else ``$MASTER_ADDR`` (or 127.0.0.1) on port 5599."""
+    env = os.environ if environ is None else environ
+    addr = addr or env.get("DDPWATCH_ADDR") or env.get("MASTER_ADDR") or "127.0.0.1"
+    if addr.startswith("tcp://"):
+        return addr
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or host.endswith(":") or "]" in port:
+        host, port = addr, str(DEFAULT_PORT)
+    return f"tcp://{host}:{port}"
+
+
+class Watcher:
+    """Watches one training process. Create it with ``ddpwatch.attach``."""
+
+    def __init__(self, addr: str | None = None, interval: float = 0.5) -> None:
+        self.endpoint = resolve_endpoint(addr)
+        self.interval = interval
+        self.progress = Progress()
+        self.progress.on_step = note_current_device  # CUDA's current device is per thread
+        self.identity: RankIdentity = identity_from_env()
+        self.stack_after = float(os.environ.get("DDPWATCH_STACK_AFTER", STACK_AFTER_S))
+        self._dist: Any = None
+        self._dist_ready = False
+        self._model_hooks = ModelHooks(self.progress)
+        self._wrappers = CollectiveWrappers(self.progress)
+        self._flight_recorder: FlightRecorder | None = None
+        self._process_hooks = ProcessHooks(self._report_crash, self._report_exit)
+        self._original_init: Any = None
+        self._main_thread = threading.main_thread().ident
+        self._last_stack: str | None = None
+        self._stack_step: int | None = None
+        self._exited = False
+        self._pid = os.getpid()
+        self._started = time.monotonic()
+        self.publisher = Publisher(self.endpoint, interval, self._heartbeat)
+        self.active = False
+
+    # lifecycle -------------------------------------------------------------
+    def start(self) -> None:
+        self._hook_torch()
+        self._process_hooks.install()
+        self.publisher.start()
+        if self.identity.rank is not None:
+            self.publisher.publish(
+                Hello(v=PROTOCOL_VERSION, rank=self.rank, t=time.time(), **self._identity_fields())
+            )
+        self.active = True
+
+    def detach(self) -> None:
+        """Remove every hook, restore wrapped functions and stop the publisher thread."""
+        if not self.active:
+            return
+        self.active = False
+        self._model_hooks.remove()
+        self._process_hooks.remove()
+        if self._dist is not None:
+            self._wrappers.restore(self._dist)
+            if self._original_init is not None and getattr(
+                self._dist.init_process_group, "__ddpwatch__", False
+            ):
+                self._dist.init_process_group = self._original_init
+        if os.getpid() == self._pid:
+            self.publisher.stop()
+
+    def add_model(self, model: Any) -> None:
+        self._model_hooks.add_model(model)
+
+    @property
+    def rank(self) -> int:
+        return self.identity.rank if self.identity.rank is not None else 0
+
+    # training-thread API ---------------------------------------------------
+    def step(self, loss: Any = None) -> None:
+        """Mark the end of a training step; ``loss`` may be a tensor (read later, no sync)."""
+        with contextlib.suppress(Exception):
+            self.progress.end_step(loss, mode="explicit")
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Label what the rank is doing, e.g. ``with watcher.phase("eval"):``."""
+        previous = self.progress.phase
+        self._enter_phase(name)
+        self.progress.pinned += 1
+        try:
+            yield
+        finally:
+            self.progress.pinned -= 1
+            self._enter_phase(previous)
+
+    def _enter_phase(self, name: str) -> None:
+        try:
+            self.progress.set_phase(name)
+            if self.active:
+                self.publisher.publish(self._event("phase", phase=name, step=self.progress.step))
+        except Exception:
+            pass
+
+    # torch -------------------------------------------------------------------
+    def _hook_torch(self) -> None:
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError:
+            return
+        if not dist.is_available():
+            self._model_hooks.add_optimizer_hook()
+            return
+        self._dist = dist
+        self._model_hooks.add_optimizer_hook()
+        self._wrappers.install(dist)
+        if dist.is_initialized():
+            self._on_group_ready()
+            note_current_device()
+        else:
+            ensure_flight_recorder(torch.__version__)
+            self._wrap_init(dist)
+
+    def _wrap_init(self, dist: Any) -> None:
+        original = dist.init_process_group
+        watcher = self
+
+        @functools.wraps(original)
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            watcher._learn_rank(original, args, kwargs)
+            watcher._enter_phase("rendezvous")
+            result = original(*args, **kwargs)
+            watcher._on_group_ready()
+            note_current_device()  # on the training thread: its set_device has happened
+            return result
+
+        init_process_group.__ddpwatch__ = True  # type: ignore[attr-defined]
+        self._original_init = original
+        dist.init_process_group = init_process_group
+
+    def _learn_rank(self, init: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Ranks started by ``mp.spawn`` learn their rank from init_process_group's arguments."""
+        try:
+            bound = inspect.signature(init).bind_partial(*args, **kwargs).arguments
+        except (TypeError, ValueError):
+            return
+        rank, world_size = bound.get("rank", -1), bound.get("world_size", -1)
+        if self.identity.rank is None and isinstance(rank, int) and rank >= 0:
+            self.identity.rank = rank
+        if self.identity.world_size is None and isinstance(world_size, int) and world_size > 0:
+            self.identity.world_size = world_size
+
+    def _on_group_ready(self) -> None:
+        try:
+            self.identity = refresh_from_torch(self.identity)
+            self._dist_ready = True
+            self._flight_recorder = FlightRecorder()
+            if self.progress.step is None:
+                self._enter_phase("first_step")
+        except Exception as exc:
+            log.debug("ddpwatch: could not read the process group: %s", exc)
+
+    # publisher thread --------------------------------------------------------
+    def _identity_fields(self) -> dict[str, Any]:
+        fields = self.identity.as_fields()
+        fields["pid"] = os.getpid()
+        return fields
+
+    def _heartbeat(self) -> list[AnyMessage]:
+        """Build this beat's sample, plus a stack event when the rank has not moved."""
+        if not self._dist_ready and self._dist is not None and self._dist.is_initialized():
+            self._on_group_ready()
+        if self.identity.rank is None and time.monotonic() - self._started < RANK_WAIT_S:
+            return []  # which rank this is comes with init_process_group; a lone process is rank 0
+        progress = self.progress
+        if progress.step is not None and progress.phase in ("started", "first_step"):
+            progress.set_phase("train")
+        device = device_info()
+        collective = self._flight_recorder.in_flight() if self._flight_recorder else None
+        if collective is None:
+            collective = progress.in_flight()
+        sample = Sample(
+            v=PROTOCOL_VERSION,
+            rank=self.rank,
+            t=time.time(),
+            **self._identity_fields(),
+            **dataclasses.asdict(device),
+            **dataclasses.asdict(memory_info(device)),
+            phase=progress.phase,
+            step=progress.step,
+            loss=progress.loss.poll(),
+            step_time_s=progress.step_time_s,
+            avg_step_time_s=progress.avg_step_time_s,
+            data_wait_s=progress.data_wait_s,
+            collective_time_s=progress.collective_time_s,
+            collective=collective,
+        )
+        messages: list[AnyMessage] = [sample]
+        stack = self._stack_if_stuck()
+        if stack is not None:
+            messages.append(
+                self._event("stack", stack=stack, phase=progress.phase, step=progress.step)
+            )
+        return messages
+
+    def _stack_if_stuck(self) -> str | None:
+        """The main thread's stack once idle for ``stack_after``; sent only when it changed."""
+        step = self.progress.step
+        if step != self._stack_step:
+            self._stack_step, self._last_stack = step, None  # it moved: send again if it sticks
+        if self.progress.idle_for() < self.stack_after:
+            return None
+        stack = main_thread_stack(self._main_thread)
+        if stack is None or stack == self._last_stack:
+            return None
+        self._last_stack = stack
+        return stack
+
+    def _event(self, kind: str, **fields: Any) -> Event:
+        return Event(v=PROTOCOL_VERSION, rank=self.rank, t=time.time(), event=kind, **fields)
+
+    # process hooks -----------------------------------------------------------
+    def _report_crash(self, error: ErrorInfo, thread_name: str | None) -> None:
+        if not self.active or os.getpid() != self._pid:
+            return
+        if thread_name is None:
+            self.publisher.publish(
+                self._event(
+                    "crash", error=error, phase=self.progress.phase, step=self.progress.step
+                )
+            )
+        else:
+            text = f"exception in thread {thread_name}: {error.type}: {error.message}"
+            self.publisher.publish(self._event("log", error=error, text=text))
+        self.publisher.flush(CRASH_FLUSH_S)
+
+    def _report_exit(self, signal_name: str | None) -> None:
+        if self._exited or not self.active or os.getpid() != self._pid:
+            return
+        self._exited = True
+        self.publisher.publish(self._event("exit", signal=signal_name, step=self.progress.step))
+        self.publisher.stop(CRASH_FLUSH_S + 0.5)
+
+
+def main_thread_stack(thread_id: int | None) -> str | None:
+    """Format another thread's current Python stack; works while it waits inside C++."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    if frame is None:
+        return None
+    return "".join(traceback.format_stack(frame))

@@ -1,0 +1,221 @@
+"""Command line: ``ddpwatch serve``, ``ddpwatch status``, ..."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ddpwatch import __version__
+from ddpwatch.protocol import DEFAULT_PORT
+
+log = logging.getLogger("ddpwatch")
+
+
+def _add_address(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address of the server (default 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"rank port (default {DEFAULT_PORT}); queries use port+1",
+    )
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddpwatch", description="Live monitor for distributed PyTorch training."
+    )
+    parser.add_argument("--version", action="version", version=f"ddpwatch {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="collect every rank and flag problems")
+    _add_address(serve)
+    serve.add_argument(
+        "--headless",
+        action="store_true",
+        help="no dashboard: one JSON line per alert raised or cleared",
+    )
+    serve.add_argument(
+        "--interval",
+        type=_positive,
+        default=0.5,
+        help="the ranks' heartbeat interval (default 0.5 s)",
+    )
+    serve.add_argument(
+        "--stall-after",
+        type=_positive,
+        default=10.0,
+        help="seconds without progress (default 10, or 5x the median step time)",
+    )
+    serve.add_argument(
+        "--silent-after",
+        type=_positive,
+        default=None,
+        help="seconds without a heartbeat (default 3 x interval + 1)",
+    )
+    serve.add_argument(
+        "--startup-after",
+        type=_positive,
+        default=60.0,
+        help="seconds in one startup phase (default 60)",
+    )
+
+    status = commands.add_parser("status", help="print one snapshot from a running server")
+    _add_address(status)
+    status.add_argument("--json", action="store_true", help="the status JSON document")
+    status.add_argument(
+        "--timeout", type=_positive, default=2.0, help="seconds to wait for an answer (default 2)"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="ddpwatch: %(message)s", stream=sys.stderr)
+    if args.command == "serve":
+        return serve(args)
+    if args.command == "status":
+        return status(args)
+    return 2
+
+
+def serve(args: argparse.Namespace) -> int:
+    from ddpwatch.server.alerts import Thresholds
+    from ddpwatch.server.collector import BindError
+    from ddpwatch.server.service import AlertChange, Server
+
+    thresholds = Thresholds(
+        interval=args.interval,
+        stall_after=args.stall_after,
+        silent_after=args.silent_after,
+        startup_after=args.startup_after,
+    )
+
+    def print_change(change: AlertChange) -> None:
+        sys.stdout.write(json.dumps(change.to_dict()) + "\n")
+        sys.stdout.flush()
+
+    try:
+        server = Server(args.host, args.port, thresholds, on_change=print_change)
+    except BindError as exc:
+        print(f"ddpwatch: {exc}", file=sys.stderr)
+        return 1
+    if not args.headless:
+        from ddpwatch.tui.app import run_dashboard
+
+        return run_dashboard(server)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: server.stop())
+    log.info(
+        "listening for ranks on tcp://%s:%d, status on port %d", args.host, args.port, args.port + 1
+    )
+    server.run()
+    log.info("stopped")
+    return 0
+
+
+def fetch_status(host: str, port: int, timeout: float) -> dict[str, Any] | None:
+    """Ask a running server for its status document; None if none answered in time."""
+    import zmq
+
+    context = zmq.Context()
+    sock = context.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{host}:{port + 1}")
+        sock.send(b"status")
+        if not sock.poll(int(timeout * 1000)):
+            return None
+        return json.loads(sock.recv())
+    except (zmq.ZMQError, ValueError):
+        return None
+    finally:
+        sock.close()
+        context.term()
+
+
+def status(args: argparse.Namespace) -> int:
+    document = fetch_status(args.host, args.port, args.timeout)
+    if document is None:
+        print(
+            f"ddpwatch: no server answered on {args.host}:{args.port + 1} "
+            f"within {args.timeout:g} s",
+            file=sys.stderr,
+        )
+        return 1
+    if args.json:
+        print(json.dumps(document, indent=2))
+    else:
+        print(format_status(document))
+    return 0
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    if value is None:
+        return "-"
+    return format(value, spec) if spec else str(value)
+
+
+def _collective(rank: dict[str, Any]) -> str:
+    coll = rank["collective"]
+    return f"{coll['op']} #{_fmt(coll['seq'])} {coll['since_s']:.1f}s" if coll else "-"
+
+
+# (title, width, right-aligned, cell)
+COLUMNS: tuple[tuple[str, int, bool, Callable[[dict[str, Any]], str]], ...] = (
+    ("rank", 5, True, lambda r: _fmt(r["rank"])),
+    ("host", 16, False, lambda r: _fmt(r["host"])),
+    ("pid", 7, True, lambda r: _fmt(r["pid"])),
+    ("device", 8, False, lambda r: _fmt(r["device"])),
+    ("state", 13, False, lambda r: r["state"]),
+    ("phase", 11, False, lambda r: _fmt(r["phase"])),
+    ("step", 7, True, lambda r: _fmt(r["step"])),
+    ("loss", 9, True, lambda r: _fmt(r["loss"], ".4g")),
+    ("step s", 7, True, lambda r: _fmt(r["step_time_s"], ".3f")),
+    ("collective", 22, False, _collective),
+    ("seen", 5, True, lambda r: _fmt(r["last_seen_s"], ".1f")),
+)
+
+
+def _row(cells: list[str]) -> str:
+    parts = []
+    for (_, width, right, _cell), text in zip(COLUMNS, cells, strict=True):
+        text = text[:width]
+        parts.append(text.rjust(width) if right else text.ljust(width))
+    return " ".join(parts).rstrip()
+
+
+def format_status(document: dict[str, Any]) -> str:
+    """A plain-text table of the status document, for people."""
+    lines = [_row([title for title, *_ in COLUMNS])]
+    lines += [_row([cell(rank) for *_, cell in COLUMNS]) for rank in document["ranks"]]
+    connected = sum(1 for r in document["ranks"] if r["state"] != "not_connected")
+    stats = document["stats"]
+    lines.append(
+        f"\n{connected}/{_fmt(document['world_size'])} ranks, "
+        f"{stats['received']} messages, {stats['rejected']} rejected"
+    )
+    for alert in document["alerts"]:
+        lines.append(f"[{alert['severity']}] {alert['kind']}: {alert['message']}")
+        lines.append(f"    fix: {alert['hint']}")
+    if not document["alerts"]:
+        lines.append("no alerts")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Wire protocol shared by the agent and the server (version 1).
+
+One ZeroMQ frame per message: a MessagePack map with at least ``v``, ``type``,
+``rank`` and ``t``. Typed ``msgspec`` structs validate every frame on decode, so
+the server never has to trust what arrives; unknown fields are ignored, which
+lets newer agents talk to older servers. See ``docs/protocol.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+DEFAULT_PORT = 5599
+MAX_FRAME_BYTES = 1 << 20  # larger frames are refused by the socket itself
+
+MAX_RANKS = 1 << 20
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+RankId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANKS)]
+RankCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
+
+
+class Collective(msgspec.Struct, omit_defaults=True):
+    """The collective a rank is blocked in right now."""
+
+    op: str
+    seq: int | None = None
+    since_s: float = 0.0
+
+
+class ErrorInfo(msgspec.Struct, omit_defaults=True):
+    """An exception a rank died with."""
+
+    type: str
+    message: str = ""
+    traceback: str = ""
+
+
+class Message(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True):
+    """Fields every message carries."""
+
+    v: int
+    rank: RankId
+    t: float
+
+
+class Identity(Message):
+    """Who and where a rank is; every heartbeat repeats it so a late server rebuilds the picture."""
+
+    local_rank: NonNegInt | None = None
+    world_size: RankCount | None = None
+    local_world_size: RankCount | None = None
+    node_rank: NonNegInt | None = None
+    host: str | None = None
+    pid: NonNegInt | None = None
+    launcher: str | None = None
+    job_id: str | None = None
+    backend: str | None = None
+    torch_version: str | None = None
+    cuda_visible_devices: str | None = None
+    device: str | None = None
+    device_index: NonNegInt | None = None
+    device_name: str | None = None
+    device_uuid: str | None = None
+    device_pci_bus_id: str | None = None
+    device_count: NonNegInt | None = None
+    simulated: bool = False
+
+
+class Hello(Identity, tag="hello"):
+    """Sent once when an agent starts."""
+
+
+class Sample(Identity, tag="sample"):
+    """The heartbeat: identity plus the rank's latest measurements."""
+
+    phase: str | None = None
+    step: NonNegInt | None = None
+    loss: float | None = None
+    step_time_s: float | None = None
+    avg_step_time_s: float | None = None
+    data_wait_s: float | None = None
+    collective_time_s: float | None = None
+    collective: Collective | None = None
+    mem_allocated_bytes: NonNegInt | None = None
+    mem_reserved_bytes: NonNegInt | None = None
+    mem_peak_bytes: NonNegInt | None = None
+    gpu_mem_used_bytes: NonNegInt | None = None
+    gpu_mem_total_bytes: NonNegInt | None = None
+    gpu_pids: list[NonNegInt] | None = None
+
+
+class Event(Message, tag="event"):
+    """Something that happened once: a phase change, a crash, an exit, a captured stack.
+
+    ``event`` is open-ended (phase, crash, exit, stack, checkpoint, log, ...): the
+    server ignores kinds it does not know, so agents can add new ones.
+    """
+
+    event: str
+    phase: str | None = None
+    step: NonNegInt | None = None
+    error: ErrorInfo | None = None
+    stack: str | None = None
+    signal: str | None = None
+    exit_code: int | None = None
+    path: str | None = None
+    text: str | None = None
+
+
+AnyMessage = Hello | Sample | Event
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid version-1 message."""
+
+
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def encode(message: AnyMessage) -> bytes:
+    """Encode one message as a single MessagePack frame."""
+    return _encoder.encode(message)
+
+
+def decode(frame: bytes) -> AnyMessage:
+    """Decode and validate one frame; raise ``ProtocolError`` for anything else."""
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes is over {MAX_FRAME_BYTES}")
+    try:
+        message = _decoder.decode(frame)
+    except _DECODE_ERRORS as exc:
+        raise ProtocolError(f"{type(exc).__name__}: {exc}") from None
+    if message.v != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {message.v} is not {PROTOCOL_VERSION}")
+    return message

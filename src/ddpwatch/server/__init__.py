@@ -1,0 +1,1 @@
+"""The collector side: no torch needed."""

@@ -1,0 +1,78 @@
+"""The alert type and the thresholds diagnosis runs with."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Literal
+
+Severity = Literal["error", "warning", "info"]
+
+KINDS = (
+    "straggler",
+    "stalled",
+    "silent",
+    "crashed",
+    "exited",
+    "not_connected",
+    "startup_hang",
+    "duplicate_device",
+    "device_ordinal",
+    "local_rank_mismatch",
+    "uneven_memory",
+    "foreign_memory",
+    "step_skew",
+    "collective_mismatch",
+    "nan_loss",
+    "checkpoint_conflict",
+    "slow_rank",
+)
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One problem: ``ranks`` are the culprits, ``waiting`` the ranks blocked because of them."""
+
+    kind: str
+    severity: Severity
+    ranks: tuple[int, ...]
+    waiting: tuple[int, ...]
+    message: str
+    hint: str
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...]]:
+        """Identity across ticks: the same kind about the same culprits is the same alert."""
+        return (self.kind, self.ranks)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "kind": self.kind,
+            "severity": self.severity,
+            "ranks": list(self.ranks),
+            "waiting": list(self.waiting),
+            "message": self.message,
+            "hint": self.hint,
+        }
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Seconds after which each condition is flagged (CLI flags ``--stall-after`` etc.)."""
+
+    interval: float = 0.5
+    stall_after: float = 10.0
+    silent_after: float | None = None
+    startup_after: float = 60.0
+    connect_after: float = 10.0
+
+    @property
+    def silent(self) -> float:
+        """Default: three missed heartbeats plus a second of slack."""
+        return self.silent_after if self.silent_after is not None else 3 * self.interval + 1.0
+
+    def stall(self, step_times: list[float]) -> float:
+        """The stall threshold, raised to 5x the median step time for slow jobs."""
+        if not step_times:
+            return self.stall_after
+        return max(self.stall_after, 5.0 * statistics.median(step_times))

@@ -1,0 +1,95 @@
+"""The running server: collector in, diagnosis every tick, raised/cleared alerts out.
+
+Views (headless printer, TUI) subscribe to ``AlertChange``s and read
+``status()``; they never own state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from ddpwatch.server.alerts import Alert, Thresholds
+from ddpwatch.server.collector import Collector
+from ddpwatch.server.diagnosis import diagnose
+from ddpwatch.server.state import ServerState
+from ddpwatch.server.status import status_document
+
+TICK_S = 0.25
+
+
+@dataclass(frozen=True)
+class AlertChange:
+    event: Literal["raised", "cleared"]
+    alert: Alert
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": self.event, "alert": self.alert.to_dict()}
+
+
+def diff_alerts(before: dict[Any, Alert], after: list[Alert]) -> list[AlertChange]:
+    """Alerts that appeared or went away between two ticks (same kind and culprits = same alert)."""
+    now = {alert.key: alert for alert in after}
+    changes = [AlertChange("cleared", alert) for key, alert in before.items() if key not in now]
+    changes += [AlertChange("raised", alert) for key, alert in now.items() if key not in before]
+    return changes
+
+
+class Server:
+    """Owns the state; ``run`` loops until ``stop`` is called (thread-safe)."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 5599,
+        thresholds: Thresholds | None = None,
+        on_change: Callable[[AlertChange], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.thresholds = thresholds or Thresholds()
+        self.clock = clock
+        self.state = ServerState(started=clock())
+        self.alerts: list[Alert] = []
+        self._active: dict[Any, Alert] = {}
+        self._on_change = on_change
+        self._stop = threading.Event()
+        self.lock = threading.Lock()
+        self.collector = Collector(self.state, self.status_json, host, port, clock)
+
+    def tick(self) -> list[AlertChange]:
+        """Run diagnosis once and report what changed."""
+        with self.lock:
+            alerts = diagnose(self.state, self.clock(), self.thresholds)
+            changes = diff_alerts(self._active, alerts)
+            self.alerts = alerts
+            self._active = {alert.key: alert for alert in alerts}
+        if self._on_change is not None:
+            for change in changes:
+                self._on_change(change)
+        return changes
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            return status_document(self.state, self.alerts, self.clock(), self.thresholds)
+
+    def status_json(self) -> bytes:
+        return msgspec.json.encode(self.status())
+
+    def run(self) -> None:
+        next_tick = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                self.collector.poll(max(0.0, min(TICK_S, next_tick - time.monotonic())), self.lock)
+                if time.monotonic() >= next_tick:
+                    self.tick()
+                    next_tick = time.monotonic() + TICK_S
+        finally:
+            self.collector.close()
+
+    def stop(self) -> None:
+        self._stop.set()

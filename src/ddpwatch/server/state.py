@@ -1,0 +1,201 @@
+"""Plain data the server keeps: one record per rank plus bounded history.
+
+Times here are the server's own clock (``time.time()`` when a message arrived),
+never the sender's, so ranks on hosts with skewed clocks compare fairly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ddpwatch.protocol import AnyMessage, Collective, ErrorInfo, Event, Identity, Sample
+
+HISTORY_LEN = 120
+
+IDENTITY_FIELDS = tuple(
+    name for name in Identity.__struct_fields__ if name not in ("v", "rank", "t")
+)
+SAMPLE_FIELDS = tuple(
+    name
+    for name in Sample.__struct_fields__
+    if name not in Identity.__struct_fields__ and name != "collective"
+)
+
+
+class HistoryPoint(NamedTuple):
+    """One sample of the values the views draw as sparklines."""
+
+    t: float
+    step: int | None
+    step_time_s: float | None
+    loss: float | None
+    mem_allocated_bytes: int | None
+
+
+@dataclass
+class RankRecord:
+    """Everything known about one rank. Unknown values stay ``None``."""
+
+    rank: int
+    first_seen: float
+    last_seen: float
+    # identity
+    local_rank: int | None = None
+    world_size: int | None = None
+    local_world_size: int | None = None
+    node_rank: int | None = None
+    host: str | None = None
+    pid: int | None = None
+    launcher: str | None = None
+    job_id: str | None = None
+    backend: str | None = None
+    torch_version: str | None = None
+    cuda_visible_devices: str | None = None
+    device: str | None = None
+    device_index: int | None = None
+    device_name: str | None = None
+    device_uuid: str | None = None
+    device_pci_bus_id: str | None = None
+    device_count: int | None = None
+    simulated: bool = False
+    # measurements
+    phase: str | None = None
+    phase_since: float | None = None
+    step: int | None = None
+    loss: float | None = None
+    step_time_s: float | None = None
+    avg_step_time_s: float | None = None
+    data_wait_s: float | None = None
+    collective_time_s: float | None = None
+    collective: Collective | None = None
+    collective_seen: float | None = None
+    mem_allocated_bytes: int | None = None
+    mem_reserved_bytes: int | None = None
+    mem_peak_bytes: int | None = None
+    gpu_mem_used_bytes: int | None = None
+    gpu_mem_total_bytes: int | None = None
+    gpu_pids: list[int] | None = None
+    last_progress: float = 0.0
+    # trouble
+    stack: str | None = None
+    error: ErrorInfo | None = None
+    error_time: float | None = None
+    exit_code: int | None = None
+    exit_signal: str | None = None
+    exit_time: float | None = None
+    nan_step: int | None = None
+    checkpoint_paths: list[str] = field(default_factory=list)
+    phases: list[tuple[str, float]] = field(default_factory=list)
+    history: deque[HistoryPoint] = field(default_factory=lambda: deque(maxlen=HISTORY_LEN))
+
+    @property
+    def finished(self) -> bool:
+        """True once the rank crashed or exited: it will send no more heartbeats."""
+        return self.error is not None or self.exit_time is not None
+
+    def collective_age(self, now: float) -> float | None:
+        """How long the in-flight collective has been waited on, as of ``now``."""
+        if self.collective is None or self.collective_seen is None:
+            return None
+        return self.collective.since_s + max(0.0, now - self.collective_seen)
+
+
+@dataclass
+class ServerState:
+    """All ranks, plus counters. Mutated only by ``apply``; read by diagnosis and views."""
+
+    started: float
+    ranks: dict[int, RankRecord] = field(default_factory=dict)
+    received: int = 0
+    rejected: int = 0
+
+    @property
+    def world_size(self) -> int | None:
+        """The largest world size any rank reported (ranks may start before they know it)."""
+        sizes = [r.world_size for r in self.ranks.values() if r.world_size]
+        return max(sizes) if sizes else None
+
+    def apply(self, message: AnyMessage, now: float) -> None:
+        """Fold one validated message into the per-rank records."""
+        self.received += 1
+        record = self.ranks.get(message.rank)
+        if record is None or _is_new_process(record, message):
+            record = RankRecord(rank=message.rank, first_seen=now, last_seen=now, last_progress=now)
+            self.ranks[message.rank] = record
+        record.last_seen = now
+        if isinstance(message, Identity):
+            _apply_identity(record, message)
+        if isinstance(message, Sample):
+            _apply_sample(record, message, now)
+        elif isinstance(message, Event):
+            _apply_event(record, message, now)
+
+
+def _is_new_process(record: RankRecord, message: AnyMessage) -> bool:
+    """A restarted worker reuses its rank with a new pid: start its record afresh."""
+    pid = getattr(message, "pid", None)
+    return pid is not None and record.pid is not None and pid != record.pid
+
+
+def _apply_identity(record: RankRecord, message: Identity) -> None:
+    for name in IDENTITY_FIELDS:
+        value = getattr(message, name)
+        if value is not None:
+            setattr(record, name, value)
+
+
+def _set_phase(record: RankRecord, phase: str | None, now: float) -> None:
+    if phase and phase != record.phase:
+        record.phase = phase
+        record.phase_since = now
+        record.phases.append((phase, now))
+        del record.phases[:-32]
+
+
+def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:
+    if sample.step is not None and sample.step != record.step:
+        record.last_progress = now
+        if not record.finished:
+            record.stack = None  # it moved on: the captured stack is stale
+    _set_phase(record, sample.phase, now)
+    for name in SAMPLE_FIELDS:
+        if name == "phase":
+            continue
+        setattr(record, name, getattr(sample, name))
+    record.collective = sample.collective
+    record.collective_seen = now if sample.collective is not None else None
+    if sample.loss is not None:
+        if math.isfinite(sample.loss):
+            record.nan_step = None
+        elif record.nan_step is None:
+            record.nan_step = sample.step
+    if sample.step is not None and (not record.history or record.history[-1].step != sample.step):
+        record.history.append(
+            HistoryPoint(
+                now, sample.step, sample.step_time_s, sample.loss, sample.mem_allocated_bytes
+            )
+        )
+
+
+def _apply_event(record: RankRecord, event: Event, now: float) -> None:
+    kind = event.event
+    if event.phase:
+        _set_phase(record, event.phase, now)
+    if kind == "stack":
+        record.stack = event.stack
+    elif kind == "crash" and event.error is not None:
+        if record.error is None:
+            record.error = event.error
+            record.error_time = now
+        if event.stack:
+            record.stack = event.stack
+    elif kind == "exit":
+        record.exit_time = now
+        record.exit_code = event.exit_code
+        record.exit_signal = event.signal
+    elif kind == "checkpoint" and event.path:
+        record.checkpoint_paths.append(event.path)
+        del record.checkpoint_paths[:-16]

@@ -1,0 +1,104 @@
+"""The status JSON document (a contract: see docs/status.md), built from state and alerts."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ddpwatch.server.alerts import Alert, Thresholds
+from ddpwatch.server.diagnosis import effective_stall_after, rank_state
+from ddpwatch.server.state import RankRecord, ServerState
+
+SCHEMA = 1
+
+
+def rank_entry(
+    record: RankRecord, now: float, th: Thresholds, stall_after: float
+) -> dict[str, Any]:
+    """One rank as the status JSON shows it; unknown values are None, never omitted."""
+    age = record.collective_age(now)
+    collective = (
+        {"op": record.collective.op, "seq": record.collective.seq, "since_s": round(age or 0.0, 3)}
+        if record.collective is not None
+        else None
+    )
+    error = (
+        {
+            "type": record.error.type,
+            "message": record.error.message,
+            "traceback": record.error.traceback,
+        }
+        if record.error is not None
+        else None
+    )
+    loss = record.loss if record.loss is None or math.isfinite(record.loss) else None
+    return {
+        "rank": record.rank,
+        "local_rank": record.local_rank,
+        "world_size": record.world_size,
+        "host": record.host,
+        "pid": record.pid,
+        "device": record.device,
+        "device_uuid": record.device_uuid,
+        "state": rank_state(record, now, th, stall_after),
+        "phase": record.phase,
+        "step": record.step,
+        "loss": loss,
+        "step_time_s": record.step_time_s,
+        "mem_allocated_bytes": record.mem_allocated_bytes,
+        "mem_reserved_bytes": record.mem_reserved_bytes,
+        "gpu_mem_used_bytes": record.gpu_mem_used_bytes,
+        "gpu_mem_total_bytes": record.gpu_mem_total_bytes,
+        "collective": collective,
+        "last_seen_s": round(max(0.0, now - record.last_seen), 3),
+        "stack": record.stack,
+        "error": error,
+        # additions beyond the contract's minimum
+        "local_world_size": record.local_world_size,
+        "node_rank": record.node_rank,
+        "launcher": record.launcher,
+        "device_name": record.device_name,
+        "device_index": record.device_index,
+        "avg_step_time_s": record.avg_step_time_s,
+        "data_wait_s": record.data_wait_s,
+        "collective_time_s": record.collective_time_s,
+        "mem_peak_bytes": record.mem_peak_bytes,
+        "gpu_pids": record.gpu_pids,
+        "exit_code": record.exit_code,
+        "exit_signal": record.exit_signal,
+        "simulated": record.simulated,
+    }
+
+
+def missing_entry(rank: int, world_size: int) -> dict[str, Any]:
+    """A rank below the known world size that has never reported."""
+    entry: dict[str, Any] = dict.fromkeys(_FIELDS)
+    entry.update(rank=rank, world_size=world_size, state="not_connected", simulated=False)
+    return entry
+
+
+def status_document(
+    state: ServerState, alerts: list[Alert], now: float, th: Thresholds
+) -> dict[str, Any]:
+    """The whole ``ddpwatch status --json`` document."""
+    stall_after = effective_stall_after(state, th)
+    world_size = state.world_size
+    ranks = [rank_entry(state.ranks[r], now, th, stall_after) for r in sorted(state.ranks)]
+    if world_size:
+        missing = [r for r in range(world_size) if r not in state.ranks]
+        ranks = sorted(
+            ranks + [missing_entry(r, world_size) for r in missing], key=lambda e: e["rank"]
+        )
+    return {
+        "schema": SCHEMA,
+        "server_time": now,
+        "world_size": world_size,
+        "ranks": ranks,
+        "alerts": [alert.to_dict() for alert in alerts],
+        "stats": {"received": state.received, "rejected": state.rejected},
+    }
+
+
+_FIELDS = tuple(
+    rank_entry(RankRecord(rank=0, first_seen=0.0, last_seen=0.0), 0.0, Thresholds(), 10.0)
+)

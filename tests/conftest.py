@@ -1,0 +1,159 @@
+"""Shared fixtures: free ports, a live server on a thread, real torchrun jobs."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddpwatch.server.alerts import Thresholds
+from ddpwatch.server.service import AlertChange, Server
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_pair() -> int:
+    """A port P such that P and P+1 are both free on 127.0.0.1."""
+    for _ in range(200):
+        port = random.randint(20000, 60000)
+        if _port_free(port) and _port_free(port + 1):
+            return port
+    raise RuntimeError("no free port pair")
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port_pair()
+
+
+class LiveServer:
+    """A real ``Server`` on a background thread, recording every alert change."""
+
+    def __init__(self, port: int, thresholds: Thresholds) -> None:
+        self.port = port
+        self.changes: list[AlertChange] = []
+        self.server = Server("127.0.0.1", port, thresholds, on_change=self.changes.append)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+
+    def wait_for(self, predicate: Callable[[dict[str, Any]], Any], timeout: float) -> Any:
+        """Poll the status document until ``predicate`` returns something truthy."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = predicate(self.server.status())
+            if found:
+                return found
+            time.sleep(0.1)
+        raise AssertionError(f"timed out after {timeout} s; last status:\n{self.server.status()}")
+
+    def raised(self, kind: str) -> list[dict[str, Any]]:
+        return [
+            c.alert.to_dict() for c in self.changes if c.event == "raised" and c.alert.kind == kind
+        ]
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def live_server(port: int) -> Iterator[LiveServer]:
+    server = LiveServer(port, Thresholds(stall_after=4.0))
+    yield server
+    server.stop()
+
+
+def alert_of(kind: str) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
+    def find(status: dict[str, Any]) -> dict[str, Any] | None:
+        return next((a for a in status["alerts"] if a["kind"] == kind), None)
+
+    return find
+
+
+class Job:
+    """A real torchrun job on CPU (gloo) running one of the examples."""
+
+    def __init__(
+        self,
+        script: str,
+        nproc: int,
+        args: list[str],
+        ddpwatch_port: int,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        master_port = free_port_pair()
+        full_env = {
+            **os.environ,
+            "DDPWATCH_ADDR": f"127.0.0.1:{ddpwatch_port}",
+            "DDPWATCH_STACK_AFTER": "1.0",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={master_port}",
+            str(EXAMPLES / script),
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
+    def wait(self, timeout: float) -> tuple[int, str]:
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            out, _ = self.proc.communicate()
+            raise AssertionError(f"job did not finish in {timeout} s:\n{out}") from None
+        return self.proc.returncode, out
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+
+
+@pytest.fixture
+def jobs() -> Iterator[Callable[..., Job]]:
+    started: list[Job] = []
+
+    def start(
+        script: str, nproc: int, args: list[str], port: int, env: dict[str, str] | None = None
+    ) -> Job:
+        job = Job(script, nproc, args, port, env)
+        started.append(job)
+        return job
+
+    yield start
+    for job in started:
+        job.kill()
+        job.proc.communicate()

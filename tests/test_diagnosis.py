@@ -1,0 +1,869 @@
+"""Diagnosis rules: each one firing and staying quiet, the cascade, messages, and scale.
+
+Records are built directly (``job`` below makes a healthy lockstep job to perturb);
+a few scenarios go through ``ServerState.apply`` with real protocol messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pytest
+
+from ddpwatch.protocol import Collective, ErrorInfo, Event, Hello, Sample
+from ddpwatch.server.alerts import KINDS, Alert, Thresholds
+from ddpwatch.server.diagnosis import (
+    RULES,
+    diagnose,
+    effective_stall_after,
+    format_ranks,
+    location,
+    rank_state,
+    rule_cascade,
+    rule_checkpoint_conflict,
+    rule_clean_exit,
+    rule_collective_mismatch,
+    rule_device_ordinal,
+    rule_duplicate_device,
+    rule_foreign_memory,
+    rule_local_rank_mismatch,
+    rule_nan_loss,
+    rule_not_connected,
+    rule_slow_rank,
+    rule_stalled,
+    rule_startup_hang,
+    rule_step_skew,
+    rule_straggler,
+    rule_uneven_memory,
+)
+from ddpwatch.server.state import RankRecord, ServerState
+
+NOW = 10_000.0
+TH = Thresholds()  # interval 0.5 s, silent 2.5 s, stall 10 s, startup 60 s, connect 10 s
+GIB = 1 << 30
+
+STACK = """\
+  File "/usr/lib/python3.11/threading.py", line 1002, in _bootstrap
+    self._bootstrap_inner()
+  File "/home/ann/project/train.py", line 120, in main
+    loss = model(x)
+  File "/home/ann/project/train.py", line 88, in forward
+    y = self.net(x)
+  File "/home/ann/.venv/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1751, in _call_impl
+    return forward_call(*args, **kwargs)
+  File "/home/ann/src/ddpwatch/agent/hooks.py", line 40, in hook
+    frame = sys._getframe()
+"""
+
+PEER = ErrorInfo(
+    type="RuntimeError",
+    message="[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+    "peer [127.0.0.1]:21198. This is typically caused by a remote worker crashing.",
+)
+BOOM = ErrorInfo(
+    type="ValueError",
+    message="boom",
+    traceback='Traceback (most recent call last):\n  File "/w/train.py", line 77, in step\n'
+    '    raise ValueError("boom")\nValueError: boom\n',
+)
+OOM = ErrorInfo(
+    type="torch.OutOfMemoryError", message="CUDA out of memory. Tried to allocate 2 GiB"
+)
+ORDINAL = ErrorInfo(type="RuntimeError", message="CUDA error: invalid device ordinal")
+WATCHDOG = ErrorInfo(
+    type="RuntimeError",
+    message="[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, "
+    "OpType=ALLREDUCE, Timeout(ms)=600000) ran for 600013 milliseconds before timing out.",
+)
+
+
+def rank(r: int, world: int = 4, **changes: Any) -> RankRecord:
+    """A healthy training rank in a lockstep job of ``world`` ranks on one host."""
+    record = RankRecord(
+        rank=r,
+        first_seen=NOW - 600,
+        last_seen=NOW - 0.2,
+        local_rank=r,
+        world_size=world,
+        local_world_size=world,
+        node_rank=0,
+        host="node0",
+        pid=1000 + r,
+        device="cpu",
+        phase="forward",
+        phase_since=NOW - 0.05,
+        step=500,
+        loss=1.25,
+        step_time_s=0.1,
+        avg_step_time_s=0.1,
+        collective_time_s=0.02,
+        last_progress=NOW - 0.05,
+    )
+    return dataclasses.replace(record, **changes)
+
+
+def state_of(*records: RankRecord) -> ServerState:
+    state = ServerState(started=NOW - 700)
+    for record in records:
+        state.ranks[record.rank] = record
+    return state
+
+
+def job(world: int = 4, **changes: Any) -> ServerState:
+    return state_of(*(rank(r, world, **changes) for r in range(world)))
+
+
+def waiting_in(op: str, seq: int | None, age: float, **changes: Any) -> dict[str, Any]:
+    """Fields of a rank blocked in ``op #seq`` for ``age`` seconds as of NOW."""
+    return {
+        "collective": Collective(op=op, seq=seq, since_s=age - 0.4),
+        "collective_seen": NOW - 0.4,
+        **changes,
+    }
+
+
+def kinds(alerts: list[Alert]) -> list[str]:
+    return [a.kind for a in alerts]
+
+
+def only(alerts: list[Alert], kind: str) -> Alert:
+    found = [a for a in alerts if a.kind == kind]
+    assert len(found) == 1, alerts
+    return found[0]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.mark.parametrize(
+    ("ranks", "text"),
+    [
+        ([3], "rank 3"),
+        ([2, 0], "ranks 0, 2"),
+        ([0, 1], "ranks 0, 1"),
+        ([0, 1, 3], "ranks 0, 1, 3"),
+        ([0, 1, 2], "ranks 0-2"),
+        ([0, 1, 2, 3, 4, 5, 9], "ranks 0-5, 9"),
+        ([1, 1, 1], "rank 1"),
+        ([], "no rank"),
+        (range(0, 8192, 2), "ranks 0, 2, 4, 6, 8, 10, 12, 14 and 4088 more"),
+        ([*range(4097), *range(4098, 8192)], "ranks 0-4096, 4098-8191"),
+    ],
+)
+def test_format_ranks(ranks: list[int], text: str) -> None:
+    assert format_ranks(ranks) == text
+
+
+@pytest.mark.parametrize(
+    ("stack", "where"),
+    [
+        (STACK, "train.py:88"),
+        (None, None),
+        ("", None),
+        (
+            '  File "/x/site-packages/torch/distributed/distributed_c10d.py", line 9, in wait\n',
+            None,
+        ),
+        ('  File "/opt/ddpwatch-demo/train.py", line 5, in <module>\n', "train.py:5"),
+        ('  File "<frozen runpy>", line 198, in _run_module_as_main\n', None),
+        ('  File "C:\\work\\train.py", line 12, in main\n', "train.py:12"),
+        (
+            "Traceback (most recent call last):\n"
+            '  File "/w/train.py", line 30, in <module>\n'
+            '  File "/w/model.py", line 7, in forward\n'
+            '  File "/usr/lib/python3/dist-packages/numpy/core.py", line 1, in f\n',
+            "model.py:7",
+        ),
+    ],
+)
+def test_location(stack: str | None, where: str | None) -> None:
+    assert location(stack) == where
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({}, "running"),
+        ({"error": BOOM, "exit_time": NOW - 1}, "crashed"),
+        ({"exit_time": NOW - 1, "exit_code": 0}, "exited"),
+        ({"last_seen": NOW - 3.0}, "silent"),
+        (waiting_in("all_reduce", 4, 0.01), "waiting"),
+        ({"last_progress": NOW - 11}, "stalled"),
+        ({"last_progress": NOW - 11, "step": None}, "running"),
+        ({"last_progress": NOW - 9}, "running"),
+        ({"last_seen": NOW - 3.0, **waiting_in("all_reduce", 4, 9.0)}, "silent"),
+    ],
+)
+def test_rank_state(changes: dict[str, Any], expected: str) -> None:
+    assert rank_state(rank(0, **changes), NOW, TH, 10.0) == expected
+
+
+def test_effective_stall_after_grows_with_slow_steps() -> None:
+    assert effective_stall_after(job(), TH) == 10.0
+    assert effective_stall_after(job(avg_step_time_s=4.0), TH) == 20.0
+    assert effective_stall_after(state_of(), TH) == 10.0
+
+
+def test_rules_are_listed_and_kinds_are_known() -> None:
+    assert len(RULES) == len(set(RULES)) >= 16
+    scenarios = [job(), job(world=2, last_seen=NOW - 30), state_of()]
+    for state in scenarios:
+        for rule in RULES:
+            for alert in rule(state, NOW, TH):
+                assert alert.kind in KINDS
+
+
+# --------------------------------------------------------------------------- healthy jobs
+
+
+def test_healthy_job_raises_nothing() -> None:
+    assert diagnose(job(8), NOW, TH) == []
+
+
+def test_healthy_job_sampled_mid_all_reduce_raises_nothing() -> None:
+    state = job(4)
+    for r in (0, 1):
+        state.ranks[r] = rank(r, **waiting_in("all_reduce", 42, 0.004))
+    state.ranks[2].step = 501  # heartbeats sample steps at different moments
+    assert diagnose(state, NOW, TH) == []
+
+
+def test_finished_job_raises_nothing() -> None:
+    assert diagnose(job(4, exit_time=NOW - 30, exit_code=0, last_seen=NOW - 30), NOW, TH) == []
+
+
+def test_healthy_job_through_apply_raises_nothing() -> None:
+    state = ServerState(started=0.0)
+    t = 100.0
+    for r in range(4):
+        state.apply(Hello(v=1, rank=r, t=t, world_size=4, local_rank=r, host="n", pid=10 + r), t)
+    for step in range(1, 40):
+        t += 0.1
+        for r in range(4):
+            collective = Collective(op="all_reduce", seq=step, since_s=0.002) if r == 3 else None
+            sample = Sample(v=1, rank=r, t=t, step=step, loss=1.0, avg_step_time_s=0.1,
+                            collective_time_s=0.01, phase="forward", collective=collective)  # fmt: skip
+            state.apply(sample, t)
+    assert diagnose(state, t + 0.2, TH) == []
+
+
+# --------------------------------------------------------------------------- cascade
+
+
+def test_exception_on_one_rank_blames_it_not_its_peers() -> None:
+    state = job(3, step=311)
+    state.ranks[1] = rank(1, 3, step=311, error=BOOM, error_time=NOW - 2.0, stack=STACK)
+    for r in (0, 2):
+        state.ranks[r] = rank(r, 3, step=311, error=PEER, error_time=NOW - 1.9)
+    alerts = diagnose(state, NOW, TH)
+    assert [(a.kind, a.ranks, a.waiting) for a in alerts] == [("crashed", (1,), (0, 2))]
+    message = alerts[0].message
+    assert message.startswith("rank 1 crashed in 'forward' at step 311, train.py:88")
+    assert "ValueError: boom" in message and "ranks 0, 2" in message
+
+
+def test_exception_cascade_through_apply() -> None:
+    state = ServerState(started=0.0)
+    for r in range(3):
+        state.apply(
+            Hello(v=1, rank=r, t=1.0, world_size=3, local_rank=r, host="n", pid=50 + r), 1.0
+        )
+        state.apply(Sample(v=1, rank=r, t=2.0, step=9, phase="forward", loss=0.5), 2.0)
+    state.apply(Event(v=1, rank=1, t=3.0, event="crash", error=OOM), 3.0)
+    for r in (0, 2):
+        state.apply(Event(v=1, rank=r, t=3.2, event="crash", error=PEER), 3.2)
+        state.apply(Event(v=1, rank=r, t=3.3, event="exit", exit_code=1), 3.3)
+    alerts = diagnose(state, 4.0, TH)
+    assert [(a.kind, a.ranks, a.waiting) for a in alerts] == [("crashed", (1,), (0, 2))]
+    assert "out of memory" in alerts[0].message
+    assert "batch size" in alerts[0].hint
+
+
+def test_killed_rank_is_the_silent_root() -> None:
+    state = job(4, step=311)
+    state.ranks[1] = rank(1, step=311, last_seen=NOW - 5.0, pid=4242)
+    state.ranks[0] = rank(0, step=311, error=PEER, error_time=NOW - 4.6)
+    state.ranks[2] = rank(2, step=311, error=PEER, error_time=NOW - 4.5)
+    state.ranks[3] = rank(3, step=311, exit_time=NOW - 4.0, exit_signal="SIGTERM")
+    alerts = diagnose(state, NOW, TH)
+    assert [(a.kind, a.ranks, a.waiting) for a in alerts] == [("silent", (1,), (0, 2, 3))]
+    assert "5.0 s" in alerts[0].message
+    assert "py-spy dump --pid 4242" in alerts[0].hint
+
+
+def test_silent_rank_makes_its_waiting_peers_victims() -> None:
+    state = job(3)
+    state.ranks[1] = rank(1, 3, last_seen=NOW - 8.0)  # SIGSTOPped or hung holding the GIL
+    for r in (0, 2):
+        state.ranks[r] = rank(r, 3, last_progress=NOW - 8, **waiting_in("all_reduce", 9, 8.0))
+    alerts = diagnose(state, NOW, TH)
+    assert [(a.kind, a.ranks, a.waiting) for a in alerts] == [("silent", (1,), (0, 2))]
+
+
+def test_peer_failure_without_root_waits_for_the_culprit() -> None:
+    state = job(3)
+    for r in (0, 2):
+        state.ranks[r] = rank(r, 3, error=PEER, error_time=NOW - 1.0)
+    state.ranks[1] = rank(1, 3, last_seen=NOW - 1.2)  # killed, not yet silent
+    assert diagnose(state, NOW, TH) == []
+
+
+def test_peer_failure_without_root_names_the_earliest_after_the_window() -> None:
+    state = job(3)
+    state.ranks[0] = rank(0, 3, error=PEER, error_time=NOW - 4.8)
+    state.ranks[1] = rank(1, 3, error=PEER, error_time=NOW - 5.0)
+    state.ranks[2] = rank(2, 3, exit_time=NOW - 4.5, exit_signal="SIGTERM")
+    alerts = diagnose(state, NOW, TH)
+    assert [(a.kind, a.ranks, a.waiting) for a in alerts] == [("crashed", (1,), (0, 2))]
+    assert "lost connection" in alerts[0].message
+
+
+@pytest.mark.parametrize(("age", "expected"), [(1.0, []), (4.0, [("exited", (0, 1, 2, 3))])])
+def test_sigterm_without_root(age: float, expected: list[tuple[str, tuple[int, ...]]]) -> None:
+    state = job(4, exit_time=NOW - age, exit_signal="SIGTERM", last_seen=NOW - age)
+    alerts = diagnose(state, NOW, TH)
+    assert [(a.kind, a.ranks) for a in alerts] == expected
+    assert all(a.severity == "error" and "SIGTERM" in a.message for a in alerts)
+
+
+def test_nonzero_exit_is_a_root() -> None:
+    state = job(3)
+    state.ranks[2] = rank(2, 3, exit_time=NOW - 3, exit_code=1, last_seen=NOW - 3)
+    state.ranks[0] = rank(0, 3, error=PEER, error_time=NOW - 2.9)
+    state.ranks[1] = rank(1, 3, exit_time=NOW - 2, exit_signal="SIGTERM")
+    alerts = diagnose(state, NOW, TH)
+    assert [(a.kind, a.severity, a.ranks, a.waiting) for a in alerts] == [
+        ("exited", "error", (2,), (0, 1))
+    ]
+    assert "exit code 1" in alerts[0].message
+
+
+def test_two_roots_each_get_an_alert_and_victims_go_to_the_earliest() -> None:
+    state = job(4)
+    state.ranks[1] = rank(1, error=BOOM, error_time=NOW - 3.0)
+    state.ranks[3] = rank(3, error=OOM, error_time=NOW - 2.0)
+    state.ranks[0] = rank(0, error=PEER, error_time=NOW - 2.9)
+    state.ranks[2] = rank(2, exit_time=NOW - 2.5, exit_signal="SIGTERM")
+    alerts = rule_cascade(state, NOW, TH)
+    assert [(a.kind, a.ranks, a.waiting) for a in alerts] == [
+        ("crashed", (1,), (0, 2)),
+        ("crashed", (3,), ()),
+    ]
+
+
+def test_the_same_error_on_many_ranks_is_one_alert() -> None:
+    state = job(8, error=ORDINAL, error_time=NOW - 1.0)
+    for r in range(4):
+        state.ranks[r] = rank(r, 8)
+    alert = only(rule_cascade(state, NOW, TH), "crashed")
+    assert alert.ranks == (4, 5, 6, 7)
+    assert alert.message.startswith("ranks 4-7 crashed")
+    assert "global rank" in alert.message
+
+
+def test_timeouts_are_victims_of_a_silent_rank() -> None:
+    state = job(3)
+    state.ranks[1] = rank(1, 3, last_seen=NOW - 600)  # hung holding the GIL
+    for r in (0, 2):
+        state.ranks[r] = rank(r, 3, error=WATCHDOG, error_time=NOW - 1.0)
+    alerts = diagnose(state, NOW, TH)
+    assert [(a.kind, a.ranks, a.waiting) for a in alerts] == [("silent", (1,), (0, 2))]
+
+
+def test_timeouts_alone_are_one_root() -> None:
+    state = job(3)
+    for r in (0, 2):
+        state.ranks[r] = rank(r, 3, error=WATCHDOG, error_time=NOW - 1.0)
+    state.ranks[1] = rank(1, 3, exit_time=NOW - 0.5, exit_signal="SIGTERM")
+    alerts = rule_cascade(state, NOW, TH)
+    assert [(a.kind, a.ranks, a.waiting) for a in alerts] == [("crashed", (0, 2), (1,))]
+    assert "did not finish within the process-group timeout" in alerts[0].message
+
+
+def test_late_silent_rank_is_a_victim_of_an_earlier_crash() -> None:
+    state = job(3)
+    state.ranks[1] = rank(1, 3, error=BOOM, error_time=NOW - 6.0)
+    state.ranks[2] = rank(2, 3, last_seen=NOW - 5.5)  # SIGKILLed by the launcher afterwards
+    state.ranks[0] = rank(0, 3, error=PEER, error_time=NOW - 5.9)
+    assert [(a.kind, a.ranks, a.waiting) for a in rule_cascade(state, NOW, TH)] == [
+        ("crashed", (1,), (0, 2))
+    ]
+
+
+# --------------------------------------------------------------------------- exits
+
+
+def test_clean_exit_while_others_run_warns() -> None:
+    state = job(4)
+    state.ranks[3] = rank(3, exit_time=NOW - 15, exit_code=0, last_seen=NOW - 15)
+    alert = only(diagnose(state, NOW, TH), "exited")
+    assert alert.severity == "warning" and alert.ranks == (3,)
+    assert alert.message == (
+        "rank 3 exited at step 500 while ranks 0-2 still run; they will hang in their next "
+        "collective"
+    )
+
+
+def test_clean_exit_with_others_stuck_in_a_collective_is_an_error() -> None:
+    state = job(4, **waiting_in("barrier", 77, 6.0))
+    state.ranks[3] = rank(3, exit_time=NOW - 6.5, exit_code=0)
+    alert = only(diagnose(state, NOW, TH), "exited")
+    assert (alert.severity, alert.ranks, alert.waiting) == ("error", (3,), (0, 1, 2))
+    assert "barrier #77" in alert.message and "6.0 s" in alert.message
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        job(4, exit_time=NOW - 20, exit_code=0, last_seen=NOW - 20),  # all done
+        state_of(rank(0, 2, exit_time=NOW - 1, exit_code=0), rank(1, 2)),  # a second apart
+    ],
+)
+def test_clean_exits_that_are_fine(state: ServerState) -> None:
+    assert rule_clean_exit(state, NOW, TH) == []
+    assert diagnose(state, NOW, TH) == []
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def straggler_job() -> ServerState:
+    state = job(3, step=311)
+    for r in (0, 2):
+        state.ranks[r] = rank(r, 3, step=311, **waiting_in("all_reduce", 42, 12.4))
+    state.ranks[1] = rank(1, 3, step=311, stack=STACK, last_progress=NOW - 12.4)
+    return state
+
+
+def test_straggler_exact_message() -> None:
+    alerts = diagnose(straggler_job(), NOW, TH)
+    assert [(a.kind, a.severity, a.ranks, a.waiting) for a in alerts] == [
+        ("straggler", "error", (1,), (0, 2))
+    ]
+    assert alerts[0].message == (
+        "rank 1 has not entered all_reduce #42 that ranks 0, 2 have waited in for 12.4 s; "
+        "it is in 'forward' at step 311, train.py:88"
+    )
+    assert "rank 1" in alerts[0].hint and "all_reduce #42" in alerts[0].hint
+
+
+@pytest.mark.parametrize(
+    ("age", "step_time", "expected"),
+    [
+        (0.005, 0.1, None),  # a healthy all_reduce
+        (1.5, 0.1, None),  # below 2 s never flags
+        (3.5, 0.1, "warning"),  # a real hang shows within ~3 s
+        (12.0, 0.1, "error"),  # past the stall threshold
+        (6.0, 5.0, None),  # slow steps: wait at least min(stall, 3 x step)
+        (16.0, 5.0, "warning"),
+    ],
+)
+def test_straggler_threshold(age: float, step_time: float, expected: str | None) -> None:
+    state = job(3, avg_step_time_s=step_time)
+    for r in (0, 2):
+        state.ranks[r] = rank(r, 3, avg_step_time_s=step_time, **waiting_in("all_reduce", 7, age))
+    alerts = rule_straggler(state, NOW, TH)
+    assert [a.severity for a in alerts] == ([expected] if expected else [])
+
+
+def test_straggler_in_an_earlier_collective_and_without_seq() -> None:
+    state = job(4)
+    for r in (0, 1, 2):
+        state.ranks[r] = rank(r, **waiting_in("gloo:all_reduce", 42, 5.0))
+    state.ranks[3] = rank(3, **waiting_in("gloo:broadcast", 41, 5.0))
+    alert = only(rule_straggler(state, NOW, TH), "straggler")
+    assert (alert.ranks, alert.waiting) == ((3,), (0, 1, 2))
+    assert "inside gloo:broadcast #41" in alert.message
+    plain = job(3)
+    for r in (0, 1):
+        plain.ranks[r] = rank(r, 3, **waiting_in("barrier", None, 4.0))
+    alert = only(rule_straggler(plain, NOW, TH), "straggler")
+    assert (alert.ranks, alert.waiting) == ((2,), (0, 1))
+    assert "not entered barrier that" in alert.message
+
+
+def test_straggler_defers_to_a_silent_culprit() -> None:
+    state = straggler_job()
+    state.ranks[1].last_seen = NOW - 4.0
+    assert rule_straggler(state, NOW, TH) == []
+    assert kinds(diagnose(state, NOW, TH)) == ["silent"]
+
+
+@pytest.mark.parametrize(("age", "fires"), [(5.0, False), (12.0, True)])
+def test_every_rank_waiting_in_one_collective_is_stalled(age: float, fires: bool) -> None:
+    state = job(4, **waiting_in("all_reduce", 42, age))
+    alerts = diagnose(state, NOW, TH)
+    if fires:
+        alert = only(alerts, "stalled")
+        assert alert.ranks == (0, 1, 2, 3) and alert.severity == "error"
+        assert "all 4 ranks have waited in all_reduce #42 for 12.0 s" in alert.message
+    else:
+        assert alerts == []
+
+
+def test_all_waiting_with_a_missing_rank_is_not_a_network_stall() -> None:
+    state = job(4, **waiting_in("all_reduce", 42, 12.0))
+    del state.ranks[3]
+    assert not [a for a in rule_straggler(state, NOW, TH) if a.kind == "stalled"]
+
+
+def test_collective_mismatch_names_the_minority() -> None:
+    state = job(4)
+    for r in (0, 1, 2):
+        state.ranks[r] = rank(r, **waiting_in("all_reduce", 7, 3.0))
+    state.ranks[3] = rank(3, **waiting_in("broadcast", 7, 3.0))
+    alert = only(rule_collective_mismatch(state, NOW, TH), "collective_mismatch")
+    assert (alert.severity, alert.ranks, alert.waiting) == ("error", (3,), (0, 1, 2))
+    assert (
+        alert.message
+        == "at collective #7 rank 3 called broadcast while ranks 0-2 called all_reduce"
+    )
+
+
+@pytest.mark.parametrize(
+    ("ops", "age"),
+    [
+        (("gloo:all_reduce", "allreduce", "ALLREDUCE", "all_reduce"), 3.0),  # same op, 4 spellings
+        (("all_reduce", "all_reduce", "all_reduce", "broadcast"), 0.2),  # too fresh to judge
+    ],
+)
+def test_collective_mismatch_quiet(ops: tuple[str, ...], age: float) -> None:
+    state = state_of(*(rank(r, **waiting_in(op, 7, age)) for r, op in enumerate(ops)))
+    assert rule_collective_mismatch(state, NOW, TH) == []
+
+
+def test_collective_mismatch_from_a_gloo_abort() -> None:
+    error = ErrorInfo(
+        type="gloo::EnforceNotMet",
+        message="[enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 12 vs 4. Received "
+        "data size doesn't match expected size. Is there a distributed collective mismatch?",
+    )
+    state = job(2)
+    state.ranks[1] = rank(1, 2, error=error, error_time=NOW - 1)
+    alert = only(rule_collective_mismatch(state, NOW, TH), "collective_mismatch")
+    assert alert.ranks == (1,)
+    assert set(kinds(diagnose(state, NOW, TH))) == {"crashed", "collective_mismatch"}
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def test_stalled_exact_message() -> None:
+    state = job(4, step=311)
+    state.ranks[2] = rank(2, step=311, stack=STACK, last_progress=NOW - 14.2)
+    alerts = diagnose(state, NOW, TH)
+    assert [(a.kind, a.severity, a.ranks) for a in alerts] == [("stalled", "error", (2,))]
+    assert alerts[0].message == (
+        "rank 2 has made no progress for 14.2 s at step 311 in phase 'forward', train.py:88"
+    )
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"last_progress": NOW - 5},  # not long enough
+        {"last_progress": NOW - 14, "step": None},  # still starting: startup_hang's business
+        {"last_progress": NOW - 14, **waiting_in("all_reduce", 3, 0.01)},  # in a collective
+        {"last_progress": NOW - 14, "avg_step_time_s": 8.0},  # slow steps: 5 x median 4.05 s
+    ],
+)
+def test_stalled_quiet(changes: dict[str, Any]) -> None:
+    state = job(2)
+    state.ranks[1] = rank(1, 2, **changes)
+    assert rule_stalled(state, NOW, TH) == []
+
+
+def test_stalled_many_ranks_is_one_alert() -> None:
+    state = job(16, last_progress=NOW - 30)
+    alert = only(rule_stalled(state, NOW, TH), "stalled")
+    assert alert.ranks == tuple(range(16))
+    assert alert.message.startswith("ranks 0-15 have made no progress for up to 30.0 s")
+
+
+def test_step_skew() -> None:
+    state = job(4)
+    state.ranks[3] = rank(3, step=450)
+    alert = only(rule_step_skew(state, NOW, TH), "step_skew")
+    assert (alert.severity, alert.ranks) == ("warning", (3,))
+    assert "50 steps behind rank 0" in alert.message
+    state.ranks[3] = rank(3, step=490)  # within 3 + (0.5 + 0.5) / 0.1 = 13 steps
+    assert rule_step_skew(state, NOW, TH) == []
+
+
+def test_nan_loss_message() -> None:
+    state = job(4)
+    state.ranks[2] = rank(2, loss=math.nan, nan_step=311)
+    alert = only(diagnose(state, NOW, TH), "nan_loss")
+    assert alert.message == "rank 2 loss is nan since step 311 while ranks 0, 1, 3 are finite"
+    everywhere = job(2, loss=math.inf, nan_step=7)
+    alert = only(rule_nan_loss(everywhere, NOW, TH), "nan_loss")
+    assert alert.message == "ranks 0, 1 loss is inf since step 7"
+    assert rule_nan_loss(job(2), NOW, TH) == []
+
+
+def test_slow_rank() -> None:
+    state = job(4, avg_step_time_s=0.2, collective_time_s=0.1)
+    state.ranks[3] = rank(3, avg_step_time_s=0.2, collective_time_s=0.01)
+    alert = only(diagnose(state, NOW, TH), "slow_rank")
+    assert alert.ranks == (3,)
+    assert alert.message == (
+        "rank 3 is the slowest: the other ranks wait 90 ms per step for it in collectives"
+    )
+
+
+@pytest.mark.parametrize(
+    "times",
+    [
+        (0.10, 0.10, 0.09, 0.11),  # balanced
+        (0.01, 0.01, 0.001, 0.01),  # collectives are a small share of the 0.2 s step
+        (0.10, 0.10, 0.01, 0.01),  # half the ranks "slow": not one straggling rank
+    ],
+)
+def test_slow_rank_quiet(times: tuple[float, ...]) -> None:
+    state = state_of(
+        *(rank(r, avg_step_time_s=0.2, collective_time_s=t) for r, t in enumerate(times))
+    )
+    assert rule_slow_rank(state, NOW, TH) == []
+
+
+def test_checkpoint_conflict() -> None:
+    state = job(3)
+    state.ranks[0].checkpoint_paths = ["ckpt/last.pt"]
+    state.ranks[1].checkpoint_paths = ["ckpt/last.pt"]
+    state.ranks[2].checkpoint_paths = ["ckpt/rank2.pt"]
+    alert = only(rule_checkpoint_conflict(state, NOW, TH), "checkpoint_conflict")
+    assert (alert.severity, alert.ranks) == ("warning", (0, 1))
+    assert "ckpt/last.pt" in alert.message
+    state.ranks[1].checkpoint_paths = ["ckpt/rank1.pt"]
+    assert rule_checkpoint_conflict(state, NOW, TH) == []
+
+
+# --------------------------------------------------------------------------- startup
+
+
+def starting(r: int, phase: str, since: float, world: int = 4, **changes: Any) -> RankRecord:
+    return rank(r, world, step=None, phase=phase, phase_since=NOW - since, **changes)
+
+
+def test_startup_hang_names_the_rank_behind() -> None:
+    state = state_of(
+        starting(0, "model_wrap", 70),
+        starting(1, "model_wrap", 70),
+        starting(2, "device", 70, stack=STACK),
+        starting(3, "model_wrap", 70),
+    )
+    alert = only(diagnose(state, NOW, TH), "startup_hang")
+    assert (alert.severity, alert.ranks, alert.waiting) == ("warning", (2,), (0, 1, 3))
+    assert alert.message == (
+        "rank 2 is still in 'device' after 70.0 s (train.py:88) while ranks 0, 1, 3 wait in "
+        "'model_wrap'"
+    )
+
+
+def test_startup_hang_unknown_phase_counts_after_train() -> None:
+    state = state_of(starting(0, "warmup_data", 130, 2), starting(1, "first_step", 130, 2))
+    alert = only(rule_startup_hang(state, NOW, TH), "startup_hang")
+    assert (alert.severity, alert.ranks, alert.waiting) == ("error", (1,), (0,))
+
+
+def test_startup_hang_quiet_before_the_threshold() -> None:
+    state = state_of(starting(0, "rendezvous", 30), starting(1, "started", 30))
+    assert rule_startup_hang(state, NOW, TH) == []
+
+
+def test_startup_hang_waiting_for_a_rank_that_never_connected() -> None:
+    state = state_of(*(starting(r, "rendezvous", 70, first_seen=NOW - 70) for r in range(3)))
+    alerts = diagnose(state, NOW, TH)
+    hang = only(alerts, "startup_hang")
+    assert (hang.ranks, hang.waiting) == ((3,), (0, 1, 2))
+    missing = only(alerts, "not_connected")
+    assert (missing.severity, missing.ranks) == ("error", (3,))
+
+
+@pytest.mark.parametrize(("elapsed", "severity"), [(5, None), (12, "warning"), (70, "error")])
+def test_not_connected(elapsed: float, severity: str | None) -> None:
+    state = state_of(*(rank(r, 8, first_seen=NOW - elapsed) for r in (0, 1, 2, 4, 5, 6)))
+    alerts = rule_not_connected(state, NOW, TH)
+    if severity is None:
+        assert alerts == []
+        return
+    alert = only(alerts, "not_connected")
+    assert (alert.severity, alert.ranks) == (severity, (3, 7))
+    assert alert.message.startswith(f"ranks 3, 7 of 8 have not connected {elapsed:.1f} s")
+
+
+def test_not_connected_ignores_ranks_beyond_the_world() -> None:
+    state = state_of(rank(0, 2, first_seen=NOW - 30), rank(1, 2, first_seen=NOW - 30))
+    state.ranks[5] = rank(5, 2, first_seen=NOW - 30)
+    assert rule_not_connected(state, NOW, TH) == []
+
+
+# --------------------------------------------------------------------------- devices and memory
+
+
+def gpu(r: int, index: int, local: int | None = None, **changes: Any) -> RankRecord:
+    local = r if local is None else local
+    return rank(r, device=f"cuda:{index}", device_index=index, local_rank=local,
+                device_count=4, **changes)  # fmt: skip
+
+
+def test_duplicate_device_names_the_rank_on_the_wrong_gpu() -> None:
+    state = state_of(gpu(0, 0), gpu(1, 0), gpu(2, 2), gpu(3, 3))
+    alerts = diagnose(state, NOW, TH)
+    alert = only(alerts, "duplicate_device")
+    assert (alert.severity, alert.ranks) == ("error", (1,))
+    assert "ranks 0, 1 share GPU cuda:0 on host node0" in alert.message
+    assert "local_rank_mismatch" not in kinds(alerts)
+
+
+def test_duplicate_device_by_uuid_and_visible_devices() -> None:
+    same = state_of(
+        rank(0, device="cuda:0", device_index=0, device_uuid="GPU-a"),
+        rank(1, device="cuda:0", device_index=0, device_uuid="GPU-a", local_rank=0),
+    )
+    assert only(rule_duplicate_device(same, NOW, TH), "duplicate_device").ranks == (0, 1)
+    split = state_of(  # SLURM style: one visible GPU per rank, each is cuda:0
+        rank(0, device="cuda:0", device_index=0, cuda_visible_devices="0", local_rank=0),
+        rank(1, device="cuda:0", device_index=0, cuda_visible_devices="1", local_rank=0),
+    )
+    assert rule_duplicate_device(split, NOW, TH) == []
+    hosts = state_of(gpu(0, 0, 0), gpu(1, 0, 0, host="node1"))
+    assert rule_duplicate_device(hosts, NOW, TH) == []
+
+
+def test_duplicate_device_from_an_nccl_crash() -> None:
+    error = ErrorInfo(
+        type="torch.distributed.DistBackendError",
+        message="NCCL error in: ProcessGroupNCCL.cpp:1691, invalid usage, NCCL version 2.19.3\n"
+        "ncclInvalidUsage: This usually reflects invalid usage of NCCL library.\nLast error:\n"
+        "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 2000",
+    )
+    state = job(2)
+    state.ranks[1] = rank(1, 2, error=error, error_time=NOW - 1)
+    alert = only(rule_duplicate_device(state, NOW, TH), "duplicate_device")
+    assert alert.ranks == (0, 1)
+    assert "set_device(local_rank)" in alert.hint and "CUDA_VISIBLE_DEVICES" in alert.hint
+
+
+def test_device_ordinal_from_a_crash_has_the_real_local_rank() -> None:
+    state = state_of(*(rank(r, 8, local_world_size=4, local_rank=r % 4) for r in range(8)))
+    state.ranks[4] = rank(4, 8, local_world_size=4, local_rank=0, error=ORDINAL, error_time=NOW)
+    alert = only(rule_device_ordinal(state, NOW, TH), "device_ordinal")
+    assert (alert.severity, alert.ranks) == ("error", (4,))
+    assert alert.hint == (
+        "use torch.cuda.set_device(local_rank) — LOCAL_RANK is 0 on this rank — not the global rank"
+    )
+
+
+def test_device_ordinal_from_a_live_rank() -> None:
+    multi = dict(world=8, local_world_size=4, device_count=4, host="node1")
+    state = state_of(
+        rank(4, device="cuda:0", device_index=0, local_rank=0, **multi),
+        rank(5, device="cuda:5", device_index=5, local_rank=1, **multi),
+    )
+    alert = only(diagnose(state, NOW, TH), "device_ordinal")
+    assert alert.ranks == (5,)
+    assert "LOCAL_RANK is 1 on this rank" in alert.hint
+    assert "local_rank_mismatch" not in kinds(diagnose(state, NOW, TH))
+    node0 = state_of(rank(1, device="cuda:1", device_index=1, local_rank=1, **multi))
+    assert rule_device_ordinal(node0, NOW, TH) == []
+
+
+def test_local_rank_mismatch() -> None:
+    state = state_of(gpu(0, 0), gpu(1, 2), gpu(2, 1), gpu(3, 3))
+    alert = only(diagnose(state, NOW, TH), "local_rank_mismatch")
+    assert (alert.severity, alert.ranks) == ("warning", (1, 2))
+    single = state_of(rank(1, device="cuda:0", device_index=0, device_count=1))
+    assert rule_local_rank_mismatch(single, NOW, TH) == []
+
+
+@pytest.mark.parametrize(
+    ("used", "culprits"),
+    [
+        ((20, 10, 10, 10), (0,)),
+        ((12, 10, 10, 10), ()),  # 1.2x: normal
+        ((0.9, 0.3, 0.3, 0.3), ()),  # 3x but only 0.6 GiB apart
+        ((20,), ()),  # one rank: nothing to compare
+    ],
+)
+def test_uneven_memory(used: tuple[float, ...], culprits: tuple[int, ...]) -> None:
+    state = state_of(*(rank(r, gpu_mem_used_bytes=int(g * GIB)) for r, g in enumerate(used)))
+    alerts = rule_uneven_memory(state, NOW, TH)
+    assert [a.ranks for a in alerts] == ([culprits] if culprits else [])
+    if culprits:
+        assert alerts[0].message == ("rank 0 uses 20.0 GiB of GPU memory, 2.0x the median 10.0 GiB")
+
+
+def test_uneven_memory_falls_back_to_reserved() -> None:
+    state = state_of(*(rank(r, mem_reserved_bytes=(30 if r == 2 else 8) * GIB) for r in range(4)))
+    assert only(rule_uneven_memory(state, NOW, TH), "uneven_memory").ranks == (2,)
+
+
+def test_foreign_memory() -> None:
+    state = state_of(
+        gpu(0, 0, gpu_pids=[1000, 555]),
+        gpu(1, 1, gpu_pids=[1001]),
+        gpu(2, 2, gpu_pids=[1002, 1000]),  # rank 0 touching GPU 2 is not foreign
+    )
+    alert = only(rule_foreign_memory(state, NOW, TH), "foreign_memory")
+    assert (alert.severity, alert.ranks) == ("warning", (0,))
+    assert alert.message == (
+        "the GPU of rank 0 (cuda:0 on node0) also holds process 555 that is not a rank of this job"
+    )
+
+
+def test_foreign_memory_quiet_when_pids_come_from_another_namespace() -> None:
+    state = state_of(gpu(0, 0, gpu_pids=[91000]), gpu(1, 1, gpu_pids=[91001]))
+    assert rule_foreign_memory(state, NOW, TH) == []
+
+
+# --------------------------------------------------------------------------- diagnose
+
+
+def test_diagnose_sorts_by_severity_then_kind_then_ranks() -> None:
+    state = job(6)
+    state.ranks[5] = rank(5, 6, loss=math.nan, nan_step=3)
+    state.ranks[1].checkpoint_paths = ["same.pt"]
+    state.ranks[2].checkpoint_paths = ["same.pt"]
+    state.ranks[4] = rank(4, 6, step=400)
+    state.ranks[3] = rank(3, 6, last_progress=NOW - 15)
+    alerts = diagnose(state, NOW, TH)
+    assert [(a.severity, a.kind) for a in alerts] == [
+        ("error", "nan_loss"),
+        ("error", "stalled"),
+        ("warning", "checkpoint_conflict"),
+        ("warning", "step_skew"),
+    ]
+    assert len({a.key for a in alerts}) == len(alerts)
+
+
+# --------------------------------------------------------------------------- scale
+
+
+def test_scale_8192_ranks() -> None:
+    world = 8192
+    state = ServerState(started=0.0)
+    for r in range(world):
+        state.ranks[r] = rank(
+            r, world, host=f"node{r // 8}", local_rank=r % 8, local_world_size=8,
+            **waiting_in("all_reduce", 42, 12.4),
+        )  # fmt: skip
+    everyone = only(diagnose(state, NOW, TH), "stalled")  # the whole world waits: a network stall
+    assert len(everyone.ranks) == world
+    state.ranks[4097] = rank(4097, world, host="node512", local_rank=1, stack=STACK)
+    alerts = diagnose(state, NOW, TH)
+    assert [(a.kind, a.ranks) for a in alerts] == [("straggler", (4097,))]
+    assert len(alerts[0].waiting) == world - 1
+    assert "ranks 0-4096, 4098-8191 have waited" in alerts[0].message
+
+    healthy = job(world)
+    assert diagnose(healthy, NOW, TH) == []
+
+    killed = job(world, error=PEER, error_time=NOW - 4.0)
+    killed.ranks[77] = rank(77, world, last_seen=NOW - 5.0)
+    alerts = diagnose(killed, NOW, TH)
+    assert [(a.kind, a.ranks) for a in alerts] == [("silent", (77,))]
+    assert len(alerts[0].waiting) == world - 1
+    assert len(alerts[0].message) < 400
