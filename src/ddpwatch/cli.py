@@ -80,6 +80,27 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--timeout", type=_positive, default=2.0, help="seconds to wait for an answer (default 2)"
     )
+    demo = commands.add_parser("demo", help="watch a real CPU DDP job that misbehaves on cue")
+    demo.add_argument(
+        "--ranks", type=int, default=4, help="ranks of the real job (default 4; 0: none)"
+    )
+    demo.add_argument("--no-faults", action="store_true", help="run the job healthy")
+    demo.add_argument(
+        "--simulate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add N simulated GPU ranks (no torch needed)",
+    )
+    demo.add_argument(
+        "--headless", action="store_true", help="print the alert stream instead of the dashboard"
+    )
+    demo.add_argument(
+        "--duration", type=_positive, default=None, help="headless: stop after this many seconds"
+    )
+    demo.add_argument(
+        "--port", type=int, default=None, help="collector port (default 5599 if free)"
+    )
     return parser
 
 
@@ -90,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(args)
     if args.command == "status":
         return status(args)
+    if args.command == "demo":
+        return demo(args)
     return 2
 
 
@@ -126,6 +149,26 @@ def serve(args: argparse.Namespace) -> int:
     server.run()
     log.info("stopped")
     return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    from ddpwatch.demo.runner import DemoOptions, run_demo
+
+    if args.ranks == 1 or args.ranks < 0:
+        print("ddpwatch demo: --ranks must be 0 or at least 2", file=sys.stderr)
+        return 2
+    if args.ranks == 0 and not args.simulate:
+        print("ddpwatch demo: with --ranks 0, give --simulate N", file=sys.stderr)
+        return 2
+    options = DemoOptions(
+        ranks=args.ranks,
+        faults=not args.no_faults,
+        simulate=args.simulate,
+        headless=args.headless,
+        duration=args.duration,
+        port=args.port,
+    )
+    return run_demo(options)
 
 
 def fetch_status(host: str, port: int, timeout: float) -> dict[str, Any] | None:

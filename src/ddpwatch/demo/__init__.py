@@ -1,0 +1,1 @@
+"""``ddpwatch demo``: a real DDP job with scripted faults, and simulated GPU ranks."""

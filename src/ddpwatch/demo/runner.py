@@ -1,0 +1,169 @@
+"""Orchestrates ``ddpwatch demo``: server, real torchrun job, simulated ranks, view."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO
+
+from ddpwatch.demo.simulate import SimulatedCluster
+from ddpwatch.protocol import DEFAULT_PORT
+from ddpwatch.server.alerts import Thresholds
+from ddpwatch.server.collector import BindError
+from ddpwatch.server.service import AlertChange, Server
+
+NO_TORCH = (
+    "ddpwatch demo: the real DDP job needs torch: pip install 'ddpwatch[torch]' "
+    "(torch==2.13.0 is a CPU build); or run `ddpwatch demo --simulate 16`, which needs none"
+)
+
+
+@dataclass
+class DemoOptions:
+    ranks: int = 4
+    faults: bool = True
+    simulate: int = 0
+    headless: bool = False
+    duration: float | None = None
+    port: int | None = None
+
+
+def torch_installed() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_port(preferred: int = DEFAULT_PORT) -> int:
+    """The default port pair if free, else any free pair (a real server may own 5599)."""
+    if _free(preferred) and _free(preferred + 1):
+        return preferred
+    for _ in range(100):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port < 65535 and _free(port + 1):
+            return port
+    raise RuntimeError("no free port pair on 127.0.0.1")
+
+
+def start_job(options: DemoOptions, port: int, log: IO[str]) -> subprocess.Popen[bytes]:
+    """``torchrun -m ddpwatch.demo.job`` in its own process group, so it can be stopped whole."""
+    env = {**os.environ, "DDPWATCH_ADDR": f"127.0.0.1:{port}", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc-per-node={options.ranks}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={pick_port(29500)}",
+        "-m", "ddpwatch.demo.job",
+    ]  # fmt: skip
+    if options.faults:
+        cmd.append("--faults")
+    return subprocess.Popen(
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def stop_job(job: subprocess.Popen[bytes] | None) -> None:
+    """Terminate the whole job (torchrun and its ranks); leave no child behind."""
+    if job is None or job.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGTERM)
+    try:
+        job.wait(5)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+
+
+def run_demo(options: DemoOptions) -> int:
+    real_job = options.ranks > 0
+    if real_job and not torch_installed():
+        print(NO_TORCH, file=sys.stderr)
+        if not options.simulate:
+            return 1
+        real_job = False
+    port = options.port or pick_port()
+
+    def print_change(change: AlertChange) -> None:
+        sys.stdout.write(json.dumps(change.to_dict()) + "\n")
+        sys.stdout.flush()
+
+    try:
+        server = Server(
+            "127.0.0.1", port, Thresholds(), on_change=print_change if options.headless else None
+        )
+    except BindError as exc:
+        print(f"ddpwatch demo: {exc}", file=sys.stderr)
+        return 1
+    fd, log_path = tempfile.mkstemp(prefix="ddpwatch-demo-", suffix=".log")
+    with os.fdopen(fd, "w") as log:
+        job = start_job(options, port, log) if real_job else None
+        if job is not None:
+            print(
+                f"ddpwatch demo: {options.ranks} ranks, job output in {log_path}", file=sys.stderr
+            )
+        cluster = _start_simulation(options, port, first_rank=options.ranks if real_job else 0)
+        try:
+            if options.headless:
+                return _run_headless(server, job, options.duration)
+            from ddpwatch.tui.app import run_dashboard
+
+            return run_dashboard(server)
+        finally:
+            if cluster is not None:
+                cluster.stop()
+            stop_job(job)
+
+
+def _start_simulation(options: DemoOptions, port: int, first_rank: int) -> SimulatedCluster | None:
+    if not options.simulate:
+        return None
+    cluster = SimulatedCluster(f"tcp://127.0.0.1:{port}", options.simulate, first_rank=first_rank)
+    cluster.start()
+    return cluster
+
+
+def _run_headless(
+    server: Server, job: subprocess.Popen[bytes] | None, duration: float | None
+) -> int:
+    """Print alert changes until the job ends (plus a moment for the last alerts) or time is up."""
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    deadline = None if duration is None else time.monotonic() + duration
+    try:
+        while not stop.wait(0.2):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            if job is not None and job.poll() is not None:
+                stop.wait(3.0)  # the last crash and exit events still arrive
+                break
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.stop()
+        thread.join(5)
+    return 0
