@@ -8,6 +8,7 @@ under the GIL, and the publisher tolerates reading a step that is half-updated
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -69,8 +70,6 @@ class Progress:
             avg = self.avg_step_time_s
             self.avg_step_time_s = elapsed if avg is None else avg + EMA_WEIGHT * (elapsed - avg)
         self.step = 1 if self.step is None else self.step + 1
-        if self.on_step is not None and self.step % 64 == 1:
-            self.on_step()
         self.last_step_end = now
         self.last_progress = now
         self.collective_time_s = self.collective_time_step
@@ -78,6 +77,9 @@ class Progress:
         self.waiting_for_data = True
         if loss is not None:
             self.loss.submit(loss)
+        if self.on_step is not None and self.step % 64 == 1:
+            with contextlib.suppress(Exception):
+                self.on_step()
 
     def forward_started(self) -> None:
         """Measure the time between the end of a step and the next forward: data loading."""
@@ -134,7 +136,7 @@ class LossReader:
     def poll(self) -> float | None:
         """Latest loss value that can be read without waiting (publisher thread)."""
         if self._event is not None and self._event.query():
-            self.value = _as_float(self._copy)
+            self._keep(_as_float(self._copy))
             self._event = self._copy = None
         pending, self._pending = self._pending, None
         if pending is None:
@@ -145,8 +147,12 @@ class LossReader:
             if self._event is None:
                 self._start_copy(pending)
         elif hasattr(pending, "detach"):
-            self.value = _as_float(pending)
+            self._keep(_as_float(pending))
         return self.value
+
+    def _keep(self, value: float | None) -> None:
+        if value is not None:  # a non-scalar "loss" leaves the last good value
+            self.value = value
 
     def _start_copy(self, tensor: Any) -> None:
         import torch

@@ -1,0 +1,375 @@
+"""The agent in one process: API, hooks, collectives, publisher, against a real collector."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import free_port_pair
+
+import ddpwatch
+from ddpwatch.agent.collectives import ensure_flight_recorder, oldest_active
+from ddpwatch.agent.hooks import find_loss
+from ddpwatch.agent.progress import LossReader, Progress
+from ddpwatch.agent.publisher import QUEUE_LEN, Publisher
+from ddpwatch.agent.watcher import main_thread_stack, resolve_endpoint
+from ddpwatch.protocol import Event, Sample
+from ddpwatch.server.collector import Collector
+from ddpwatch.server.state import ServerState
+
+
+class Receiver:
+    """A real collector on a thread, folding what arrives into a ServerState."""
+
+    def __init__(self, port: int) -> None:
+        self.state = ServerState(started=time.time())
+        self.lock = threading.Lock()
+        self.collector = Collector(self.state, lambda: b"{}", "127.0.0.1", port)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.collector.poll(0.05, self.lock)
+
+    def wait_for(self, predicate, timeout: float = 10.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                found = predicate(self.state)
+            if found:
+                return found
+            time.sleep(0.05)
+        raise AssertionError(f"timed out; ranks: {self.state.ranks}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.collector.close()
+
+
+@pytest.fixture
+def receiver():
+    rec = Receiver(free_port_pair())
+    yield rec
+    rec.close()
+
+
+@pytest.fixture
+def rank_env(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    yield
+    ddpwatch.detach()
+
+
+def test_resolve_endpoint_order() -> None:
+    assert resolve_endpoint("node1:7000", {}) == "tcp://node1:7000"
+    assert resolve_endpoint("node1", {}) == "tcp://node1:5599"
+    assert (
+        resolve_endpoint(None, {"DDPWATCH_ADDR": "10.0.0.5:6000", "MASTER_ADDR": "x"})
+        == "tcp://10.0.0.5:6000"
+    )
+    assert resolve_endpoint(None, {"MASTER_ADDR": "master"}) == "tcp://master:5599"
+    assert resolve_endpoint(None, {}) == "tcp://127.0.0.1:5599"
+    assert resolve_endpoint("tcp://h:1", {}) == "tcp://h:1"
+
+
+def test_module_api_is_a_no_op_without_a_watcher() -> None:
+    ddpwatch.detach()
+    assert ddpwatch.current() is None
+    ddpwatch.step(1.0)
+    with ddpwatch.phase("eval"):
+        pass
+    ddpwatch.detach()
+
+
+def test_attach_is_idempotent_and_detach_restores_everything(receiver: Receiver, rank_env) -> None:
+    original_all_reduce = dist.all_reduce
+    original_init = dist.init_process_group
+    original_hook = sys.excepthook
+    model = torch.nn.Linear(2, 1)
+    watcher = ddpwatch.attach(model, addr=f"127.0.0.1:{receiver.collector.port}")
+    assert watcher is not None
+    assert ddpwatch.attach(torch.nn.Linear(2, 2)) is watcher
+    assert dist.all_reduce is not original_all_reduce
+    assert sys.excepthook is not original_hook
+    ddpwatch.detach()
+    assert dist.all_reduce is original_all_reduce
+    assert dist.init_process_group is original_init
+    assert sys.excepthook is original_hook
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert not watcher.publisher.alive
+
+
+def test_steps_loss_and_phase_reach_the_server(receiver: Receiver, rank_env) -> None:
+    ddpwatch.attach(addr=f"127.0.0.1:{receiver.collector.port}", interval=0.1)
+    for i in range(5):
+        ddpwatch.step(torch.tensor(float(i)))
+        time.sleep(0.01)
+
+    def eval_sample(state: ServerState):
+        record = state.ranks.get(0)
+        return record if record and record.phase == "eval" and record.step == 5 else None
+
+    with ddpwatch.phase("eval"):
+        record = receiver.wait_for(eval_sample)
+    assert record.step == 5
+    assert record.loss == 4.0
+    assert record.host and record.pid == os.getpid() and record.device == "cpu"
+    assert record.step_time_s is not None and record.avg_step_time_s is not None
+    receiver.wait_for(lambda s: s.ranks[0].phase == "train")
+
+
+def test_steps_counted_from_optimizer_then_forward(receiver: Receiver, rank_env) -> None:
+    model = torch.nn.Linear(3, 1)
+    watcher = ddpwatch.attach(model, addr=f"127.0.0.1:{receiver.collector.port}")
+    model(torch.randn(2, 3))
+    assert watcher.progress.step == 1 and watcher.progress.step_mode == "forward"
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.randn(2, 3)).sum().backward()
+        optimizer.step()
+    # optimizer steps take over from forward counting without double counting
+    assert watcher.progress.step_mode == "optimizer"
+    assert watcher.progress.step == 4
+    ddpwatch.step()
+    assert watcher.progress.step_mode == "explicit"
+    model(torch.randn(2, 3))
+    optimizer.step()
+    assert watcher.progress.step == 5  # hooks no longer count once step() is used
+
+
+def test_loss_found_in_model_output() -> None:
+    scalar = torch.tensor(2.0)
+    assert find_loss(scalar) is scalar
+    assert find_loss({"loss": scalar, "logits": torch.ones(3)}) is scalar
+    assert find_loss(type("Out", (), {"loss": scalar})()) is scalar
+    assert find_loss(torch.ones(3)) is None
+    assert find_loss((scalar,)) is None
+
+
+def test_loss_reader_cpu_and_python_values() -> None:
+    reader = LossReader()
+    assert reader.poll() is None
+    reader.submit(torch.tensor(1.5))
+    assert reader.poll() == 1.5
+    reader.submit(2)
+    assert reader.poll() == 2.0
+    reader.submit(torch.ones(3))  # not a scalar: ignored, last value kept
+    assert reader.poll() == 2.0
+    reader.submit(torch.tensor(float("nan")))
+    value = reader.poll()
+    assert value != value  # NaN is reported, not hidden
+
+
+def test_collective_wrappers_time_and_name_the_op(receiver: Receiver, rank_env) -> None:
+    port = free_port_pair()
+    watcher = ddpwatch.attach(addr=f"127.0.0.1:{receiver.collector.port}")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        assert watcher.identity.world_size == 1 and watcher.identity.backend == "gloo"
+        progress = watcher.progress
+        assert getattr(dist.all_reduce, "__ddpwatch__", False)
+        progress.enter_collective("all_reduce")
+        in_flight = progress.in_flight()
+        progress.exit_collective()
+        assert in_flight is not None and in_flight.op == "all_reduce" and in_flight.seq == 1
+        dist.all_reduce(torch.ones(1))
+        dist.barrier()
+        ddpwatch.step()
+        assert progress.collective_seq == 3
+        assert progress.collective_op is None
+        assert progress.collective_time_s is not None and progress.collective_time_s >= 0
+        record = receiver.wait_for(
+            lambda s: s.ranks.get(0) if s.ranks.get(0) and s.ranks[0].phase == "train" else None
+        )
+        assert record.backend == "gloo"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_flight_recorder_entries_pick_the_oldest_active() -> None:
+    now = 1000.0
+    entries = [
+        {
+            "state": "completed",
+            "collective_seq_id": 4,
+            "profiling_name": "gloo:all_reduce",
+            "time_created_ns": 900e9,
+            "process_group": ["0", "default_pg"],
+        },
+        {
+            "state": "scheduled",
+            "collective_seq_id": 6,
+            "profiling_name": "gloo:broadcast",
+            "time_created_ns": 996e9,
+            "process_group": ["0", "default_pg"],
+        },
+        {
+            "state": "scheduled",
+            "collective_seq_id": 5,
+            "profiling_name": "gloo:all_reduce",
+            "time_created_ns": 995e9,
+            "process_group": ["0", "default_pg"],
+        },
+        {
+            "state": "scheduled",
+            "collective_seq_id": 1,
+            "profiling_name": "gloo:send",
+            "is_p2p": True,
+            "time_created_ns": 1e9,
+        },
+    ]
+    active = oldest_active(entries, now)
+    assert active is not None and active.op == "all_reduce" and active.seq == 5
+    assert active.since_s == pytest.approx(5.0)
+    sub = oldest_active([{**entries[1], "process_group": ["3", "tp"]}], now)
+    assert sub is not None and sub.op == "broadcast[pg 3]"
+    assert oldest_active(entries[:1], now) is None
+
+
+def test_flight_recorder_defaults_follow_the_users_choice(caplog) -> None:
+    env: dict[str, str] = {}
+    ensure_flight_recorder("2.5.1", env)
+    assert env == {"TORCH_FR_BUFFER_SIZE": "2000"}
+    env = {}
+    ensure_flight_recorder("2.13.0+cpu", env)
+    assert env == {}  # on by default there
+    env = {"TORCH_FR_BUFFER_SIZE": "0"}
+    with caplog.at_level("WARNING", logger="ddpwatch"):
+        ensure_flight_recorder("2.5.1", env)
+    assert env == {"TORCH_FR_BUFFER_SIZE": "0"}  # never overrides the user
+    assert "disables the flight recorder" in caplog.text
+
+
+def test_main_thread_stack_while_it_waits() -> None:
+    ready = threading.Event()
+    stacks: list[str | None] = []
+
+    def grab() -> None:
+        ready.wait()
+        time.sleep(0.1)
+        stacks.append(main_thread_stack(threading.main_thread().ident))
+
+    thread = threading.Thread(target=grab)
+    thread.start()
+    ready.set()
+    time.sleep(0.3)
+    thread.join()
+    assert stacks[0] is not None and "test_main_thread_stack_while_it_waits" in stacks[0]
+
+
+def test_publisher_never_blocks_without_a_server() -> None:
+    port = free_port_pair()  # nobody listens here
+    publisher = Publisher(
+        f"tcp://127.0.0.1:{port}", 0.05, lambda: [Sample(v=1, rank=0, t=time.time())]
+    )
+    publisher.start()
+    started = time.perf_counter()
+    for i in range(QUEUE_LEN * 3):
+        publisher.publish(Event(v=1, rank=0, t=time.time(), event="log", text=str(i)))
+    assert time.perf_counter() - started < 1.0
+    assert len(publisher._queue) <= QUEUE_LEN
+    assert publisher.flush(2.0)
+    stop_started = time.perf_counter()
+    publisher.stop()
+    assert time.perf_counter() - stop_started < 1.5
+    assert publisher.dropped > 0 and not publisher.alive
+
+
+def test_progress_step_timing_and_data_wait() -> None:
+    progress = Progress()
+    progress.end_step()
+    time.sleep(0.02)
+    progress.forward_started()
+    assert progress.data_wait_s is not None and progress.data_wait_s >= 0.015
+    assert progress.phase == "forward"
+    progress.end_step()
+    assert progress.step == 2 and progress.step_time_s >= 0.015
+    progress.pinned = 1
+    progress.auto_phase("backward")
+    assert progress.phase == "forward"  # a user phase() block is not overwritten by hooks
+
+
+CRASHING_RANK = """
+import os, sys, time
+import ddpwatch
+ddpwatch.attach(addr=sys.argv[1])
+ddpwatch.step(0.5)
+time.sleep(0.6)
+raise ValueError("bad batch shape (3, 5)")
+"""
+
+TERMINATED_RANK = """
+import os, signal, sys, time
+import ddpwatch
+ddpwatch.attach(addr=sys.argv[1])
+ddpwatch.step(0.5)
+time.sleep(0.6)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+"""
+
+
+def _run_rank(code: str, port: int) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}
+    return subprocess.run(
+        [sys.executable, "-c", code, f"127.0.0.1:{port}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_crash_is_reported_with_traceback_and_the_process_dies_as_before(
+    receiver: Receiver,
+) -> None:
+    result = _run_rank(CRASHING_RANK, receiver.collector.port)
+    assert result.returncode == 1
+    assert "ValueError: bad batch shape (3, 5)" in result.stderr  # the user's excepthook still ran
+    record = receiver.wait_for(
+        lambda s: s.ranks.get(3) if s.ranks.get(3) and s.ranks[3].error else None
+    )
+    assert record.error.type == "ValueError"
+    assert record.error.message == "bad batch shape (3, 5)"
+    assert "<string>" in record.error.traceback
+    assert record.local_rank == 1 and record.world_size == 4
+    receiver.wait_for(lambda s: s.ranks[3].exit_time is not None)
+
+
+def test_sigterm_is_reported_then_the_process_dies_of_it(receiver: Receiver) -> None:
+    started = time.monotonic()
+    result = _run_rank(TERMINATED_RANK, receiver.collector.port)
+    assert result.returncode == -15
+    assert time.monotonic() - started < 5
+    record = receiver.wait_for(
+        lambda s: s.ranks.get(3) if s.ranks.get(3) and s.ranks[3].exit_time else None
+    )
+    assert record.exit_signal == "SIGTERM"
+
+
+def test_fault_inside_the_agent_never_reaches_training(receiver: Receiver, rank_env) -> None:
+    watcher = ddpwatch.attach(addr=f"127.0.0.1:{receiver.collector.port}", interval=0.05)
+
+    def broken() -> None:
+        raise RuntimeError("probe exploded")
+
+    watcher.progress.on_step = broken  # runs on the training thread every 64 steps
+    ddpwatch.step()  # step 1 calls it: must not raise
+    watcher._heartbeat = broken  # the publisher thread's work fails too
+    watcher.publisher._heartbeat = broken
+    time.sleep(0.2)
+    assert watcher.publisher.alive
+    ddpwatch.step()
