@@ -1,0 +1,203 @@
+"""Collector, service and CLI over real ZeroMQ sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+import zmq
+from conftest import ROOT, LiveServer, free_port_pair
+
+from ddpwatch.cli import fetch_status, format_status, main
+from ddpwatch.protocol import Collective, ErrorInfo, Event, Sample, encode
+from ddpwatch.server.alerts import Thresholds
+from ddpwatch.server.collector import BindError, Collector
+from ddpwatch.server.service import AlertChange, diff_alerts
+from ddpwatch.server.state import ServerState
+from ddpwatch.server.status import status_document
+
+RANK_FIELDS = {
+    "rank", "local_rank", "world_size", "host", "pid", "device", "device_uuid", "state", "phase",
+    "step", "loss", "step_time_s", "mem_allocated_bytes", "mem_reserved_bytes", "gpu_mem_used_bytes",
+    "gpu_mem_total_bytes", "collective", "last_seen_s", "stack", "error",
+}  # fmt: skip
+
+
+def push(port: int, frames: list[bytes]) -> None:
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    for frame in frames:
+        sock.send(frame)
+    sock.close()
+
+
+def sample(rank: int, **fields) -> bytes:
+    base = {
+        "world_size": 3,
+        "host": "node-a",
+        "pid": 100 + rank,
+        "local_rank": rank,
+        "device": "cpu",
+    }
+    return encode(Sample(v=1, rank=rank, t=time.time(), **{**base, **fields}))
+
+
+@pytest.fixture
+def server(port: int):
+    live = LiveServer(port, Thresholds(stall_after=3.0))
+    yield live
+    live.stop()
+
+
+def test_status_document_follows_the_contract(server: LiveServer) -> None:
+    push(server.port, [sample(0, step=5, loss=0.5), sample(1, step=5, loss=float("nan"))])
+    status = server.wait_for(
+        lambda s: s if len(s["ranks"]) == 3 and s["stats"]["received"] == 2 else None, 10
+    )
+    assert status["schema"] == 1 and status["world_size"] == 3
+    assert set(status) >= {"schema", "server_time", "world_size", "ranks", "alerts", "stats"}
+    assert [r["rank"] for r in status["ranks"]] == [0, 1, 2]
+    for rank in status["ranks"]:
+        assert set(rank) >= RANK_FIELDS  # every field present, unknown ones null
+    assert status["ranks"][2]["state"] == "not_connected" and status["ranks"][2]["host"] is None
+    assert status["ranks"][1]["loss"] is None  # NaN is not JSON: null plus a nan_loss alert
+    json.dumps(status, allow_nan=False)
+    nan = server.wait_for(
+        lambda s: next((a for a in s["alerts"] if a["kind"] == "nan_loss"), None), 5
+    )
+    assert nan["ranks"] == [1]
+    for alert in status["alerts"] + [nan]:
+        assert set(alert) == {"kind", "severity", "ranks", "waiting", "message", "hint"}
+
+
+def test_bad_frames_are_counted_and_dropped(server: LiveServer) -> None:
+    bad = [
+        b"",
+        b"not msgpack",
+        msgspec.msgpack.encode([1, 2]),
+        msgspec.msgpack.encode({"v": 2, "type": "sample", "rank": 0, "t": 1.0}),
+    ]
+    push(server.port, [*bad, sample(0, step=1)])
+    status = server.wait_for(
+        lambda s: s if s["stats"]["rejected"] == 4 and s["stats"]["received"] == 1 else None, 10
+    )
+    assert [r["rank"] for r in status["ranks"] if r["state"] != "not_connected"] == [0]
+    # multipart messages are not part of the protocol either
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(f"tcp://127.0.0.1:{server.port}")
+    sock.send_multipart([sample(0), sample(1)])
+    sock.close()
+    server.wait_for(lambda s: s["stats"]["rejected"] == 5, 10)
+
+
+def test_status_query_and_cli(server: LiveServer, capsys) -> None:
+    push(server.port, [sample(0, step=3), sample(1, step=3), sample(2, step=3)])
+    server.wait_for(lambda s: s["stats"]["received"] == 3, 10)
+    document = fetch_status("127.0.0.1", server.port, 2.0)
+    assert document is not None and len(document["ranks"]) == 3
+    assert main(["status", "--port", str(server.port), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 3
+    assert main(["status", "--port", str(server.port)]) == 0
+    table = capsys.readouterr().out
+    assert "node-a" in table and "3/3 ranks" in table
+
+
+def test_status_without_a_server_fails_in_one_line(capsys) -> None:
+    port = free_port_pair()
+    started = time.monotonic()
+    assert main(["status", "--port", str(port), "--timeout", "0.5"]) == 1
+    assert time.monotonic() - started < 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no server answered" in err
+
+
+def test_unknown_query_gets_an_error_not_a_hang(server: LiveServer) -> None:
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{server.port + 1}")
+    sock.send(b"drop tables")
+    assert sock.poll(2000)
+    assert "error" in json.loads(sock.recv())
+    sock.close()
+
+
+def test_second_server_on_the_same_port_gets_a_clear_error(server: LiveServer) -> None:
+    with pytest.raises(BindError, match="already in use"):
+        Collector(ServerState(started=0.0), lambda: b"", "127.0.0.1", server.port)
+
+
+def test_restarted_worker_starts_a_fresh_record() -> None:
+    state = ServerState(started=0.0)
+    state.apply(Sample(v=1, rank=0, t=0, pid=1, step=50), 1.0)
+    state.apply(Event(v=1, rank=0, t=0, event="crash", error=ErrorInfo(type="E")), 2.0)
+    state.apply(Sample(v=1, rank=0, t=0, pid=2, step=1), 3.0)
+    record = state.ranks[0]
+    assert record.pid == 2 and record.error is None and record.step == 1
+
+
+def test_collective_age_grows_between_samples() -> None:
+    state = ServerState(started=0.0)
+    state.apply(
+        Sample(v=1, rank=0, t=0, step=1, collective=Collective(op="barrier", seq=3, since_s=2.0)),
+        10.0,
+    )
+    assert state.ranks[0].collective_age(12.5) == pytest.approx(4.5)
+    doc = status_document(state, [], 12.5, Thresholds())
+    assert doc["ranks"][0]["collective"] == {"op": "barrier", "seq": 3, "since_s": 4.5}
+
+
+def test_alert_diff_raises_and_clears_by_kind_and_culprits() -> None:
+    from ddpwatch.server.alerts import Alert
+
+    a = Alert("straggler", "warning", (1,), (0,), "m", "h")
+    a2 = Alert("straggler", "error", (1,), (0, 2), "m2", "h")
+    b = Alert("silent", "error", (2,), (), "m", "h")
+    assert diff_alerts({}, [a]) == [AlertChange("raised", a)]
+    assert diff_alerts({a.key: a}, [a2]) == []  # same alert, updated numbers
+    assert diff_alerts({a.key: a}, [b]) == [AlertChange("cleared", a), AlertChange("raised", b)]
+
+
+def test_serve_headless_prints_alert_lines_and_exits_on_sigterm() -> None:
+    port = free_port_pair()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpwatch", "serve", "--headless", "--port", str(port), "--silent-after", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        time.sleep(1.0)
+        push(port, [sample(0, step=1), sample(1, step=1), sample(2, step=1)])
+        line = proc.stdout.readline()  # all three go silent after 1 s
+        change = json.loads(line)
+        assert change["event"] == "raised" and change["alert"]["kind"] == "silent"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0
+    assert "listening" in err
+
+
+def test_serve_reports_a_taken_port_in_one_line(server: LiveServer) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ddpwatch", "serve", "--headless", "--port", str(server.port)],
+        capture_output=True, text=True, timeout=30, env={**os.environ},
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0 and "already in use" in result.stderr
+
+
+def test_format_status_handles_missing_values() -> None:
+    state = ServerState(started=0.0)
+    state.apply(Sample(v=1, rank=1, t=0, world_size=2), 1.0)
+    text = format_status(status_document(state, [], 1.0, Thresholds()))
+    assert "not_connected" in text and "1/2 ranks" in text
