@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from ddpwatch.demo.runner import stop_job
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.service import AlertChange, Server
 
@@ -138,8 +139,7 @@ class Job:
         return self.proc.returncode, out
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 9)
+        stop_job(self.proc, grace=3.0)
 
 
 @pytest.fixture

@@ -133,3 +133,18 @@ def test_training_completes_without_a_server(port: int, jobs) -> None:
     assert "Traceback" not in out
     assert "ddpwatch" not in out, out
     assert time.monotonic() - started < 60
+
+
+def test_startup_hang_names_the_rank_that_never_reached_rendezvous(port: int, jobs) -> None:
+    server = LiveServer(port, Thresholds(startup_after=3.0))
+    try:
+        jobs("faults.py", 3, ["--fault", "hang-startup", "--rank", "2", "--sleep", "30"], port)
+        alert = server.wait_for(alert_of("startup_hang"), timeout=60)
+        assert alert["ranks"] == [2]
+        assert alert["waiting"] == [0, 1]
+        assert "rendezvous" in alert["message"]
+        status = server.server.status()
+        assert status["ranks"][0]["phase"] == "rendezvous"
+        assert status["ranks"][2]["phase"] == "started"
+    finally:
+        server.stop()
