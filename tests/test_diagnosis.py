@@ -243,8 +243,17 @@ def test_healthy_job_through_apply_raises_nothing() -> None:
         t += 0.1
         for r in range(4):
             collective = Collective(op="all_reduce", seq=step, since_s=0.002) if r == 3 else None
-            sample = Sample(v=1, rank=r, t=t, step=step, loss=1.0, avg_step_time_s=0.1,
-                            collective_time_s=0.01, phase="forward", collective=collective)  # fmt: skip
+            sample = Sample(
+                v=1,
+                rank=r,
+                t=t,
+                step=step,
+                loss=1.0,
+                avg_step_time_s=0.1,
+                collective_time_s=0.01,
+                phase="forward",
+                collective=collective,
+            )
             state.apply(sample, t)
     assert diagnose(state, t + 0.2, TH) == []
 
@@ -503,6 +512,12 @@ def test_every_rank_waiting_in_one_collective_is_stalled(age: float, fires: bool
         assert alerts == []
 
 
+def test_all_waiting_counts_from_the_last_rank_to_enter() -> None:
+    state = job(3, **waiting_in("all_reduce", 20, 20.0))
+    state.ranks[1] = rank(1, 3, **waiting_in("all_reduce", 20, 0.3))  # it just arrived
+    assert diagnose(state, NOW, TH) == []
+
+
 def test_all_waiting_with_a_missing_rank_is_not_a_network_stall() -> None:
     state = job(4, **waiting_in("all_reduce", 42, 12.0))
     del state.ranks[3]
@@ -603,6 +618,21 @@ def test_nan_loss_message() -> None:
     assert rule_nan_loss(job(2), NOW, TH) == []
 
 
+def test_nan_loss_names_the_rank_that_went_bad_first() -> None:
+    state = job(3, loss=math.nan, nan_step=9)
+    state.ranks[1] = rank(1, 3, loss=math.nan, nan_step=8)  # DDP spread it to the others
+    alert = only(rule_nan_loss(state, NOW, TH), "nan_loss")
+    assert (alert.ranks, alert.waiting) == ((1,), (0, 2))
+    assert alert.message == "rank 1 loss is nan since step 8 and ranks 0, 2 followed from step 9"
+
+
+def test_step_skew_after_a_pause_uses_the_current_step_rate() -> None:
+    # the average still holds a 20 s pause; the job now runs 20 steps/s again
+    state = job(3, avg_step_time_s=1.0, step_time_s=0.05)
+    state.ranks[1] = rank(1, 3, step=490, avg_step_time_s=1.0, step_time_s=0.05)
+    assert rule_step_skew(state, NOW, TH) == []
+
+
 def test_slow_rank() -> None:
     state = job(4, avg_step_time_s=0.2, collective_time_s=0.1)
     state.ranks[3] = rank(3, avg_step_time_s=0.2, collective_time_s=0.01)
@@ -668,8 +698,19 @@ def test_startup_hang_unknown_phase_counts_after_train() -> None:
     assert (alert.severity, alert.ranks, alert.waiting) == ("error", (1,), (0,))
 
 
-def test_startup_hang_quiet_before_the_threshold() -> None:
-    state = state_of(starting(0, "rendezvous", 30), starting(1, "started", 30))
+@pytest.mark.parametrize(
+    "state",
+    [
+        state_of(starting(0, "rendezvous", 30, 2), starting(1, "started", 30, 2)),  # too soon
+        state_of(starting(0, "forward", 100, 2), starting(1, "eval", 100, 2)),  # past startup
+        state_of(  # the last rank has just joined the others in rendezvous
+            starting(0, "rendezvous", 70, 3),
+            starting(1, "rendezvous", 0.3, 3),
+            starting(2, "rendezvous", 70, 3),
+        ),
+    ],
+)
+def test_startup_hang_quiet(state: ServerState) -> None:
     assert rule_startup_hang(state, NOW, TH) == []
 
 
@@ -705,8 +746,9 @@ def test_not_connected_ignores_ranks_beyond_the_world() -> None:
 
 def gpu(r: int, index: int, local: int | None = None, **changes: Any) -> RankRecord:
     local = r if local is None else local
-    return rank(r, device=f"cuda:{index}", device_index=index, local_rank=local,
-                device_count=4, **changes)  # fmt: skip
+    return rank(
+        r, device=f"cuda:{index}", device_index=index, local_rank=local, device_count=4, **changes
+    )
 
 
 def test_duplicate_device_names_the_rank_on_the_wrong_gpu() -> None:
@@ -847,9 +889,13 @@ def test_scale_8192_ranks() -> None:
     state = ServerState(started=0.0)
     for r in range(world):
         state.ranks[r] = rank(
-            r, world, host=f"node{r // 8}", local_rank=r % 8, local_world_size=8,
+            r,
+            world,
+            host=f"node{r // 8}",
+            local_rank=r % 8,
+            local_world_size=8,
             **waiting_in("all_reduce", 42, 12.4),
-        )  # fmt: skip
+        )
     everyone = only(diagnose(state, NOW, TH), "stalled")  # the whole world waits: a network stall
     assert len(everyone.ranks) == world
     state.ranks[4097] = rank(4097, world, host="node512", local_rank=1, stack=STACK)
@@ -867,3 +913,24 @@ def test_scale_8192_ranks() -> None:
     assert [(a.kind, a.ranks) for a in alerts] == [("silent", (77,))]
     assert len(alerts[0].waiting) == world - 1
     assert len(alerts[0].message) < 400
+
+
+def test_straggler_recovery_does_not_blame_the_ranks_that_went_on_first() -> None:
+    """Rank 1 finished the collective and stepped on before rank 0's next heartbeat."""
+    state = job(2)
+    state.ranks[0] = rank(0, 2, step=500, **waiting_in("all_reduce", 7, 8.0))
+    state.ranks[1] = rank(1, 2, step=501, last_step_at=NOW - 0.1)
+    assert rule_straggler(state, NOW, TH) == []
+
+
+def test_straggler_far_ahead_or_busy_without_stepping_is_still_named() -> None:
+    # extra batches on rank 1 while rank 0 waits in the final barrier
+    ahead = job(2)
+    ahead.ranks[0] = rank(0, 2, step=500, **waiting_in("barrier", 9, 8.0))
+    ahead.ranks[1] = rank(1, 2, step=540, last_step_at=NOW - 0.1)
+    assert only(rule_straggler(ahead, NOW, TH), "straggler").ranks == (1,)
+    # rank 1 evaluates alone (forward passes, no steps) while rank 0 waits
+    busy = job(2)
+    busy.ranks[0] = rank(0, 2, step=500, **waiting_in("barrier", 9, 8.0))
+    busy.ranks[1] = rank(1, 2, step=500, last_progress=NOW - 0.05, last_step_at=NOW - 9.0)
+    assert only(rule_straggler(busy, NOW, TH), "straggler").ranks == (1,)

@@ -71,6 +71,7 @@ FULL_SAMPLE = Sample(
     avg_step_time_s=0.2,
     data_wait_s=0.01,
     collective_time_s=0.05,
+    forwards=1234,
     collective=Collective(op="all_reduce", seq=987, since_s=12.5),
     mem_allocated_bytes=3 << 30,
     mem_reserved_bytes=4 << 30,

@@ -85,6 +85,7 @@ class Sample(Identity, tag="sample"):
     data_wait_s: float | None = None
     collective_time_s: float | None = None
     collective: Collective | None = None
+    forwards: NonNegInt | None = None
     mem_allocated_bytes: NonNegInt | None = None
     mem_reserved_bytes: NonNegInt | None = None
     mem_peak_bytes: NonNegInt | None = None

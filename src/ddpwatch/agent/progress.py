@@ -24,6 +24,7 @@ class Progress:
     def __init__(self) -> None:
         now = time.perf_counter()
         self.step: int | None = None
+        self.forwards = 0
         self.step_mode: str | None = None  # "explicit", "optimizer" or "forward"
         self.last_step_end: float | None = None
         self.step_time_s: float | None = None
@@ -82,9 +83,13 @@ class Progress:
                 self.on_step()
 
     def forward_started(self) -> None:
-        """Measure the time between the end of a step and the next forward: data loading."""
+        """Count a forward pass (progress even without steps, as in evaluation) and
+        measure the time since the end of the last step: data loading."""
+        now = time.perf_counter()
+        self.forwards += 1
+        self.last_progress = now
         if self.waiting_for_data and self.last_step_end is not None:
-            self.data_wait_s = time.perf_counter() - self.last_step_end
+            self.data_wait_s = now - self.last_step_end
             self.waiting_for_data = False
         self.auto_phase("forward")
 

@@ -229,6 +229,7 @@ class Watcher:
             data_wait_s=progress.data_wait_s,
             collective_time_s=progress.collective_time_s,
             collective=collective,
+            forwards=progress.forwards or None,
         )
         messages: list[AnyMessage] = [sample]
         stack = self._stack_if_stuck()

@@ -18,15 +18,15 @@ import math
 import re
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import Protocol
 
 from ddpwatch.protocol import ErrorInfo
 from ddpwatch.server.alerts import Alert, Severity, Thresholds
 from ddpwatch.server.knowledge import TIMEOUT_NAMES, Signature, explain_error
 from ddpwatch.server.state import RankRecord, ServerState
-
-Rule = Callable[[ServerState, float, Thresholds], list[Alert]]
 
 GIB = float(1 << 30)
 MAX_LISTED = 8  # rank runs written out before "and N more"
@@ -45,7 +45,7 @@ _SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
 
 def format_ranks(ranks: Iterable[int], limit: int = MAX_LISTED) -> str:
-    """ "rank 3", "ranks 0, 2", "ranks 0-5, 9"; huge lists end with "and 8000 more".
+    """Write ranks as "rank 3", "ranks 0, 2" or "ranks 0-5, 9"; huge lists end "and 8000 more".
 
     Runs of three or more collapse to "a-b" so 8192 ranks stay one short phrase.
     """
@@ -94,7 +94,7 @@ def _collective_name(op: str, seq: int | None) -> str:
 
 
 def location(stack: str | None) -> str | None:
-    """ "train.py:88": the innermost frame of a formatted stack that is the user's own code.
+    """Return "train.py:88", the innermost frame of a formatted stack in the user's own code.
 
     Frames inside ddpwatch, torch, threading or installed packages say nothing about
     where the user's program is, so they are skipped.
@@ -119,7 +119,7 @@ def _record_location(record: RankRecord) -> str | None:
 
 
 def _where(record: RankRecord) -> str:
-    """ "in 'forward' at step 311, train.py:88" — whatever of that is known."""
+    """Describe where a rank is: "in 'forward' at step 311, train.py:88", as far as known."""
     parts = []
     if record.phase:
         parts.append(f"in '{record.phase}'")
@@ -130,19 +130,6 @@ def _where(record: RankRecord) -> str:
 
 
 # --------------------------------------------------------------------------- rank state
-
-
-def _is_live(record: RankRecord, now: float, th: Thresholds) -> bool:
-    """Still sending heartbeats and not finished."""
-    return not record.finished and now - record.last_seen <= th.silent
-
-
-def _is_silent(record: RankRecord, now: float, th: Thresholds) -> bool:
-    return not record.finished and now - record.last_seen > th.silent
-
-
-def _live(state: ServerState, now: float, th: Thresholds) -> list[RankRecord]:
-    return [r for r in state.ranks.values() if _is_live(r, now, th)]
 
 
 def rank_state(record: RankRecord, now: float, th: Thresholds, stall_after: float) -> str:
@@ -160,7 +147,7 @@ def rank_state(record: RankRecord, now: float, th: Thresholds, stall_after: floa
     return "running"
 
 
-def _median(values: Iterable[float]) -> float | None:
+def _median(values: Iterable[float | None]) -> float | None:
     data = [v for v in values if v is not None and v > 0]
     return statistics.median(data) if data else None
 
@@ -210,6 +197,79 @@ def _world_complete(state: ServerState, live: Sequence[RankRecord]) -> bool:
     return sum(1 for r in live if r.rank < size) == size
 
 
+class Facts:
+    """What several rules need, worked out at most once per ``diagnose`` call.
+
+    A rule called alone builds its own; ``diagnose`` shares one between all rules so
+    that 8192 ranks cost a few linear passes, not one per rule.
+    """
+
+    def __init__(self, state: ServerState, now: float, th: Thresholds) -> None:
+        self.state = state
+        self.now = now
+        self.th = th
+
+    @cached_property
+    def records(self) -> list[RankRecord]:
+        return list(self.state.ranks.values())
+
+    @cached_property
+    def live(self) -> list[RankRecord]:
+        """Ranks still sending heartbeats and not finished."""
+        now, silent = self.now, self.th.silent
+        return [
+            r
+            for r in self.records
+            if r.error is None and r.exit_time is None and now - r.last_seen <= silent
+        ]
+
+    @cached_property
+    def stall_after(self) -> float:
+        return effective_stall_after(self.state, self.th)
+
+    @cached_property
+    def collective_limit(self) -> float:
+        return _collective_threshold(self.live, self.stall_after)
+
+    @cached_property
+    def signatures(self) -> dict[int, Signature | None]:
+        """The knowledge base's reading of every crashed rank's error."""
+        return {r.rank: explain_error(r.error) for r in self.records if r.error is not None}
+
+    @cached_property
+    def cascade(self) -> _Cascade:
+        return _cascade(self)
+
+    @cached_property
+    def straggle(self) -> _Straggle | None:
+        return _find_straggle(self.live, self.now, self.collective_limit)
+
+    @cached_property
+    def duplicate_groups(self) -> list[list[RankRecord]]:
+        return _duplicate_groups(self.live)
+
+    @cached_property
+    def ordinal_suspects(self) -> list[RankRecord]:
+        return _ordinal_suspects(self.live)
+
+    def crashes_of_kind(self, kind: str) -> list[RankRecord]:
+        """Crashed ranks whose error the knowledge base ties to alert ``kind``, by rank."""
+        found = [
+            self.state.ranks[rank]
+            for rank, sig in self.signatures.items()
+            if sig is not None and sig.kind == kind
+        ]
+        return sorted(found, key=lambda r: r.rank)
+
+
+class Rule(Protocol):
+    """A diagnosis rule: pure, over the state at ``now``; ``facts`` only saves work."""
+
+    def __call__(
+        self, state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+    ) -> list[Alert]: ...
+
+
 # --------------------------------------------------------------------------- cascade
 
 
@@ -222,7 +282,6 @@ class _Root:
     time: float
     records: list[RankRecord]
     signature: Signature | None = None
-    waiting: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -259,17 +318,18 @@ def _group(
     root.time = min(root.time, t)
 
 
-def _cascade(state: ServerState, now: float, th: Thresholds) -> _Cascade:
+def _cascade(facts: Facts) -> _Cascade:
     """Split finished and silent ranks into roots and victims (one linear pass)."""
+    now, silent_after = facts.now, facts.th.silent
     primary: dict[tuple, _Root] = {}
     timeouts: dict[tuple, _Root] = {}
     silent: list[RankRecord] = []
     symptoms: list[RankRecord] = []
     stopped: list[RankRecord] = []
     blocked: list[int] = []
-    for record in state.ranks.values():
+    for record in facts.records:
         if record.error is not None:
-            signature = explain_error(record.error)
+            signature = facts.signatures[record.rank]
             t = record.error_time if record.error_time is not None else record.last_seen
             if signature is not None and signature.peer_failure:
                 symptoms.append(record)
@@ -285,17 +345,21 @@ def _cascade(state: ServerState, now: float, th: Thresholds) -> _Cascade:
             elif not _is_clean_exit(record):
                 key = ("exit", record.exit_code, record.exit_signal)
                 _group(primary, key, "exited", record, record.exit_time)
-        elif now - record.last_seen > th.silent:
+        elif now - record.last_seen > silent_after:
             silent.append(record)
         elif record.collective is not None:
             blocked.append(record.rank)
-    first_other = min((root.time for root in primary.values()), default=math.inf)
     if silent:
-        # A rank that kept beating after another failed was most likely killed by the
-        # launcher: it is a victim of that failure, not a second root.
-        early = [r for r in silent if r.last_seen < first_other]
-        late = [r for r in silent if r.last_seen >= first_other]
-        stopped.extend(late)
+        # A rank that still sent heartbeats after another one failed was alive when the
+        # cascade began (the launcher killed it later): a victim, not a second root.
+        cutoff = min(
+            [root.time for root in primary.values()]
+            + [r.error_time or r.last_seen for r in symptoms]
+            + [r.exit_time or r.last_seen for r in stopped],
+            default=math.inf,
+        )
+        early = [r for r in silent if r.last_seen < cutoff]
+        stopped.extend(r for r in silent if r.last_seen >= cutoff)
         if early:
             root = _Root("silent", [r.rank for r in early], min(r.last_seen for r in early), early)
             primary[("silent",)] = root
@@ -309,17 +373,13 @@ def _cascade(state: ServerState, now: float, th: Thresholds) -> _Cascade:
     return _Cascade(roots, symptoms, stopped, blocked)
 
 
-def _has_root(state: ServerState, now: float, th: Thresholds) -> bool:
-    return bool(_cascade(state, now, th).roots)
-
-
-def _root_alert(root: _Root, now: float) -> Alert:
+def _root_alert(root: _Root, waiting: list[int], now: float) -> Alert:
     """The alert for one root: what failed first, why, and what to do."""
     ranks = sorted(root.ranks)
     first = min(root.records, key=lambda r: (r.error_time or r.exit_time or r.last_seen, r.rank))
     who = format_ranks(ranks)
     if root.kind == "silent":
-        return _silent_alert(root, ranks, first, now)
+        return _silent_alert(root, ranks, waiting, now)
     if root.kind == "exited":
         how = f"signal {first.exit_signal}" if first.exit_signal else f"exit code {first.exit_code}"
         message = f"{who} exited with {how} {_where(first)}"
@@ -327,41 +387,43 @@ def _root_alert(root: _Root, now: float) -> Alert:
             "read the rank's own log: it ended without a Python exception (sys.exit, a crash "
             "in C++ code, or a signal from outside such as the OOM killer)"
         )
-        return _alert("exited", "error", ranks, root.waiting, message, hint)
+        return _alert("exited", "error", ranks, waiting, message, hint)
     assert first.error is not None
     signature = root.signature
     error = f"{first.error.type}: {_first_line(first.error.message)}".rstrip(": ")
     message = f"{who} crashed {_where(first)} with {error}"
     if signature is not None:
         message += f" — {signature.cause}"
-    if root.waiting:
-        message += f"; {format_ranks(root.waiting)} failed or wait because of it"
+    if waiting:
+        message += f"; {format_ranks(waiting)} failed or wait because of it"
     hint = (
         signature.hint
         if signature is not None
         else f"read the traceback of {format_ranks(ranks[:1])} (ddpwatch status --json shows "
         "it); the other ranks only failed because it died"
     )
-    return _alert("crashed", "error", ranks, root.waiting, message, hint)
+    return _alert("crashed", "error", ranks, waiting, message, hint)
 
 
-def _silent_alert(root: _Root, ranks: list[int], first: RankRecord, now: float) -> Alert:
+def _silent_alert(root: _Root, ranks: list[int], waiting: list[int], now: float) -> Alert:
     who = format_ranks(ranks)
-    quiet = max(now - r.last_seen for r in root.records)
+    first = min(root.records, key=lambda r: (r.last_seen, r.rank))
+    quiet = now - first.last_seen
+    n = len(ranks)
     message = (
-        f"{who} {_verb(len(ranks), 'has', 'have')} sent no heartbeat for {_seconds(quiet)}, "
-        f"last {_where(first)}; it was probably killed (kill -9, the OOM killer) or is stuck "
-        "in native code holding the GIL"
+        f"{who} {_verb(n, 'has', 'have')} sent no heartbeat for {_seconds(quiet)}, last "
+        f"{_where(first)}; {_verb(n, 'it was', 'they were')} probably killed (kill -9, the OOM "
+        f"killer) or {_verb(n, 'is', 'are')} stuck in native code holding the GIL"
     )
-    if root.waiting:
-        message += f"; {format_ranks(root.waiting)} failed or wait because of it"
+    if waiting:
+        message += f"; {format_ranks(waiting)} failed or wait because of it"
     where = f" on host {first.host}" if first.host else ""
     pid = f"py-spy dump --pid {first.pid}" if first.pid else "py-spy dump --pid PID"
     hint = (
         f"check the launcher's log and dmesg (OOM killer){where}; if the process still runs, "
         f"{pid} shows where it hangs"
     )
-    return _alert("silent", "error", ranks, root.waiting, message, hint)
+    return _alert("silent", "error", ranks, waiting, message, hint)
 
 
 def _no_root_alerts(cascade: _Cascade, now: float, th: Thresholds) -> list[Alert]:
@@ -405,34 +467,37 @@ def _no_root_alerts(cascade: _Cascade, now: float, th: Thresholds) -> list[Alert
     return [_alert("crashed", "error", [culprit_rank], waiting, message, hint)]
 
 
-def rule_cascade(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
+def rule_cascade(
+    state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+) -> list[Alert]:
     """Name the ranks that failed first; list everything that failed because of them."""
-    cascade = _cascade(state, now, th)
+    f = facts or Facts(state, now, th)
+    cascade = f.cascade
     if not cascade.roots:
         return _no_root_alerts(cascade, now, th)
     victims = {r.rank for r in cascade.symptoms} | {r.rank for r in cascade.stopped}
     victims |= set(cascade.blocked)
     victims -= {rank for root in cascade.roots for rank in root.ranks}
-    cascade.roots[0].waiting = sorted(victims)
-    return [_root_alert(root, now) for root in cascade.roots]
-
-
-def rule_clean_exit(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
-    """A rank that finished while others still train: they hang in their next collective."""
-    exited = [
-        r
-        for r in state.ranks.values()
-        if r.exit_time is not None and r.error is None and _is_clean_exit(r)
+    first, *others = cascade.roots
+    return [_root_alert(first, sorted(victims), now)] + [
+        _root_alert(root, [], now) for root in others
     ]
-    if not exited:
+
+
+def rule_clean_exit(
+    state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+) -> list[Alert]:
+    """A rank that finished while others still train: they hang in their next collective."""
+    f = facts or Facts(state, now, th)
+    exited = [
+        r for r in f.records if r.exit_time is not None and r.error is None and _is_clean_exit(r)
+    ]
+    live = f.live
+    if not exited or not live:
         return []
-    live = _live(state, now, th)
-    if not live:
-        return []
-    stall_after = effective_stall_after(state, th)
-    limit = _collective_threshold(live, stall_after)
+    limit = f.collective_limit
     stuck = [r for r in live if (r.collective_age(now) or 0.0) > limit]
-    if not stuck and now - min(r.exit_time or now for r in exited) <= stall_after:
+    if not stuck and now - min(r.exit_time or now for r in exited) <= f.stall_after:
         return []  # ranks finishing apart at the end of a healthy run (rank 0 saving last)
     ranks = sorted(r.rank for r in exited)
     steps = sorted({r.step for r in exited if r.step is not None})
@@ -469,8 +534,9 @@ def rule_clean_exit(state: ServerState, now: float, th: Thresholds) -> list[Aler
 # --------------------------------------------------------------------------- collectives
 
 
+@lru_cache(maxsize=1024)
 def _normal_op(op: str) -> str:
-    """ "nccl:all_reduce", "ALLREDUCE" and "_allreduce_base" all name one collective."""
+    """One spelling per collective: "nccl:all_reduce", "ALLREDUCE", "_allreduce_base"."""
     name = op.rsplit(":", 1)[-1].lower()
     name = re.sub(r"[^a-z]", "", name)
     for suffix in ("intotensor", "coalesced", "base", "tensor"):
@@ -508,8 +574,25 @@ def _find_straggle(live: Sequence[RankRecord], now: float, limit: float) -> _Str
     waiting = groups[key]
     seq = waiting[0].collective.seq if waiting[0].collective else None
     op = Counter(r.collective.op for r in waiting if r.collective).most_common(1)[0][0]
-    culprits = [r for r in live if _has_not_entered(r, key, seq)]
+    reported = max(r.collective_seen or 0.0 for r in waiting)
+    waiting_step = max((r.step or 0) for r in waiting)
+    culprits = [
+        r
+        for r in live
+        if _has_not_entered(r, key, seq) and not _moved_on(r, reported, waiting_step)
+    ]
     return _Straggle(op, seq, age, waiting, culprits)
+
+
+def _moved_on(record: RankRecord, reported: float, waiting_step: int) -> bool:
+    """The rank stepped past the collective after the waiters' latest reports.
+
+    Then the collective has most likely completed and the waiters' next heartbeat
+    will say so: without this, every recovery from a straggler would briefly
+    blame the ranks that went on first. A rank far ahead (extra batches while
+    the others wait) still counts as a culprit.
+    """
+    return record.last_step_at > reported and (record.step or 0) <= waiting_step + 1
 
 
 def _has_not_entered(record: RankRecord, key: tuple, seq: int | None) -> bool:
@@ -522,19 +605,16 @@ def _has_not_entered(record: RankRecord, key: tuple, seq: int | None) -> bool:
     return own != key
 
 
-def _straggle(state: ServerState, now: float, th: Thresholds) -> _Straggle | None:
-    live = _live(state, now, th)
-    limit = _collective_threshold(live, effective_stall_after(state, th))
-    return _find_straggle(live, now, limit)
-
-
-def rule_straggler(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
+def rule_straggler(
+    state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+) -> list[Alert]:
     """Ranks wait in a collective that a live rank has not entered: name that rank."""
-    found = _straggle(state, now, th)
-    if found is None or _has_root(state, now, th):
+    f = facts or Facts(state, now, th)
+    found = f.straggle
+    if found is None or f.cascade.roots:
         return []
     if not found.culprits:
-        return _all_waiting(state, found, now, th)
+        return _all_waiting(f, found)
     culprits = sorted(found.culprits, key=lambda r: r.rank)
     waiting = sorted(r.rank for r in found.waiting)
     name = _collective_name(found.op, found.seq)
@@ -554,22 +634,24 @@ def rule_straggler(state: ServerState, now: float, th: Thresholds) -> list[Alert
         f"branch, slow data loading or I/O, or a collective that not every rank calls keeps it "
         f"from {name}"
     )
-    severity: Severity = "error" if found.age >= effective_stall_after(state, th) else "warning"
+    severity: Severity = "error" if found.age >= f.stall_after else "warning"
     return [_alert("straggler", severity, [r.rank for r in culprits], waiting, message, hint)]
 
 
-def _all_waiting(state: ServerState, found: _Straggle, now: float, th: Thresholds) -> list[Alert]:
+def _all_waiting(facts: Facts, found: _Straggle) -> list[Alert]:
     """Every rank is inside the same collective and it does not finish."""
-    live = _live(state, now, th)
-    stall_after = effective_stall_after(state, th)
-    if found.age <= stall_after or len(found.waiting) != len(live):
+    live = facts.live
+    if len(found.waiting) != len(live) or not _world_complete(facts.state, live):
         return []
-    if not _world_complete(state, live):
+    if len({_normal_op(r.collective.op) for r in live if r.collective}) > 1:
+        return []  # different collectives at one sequence number: collective_mismatch
+    age = min(r.collective_age(facts.now) or 0.0 for r in live)  # all have waited this long
+    if age <= facts.stall_after:
         return []
     ranks = sorted(r.rank for r in live)
     name = _collective_name(found.op, found.seq)
     message = (
-        f"all {len(ranks)} ranks have waited in {name} for {_seconds(found.age)} and none is "
+        f"all {len(ranks)} ranks have waited in {name} for {_seconds(age)} and none is "
         "missing from it"
     )
     hint = (
@@ -580,11 +662,14 @@ def _all_waiting(state: ServerState, found: _Straggle, now: float, th: Threshold
     return [_alert("stalled", "error", ranks, [], message, hint)]
 
 
-def rule_collective_mismatch(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
+def rule_collective_mismatch(
+    state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+) -> list[Alert]:
     """Ranks in different collectives at the same sequence number, or a mismatch crash."""
-    alerts = _mismatch_from_crashes(state)
+    f = facts or Facts(state, now, th)
+    alerts = _mismatch_from_crashes(f)
     by_seq: dict[int, dict[str, list[RankRecord]]] = defaultdict(lambda: defaultdict(list))
-    for r in _live(state, now, th):
+    for r in f.live:
         c = r.collective
         if c is not None and c.seq is not None:
             by_seq[c.seq][_normal_op(c.op)].append(r)
@@ -609,13 +694,9 @@ def _mismatch_alert(seq: int, ops: dict[str, list[RankRecord]]) -> Alert:
     else:
         culprits = sorted(r.rank for group in ranked[1:] for r in group)
         waiting = sorted(r.rank for r in majority)
-    parts = [
-        f"{format_ranks(r.rank for r in group)} called {_op_of(group)}"
-        for group in reversed(ranked)
-    ]
-    message = f"at collective #{seq} " + " while ".join(parts[:2])
-    if len(parts) > 2:
-        message += f" (and {len(parts) - 2} more variants)"
+    parts = [f"{format_ranks(r.rank for r in group)} called {_op_of(group)}" for group in ranked]
+    odd = ", ".join(parts[1:4]) + (f" and {len(parts) - 4} more" if len(parts) > 4 else "")
+    message = f"at collective #{seq} {odd} while {parts[0]}"
     hint = (
         "every rank must call the same collectives in the same order: look for a dist.* call "
         "that only some ranks make (under `if rank == 0`, in logging or metrics code)"
@@ -627,8 +708,8 @@ def _op_of(group: list[RankRecord]) -> str:
     return Counter(r.collective.op for r in group if r.collective).most_common(1)[0][0]
 
 
-def _mismatch_from_crashes(state: ServerState) -> list[Alert]:
-    crashed = _crashes_of_kind(state, "collective_mismatch")
+def _mismatch_from_crashes(facts: Facts) -> list[Alert]:
+    crashed = facts.crashes_of_kind("collective_mismatch")
     if not crashed:
         return []
     first = crashed[0]
@@ -639,36 +720,28 @@ def _mismatch_from_crashes(state: ServerState) -> list[Alert]:
         f"{_first_line(first.error.message)} — the ranks called different collectives, or "
         "the same one with different sizes"
     )
-    signature = explain_error(first.error)
+    signature = facts.signatures.get(first.rank)
     hint = signature.hint if signature else ""
     return [_alert("collective_mismatch", "error", ranks, [], message, hint)]
-
-
-def _crashes_of_kind(state: ServerState, kind: str) -> list[RankRecord]:
-    """Crashed ranks whose error the knowledge base ties to alert ``kind``, by rank."""
-    found = []
-    for r in state.ranks.values():
-        if r.error is not None:
-            signature = explain_error(r.error)
-            if signature is not None and signature.kind == kind:
-                found.append(r)
-    return sorted(found, key=lambda r: r.rank)
 
 
 # --------------------------------------------------------------------------- progress
 
 
-def rule_stalled(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
+def rule_stalled(
+    state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+) -> list[Alert]:
     """A training rank that stopped making progress outside any collective."""
-    stall_after = effective_stall_after(state, th)
+    f = facts or Facts(state, now, th)
+    stall_after = f.stall_after
     candidates = [
         r
-        for r in _live(state, now, th)
+        for r in f.live
         if r.step is not None and r.collective is None and now - r.last_progress > stall_after
     ]
-    if not candidates or _has_root(state, now, th):
+    if not candidates or f.cascade.roots:
         return []
-    found = _straggle(state, now, th)
+    found = f.straggle
     excluded = {r.rank for r in found.culprits} if found else set()
     stalled = [r for r in candidates if r.rank not in excluded]
     if not stalled:
@@ -715,10 +788,18 @@ _PHASE_HINTS = {
 }
 
 
-def rule_startup_hang(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
-    """Ranks stuck before their first step: name the ones furthest behind."""
-    live = _live(state, now, th)
-    starting = [r for r in live if r.step is None]
+def rule_startup_hang(
+    state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+) -> list[Alert]:
+    """Ranks stuck before their first step: name the ones furthest behind.
+
+    Only ranks in a startup phase count as starting: a rank in 'train' or in a phase
+    of its own ('forward', 'eval') is past startup even before its first step.
+    """
+    f = facts or Facts(state, now, th)
+    live = f.live
+    train = len(STARTUP_PHASES) - 1
+    starting = [r for r in live if r.step is None and _phase_index(r) < train]
     if not starting:
         return []
     longest = max(now - (r.phase_since or r.first_seen) for r in starting)
@@ -727,9 +808,11 @@ def rule_startup_hang(state: ServerState, now: float, th: Thresholds) -> list[Al
     earliest = min(_phase_index(r) for r in starting)
     behind = sorted((r for r in starting if _phase_index(r) == earliest), key=lambda r: r.rank)
     ahead = sorted(r.rank for r in live if _phase_index(r) > earliest)
-    missing = _missing_ranks(state)
+    missing = _missing_ranks(f.state)
     if missing and not ahead:
-        return [_waiting_for_missing(missing, behind, longest, now)]
+        return [_waiting_for_missing(missing, behind, longest)]
+    if not ahead and min(now - (r.phase_since or r.first_seen) for r in behind) <= th.startup_after:
+        return []  # the last rank has just joined the others: the phase is about to end
     first = behind[0]
     phase = first.phase or "started"
     culprits = sorted({r.rank for r in behind} | set(missing))
@@ -753,9 +836,7 @@ def rule_startup_hang(state: ServerState, now: float, th: Thresholds) -> list[Al
     return [_alert("startup_hang", severity, culprits, ahead, message, hint)]
 
 
-def _waiting_for_missing(
-    missing: list[int], behind: list[RankRecord], longest: float, now: float
-) -> Alert:
+def _waiting_for_missing(missing: list[int], behind: list[RankRecord], longest: float) -> Alert:
     phase = behind[0].phase or "started"
     message = (
         f"{format_ranks(missing)} never connected while {format_ranks(r.rank for r in behind)} "
@@ -776,14 +857,17 @@ def _missing_ranks(state: ServerState) -> list[int]:
     return [rank for rank in range(min(size, MAX_WORLD)) if rank not in state.ranks]
 
 
-def rule_not_connected(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
+def rule_not_connected(
+    state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+) -> list[Alert]:
     """Ranks of the world that never reported, some time after the first one did."""
-    if not state.ranks:
+    f = facts or Facts(state, now, th)
+    if not f.records:
         return []
-    elapsed = now - min(r.first_seen for r in state.ranks.values())
+    elapsed = now - min(r.first_seen for r in f.records)
     if elapsed <= th.connect_after:
         return []
-    missing = _missing_ranks(state)
+    missing = _missing_ranks(f.state)
     if not missing:
         return []
     size = state.world_size
@@ -796,24 +880,33 @@ def rule_not_connected(state: ServerState, now: float, th: Thresholds) -> list[A
         "that they call ddpwatch.attach(), and that they can reach the ddpwatch server"
     )
     severity: Severity = "error" if elapsed > th.startup_after else "warning"
-    waiting = [r.rank for r in _live(state, now, th) if r.step is None]
+    waiting = [r.rank for r in f.live if r.step is None]
     return [_alert("not_connected", severity, missing, waiting, message, hint)]
 
 
-def rule_step_skew(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
+def rule_step_skew(
+    state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+) -> list[Alert]:
     """Training ranks far apart in step count: they are not really in lockstep."""
-    stall_after = effective_stall_after(state, th)
-    ranks = [
-        r
-        for r in _live(state, now, th)
-        if r.step is not None and now - r.last_progress <= stall_after
-    ]
+    f = facts or Facts(state, now, th)
+    stall_after = f.stall_after
+    ranks = [r for r in f.live if r.step is not None and now - r.last_progress <= stall_after]
     if len(ranks) < 2:
         return []
-    median = _median_step_time(ranks)
-    if median is None:
+    # Heartbeats sample steps at different moments: allow what the fastest plausible step
+    # rate covers in one interval. The latest step time, not only the average, because an
+    # average still includes a pause the job has just recovered from.
+    times = [
+        t
+        for t in (
+            _median(r.step_time_s for r in ranks),
+            _median(r.avg_step_time_s for r in ranks),
+        )
+        if t is not None
+    ]
+    if not times:
         return []
-    allowed = 3 + (th.interval + 0.5) / median  # heartbeats sample steps at different moments
+    allowed = 3 + (th.interval + 0.5) / min(times)
     lead = max(ranks, key=lambda r: (r.step or 0, -r.rank))
     top = lead.step or 0
     behind = sorted((r for r in ranks if (r.step or 0) < top - allowed), key=lambda r: r.rank)
@@ -834,19 +927,22 @@ def rule_step_skew(state: ServerState, now: float, th: Thresholds) -> list[Alert
     return [_alert("step_skew", "warning", [r.rank for r in behind], [], message, hint)]
 
 
-def rule_slow_rank(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
+def rule_slow_rank(
+    state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+) -> list[Alert]:
     """The rank the others wait for every step: its own collective wait is far shorter.
 
     Conservative on purpose: a healthy job must stay silent, so the slow rank must
     stand out clearly and collectives must be a real share of the step.
     """
-    stall_after = effective_stall_after(state, th)
+    f = facts or Facts(state, now, th)
+    stall_after = f.stall_after
     ranks = [
         r
-        for r in _live(state, now, th)
+        for r in f.live
         if r.avg_step_time_s is not None
         and r.collective_time_s is not None
-        and rank_state(r, now, th, stall_after) in ("running", "waiting")
+        and (r.collective is not None or now - r.last_progress <= stall_after)
     ]
     if len(ranks) < 3:
         return []
@@ -878,14 +974,17 @@ def rule_slow_rank(state: ServerState, now: float, th: Thresholds) -> list[Alert
     return [_alert("slow_rank", "warning", [r.rank for r in slow], [], message, hint)]
 
 
-def rule_nan_loss(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
+def rule_nan_loss(
+    state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+) -> list[Alert]:
     """A loss that became nan or inf, and whether the other ranks are still finite."""
-    bad = sorted((r for r in state.ranks.values() if r.nan_step is not None), key=lambda r: r.rank)
+    f = facts or Facts(state, now, th)
+    bad = sorted((r for r in f.records if r.nan_step is not None), key=lambda r: r.rank)
     if not bad:
         return []
     finite = [
         r.rank
-        for r in state.ranks.values()
+        for r in f.records
         if r.nan_step is None and r.loss is not None and math.isfinite(r.loss)
     ]
     values = {
@@ -894,23 +993,37 @@ def rule_nan_loss(state: ServerState, now: float, th: Thresholds) -> list[Alert]
         if r.loss is not None and not math.isfinite(r.loss)
     }
     word = values.pop() if len(values) == 1 else "not finite"
-    since = min(r.nan_step for r in bad if r.nan_step is not None)
-    message = f"{format_ranks(r.rank for r in bad)} loss is {word} since step {since}"
+    since = min(r.nan_step or 0 for r in bad)
+    # DDP averages gradients, so one rank's nan reaches every rank a step later: the
+    # ranks that went bad first are the culprits, the later ones only followed.
+    first = [r.rank for r in bad if r.nan_step == since]
+    later = [r for r in bad if r.nan_step != since]
+    message = f"{format_ranks(first)} loss is {word} since step {since}"
+    if later:
+        then = min(r.nan_step or 0 for r in later)
+        message += f" and {format_ranks(r.rank for r in later)} followed from step {then}"
     if finite:
         message += f" while {format_ranks(finite)} {_verb(len(finite), 'is', 'are')} finite"
-    hint = (
-        "only some ranks diverge, so their data differs: look for a bad sample in their shard"
-        if finite
-        else "lower the learning rate, clip gradients, check for log(0) or division by zero, "
-        "or use torch.autograd.set_detect_anomaly(True) to find the first bad operation"
-    )
-    return [_alert("nan_loss", "error", [r.rank for r in bad], [], message, hint)]
+    if finite or later:
+        hint = (
+            f"look for a bad sample or shard in the data of {format_ranks(first)} at step "
+            f"{since}; torch.autograd.set_detect_anomaly(True) finds the first bad operation"
+        )
+    else:
+        hint = (
+            "lower the learning rate, clip gradients, check for log(0) or division by zero, "
+            "or use torch.autograd.set_detect_anomaly(True) to find the first bad operation"
+        )
+    return [_alert("nan_loss", "error", first, [r.rank for r in later], message, hint)]
 
 
-def rule_checkpoint_conflict(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
+def rule_checkpoint_conflict(
+    state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+) -> list[Alert]:
     """Several ranks writing the same checkpoint file overwrite each other."""
+    f = facts or Facts(state, now, th)
     writers: dict[str, set[int]] = defaultdict(set)
-    for r in state.ranks.values():
+    for r in f.records:
         for path in r.checkpoint_paths:
             writers[path].add(r.rank)
     conflicts = sorted((path, ranks) for path, ranks in writers.items() if len(ranks) > 1)
@@ -937,25 +1050,31 @@ def _device_key(record: RankRecord) -> tuple | None:
         return None
     if record.device_uuid:
         return (record.host, "uuid", record.device_uuid)
-    device = record.device or ""
-    if not device.startswith("cuda"):
+    device = record.device
+    if not device or not device.startswith("cuda"):
         return None
-    index = record.device_index
+    return (record.host, *_physical_gpu(device, record.device_index, record.cuda_visible_devices))
+
+
+@lru_cache(maxsize=4096)
+def _physical_gpu(device: str, index: int | None, visible_devices: str | None) -> tuple[str, str]:
+    """Map a CUDA ordinal through CUDA_VISIBLE_DEVICES (cuda:0 under "1" is physical GPU 1)."""
     if index is None and ":" in device:
         tail = device.split(":", 1)[1]
         index = int(tail) if tail.isdigit() else None
-    visible = [v.strip() for v in (record.cuda_visible_devices or "").split(",") if v.strip()]
+    visible = [v.strip() for v in (visible_devices or "").split(",") if v.strip()]
     if index is not None and index < len(visible):
-        return (record.host, "visible", visible[index])
-    return (record.host, "device", device if index is None else f"cuda:{index}")
+        return ("visible", visible[index])
+    return ("device", device if index is None else f"cuda:{index}")
 
 
-def _duplicate_groups(state: ServerState, now: float, th: Thresholds) -> list[list[RankRecord]]:
+def _duplicate_groups(live: Sequence[RankRecord]) -> list[list[RankRecord]]:
     groups: dict[tuple, list[RankRecord]] = defaultdict(list)
-    for r in _live(state, now, th):
-        key = _device_key(r)
-        if key is not None:
-            groups[key].append(r)
+    for r in live:
+        if r.device_uuid or (r.device and r.device.startswith("cuda")):
+            key = _device_key(r)
+            if key is not None:
+                groups[key].append(r)
     return [sorted(g, key=lambda r: r.rank) for g in groups.values() if len(g) > 1]
 
 
@@ -965,15 +1084,13 @@ def _duplicate_culprits(group: list[RankRecord]) -> list[RankRecord]:
     return odd if 0 < len(odd) < len(group) else group
 
 
-def _duplicate_ranks(state: ServerState, now: float, th: Thresholds) -> set[int]:
-    groups = _duplicate_groups(state, now, th)
-    return {r.rank for g in groups for r in _duplicate_culprits(g)}
-
-
-def rule_duplicate_device(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
+def rule_duplicate_device(
+    state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+) -> list[Alert]:
     """Two or more ranks on one GPU (NCCL refuses it; with gloo it silently halves speed)."""
+    f = facts or Facts(state, now, th)
     alerts = []
-    groups = _duplicate_groups(state, now, th)
+    groups = f.duplicate_groups
     if groups:
         culprits = sorted({r.rank for g in groups for r in _duplicate_culprits(g)})
         first = groups[0]
@@ -982,7 +1099,7 @@ def rule_duplicate_device(state: ServerState, now: float, th: Thresholds) -> lis
         if len(groups) > 1:
             message += f", and {len(groups) - 1} more GPUs are shared by several ranks"
         alerts.append(_alert("duplicate_device", "error", culprits, [], message, _DUP_HINT))
-    crashed = _crashes_of_kind(state, "duplicate_device")
+    crashed = f.crashes_of_kind("duplicate_device")
     if crashed:
         ranks = {r.rank for r in crashed}
         for r in crashed:
@@ -1005,10 +1122,10 @@ _DUP_HINT = (
 )
 
 
-def _ordinal_suspects(state: ServerState, now: float, th: Thresholds) -> list[RankRecord]:
+def _ordinal_suspects(live: Sequence[RankRecord]) -> list[RankRecord]:
     """Live ranks that use their global rank as the CUDA index where that is wrong."""
     found = []
-    for r in _live(state, now, th):
+    for r in live:
         if not (r.device or "").startswith("cuda") or r.local_rank is None:
             continue
         if r.device_index != r.rank or r.rank == r.local_rank:
@@ -1029,10 +1146,13 @@ def _local_rank_clause(records: list[RankRecord]) -> str:
     return f"LOCAL_RANK is {listed}" + (", …" if len(known) > 3 else "")
 
 
-def rule_device_ordinal(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
+def rule_device_ordinal(
+    state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+) -> list[Alert]:
     """The global rank used as a CUDA device index: crashes on the second node."""
-    crashed = _crashes_of_kind(state, "device_ordinal")
-    suspects = _ordinal_suspects(state, now, th)
+    f = facts or Facts(state, now, th)
+    crashed = f.crashes_of_kind("device_ordinal")
+    suspects = f.ordinal_suspects
     records = sorted({r.rank: r for r in crashed + suspects}.values(), key=lambda r: r.rank)
     if not records:
         return []
@@ -1057,13 +1177,17 @@ def rule_device_ordinal(state: ServerState, now: float, th: Thresholds) -> list[
     return [_alert("device_ordinal", "error", [r.rank for r in records], [], message, hint)]
 
 
-def rule_local_rank_mismatch(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
+def rule_local_rank_mismatch(
+    state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+) -> list[Alert]:
     """A rank on a GPU other than cuda:<local rank> (often all ranks on cuda:0)."""
-    flagged = _duplicate_ranks(state, now, th) | {r.rank for r in _ordinal_suspects(state, now, th)}
+    f = facts or Facts(state, now, th)
+    flagged = {r.rank for g in f.duplicate_groups for r in _duplicate_culprits(g)}
+    flagged |= {r.rank for r in f.ordinal_suspects}
     odd = sorted(
         (
             r
-            for r in _live(state, now, th)
+            for r in f.live
             if (r.device or "").startswith("cuda")
             and (r.device_count or 0) > 1
             and r.local_rank is not None
@@ -1088,9 +1212,12 @@ def rule_local_rank_mismatch(state: ServerState, now: float, th: Thresholds) -> 
     return [_alert("local_rank_mismatch", "warning", [r.rank for r in odd], [], message, hint)]
 
 
-def rule_uneven_memory(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
+def rule_uneven_memory(
+    state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+) -> list[Alert]:
     """A rank that uses far more GPU memory than the others (often rank 0)."""
-    live = _live(state, now, th)
+    f = facts or Facts(state, now, th)
+    live = f.live
     used = [(r, r.gpu_mem_used_bytes) for r in live if r.gpu_mem_used_bytes is not None]
     if not used:
         used = [(r, r.mem_reserved_bytes) for r in live if r.mem_reserved_bytes is not None]
@@ -1123,25 +1250,27 @@ def rule_uneven_memory(state: ServerState, now: float, th: Thresholds) -> list[A
     return [_alert("uneven_memory", "warning", [r.rank for r, _ in heavy], [], message, hint)]
 
 
-def rule_foreign_memory(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
+def rule_foreign_memory(
+    state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
+) -> list[Alert]:
     """Processes that are not ranks of this job hold memory on a rank's GPU."""
+    f = facts or Facts(state, now, th)
     pids: dict[str, set[int]] = defaultdict(set)
-    for r in state.ranks.values():
+    for r in f.records:
         if r.host and r.pid is not None:
             pids[r.host].add(r.pid)
-    reporting = [r for r in _live(state, now, th) if r.host and r.gpu_pids]
+    reporting = [r for r in f.live if r.host and r.gpu_pids]
     # Inside containers NVML may report host pids that never match the ranks' own pids;
     # only judge hosts where at least one rank finds itself in its GPU's list.
     comparable = {r.host for r in reporting if r.pid is not None and r.pid in (r.gpu_pids or [])}
     culprits: list[RankRecord] = []
     foreign: set[int] = set()
     for r in reporting:
-        if r.host not in comparable:
+        known = pids[r.host or ""]
+        if r.host not in comparable or known.issuperset(r.gpu_pids or ()):
             continue
-        extra = {p for p in r.gpu_pids or [] if p not in pids[r.host or ""]}
-        if extra:
-            culprits.append(r)
-            foreign |= extra
+        culprits.append(r)
+        foreign.update(p for p in r.gpu_pids or () if p not in known)
     if not culprits:
         return []
     culprits.sort(key=lambda r: r.rank)
@@ -1214,7 +1343,8 @@ def _sort_key(alert: Alert) -> tuple[int, str, tuple[int, ...]]:
 
 def diagnose(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
     """Every rule's alerts, one per (kind, culprits), most severe first."""
-    alerts = sorted((a for rule in RULES for a in rule(state, now, th)), key=_sort_key)
+    facts = Facts(state, now, th)
+    alerts = sorted((a for rule in RULES for a in rule(state, now, th, facts)), key=_sort_key)
     seen: set[tuple[str, tuple[int, ...]]] = set()
     unique = []
     for alert in alerts:

@@ -72,13 +72,15 @@ class RankRecord:
     collective_time_s: float | None = None
     collective: Collective | None = None
     collective_seen: float | None = None
+    forwards: int | None = None
     mem_allocated_bytes: int | None = None
     mem_reserved_bytes: int | None = None
     mem_peak_bytes: int | None = None
     gpu_mem_used_bytes: int | None = None
     gpu_mem_total_bytes: int | None = None
     gpu_pids: list[int] | None = None
-    last_progress: float = 0.0
+    last_progress: float = 0.0  # a step ended or a forward pass ran
+    last_step_at: float = 0.0  # a step ended
     # trouble
     stack: str | None = None
     error: ErrorInfo | None = None
@@ -156,8 +158,11 @@ def _set_phase(record: RankRecord, phase: str | None, now: float) -> None:
 
 
 def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:
-    if sample.step is not None and sample.step != record.step:
-        record.last_progress = now
+    moved = sample.step is not None and sample.step != record.step
+    if moved or (sample.forwards is not None and sample.forwards != record.forwards):
+        record.last_progress = now  # a forward pass is progress too: evaluation has no steps
+    if moved:
+        record.last_step_at = now
         if not record.finished:
             record.stack = None  # it moved on: the captured stack is stale
     _set_phase(record, sample.phase, now)
@@ -171,7 +176,7 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:
         if math.isfinite(sample.loss):
             record.nan_step = None
         elif record.nan_step is None:
-            record.nan_step = sample.step
+            record.nan_step = sample.step if sample.step is not None else (record.step or 0)
     if sample.step is not None and (not record.history or record.history[-1].step != sample.step):
         record.history.append(
             HistoryPoint(
@@ -182,6 +187,8 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:
 
 def _apply_event(record: RankRecord, event: Event, now: float) -> None:
     kind = event.event
+    if event.step is not None and record.step is None:
+        record.step = event.step
     if event.phase:
         _set_phase(record, event.phase, now)
     if kind == "stack":
