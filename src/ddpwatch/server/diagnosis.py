@@ -242,7 +242,7 @@ class Facts:
 
     @cached_property
     def straggle(self) -> _Straggle | None:
-        return _find_straggle(self.live, self.now, self.collective_limit)
+        return _find_straggle(self.live, self.now, self.collective_limit, self.th.interval)
 
     @cached_property
     def duplicate_groups(self) -> list[list[RankRecord]]:
@@ -556,7 +556,9 @@ class _Straggle:
     culprits: list[RankRecord]
 
 
-def _find_straggle(live: Sequence[RankRecord], now: float, limit: float) -> _Straggle | None:
+def _find_straggle(
+    live: Sequence[RankRecord], now: float, limit: float, interval: float
+) -> _Straggle | None:
     """The most-waited collective older than ``limit``, with who is missing from it."""
     groups: dict[tuple, list[RankRecord]] = defaultdict(list)
     for r in live:
@@ -575,24 +577,24 @@ def _find_straggle(live: Sequence[RankRecord], now: float, limit: float) -> _Str
     seq = waiting[0].collective.seq if waiting[0].collective else None
     op = Counter(r.collective.op for r in waiting if r.collective).most_common(1)[0][0]
     reported = max(r.collective_seen or 0.0 for r in waiting)
-    waiting_step = max((r.step or 0) for r in waiting)
+    lag = max(0.0, now - reported) + interval  # how stale the waiters' view may be
+    steps_in_lag = math.ceil(lag / (_median_step_time(live) or interval))
+    max_step = max((r.step or 0) for r in waiting) + 1 + steps_in_lag
     culprits = [
-        r
-        for r in live
-        if _has_not_entered(r, key, seq) and not _moved_on(r, reported, waiting_step)
+        r for r in live if _has_not_entered(r, key, seq) and not _moved_on(r, reported, max_step)
     ]
     return _Straggle(op, seq, age, waiting, culprits)
 
 
-def _moved_on(record: RankRecord, reported: float, waiting_step: int) -> bool:
-    """The rank stepped past the collective after the waiters' latest reports.
+def _moved_on(record: RankRecord, since: float, max_step: int) -> bool:
+    """The rank stepped within the waiters' reporting lag: the collective is likely done.
 
-    Then the collective has most likely completed and the waiters' next heartbeat
-    will say so: without this, every recovery from a straggler would briefly
-    blame the ranks that went on first. A rank far ahead (extra batches while
+    The waiters' next heartbeat will say so: without this, every recovery from a
+    straggler (or a stopped rank) would briefly blame the ranks that went on
+    first. A rank further ahead than heartbeats can explain (extra batches while
     the others wait) still counts as a culprit.
     """
-    return record.last_step_at > reported and (record.step or 0) <= waiting_step + 1
+    return record.last_step_at > since and (record.step or 0) <= max_step
 
 
 def _has_not_entered(record: RankRecord, key: tuple, seq: int | None) -> bool:
