@@ -80,6 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--timeout", type=_positive, default=2.0, help="seconds to wait for an answer (default 2)"
     )
+    run = commands.add_parser(
+        "run",
+        help="run a launch command with ddpwatch in every rank, no code change",
+        usage="ddpwatch run [--addr HOST:PORT] [--tui] -- COMMAND ...",
+    )
+    run.add_argument(
+        "--addr",
+        default=None,
+        help="a running ddpwatch serve (default: collect here and print alerts)",
+    )
+    run.add_argument(
+        "--tui",
+        action="store_true",
+        help="show the dashboard here; the job's output goes to a file",
+    )
+    run.add_argument("job", nargs=argparse.REMAINDER, help="the launch command, after --")
+
     demo = commands.add_parser("demo", help="watch a real CPU DDP job that misbehaves on cue")
     demo.add_argument(
         "--ranks", type=int, default=4, help="ranks of the real job (default 4; 0: none)"
@@ -113,6 +130,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status(args)
     if args.command == "demo":
         return demo(args)
+    if args.command == "run":
+        from ddpwatch.launch import run_command
+
+        job = args.job[1:] if args.job[:1] == ["--"] else args.job
+        return run_command(job, args.addr, args.tui)
     return 2
 
 

@@ -7,7 +7,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from ddpwatch.demo.simulate import SimulatedCluster
-from ddpwatch.protocol import DEFAULT_PORT
+from ddpwatch.ports import pick_port
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.collector import BindError
 from ddpwatch.server.service import AlertChange, Server
@@ -40,28 +39,6 @@ class DemoOptions:
 
 def torch_installed() -> bool:
     return importlib.util.find_spec("torch") is not None
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def pick_port(preferred: int = DEFAULT_PORT) -> int:
-    """The default port pair if free, else any free pair (a real server may own 5599)."""
-    if _free(preferred) and _free(preferred + 1):
-        return preferred
-    for _ in range(100):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port < 65535 and _free(port + 1):
-            return port
-    raise RuntimeError("no free port pair on 127.0.0.1")
 
 
 def start_job(options: DemoOptions, port: int, log: IO[str]) -> subprocess.Popen[bytes]:

@@ -1,0 +1,134 @@
+"""Zero-code attach (``ddpwatch run``): decide, in any process of a job, whether it is a rank.
+
+A process started by a launcher with a rank in its environment attaches at
+once, so its whole startup is watched. Any other process (the launcher itself,
+data-loader or compile workers, ranks spawned by Lightning or ``mp.spawn``)
+attaches only if and when it calls ``init_process_group``: only ranks do that.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+from ddpwatch.agent.identity import is_rank_process
+
+log = logging.getLogger("ddpwatch")
+
+AUTO_ENV = "DDPWATCH_AUTO"
+LAUNCHERS = (
+    "torch.distributed.run",
+    "torchrun",
+    "torch.distributed.launch",
+    "slurmstepd",
+    "orted",
+    "prted",
+    "prterun",
+    "hydra_pmi_proxy",
+    "pmi_proxy",
+    "deepspeed.launcher.launch",
+    "accelerate",
+)
+
+
+def parent_command(pid: int | None = None) -> str:
+    """The parent's command line ('' where /proc is not available)."""
+    try:
+        with open(f"/proc/{pid or os.getppid()}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def started_by_launcher(command: str) -> bool:
+    return any(name in command for name in LAUNCHERS)
+
+
+def bootstrap(environ: Mapping[str, str] | None = None, parent: str | None = None) -> str:
+    """Attach now, later, or never; returns which ("now", "deferred", "off") for tests and logs."""
+    env = os.environ if environ is None else environ
+    if env.get(AUTO_ENV) != "1":
+        return "off"
+    launched = started_by_launcher(parent if parent is not None else parent_command())
+    if is_rank_process(env) and launched and "--multiprocessing-fork" not in sys.argv:
+        import ddpwatch
+
+        ddpwatch.attach()
+        return "now"
+    after_import("torch.distributed", _attach_at_init)
+    return "deferred"
+
+
+def _attach_at_init(dist: ModuleType) -> None:
+    """Make the first ``init_process_group`` call attach ddpwatch before it runs."""
+    original = dist.init_process_group
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        if dist.init_process_group is init_process_group:
+            dist.init_process_group = original
+        import ddpwatch
+
+        ddpwatch.attach()  # wraps init_process_group again: rendezvous phase, rank from arguments
+        return dist.init_process_group(*args, **kwargs)
+
+    dist.init_process_group = init_process_group
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``callback(module)`` right after ``name`` is first imported (a post-import hook)."""
+
+    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.callback = callback
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once, and never for our own lookup below
+        for finder in sys.meta_path:
+            spec = (
+                finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            )
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _CallbackLoader(spec.loader, self.callback)
+                return spec
+        return None
+
+
+class _CallbackLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any, callback: Callable[[ModuleType], None]) -> None:
+        self.inner = inner
+        self.callback = callback
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        try:
+            self.callback(module)
+        except Exception as exc:
+            log.warning("ddpwatch: could not prepare automatic attach: %r", exc)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ... of the real loader
+        return getattr(self.inner, name)
+
+
+def after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
+    """Call ``callback(module)`` once ``name`` is imported (now, if it already is)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        callback(module)
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, callback))

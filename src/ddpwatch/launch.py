@@ -1,0 +1,121 @@
+"""``ddpwatch run -- COMMAND``: any launch command, with ddpwatch attached in every rank.
+
+The ranks load ``ddpwatch/boot/sitecustomize.py`` through ``PYTHONPATH`` (see
+``agent/auto.py`` for which processes count as ranks). Without ``--addr`` a
+collector runs here and prints each alert as it is raised and cleared.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+from ddpwatch.agent.auto import AUTO_ENV
+from ddpwatch.ports import pick_port
+from ddpwatch.server.alerts import Thresholds
+from ddpwatch.server.service import AlertChange, Server
+
+BOOT_DIR = Path(__file__).resolve().parent / "boot"
+
+
+def job_environment(addr: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment that makes every Python process of the job load the boot hook."""
+    env = dict(os.environ if environ is None else environ)
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(BOOT_DIR) + (os.pathsep + path if path else "")
+    env[AUTO_ENV] = "1"
+    env["DDPWATCH_ADDR"] = addr
+    return env
+
+
+def describe(change: AlertChange) -> str:
+    """One line for people: the alert stream interleaved with the job's own output."""
+    alert = change.alert
+    culprits = ", ".join(str(r) for r in alert.ranks[:16]) + ("…" if len(alert.ranks) > 16 else "")
+    if change.event == "cleared":
+        return f"ddpwatch: cleared {alert.kind} (rank {culprits})"
+    return (
+        f"ddpwatch: [{alert.severity}] {alert.kind}: {alert.message}\nddpwatch:   fix: {alert.hint}"
+    )
+
+
+def run_command(command: Sequence[str], addr: str | None = None, tui: bool = False) -> int:
+    """Run ``command`` watched; returns its exit code."""
+    if not command:
+        print(
+            "ddpwatch run: give the command after --, e.g. ddpwatch run -- torchrun train.py",
+            file=sys.stderr,
+        )
+        return 2
+    server = None
+    if addr is None:
+        port = pick_port()
+        addr = f"127.0.0.1:{port}"
+        server = Server("127.0.0.1", port, Thresholds(), on_change=None if tui else _print_change)
+    output = _job_log() if tui and server is not None else None
+    try:
+        job = subprocess.Popen(
+            list(command),
+            env=job_environment(addr),
+            stdout=output,
+            stderr=subprocess.STDOUT if output else None,
+        )
+    except OSError as exc:
+        print(f"ddpwatch run: cannot start {command[0]}: {exc.strerror}", file=sys.stderr)
+        return 127
+    if server is None:
+        return _wait(job)
+    if output is not None:
+        output.close()  # the job holds its own copy
+        return _with_dashboard(server, job, output.name)
+    thread = threading.Thread(target=server.run, name="ddpwatch-collector", daemon=True)
+    thread.start()
+    try:
+        return _wait(job)
+    finally:
+        server.tick()  # report what the job's last messages say
+        server.stop()
+        thread.join(5)
+
+
+def _print_change(change: AlertChange) -> None:
+    print(describe(change), file=sys.stderr, flush=True)
+
+
+def _wait(job: subprocess.Popen[bytes]) -> int:
+    """Wait for the job, passing SIGTERM on (Ctrl-C reaches it through the terminal)."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: job.send_signal(signal.SIGTERM))
+    try:
+        while True:
+            try:
+                return job.wait()
+            except KeyboardInterrupt:
+                continue  # the job got the same Ctrl-C: let it decide when to end
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _job_log() -> IO[bytes]:
+    fd, _ = tempfile.mkstemp(prefix="ddpwatch-run-", suffix=".log")
+    return os.fdopen(fd, "wb")
+
+
+def _with_dashboard(server: Server, job: subprocess.Popen[bytes], log_path: str) -> int:
+    """The dashboard owns the terminal; the job's output goes to a file (each rank's tail
+    also reaches the dashboard through its agent)."""
+    from ddpwatch.demo.runner import stop_job
+    from ddpwatch.tui.app import run_dashboard
+
+    try:
+        run_dashboard(server)
+    finally:
+        stop_job(job)
+    print(f"ddpwatch run: the job's output is in {log_path}", file=sys.stderr)
+    return job.returncode if job.returncode is not None else 1

@@ -1,0 +1,29 @@
+"""Finding a free port pair on loopback (the collector uses a port and the next one)."""
+
+from __future__ import annotations
+
+import socket
+
+from ddpwatch.protocol import DEFAULT_PORT
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_port(preferred: int = DEFAULT_PORT) -> int:
+    """``preferred`` if it and the next port are free, else any free pair."""
+    if port_free(preferred) and port_free(preferred + 1):
+        return preferred
+    for _ in range(100):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port < 65535 and port_free(port + 1):
+            return port
+    raise RuntimeError("no free port pair on 127.0.0.1")

@@ -1,0 +1,91 @@
+"""``ddpwatch run``: zero-code attach in every rank of real jobs, and only in ranks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import LiveServer, free_port_pair
+
+from ddpwatch.agent.auto import bootstrap, started_by_launcher
+from ddpwatch.launch import BOOT_DIR, job_environment
+
+JOBS = Path(__file__).parent / "jobs"
+
+
+def test_launchers_are_recognised_from_the_parent_command() -> None:
+    assert started_by_launcher(
+        "/usr/bin/python3 -m torch.distributed.run --nproc-per-node 2 train.py"
+    )
+    assert started_by_launcher("/opt/venv/bin/python /opt/venv/bin/torchrun train.py")
+    assert started_by_launcher("slurmstepd: [1234.0]")
+    assert started_by_launcher("prted --leave-session-attached")
+    assert not started_by_launcher("python train.py --fast")
+    assert not started_by_launcher("")
+
+
+def test_bootstrap_decides_now_deferred_or_off() -> None:
+    assert bootstrap({}, parent="torchrun x") == "off"
+    # a rank started by torchrun would attach "now"; here the parent is not a launcher
+    assert (
+        bootstrap({"DDPWATCH_AUTO": "1", "RANK": "0", "WORLD_SIZE": "2"}, parent="python x.py")
+        == "deferred"
+    )
+    assert bootstrap({"DDPWATCH_AUTO": "1"}, parent="torchrun x") == "deferred"
+
+
+def test_job_environment_prepends_the_boot_hook() -> None:
+    env = job_environment("10.0.0.1:5599", {"PYTHONPATH": "/mine", "PATH": "/bin"})
+    assert env["PYTHONPATH"].split(":") == [str(BOOT_DIR), "/mine"]
+    assert env["DDPWATCH_ADDR"] == "10.0.0.1:5599" and env["DDPWATCH_AUTO"] == "1"
+    assert (BOOT_DIR / "sitecustomize.py").is_file()
+
+
+def _run(server: LiveServer, *command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ddpwatch", "run", "--addr", f"127.0.0.1:{server.port}", "--", *command],
+        capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+
+
+@pytest.mark.e2e
+def test_run_torchrun_on_an_unmodified_script_reports_every_rank_and_only_ranks(
+    live_server: LiveServer,
+) -> None:
+    master = free_port_pair()
+    result = _run(
+        live_server, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+        "--master-addr=127.0.0.1", f"--master-port={master}", str(JOBS / "unmodified.py"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    status = live_server.server.status()
+    ranks = {r["rank"]: r for r in status["ranks"]}
+    assert set(ranks) == {0, 1}, status["ranks"]
+    for rank in ranks.values():
+        assert rank["step"] == 48  # 16 batches x 3 epochs, counted from optimizer.step()
+        assert rank["world_size"] == 2 and rank["launcher"] == "torchrun"
+        assert rank["state"] == "exited"
+    # rendezvous was watched: the phases went started -> rendezvous -> first_step -> ...
+    record = live_server.server.state.ranks[0]
+    phases = [name for name, _ in record.phases]
+    assert phases.index("rendezvous") < phases.index("first_step") < phases.index("forward"), phases
+    assert status["alerts"] == []
+
+
+@pytest.mark.e2e
+def test_run_attaches_ranks_spawned_without_a_launcher(live_server: LiveServer) -> None:
+    result = _run(live_server, sys.executable, str(JOBS / "spawned.py"), str(free_port_pair()))
+    assert result.returncode == 0, result.stdout + result.stderr
+    status = live_server.server.status()
+    assert {r["rank"] for r in status["ranks"]} == {0, 1}
+    assert all(r["world_size"] == 2 for r in status["ranks"])
+    assert "ddpwatch" not in result.stderr.replace("ddpwatch run", "")
+
+
+def test_run_without_a_command_says_how(capsys) -> None:
+    from ddpwatch.cli import main
+
+    assert main(["run"]) == 2
+    assert "after --" in capsys.readouterr().err
