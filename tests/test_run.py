@@ -26,7 +26,9 @@ def test_launchers_are_recognised_from_the_parent_command() -> None:
     assert not started_by_launcher("")
 
 
-def test_bootstrap_decides_now_deferred_or_off() -> None:
+def test_bootstrap_decides_now_deferred_or_off(monkeypatch) -> None:
+    hooked: list[str] = []
+    monkeypatch.setattr("ddpwatch.agent.auto.after_import", lambda name, _: hooked.append(name))
     assert bootstrap({}, parent="torchrun x") == "off"
     # a rank started by torchrun would attach "now"; here the parent is not a launcher
     assert (
@@ -34,6 +36,7 @@ def test_bootstrap_decides_now_deferred_or_off() -> None:
         == "deferred"
     )
     assert bootstrap({"DDPWATCH_AUTO": "1"}, parent="torchrun x") == "deferred"
+    assert hooked == ["torch.distributed", "torch.distributed"]
 
 
 def test_job_environment_prepends_the_boot_hook() -> None:
@@ -70,7 +73,7 @@ def test_run_torchrun_on_an_unmodified_script_reports_every_rank_and_only_ranks(
     # rendezvous was watched: the phases went started -> rendezvous -> first_step -> ...
     record = live_server.server.state.ranks[0]
     phases = [name for name, _ in record.phases]
-    assert phases.index("rendezvous") < phases.index("first_step") < phases.index("forward"), phases
+    assert phases.index("rendezvous") < phases.index("first_step"), phases
     assert status["alerts"] == []
 
 
@@ -89,3 +92,18 @@ def test_run_without_a_command_says_how(capsys) -> None:
 
     assert main(["run"]) == 2
     assert "after --" in capsys.readouterr().err
+
+
+def test_after_import_runs_once_the_module_is_imported(tmp_path, monkeypatch) -> None:
+    from ddpwatch.agent.auto import after_import
+
+    (tmp_path / "late_module_for_ddpwatch.py").write_text("VALUE = 41\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[int] = []
+    after_import("late_module_for_ddpwatch", lambda module: seen.append(module.VALUE + 1))
+    assert seen == []
+    import late_module_for_ddpwatch  # noqa: F401
+
+    assert seen == [42]
+    after_import("late_module_for_ddpwatch", lambda module: seen.append(module.VALUE))
+    assert seen == [42, 41]  # already imported: called at once

@@ -1,9 +1,10 @@
 """The agent's one background thread: it owns the ZeroMQ socket and never blocks training.
 
-Other threads hand it messages through a bounded deque (the oldest is dropped
-when full). Sends are non-blocking; with ``IMMEDIATE`` set nothing queues
-while no server is connected, so a rank with no server loses only heartbeats
-that the next one repeats, and exits without waiting on the network.
+Other threads hand it events through a bounded deque (the oldest is dropped
+when full). Sends are non-blocking; with ``IMMEDIATE`` set nothing queues in
+ZeroMQ while no server is connected: heartbeats are dropped (the next one
+repeats them), events wait in the deque for a server, and a rank with no
+server exits without waiting on the network.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ class Publisher:
             now = time.monotonic()
             if now >= next_beat and not stopping:
                 for message in self._safe_heartbeat():
-                    self._send(socket, message)
+                    if not self._send(socket, message):
+                        self.dropped += 1  # the next beat repeats it
                 next_beat = max(next_beat + self.interval, now)
             if stopping:
                 return
@@ -116,15 +118,24 @@ class Publisher:
             self._wake.clear()
 
     def _drain(self, socket: zmq.Socket) -> None:
+        """Send queued events; keep those no server took yet (they happen once, unlike beats)."""
+        unsent: list[AnyMessage] = []
         while self._queue:
             try:
                 message = self._queue.popleft()
             except IndexError:
                 break
-            self._send(socket, message)
+            if not self._send(socket, message):
+                unsent.append(message)
             with self._drained:
                 self._pending -= 1
                 self._drained.notify_all()
+        with self._drained:
+            for message in reversed(unsent):
+                if len(self._queue) < QUEUE_LEN:
+                    self._queue.appendleft(message)
+                else:
+                    self.dropped += 1
 
     def _safe_heartbeat(self) -> list[AnyMessage]:
         try:
@@ -133,15 +144,17 @@ class Publisher:
             self._fault(exc)
             return []
 
-    def _send(self, socket: zmq.Socket, message: AnyMessage) -> None:
+    def _send(self, socket: zmq.Socket, message: AnyMessage) -> bool:
+        """One non-blocking send; False when no server is connected or it is not reading."""
         try:
             socket.send(encode(message), zmq.NOBLOCK, copy=True)
-            self.sent += 1
         except zmq.Again:
-            self.dropped += 1  # no server connected, or it is not reading: the next beat repeats
+            return False
         except Exception as exc:
-            self.dropped += 1
             self._fault(exc)
+            return False
+        self.sent += 1
+        return True
 
     def _fault(self, exc: BaseException) -> None:
         if not self._faulted:
