@@ -23,6 +23,10 @@ GPU_TOTAL = 80 * GIB
 STEP_TIME_S = 0.2
 SIM_PID_BASE = 900_000
 FOREIGN_PID = 424_242
+# which simulated rank (by index) shows which fault
+SHARES_GPU_1 = 2  # uses the GPU of local rank 1: two ranks on one GPU
+UNEVEN = 3  # holds far more memory than the others
+FOREIGN = 5  # its GPU also holds a process from outside the job
 
 
 class SimulatedCluster:
@@ -50,14 +54,32 @@ class SimulatedCluster:
     def _local(self, index: int) -> tuple[str, int]:
         return f"sim-node-{index // GPUS_PER_HOST}", index % GPUS_PER_HOST
 
-    def _gpu(self, index: int) -> int:
-        """The GPU this rank uses; rank index 2 shares GPU 1 (the duplicate-device fault)."""
-        _, local = self._local(index)
-        return 1 if index == 2 else local
+    def _misplaced(self) -> int | None:
+        """The rank that called ``set_device(global rank)``.
 
-    def _ordinal_victim(self) -> int | None:
-        """First rank of the second host: it called set_device(rank) and crashed."""
-        return GPUS_PER_HOST if self.count > GPUS_PER_HOST else None
+        After real ranks (a mixed demo) its global rank is a GPU that exists on its
+        host, so it silently runs on the wrong one; alone, the first rank of the
+        second host asks for a GPU that does not exist and crashes.
+        """
+        if self.first_rank == 0:
+            return GPUS_PER_HOST if self.count > GPUS_PER_HOST else None
+        for index in range(self.count):
+            rank, local = self.first_rank + index, index % GPUS_PER_HOST
+            if (
+                rank < GPUS_PER_HOST
+                and rank != local
+                and index not in (SHARES_GPU_1, UNEVEN, FOREIGN)
+            ):
+                return index
+        return None
+
+    def _crashed(self, index: int) -> bool:
+        return self.first_rank == 0 and index == self._misplaced()
+
+    def _gpu(self, index: int) -> int:
+        if index == self._misplaced():
+            return self.first_rank + index
+        return 1 if index == SHARES_GPU_1 else index % GPUS_PER_HOST
 
     def sample(self, index: int, now: float) -> Sample:
         host, local = self._local(index)
@@ -65,14 +87,14 @@ class SimulatedCluster:
         elapsed = now - self._started
         step = int(elapsed / STEP_TIME_S)
         used = int((30 + 2 * math.sin(index)) * GIB)
-        if index == 3:
-            used = 76 * GIB  # uneven memory
+        if index == UNEVEN:
+            used = 76 * GIB
         pids = [
             SIM_PID_BASE + self.first_rank + i
             for i in range(self.count)
             if self._shares(i, host, gpu)
         ]
-        if index == 5:
+        if index == FOREIGN:
             pids.append(FOREIGN_PID)  # a leftover process from another job
         return Sample(
             v=PROTOCOL_VERSION,
@@ -108,9 +130,7 @@ class SimulatedCluster:
 
     def _shares(self, index: int, host: str, gpu: int) -> bool:
         return (
-            index != self._ordinal_victim()
-            and self._local(index)[0] == host
-            and self._gpu(index) == gpu
+            not self._crashed(index) and self._local(index)[0] == host and self._gpu(index) == gpu
         )
 
     def crash(self, index: int, now: float) -> list[Hello | Event]:
@@ -154,13 +174,14 @@ class SimulatedCluster:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.connect(self.endpoint)
-        victim = self._ordinal_victim()
         try:
             while not self._stop.is_set():
                 now = time.time()
                 for index in range(self.count):
                     messages = (
-                        self.crash(index, now) if index == victim else [self.sample(index, now)]
+                        self.crash(index, now)
+                        if self._crashed(index)
+                        else [self.sample(index, now)]
                     )
                     for message in messages:
                         # a busy server drops a beat: the next one repeats it

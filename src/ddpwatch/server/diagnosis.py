@@ -1158,25 +1158,35 @@ def rule_device_ordinal(
     records = sorted({r.rank: r for r in crashed + suspects}.values(), key=lambda r: r.rank)
     if not records:
         return []
-    first = records[0]
-    who = format_ranks(r.rank for r in records)
-    if first.error is not None:
-        message = (
-            f"{who} crashed with {first.error.type}: {_first_line(first.error.message)} — "
-            "the global rank was used as the CUDA device index"
+    parts = []
+    if crashed:
+        first = crashed[0]
+        assert first.error is not None
+        parts.append(
+            f"{format_ranks(r.rank for r in crashed)} crashed with {first.error.type}: "
+            f"{_first_line(first.error.message)} — the global rank was used as the CUDA "
+            f"device index{_gpus_on(first)}"
         )
-    else:
-        message = (
-            f"{who} {_verb(len(records), 'uses', 'use')} its global rank as the CUDA device "
-            f"(rank {first.rank} on cuda:{first.device_index} with local rank {first.local_rank})"
+    live = [r for r in suspects if r.error is None]
+    if live:
+        first = live[0]
+        parts.append(
+            f"{format_ranks(r.rank for r in live)} {_verb(len(live), 'uses', 'use')} the global "
+            f"rank as the CUDA device (rank {first.rank} on cuda:{first.device_index} with "
+            f"local rank {first.local_rank}){_gpus_on(first)}"
         )
-    if first.device_count is not None:
-        message += f"; host {first.host or '?'} has {first.device_count} GPUs"
+    message = "; ".join(parts)
     hint = (
         f"use torch.cuda.set_device(local_rank) — {_local_rank_clause(records)} — "
         "not the global rank"
     )
     return [_alert("device_ordinal", "error", [r.rank for r in records], [], message, hint)]
+
+
+def _gpus_on(record: RankRecord) -> str:
+    if record.device_count is None:
+        return ""
+    return f"; host {record.host or '?'} has {record.device_count} GPUs"
 
 
 def rule_local_rank_mismatch(

@@ -1,0 +1,272 @@
+"""The detail pane of the selected rank: identity, environment, sparklines, stack or traceback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.geometry import Size
+from textual.widget import Widget
+from textual.widgets import Static
+
+from ddpwatch.tui.fmt import NA, human_bytes, loss_text, seconds, sparkline
+from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
+from ddpwatch.tui.packed import Packed
+
+STATE_STYLE = {
+    "running": "bold green",
+    "waiting": "bold yellow",
+    "stalled": "bold yellow",
+    "silent": "bold red",
+    "crashed": "bold red",
+    "not_connected": "bold red",
+    "exited": "dim",
+}
+
+
+def _v(value: Any) -> str:
+    return NA if value is None else str(value)
+
+
+def identity_paragraphs(row: dict[str, Any], alerts: list[dict[str, Any]]) -> list[list[Text]]:
+    """Who the rank is, where it runs, what it does now, and the alerts that name it."""
+
+    def kv(label: str, value: str, style: str = "bold") -> Text:
+        return Text.assemble((label + " ", "dim"), (value, style))
+
+    rank = row["rank"]
+    loss = loss_text(row.get("loss"))
+    if row.get("loss") is None and any(
+        a.get("kind") == "nan_loss" and rank in (a.get("ranks") or ()) for a in alerts
+    ):
+        loss = "nan"
+    local = _v(row.get("local_rank"))
+    if row.get("local_world_size") is not None:
+        local += f"/{row['local_world_size']}"
+    state = row.get("state") or "not_connected"
+    state_text = Text.assemble(("state ", "dim"), (state, STATE_STYLE.get(state, "bold")))
+    if row.get("exit_code") is not None or row.get("exit_signal"):
+        how = f"code {row['exit_code']}" if row.get("exit_code") is not None else ""
+        if row.get("exit_signal"):
+            how = f"{how} {row['exit_signal']}".strip()
+        state_text.append(f" ({how})", style="dim")
+    seen = row.get("last_seen_s")
+    paragraphs: list[list[Text]] = [
+        [
+            Text(f" rank {rank} ", style="bold reverse"),
+            Text("simulated", style="italic magenta") if row.get("simulated") else Text(""),
+            kv("host", _v(row.get("host"))),
+            kv("pid", _v(row.get("pid"))),
+            kv("local rank", local),
+            kv("node", _v(row.get("node_rank"))),
+            kv("launcher", _v(row.get("launcher"))),
+            kv("device", _v(row.get("device"))),
+            Text(row.get("device_name") or "", style="bold"),
+            kv("uuid", _v(row.get("device_uuid"))),
+            kv("gpu pids", ",".join(map(str, row["gpu_pids"])))
+            if row.get("gpu_pids")
+            else Text(""),
+        ],
+        [
+            state_text,
+            kv("phase", _v(row.get("phase"))),
+            kv("step", _v(row.get("step"))),
+            kv("seen", NA if seen is None else f"{seconds(seen)} ago"),
+            kv("loss", loss, "bold red" if loss == "nan" else "bold"),
+            kv("step time", seconds(row.get("step_time_s"))),
+            kv("avg", seconds(row.get("avg_step_time_s"))),
+            kv("data wait", seconds(row.get("data_wait_s"))),
+            kv("in collectives", seconds(row.get("collective_time_s"))),
+        ],
+        [
+            kv("alloc", human_bytes(row.get("mem_allocated_bytes"))),
+            kv("reserved", human_bytes(row.get("mem_reserved_bytes"))),
+            kv("peak", human_bytes(row.get("mem_peak_bytes"))),
+            kv(
+                "gpu",
+                f"{human_bytes(row.get('gpu_mem_used_bytes'))}/{human_bytes(row.get('gpu_mem_total_bytes'))}",
+            ),
+        ],
+    ]
+    coll = row.get("collective")
+    if coll:
+        seq = f" #{coll['seq']}" if coll.get("seq") is not None else ""
+        paragraphs.append(
+            [
+                Text.assemble(
+                    ("in collective ", "dim"),
+                    (f"{coll.get('op')}{seq}", "bold"),
+                    (" for ", "dim"),
+                    (seconds(coll.get("since_s")), "bold yellow"),
+                )
+            ]
+        )
+    return paragraphs
+
+
+def trouble_paragraphs(row: dict[str, Any], alerts: list[dict[str, Any]]) -> list[list[Text]]:
+    """The rank's exception, if any, and the alerts that name it (as culprit or as waiting)."""
+    rank = row["rank"]
+    paragraphs: list[list[Text]] = []
+    error = row.get("error")
+    if error:
+        paragraphs.append(
+            [
+                Text.assemble(
+                    (f"{error.get('type') or 'Error'}: ", "bold red"),
+                    (error.get("message") or "", "red"),
+                )
+            ]
+        )
+    for alert in alerts:
+        severity = alert.get("severity", "info")
+        role = "culprit" if rank in (alert.get("ranks") or ()) else "waiting"
+        paragraphs.append(
+            [
+                Text.assemble(
+                    (
+                        f"{SEVERITY_GLYPH.get(severity, '●')} {alert.get('kind')}",
+                        SEVERITY_STYLE.get(severity, "bold"),
+                    ),
+                    (f" ({role}) ", "dim"),
+                    (alert.get("message") or "", ""),
+                )
+            ]
+        )
+    return paragraphs
+
+
+def stack_text(row: dict[str, Any]) -> Text:
+    """The exception and its traceback, or the current stack, or why there is none."""
+    error = row.get("error")
+    if error:
+        text = Text()
+        traceback = (error.get("traceback") or "").rstrip()
+        if traceback:
+            if not traceback.startswith("Traceback"):
+                text.append("traceback:\n", style="dim")
+            text.append_text(_code(traceback))
+        else:
+            text.append(
+                "no traceback (the rank died without running its excepthook)", style="dim italic"
+            )
+        stack = row.get("stack")
+        if stack and stack.strip() != traceback:
+            text.append("\nstack at crash:\n", style="dim")
+            text.append_text(_code(stack.rstrip()))
+        return text
+    stack = row.get("stack")
+    if stack:
+        return Text.assemble(("current stack:\n", "dim"), _code(stack.rstrip()))
+    return Text(
+        "no stack captured (a rank sends its stack when it stalls or waits)", style="dim italic"
+    )
+
+
+def _code(block: str) -> Text:
+    text = Text()
+    for i, raw in enumerate(block.splitlines()):
+        if i:
+            text.append("\n")
+        stripped = raw.lstrip()
+        if stripped.startswith("File "):
+            text.append(raw, style="cyan")
+        elif stripped.startswith(("Traceback", "Thread", "Current thread")):
+            text.append(raw, style="dim")
+        elif raw and not raw.startswith(" ") and ":" in raw:
+            text.append(raw, style="bold red")
+        else:
+            text.append(raw)
+    return text
+
+
+class Sparks(Widget):
+    """Sparklines of step time, loss and memory, sized to the pane's width."""
+
+    DEFAULT_CSS = """
+    Sparks { height: 3; }
+    """
+
+    LABELS = (
+        ("step_time", "step time", seconds),
+        ("loss", "loss", loss_text),
+        ("mem", "memory", human_bytes),
+    )
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.series: dict[str, list[float | None]] = {}
+
+    def show(self, series: dict[str, list[float | None]]) -> None:
+        self.series = series
+        self.refresh()
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        return 3
+
+    def render(self) -> Text:
+        width = self.content_size.width or 60
+        lines = []
+        for key, label, fmt in self.LABELS:
+            values = self.series.get(key) or []
+            last = next((v for v in reversed(values) if v is not None), None)
+            value = fmt(last) if last is not None else NA
+            room = max(0, width - 10 - 9)
+            spark = sparkline(values, room)
+            lines.append(
+                Text.assemble(
+                    (f"{label:<10}", "dim"),
+                    (spark.ljust(room), "green" if key != "loss" else "cyan"),
+                    (f" {value:>8}", "bold"),
+                )
+            )
+        return Text("\n").join(lines)
+
+
+class RankDetail(VerticalScroll, can_focus=True):
+    """Everything about one rank; follows the table's cursor."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.rank: int | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Packed(id="detail-identity")
+        yield Packed(id="detail-trouble")
+        yield Sparks(id="detail-sparks")
+        yield Static(id="detail-stack")
+
+    def show(
+        self,
+        row: dict[str, Any] | None,
+        series: dict[str, list[float | None]],
+        alerts: list[dict[str, Any]],
+    ) -> None:
+        if row is None:
+            self.rank = None
+            self.border_title = "detail"
+            self.query_one("#detail-identity", Packed).show(
+                [[Text("no rank selected", style="dim")]]
+            )
+            self.query_one(Sparks).show({})
+            self.query_one("#detail-trouble", Packed).show([])
+            self.query_one("#detail-stack", Static).update("")
+            return
+        if row["rank"] != self.rank:
+            self.scroll_home(animate=False)
+        self.rank = row["rank"]
+        title = f"rank {row['rank']}"
+        if row.get("host"):
+            title += f" · {row['host']}"
+        self.border_title = title
+        named = [
+            a
+            for a in alerts
+            if row["rank"] in (a.get("ranks") or ()) or row["rank"] in (a.get("waiting") or ())
+        ]
+        self.query_one("#detail-identity", Packed).show(identity_paragraphs(row, named))
+        self.query_one(Sparks).show(series)
+        self.query_one("#detail-trouble", Packed).show(trouble_paragraphs(row, named))
+        self.query_one("#detail-stack", Static).update(stack_text(row))

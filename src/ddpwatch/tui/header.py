@@ -1,0 +1,162 @@
+"""The header: job summary on top of the dashboard, packed to the terminal's width."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.text import Text
+from textual.geometry import Size
+from textual.widget import Widget
+
+from ddpwatch.tui.fmt import DASH, NA, uptime
+from ddpwatch.tui.model import Query
+from ddpwatch.tui.packed import pack
+
+SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "bold cyan"}
+SEVERITY_GLYPH = {"error": "✖", "warning": "▲", "info": "●"}
+
+
+@dataclass
+class HeaderInfo:
+    """Everything the header shows; built by the screen from the latest document."""
+
+    source: str = ""
+    connected: bool | None = None
+    """None until the first fetch returned."""
+    world_size: int | None = None
+    connected_ranks: int = 0
+    total_ranks: int = 0
+    hosts: int = 0
+    step_min: int | None = None
+    step_max: int | None = None
+    alerts: dict[str, int] = field(default_factory=dict)
+    msg_rate: float | None = None
+    uptime_s: float | None = None
+    query: Query = field(default_factory=Query)
+    sort_title: str = "worst first"
+    shown: int = 0
+    paused: bool = False
+    has_document: bool = False
+    """False until a first document arrived: then there is nothing to count yet."""
+
+
+def summarize(document: dict[str, Any]) -> dict[str, Any]:
+    """World size, connected ranks, hosts and step range of a status document."""
+    ranks = document.get("ranks") or []
+    hosts = set()
+    connected = 0
+    low = high = None
+    for row in ranks:
+        if row.get("state") != "not_connected":
+            connected += 1
+        host = row.get("host")
+        if host is not None:
+            hosts.add(host)
+        step = row.get("step")
+        if step is not None:
+            low = step if low is None or step < low else low
+            high = step if high is None or step > high else high
+    return {
+        "world_size": document.get("world_size"),
+        "connected_ranks": connected,
+        "total_ranks": len(ranks),
+        "hosts": len(hosts),
+        "step_min": low,
+        "step_max": high,
+    }
+
+
+def header_lines(info: HeaderInfo, width: int) -> list[Text]:
+    """The header's lines for a terminal ``width`` cells wide."""
+    top: list[Text] = [Text("ddpwatch", style="bold magenta")]
+
+    def kv(label: str, value: str, style: str = "bold") -> Text:
+        return Text.assemble((label + " ", "dim"), (value, style))
+
+    expected = info.world_size if info.world_size is not None else NA
+    top.append(kv("world", str(expected)))
+    ranks_style = (
+        "bold" if info.world_size is None or info.connected_ranks >= info.world_size else "bold red"
+    )
+    top.append(kv("ranks", f"{info.connected_ranks}/{expected}", ranks_style))
+    top.append(kv("hosts", str(info.hosts)))
+    if info.step_min is None:
+        steps = NA
+    elif info.step_min == info.step_max:
+        steps = str(info.step_min)
+    else:
+        steps = f"{info.step_min}{DASH}{info.step_max}"
+    top.append(kv("step", steps))
+    rate = NA if info.msg_rate is None else f"{info.msg_rate:.0f}"
+    top.append(kv("msg/s", rate))
+    top.append(kv("up", uptime(info.uptime_s)))
+    bottom: list[Text] = []
+    if info.connected is False:
+        bottom.append(
+            Text.assemble((info.source + " ", "dim"), (" DISCONNECTED ", "bold white on red"))
+        )
+    elif info.connected is None:
+        bottom.append(Text.assemble((info.source + " ", "dim"), ("connecting…", "italic yellow")))
+    total = sum(info.alerts.values())
+    if total:
+        parts = [Text("alerts", style="dim")]
+        for severity in ("error", "warning", "info"):
+            count = info.alerts.get(severity, 0)
+            if count:
+                parts.append(
+                    Text(
+                        f"{SEVERITY_GLYPH[severity]} {count} {severity}",
+                        style=SEVERITY_STYLE[severity],
+                    )
+                )
+        bottom.append(Text(" ").join(parts))
+    elif info.has_document:
+        bottom.append(Text("✔ no alerts", style="bold green"))
+    query = info.query
+    view = [kv("sort", info.sort_title + (" ▲" if query.reverse else ""), "bold")]
+    if query.filter:
+        view.append(kv("filter", query.filter, "bold yellow"))
+    if query.flagged:
+        view.append(Text("flagged only", style="bold yellow"))
+    if query.grouped:
+        view.append(Text("by host", style="bold yellow"))
+    if query.filter or query.flagged or query.grouped:
+        view.append(kv("shown", str(info.shown)))
+    bottom.extend(view)
+    if info.paused:
+        bottom.append(Text(" PAUSED ", style="bold black on yellow"))
+    if info.connected:
+        bottom.append(Text(info.source, style="dim"))
+    return pack(top, width) + pack(bottom, width)
+
+
+class StatusHeader(Widget):
+    """World size, ranks, hosts, steps, alert counts, messages/s, uptime, source."""
+
+    DEFAULT_CSS = """
+    StatusHeader {
+        height: auto;
+        max-height: 4;
+        padding: 0 1;
+        background: $panel;
+    }
+    """
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.info = HeaderInfo()
+
+    def show(self, info: HeaderInfo) -> None:
+        """Repaint; lay the screen out again only when the header's height changes."""
+        width = max(20, self.content_size.width or 80)
+        before = len(header_lines(self.info, width))
+        self.info = info
+        self.refresh(layout=len(header_lines(info, width)) != before)
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        return len(header_lines(self.info, max(20, width)))
+
+    def render(self) -> Text:
+        width = self.content_size.width or 80
+        return Text("\n").join(header_lines(self.info, max(20, width)))

@@ -1,0 +1,76 @@
+"""The help screen (``?``): keys, filter syntax, what the colours mean."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+KEYS = (
+    ("q", "quit"),
+    ("?", "this help (esc closes it)"),
+    ("↑ ↓ PgUp PgDn Home End", "move the cursor (also k / j)"),
+    ("enter", "detail pane of the cursor rank; on a host row (g): show that host's ranks"),
+    ("/", "filter: words match host, state or phase; r:0-15 or 3,5-7 selects ranks"),
+    ("esc", "clear the filter"),
+    ("< >", "sort by the previous / next column (first: worst first)"),
+    ("r", "reverse the order"),
+    ("a", "flagged ranks only: named by an alert, or not running"),
+    ("g", "group by host: one row per host"),
+    ("p", "pause updates (the view freezes; polling stops)"),
+    ("e", "export the status JSON shown to ddpwatch-status-<time>.json"),
+    ("tab", "focus the next panel: table, alerts, detail"),
+    ("alerts: enter / click", "select the alert's first culprit rank in the table"),
+)
+
+STATES = (
+    ("running", "green", "making progress"),
+    ("waiting", "yellow", "inside a collective, waiting for peers"),
+    ("stalled", "yellow", "no progress for longer than the stall threshold"),
+    ("silent", "red", "no heartbeat: the process is gone or frozen"),
+    ("crashed", "red", "raised an exception or died on a signal"),
+    ("absent", "red", "not_connected: never reported"),
+    ("exited", "dim", "finished"),
+)
+
+
+def help_text() -> Table:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold cyan", no_wrap=True)
+    table.add_column()
+    for key, what in KEYS:
+        table.add_row(key, what)
+    table.add_row("", "")
+    for state, colour, meaning in STATES:
+        table.add_row(Text(state, style=f"bold {colour}"), meaning)
+    table.add_row("", "")
+    table.add_row(
+        Text("worst first", style="bold"),
+        "culprits of errors, crashed, culprits of warnings, "
+        "silent, stalled, absent, waiting, then running and exited; ties by rank",
+    )
+    table.add_row(Text("sim", style="italic magenta"), "a simulated rank (ddpwatch demo)")
+    return table
+
+
+class HelpScreen(ModalScreen[None]):
+    """Keys and colours; any of esc, q, ? closes it."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape,q,question_mark", "dismiss_help", "Close", id="help.close"),
+    ]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help-panel") as panel:
+            panel.border_title = "ddpwatch keys"
+            panel.border_subtitle = "esc closes"
+            yield Static(help_text(), id="help-text")
+
+    def action_dismiss_help(self) -> None:
+        self.dismiss(None)

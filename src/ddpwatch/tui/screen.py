@@ -1,0 +1,417 @@
+"""The dashboard screen: layout and logic (the App only wires screens and global keys).
+
+Polling follows dolphie: a thread worker fetches one document, posts it back,
+and the handler re-arms a timer, so polls never overlap however slow the
+source is; while paused nothing is fetched or redrawn.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical
+from textual.events import Resize
+from textual.message import Message
+from textual.screen import Screen
+from textual.timer import Timer
+from textual.widgets import Footer, Input, Static
+
+from ddpwatch.tui.alerts_panel import AlertList
+from ddpwatch.tui.detail import RankDetail
+from ddpwatch.tui.fmt import TIMES
+from ddpwatch.tui.header import HeaderInfo, StatusHeader, summarize
+from ddpwatch.tui.history import METRICS, History
+from ddpwatch.tui.model import (
+    WORST,
+    AlertIndex,
+    Query,
+    Row,
+    index_alerts,
+    select_groups,
+    select_rows,
+)
+from ddpwatch.tui.rank_table import GROUP_COLUMNS, RANK_COLUMNS, RankTable
+from ddpwatch.tui.sources import StatusSource
+
+MIN_WIDTH, MIN_HEIGHT = 60, 15
+"""Below this the dashboard shows "terminal too small" instead of a cramped view."""
+WIDE = 120
+"""From this width the detail pane sits beside the alerts instead of replacing them."""
+
+_TITLES = {c.key: c.title for c in RANK_COLUMNS} | {
+    "local_rank": "local rank",
+    "step_time": "step time",
+}
+_GROUP_TITLES = {c.key: c.title for c in GROUP_COLUMNS}
+
+
+class StatusFetched(Message):
+    """A poll finished: the document, or None when the source could not be reached."""
+
+    def __init__(self, document: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.document = document
+
+
+class DashboardScreen(Screen[None]):
+    """Header, rank table, alerts panel, detail pane, filter box and footer."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        # q and ? are the App's; repeated here so the footer lists them first
+        Binding("q", "app.quit", "Quit", id="quit"),
+        Binding("question_mark", "app.help", "Help", key_display="?", id="help"),
+        Binding("slash", "filter", "Filter", key_display="/", id="filter"),
+        Binding(
+            "less_than_sign", "sort(-1)", "Sort", key_display="<", show=False, id="sort.previous"
+        ),
+        Binding("greater_than_sign", "sort(1)", "Sort", key_display="<>", id="sort.next"),
+        Binding("r", "reverse", "Rev", id="sort.reverse"),
+        Binding("a", "flagged", "Flagged", id="flagged"),
+        Binding("g", "group", "Hosts", id="group"),
+        Binding("p", "pause", "Pause", id="pause"),
+        Binding("e", "export", "Export", id="export"),
+        Binding("escape", "clear_filter", "Clear filter", show=False, id="filter.clear"),
+    ]
+
+    def __init__(self, source: StatusSource, *, interval: float = 0.5, history: int = 60) -> None:
+        super().__init__()
+        self.source = source
+        self.interval = interval
+        self.document: dict[str, Any] | None = None
+        self.connected: bool | None = None
+        self.paused = False
+        self.query_state = Query()
+        self.index = AlertIndex()
+        self.history = History(history)
+        self.started: float | None = getattr(source, "started", None)
+        self.msg_rate: float | None = None
+        self.show_detail = False
+        self._previous: tuple[float, int] | None = None
+        self._timer: Timer | None = None
+        self._polling = False
+        self._rank_pos: dict[int, int] = {}
+        self.last_export: Path | None = None
+        self._poll_started = 0.0
+        self._summary: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ layout
+
+    def compose(self) -> ComposeResult:
+        yield StatusHeader(id="header")
+        with Vertical(id="main"):
+            yield RankTable(id="ranks")
+            with Horizontal(id="bottom"):
+                yield AlertList(id="alerts")
+                yield RankDetail(id="detail")
+        yield Input(
+            placeholder="filter: host/state/phase words, or ranks r:0-15 or 3,5-7 (esc clears)",
+            id="filter",
+        )
+        yield Static(id="too-small")
+        yield Footer(compact=True)
+
+    @property
+    def table(self) -> RankTable:
+        return self.query_one(RankTable)
+
+    @property
+    def alert_list(self) -> AlertList:
+        return self.query_one(AlertList)
+
+    @property
+    def detail(self) -> RankDetail:
+        return self.query_one(RankDetail)
+
+    def on_mount(self) -> None:
+        self.query_one(AlertList).show([])
+        self.detail.border_title = "detail"
+        self.table.focus()
+        self._update_header()
+        self.poll_now()
+
+    def on_resize(self, event: Resize) -> None:
+        width, height = event.size
+        small = width < MIN_WIDTH or height < MIN_HEIGHT
+        self.set_class(small, "-too-small")
+        self.set_class(width < WIDE, "-narrow")
+        if small:
+            self.query_one("#too-small", Static).update(
+                f"terminal too small: {width}{TIMES}{height}\n"
+                f"ddpwatch needs at least {MIN_WIDTH}{TIMES}{MIN_HEIGHT}\n\n"
+                "enlarge the window, or use: ddpwatch status"
+            )
+
+    # ------------------------------------------------------------------ polling
+
+    @work(thread=True, group="poll", exit_on_error=False)
+    def poll(self) -> None:
+        """Fetch one document off the UI thread (one at a time: the next is armed after)."""
+        self._poll_started = time.monotonic()
+        try:
+            document = self.source.fetch()
+        except Exception:
+            document = None
+        self.post_message(StatusFetched(document))
+
+    def poll_now(self) -> None:
+        """Fetch at once (used by unpause and by tests); no-op while a fetch is running."""
+        if self._polling:
+            return
+        if self._timer is not None:
+            self._timer.stop()
+            self._timer = None
+        self._polling = True
+        self.poll()
+
+    def _arm(self) -> None:
+        """The next poll, ``interval`` after this one began (never before this one ended)."""
+        elapsed = time.monotonic() - self._poll_started
+        self._timer = self.set_timer(max(0.02, self.interval - elapsed), self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        if not self.paused:  # paused: no timer; unpausing polls at once
+            self.poll_now()
+
+    @on(StatusFetched)
+    def _fetched(self, message: StatusFetched) -> None:
+        self._polling = False
+        if self.paused:
+            return
+        self.apply_document(message.document)
+        if self._timer is None:
+            self._arm()
+
+    # ------------------------------------------------------------------ document in
+
+    def apply_document(self, document: dict[str, Any] | None) -> None:
+        """Show a new status document (None: the source is unreachable)."""
+        if document is None:
+            self.connected = False
+            self._update_header()
+            return
+        self.connected = True
+        self.document = document
+        now = document.get("server_time")
+        received = (document.get("stats") or {}).get("received")
+        if isinstance(now, (int, float)):
+            if self.started is None:
+                self.started = now
+            if self._previous is not None and received is not None and now > self._previous[0]:
+                self.msg_rate = max(0.0, (received - self._previous[1]) / (now - self._previous[0]))
+            if received is not None:
+                self._previous = (now, received)
+        ranks = document.get("ranks") or []
+        self._rank_pos = {}
+        self._summary = summarize(document)
+        self.index = index_alerts(document.get("alerts") or [])
+        self.history.update(ranks)
+        self.refresh_view()
+
+    def refresh_view(self) -> None:
+        """Re-select and re-order rows for the current query, then redraw once."""
+        document = self.document
+        if document is None:
+            self._update_header()
+            return
+        ranks = document.get("ranks") or []
+        query = self.query_state
+        if query.grouped:
+            rows = select_groups(ranks, query, self.index)
+        else:
+            rows = select_rows(ranks, query, self.index)
+        sort_key = None if query.sort == WORST else query.sort
+        self.table.set_rows(
+            rows, self.index, grouped=query.grouped, sort_key=sort_key, sort_reverse=query.reverse
+        )
+        self.alert_list.show(document.get("alerts") or [])
+        self._update_header()
+        self._update_detail()
+
+    def _update_header(self) -> None:
+        document = self.document
+        query = self.query_state
+        info = HeaderInfo(
+            source=self.source.label,
+            connected=self.connected,
+            query=query,
+            paused=self.paused,
+            msg_rate=self.msg_rate,
+            shown=len(self.table.rows) if self.is_mounted else 0,
+        )
+        titles = _GROUP_TITLES if query.grouped else _TITLES
+        info.sort_title = (
+            "worst first" if query.sort == WORST else titles.get(query.sort, query.sort)
+        )
+        if document is not None:
+            info.has_document = True
+            for key, value in self._summary.items():
+                setattr(info, key, value)
+            info.alerts = dict(self.index.counts)
+            now = document.get("server_time")
+            if isinstance(now, (int, float)) and self.started is not None:
+                info.uptime_s = now - self.started
+        self.query_one(StatusHeader).show(info)
+
+    def rank_row(self, rank: int) -> Row | None:
+        """The selected rank's entry in the current document."""
+        if self.document is None:
+            return None
+        ranks = self.document.get("ranks") or []
+        if 0 <= rank < len(ranks) and ranks[rank].get("rank") == rank:
+            return ranks[rank]
+        if not self._rank_pos:
+            self._rank_pos = {row["rank"]: i for i, row in enumerate(ranks)}
+        pos = self._rank_pos.get(rank)
+        return None if pos is None else ranks[pos]
+
+    def _update_detail(self) -> None:
+        if not self.show_detail:
+            return
+        table = self.table
+        rank = None if table.grouped else table.cursor_key
+        row = None if rank is None else self.rank_row(rank)
+        series = {m: self.history.series(rank, m) for m in METRICS} if rank is not None else {}
+        alerts = (self.document or {}).get("alerts") or []
+        self.detail.show(row, series, alerts)
+
+    # ------------------------------------------------------------------ table events
+
+    @on(RankTable.CursorMoved)
+    def _cursor_moved(self, event: RankTable.CursorMoved) -> None:
+        self._update_detail()
+
+    @on(RankTable.Selected)
+    def _row_selected(self, event: RankTable.Selected) -> None:
+        if self.table.grouped:
+            host = event.key
+            self.query_state = Query(
+                sort=WORST,
+                reverse=False,
+                filter=str(host),
+                flagged=self.query_state.flagged,
+                grouped=False,
+            )
+            self._show_filter_box(str(host))
+            self.refresh_view()
+            return
+        self.toggle_detail()
+
+    @on(RankTable.HeaderClicked)
+    def _header_clicked(self, event: RankTable.HeaderClicked) -> None:
+        query = self.query_state
+        reverse = not query.reverse if query.sort == event.column else False
+        self._set_query(sort=event.column, reverse=reverse)
+
+    @on(AlertList.Jump)
+    def _jump(self, event: AlertList.Jump) -> None:
+        self.select_rank(event.rank)
+
+    def select_rank(self, rank: int) -> bool:
+        """Put the table's cursor on ``rank``, clearing a filter or grouping that hides it."""
+        table = self.table
+        if table.grouped or not any(r["rank"] == rank for r in table.rows):
+            self.query_state = Query(sort=self.query_state.sort, reverse=self.query_state.reverse)
+            self._show_filter_box("")
+            self.refresh_view()
+        found = table.move_cursor_to_key(rank)
+        table.focus()
+        return found
+
+    def toggle_detail(self) -> None:
+        self.show_detail = not self.show_detail
+        self.set_class(self.show_detail, "-detail")
+        self._update_detail()
+
+    # ------------------------------------------------------------------ actions
+
+    def _set_query(self, **changes: Any) -> None:
+        values = {
+            "sort": self.query_state.sort,
+            "reverse": self.query_state.reverse,
+            "filter": self.query_state.filter,
+            "flagged": self.query_state.flagged,
+            "grouped": self.query_state.grouped,
+        }
+        values.update(changes)
+        self.query_state = Query(**values)
+        self.refresh_view()
+
+    def sort_keys(self) -> list[str]:
+        """Worst first, then the columns on screen, left to right."""
+        keys = [k for k in self.table.visible_columns if k != "sim"]
+        return [WORST, *keys]
+
+    def action_sort(self, step: int) -> None:
+        keys = self.sort_keys()
+        current = self.query_state.sort
+        position = keys.index(current) if current in keys else 0
+        self._set_query(sort=keys[(position + step) % len(keys)], reverse=False)
+
+    def action_reverse(self) -> None:
+        self._set_query(reverse=not self.query_state.reverse)
+
+    def action_flagged(self) -> None:
+        self._set_query(flagged=not self.query_state.flagged)
+
+    def action_group(self) -> None:
+        self._set_query(grouped=not self.query_state.grouped, sort=WORST, reverse=False)
+
+    def action_pause(self) -> None:
+        self.paused = not self.paused
+        self._update_header()
+        if not self.paused:
+            self.poll_now()
+
+    def action_filter(self) -> None:
+        self._show_filter_box(self.query_state.filter, focus=True)
+
+    def _show_filter_box(self, value: str, focus: bool = False) -> None:
+        box = self.query_one("#filter", Input)
+        if box.value != value:
+            with box.prevent(Input.Changed):
+                box.value = value
+        self.set_class(bool(value) or focus, "-filtering")
+        if focus:
+            box.focus()
+            box.cursor_position = len(box.value)
+
+    def action_clear_filter(self) -> None:
+        self._show_filter_box("")
+        self.table.focus()
+        if self.query_state.filter:
+            self._set_query(filter="")
+
+    @on(Input.Changed, "#filter")
+    def _filter_changed(self, event: Input.Changed) -> None:
+        self._set_query(filter=event.value)
+
+    @on(Input.Submitted, "#filter")
+    def _filter_submitted(self, event: Input.Submitted) -> None:
+        self.set_class(bool(event.value), "-filtering")
+        self.table.focus()
+
+    def action_export(self) -> None:
+        """Write the status document on screen to ``ddpwatch-status-<time>.json`` in the cwd."""
+        if self.document is None:
+            self.notify("nothing to export yet: no status document received", severity="warning")
+            return
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = Path.cwd() / f"ddpwatch-status-{stamp}.json"
+        n = 1
+        while path.exists():
+            path = Path.cwd() / f"ddpwatch-status-{stamp}-{n}.json"
+            n += 1
+        try:
+            path.write_text(json.dumps(self.document, indent=2) + "\n")
+        except OSError as exc:
+            self.notify(f"could not write {path}: {exc.strerror}", severity="error")
+            return
+        self.notify(f"wrote {path}", title="exported")
+        self.last_export = path

@@ -1,0 +1,132 @@
+"""Where the dashboard's status documents come from.
+
+The TUI reaches the server only through a ``StatusSource``: ``LocalSource``
+reads an in-process ``Server``; ``RemoteSource`` asks a running ``ddpwatch
+serve`` over its ZeroMQ query socket (port + 1). ``fetch`` runs on a worker
+thread, one call at a time, and returns None when no document could be had.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from ddpwatch.protocol import DEFAULT_PORT
+
+log = logging.getLogger("ddpwatch.tui")
+
+
+@runtime_checkable
+class StatusSource(Protocol):
+    """Anything that can hand the dashboard a status document."""
+
+    label: str
+
+    def fetch(self) -> dict[str, Any] | None:
+        """The current status document, or None when it cannot be had (shown as disconnected)."""
+        ...
+
+
+class LocalSource:
+    """The server runs in this process (``ddpwatch serve``): read its status directly."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        collector = getattr(server, "collector", None)
+        port = getattr(collector, "port", None)
+        self.label = f"local :{port}" if port is not None else "local"
+        state = getattr(server, "state", None)
+        self.started: float | None = getattr(state, "started", None)
+
+    def fetch(self) -> dict[str, Any] | None:
+        try:
+            return self.server.status()
+        except Exception:  # the view must survive a failing server: show it as disconnected
+            log.exception("status() failed")
+            return None
+
+    def close(self) -> None:
+        pass
+
+
+_decoder = msgspec.json.Decoder()
+
+
+class RemoteSource:
+    """A ``ddpwatch serve`` elsewhere: ZeroMQ REQ to ``port + 1``, send ``b"status"``, read JSON.
+
+    A REQ socket that timed out is stuck waiting for its reply, so it is closed
+    and a fresh one is made for the next fetch (the "lazy pirate" pattern).
+    """
+
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, timeout: float = 1.0
+    ) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.host, self.port, self.timeout = host, port, timeout
+        self.label = f"{host}:{port}"
+        self.started: float | None = None
+        self._context = zmq.Context()
+        self._sock: Any = None
+        self._lock = threading.Lock()  # fetch (worker thread) against close (UI thread)
+        self._closed = False
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.port + 1}"
+
+    def _socket(self) -> Any:
+        if self._sock is None:
+            zmq = self._zmq
+            sock = self._context.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def fetch(self) -> dict[str, Any] | None:
+        with self._lock:
+            if self._closed:
+                return None
+            reply = self._request()
+        if reply is None:
+            return None
+        try:
+            document = _decoder.decode(reply)
+        except msgspec.DecodeError:
+            return None
+        if not isinstance(document, dict) or "ranks" not in document:
+            return None
+        return document
+
+    def _request(self) -> bytes | None:
+        zmq = self._zmq
+        try:
+            sock = self._socket()
+            sock.send(b"status", zmq.NOBLOCK)
+            if not sock.poll(int(self.timeout * 1000), zmq.POLLIN):
+                self._reset()
+                return None
+            return sock.recv()
+        except zmq.ZMQError:
+            self._reset()
+            return None
+
+    def close(self) -> None:
+        """Close the socket (after a fetch in flight, at most ``timeout`` away) and the context."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._reset()
+        self._context.term()
