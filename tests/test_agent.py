@@ -373,3 +373,40 @@ def test_fault_inside_the_agent_never_reaches_training(receiver: Receiver, rank_
     time.sleep(0.2)
     assert watcher.publisher.alive
     ddpwatch.step()
+
+
+def test_startup_phases_and_checkpoints_are_reported(
+    receiver: Receiver, rank_env, tmp_path
+) -> None:
+    original_save, original_ddp_init = (
+        torch.save,
+        torch.nn.parallel.DistributedDataParallel.__init__,
+    )
+    watcher = ddpwatch.attach(addr=f"127.0.0.1:{receiver.collector.port}", interval=0.1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port_pair()}", rank=0, world_size=1
+    )
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+        assert watcher.progress.phase == "first_step"  # wrapped: waiting for its first step
+        path = tmp_path / "model.pt"
+        torch.save(ddp.state_dict(), path)
+        torch.save({"x": 1}, __import__("io").BytesIO())  # not a path: not a checkpoint event
+        record = receiver.wait_for(
+            lambda s: s.ranks.get(0) if s.ranks.get(0) and s.ranks[0].checkpoint_paths else None
+        )
+        assert record.checkpoint_paths == [str(path)]
+        phases = [
+            name
+            for name, _ in receiver.wait_for(
+                lambda s: s.ranks[0].phases if len(s.ranks[0].phases) >= 3 else None
+            )
+        ]
+        assert (
+            phases.index("rendezvous") < phases.index("model_wrap") < phases.index("first_step")
+        ), phases
+    finally:
+        dist.destroy_process_group()
+    ddpwatch.detach()
+    assert torch.save is original_save
+    assert torch.nn.parallel.DistributedDataParallel.__init__ is original_ddp_init

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 import logging
 import os
@@ -15,9 +14,11 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
+from ddpwatch.agent.auto import after_import
 from ddpwatch.agent.collectives import CollectiveWrappers, FlightRecorder, ensure_flight_recorder
 from ddpwatch.agent.hooks import ModelHooks, ProcessHooks
 from ddpwatch.agent.identity import RankIdentity, identity_from_env, refresh_from_torch
+from ddpwatch.agent.patches import Patches
 from ddpwatch.agent.probes import device_info, memory_info, note_current_device
 from ddpwatch.agent.progress import Progress
 from ddpwatch.agent.publisher import Publisher
@@ -66,7 +67,9 @@ class Watcher:
         self._wrappers = CollectiveWrappers(self.progress)
         self._flight_recorder: FlightRecorder | None = None
         self._process_hooks = ProcessHooks(self._report_crash, self._report_exit)
-        self._original_init: Any = None
+        self._patches = Patches()
+        self._detached = False
+        self._phase_before_device = "started"
         self._main_thread = threading.main_thread().ident
         self._last_stack: str | None = None
         self._stack_step: int | None = None
@@ -92,19 +95,21 @@ class Watcher:
         if not self.active:
             return
         self.active = False
+        self._detached = True
         self._model_hooks.remove()
         self._process_hooks.remove()
+        self._patches.restore()
         if self._dist is not None:
             self._wrappers.restore(self._dist)
-            if self._original_init is not None and getattr(
-                self._dist.init_process_group, "__ddpwatch__", False
-            ):
-                self._dist.init_process_group = self._original_init
         if os.getpid() == self._pid:
             self.publisher.stop()
 
     def add_model(self, model: Any) -> None:
-        self._model_hooks.add_model(model)
+        """Hook a module (forward hooks), or a framework object an integration knows."""
+        from ddpwatch.integrations import adapt
+
+        if not adapt(self, model):
+            self._model_hooks.add_model(model)
 
     @property
     def rank(self) -> int:
@@ -128,6 +133,18 @@ class Watcher:
             self.progress.pinned -= 1
             self._enter_phase(previous)
 
+    def set_phase(self, name: str) -> None:
+        """Enter phase ``name`` until the next phase change (for integrations and startup)."""
+        self._enter_phase(name)
+
+    def checkpoint(self, path: str) -> None:
+        """Report that this rank writes a checkpoint to ``path`` (checkpoint_conflict)."""
+        with contextlib.suppress(Exception):
+            if self.active:
+                self.publisher.publish(
+                    self._event("checkpoint", path=str(path), step=self.progress.step)
+                )
+
     def _enter_phase(self, name: str) -> None:
         try:
             self.progress.set_phase(name)
@@ -143,35 +160,74 @@ class Watcher:
             import torch.distributed as dist
         except ImportError:
             return
+        self._model_hooks.add_optimizer_hook()
+        self._patch_startup(torch)
         if not dist.is_available():
-            self._model_hooks.add_optimizer_hook()
             return
         self._dist = dist
-        self._model_hooks.add_optimizer_hook()
         self._wrappers.install(dist)
         if dist.is_initialized():
             self._on_group_ready()
             note_current_device()
         else:
             ensure_flight_recorder(torch.__version__)
-            self._wrap_init(dist)
+            self._patches.wrap(
+                dist,
+                "init_process_group",
+                before=lambda *a, **k: self._before_init(dist.init_process_group, a, k),
+                after=lambda *_, **__: self._after_init(),
+            )
 
-    def _wrap_init(self, dist: Any) -> None:
-        original = dist.init_process_group
-        watcher = self
+    def _patch_startup(self, torch: Any) -> None:
+        """Startup phases (device, model_wrap) and checkpoint writes, from the calls themselves."""
+        patches = self._patches
+        patches.wrap(
+            torch.cuda, "set_device", before=self._before_set_device, after=self._after_set_device
+        )
+        patches.wrap(torch, "save", before=self._before_save)
+        self._wrap_model_class(torch.nn.parallel, "DistributedDataParallel")
+        after_import(
+            "torch.distributed.fsdp",
+            lambda m: self._wrap_model_class(m, "FullyShardedDataParallel"),
+        )
 
-        @functools.wraps(original)
-        def init_process_group(*args: Any, **kwargs: Any) -> Any:
-            watcher._learn_rank(original, args, kwargs)
-            watcher._enter_phase("rendezvous")
-            result = original(*args, **kwargs)
-            watcher._on_group_ready()
-            note_current_device()  # on the training thread: its set_device has happened
-            return result
+    def _before_set_device(self, *args: Any, **kwargs: Any) -> None:
+        self._phase_before_device = self.progress.phase
+        self.set_phase("device")
 
-        init_process_group.__ddpwatch__ = True  # type: ignore[attr-defined]
-        self._original_init = original
-        dist.init_process_group = init_process_group
+    def _after_set_device(self, *args: Any, **kwargs: Any) -> None:
+        """After the rendezvous, "device" lasts until the model is wrapped (the documented
+        order); before it (torchtitan's order) the rank goes back to what it was doing."""
+        note_current_device()
+        if not self._dist_ready:
+            self.set_phase(self._phase_before_device)
+
+    def _wrap_model_class(self, module: Any, name: str) -> None:
+        cls = getattr(module, name, None)
+        if cls is None or self._detached:
+            return
+        self._patches.wrap(
+            cls,
+            "__init__",
+            before=lambda *_, **__: self.set_phase("model_wrap"),
+            after=lambda *_, **__: self._after_model_wrap(),
+        )
+
+    def _after_model_wrap(self) -> None:
+        if self.progress.step is None:
+            self.set_phase("first_step")
+
+    def _before_save(self, obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(f, (str, os.PathLike)):
+            self.checkpoint(os.path.abspath(os.fspath(f)))
+
+    def _before_init(self, init: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._learn_rank(init, args, kwargs)
+        self.set_phase("rendezvous")
+
+    def _after_init(self) -> None:
+        self._on_group_ready()
+        note_current_device()  # on the training thread: its set_device has happened
 
     def _learn_rank(self, init: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Ranks started by ``mp.spawn`` learn their rank from init_process_group's arguments."""
@@ -191,7 +247,7 @@ class Watcher:
             self._dist_ready = True
             self._flight_recorder = FlightRecorder()
             if self.progress.step is None:
-                self._enter_phase("first_step")
+                self._enter_phase("setup")
         except Exception as exc:
             log.debug("ddpwatch: could not read the process group: %s", exc)
 
@@ -208,7 +264,7 @@ class Watcher:
         if self.identity.rank is None and time.monotonic() - self._started < RANK_WAIT_S:
             return []  # which rank this is comes with init_process_group; a lone process is rank 0
         progress = self.progress
-        if progress.step is not None and progress.phase in ("started", "first_step"):
+        if progress.step is not None and progress.phase in ("started", "setup", "first_step"):
             progress.set_phase("train")
         device = device_info()
         collective = self._flight_recorder.in_flight() if self._flight_recorder else None

@@ -31,7 +31,15 @@ from ddpwatch.server.state import RankRecord, ServerState
 GIB = float(1 << 30)
 MAX_LISTED = 8  # rank runs written out before "and N more"
 MAX_WORLD = 1 << 20  # never iterate a bogus world size further than this
-STARTUP_PHASES = ("started", "rendezvous", "device", "model_wrap", "first_step", "train")
+STARTUP_PHASES = (
+    "started",
+    "rendezvous",
+    "setup",
+    "device",
+    "model_wrap",
+    "first_step",
+    "train",
+)
 _PHASE_ORDER = {name: index for index, name in enumerate(STARTUP_PHASES)}
 _TERM_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
 _TERM_CODES = frozenset({-15, -2, -1, 143, 130, 129})
@@ -781,6 +789,8 @@ _PHASE_HINTS = {
     "followed by a barrier",
     "rendezvous": "the ranks wait for each other in init_process_group: check that every "
     "rank started, WORLD_SIZE, and that MASTER_ADDR:MASTER_PORT is reachable",
+    "setup": "the process group exists but the rank has not wrapped its model: it may be "
+    "loading data or a checkpoint, or in a branch that only some ranks take",
     "device": "setting up the GPU hangs: check the GPU with nvidia-smi and "
     "CUDA_VISIBLE_DEVICES on that host",
     "model_wrap": "DistributedDataParallel(...) broadcasts rank 0's parameters and checks "
