@@ -410,3 +410,33 @@ def test_startup_phases_and_checkpoints_are_reported(
     ddpwatch.detach()
     assert torch.save is original_save
     assert torch.nn.parallel.DistributedDataParallel.__init__ is original_ddp_init
+
+
+def test_line_buffer_splits_lines_and_progress_bars() -> None:
+    from ddpwatch.agent.logtail import LineBuffer
+
+    buffer = LineBuffer(keep=3)
+    buffer.feed("epoch 1\nstep 1")
+    buffer.feed(" done\n 10%\r 50%\r100%\n\n")
+    assert buffer.take() == ["epoch 1", "step 1 done", "100%"]
+    assert buffer.take() == []
+    buffer.feed("".join(f"line {i}\n" for i in range(10)))
+    assert buffer.take() == ["line 7", "line 8", "line 9"]
+
+
+def test_printed_lines_reach_the_server_and_output_is_untouched(
+    receiver: Receiver, rank_env, capsys
+) -> None:
+    watcher = ddpwatch.attach(addr=f"127.0.0.1:{receiver.collector.port}", interval=0.1)
+    watcher._next_log = 0.0
+    print("loading shard 3 of 8")
+    print("warning: slow disk", file=sys.stderr)
+    record = receiver.wait_for(
+        lambda s: s.ranks.get(0) if s.ranks.get(0) and len(s.ranks[0].log_tail) >= 2 else None
+    )
+    assert list(record.log_tail) == ["loading shard 3 of 8", "warning: slow disk"]
+    ddpwatch.detach()
+    captured = capsys.readouterr()
+    assert captured.out == "loading shard 3 of 8\n"
+    assert captured.err == "warning: slow disk\n"
+    assert type(sys.stdout).__name__ != "Tee"

@@ -153,6 +153,11 @@ def document(tick: int = 0) -> dict[str, Any]:
         mem_peak_bytes=int(78.6 * GIB),
         gpu_mem_used_bytes=int(79.1 * GIB),
         last_seen_s=round(3.2 + 0.5 * tick, 3),
+        log_tail=[
+            "epoch 0 step 120 loss 2.031",
+            "epoch 0 step 130 loss 1.980",
+            "[rank5] allocating activation cache for seq_len=8192",
+        ],
     )
     # rank 3: loss became NaN (the document shows null; the nan_loss alert names it)
     ranks[3].update(loss=None)

@@ -18,6 +18,7 @@ from ddpwatch.agent.auto import after_import
 from ddpwatch.agent.collectives import CollectiveWrappers, FlightRecorder, ensure_flight_recorder
 from ddpwatch.agent.hooks import ModelHooks, ProcessHooks
 from ddpwatch.agent.identity import RankIdentity, identity_from_env, refresh_from_torch
+from ddpwatch.agent.logtail import LogTail
 from ddpwatch.agent.patches import Patches
 from ddpwatch.agent.probes import device_info, memory_info, note_current_device
 from ddpwatch.agent.progress import Progress
@@ -35,6 +36,7 @@ from ddpwatch.protocol import (
 log = logging.getLogger("ddpwatch")
 
 RANK_WAIT_S = 10.0
+LOG_EVERY_S = 2.0  # new output lines ship at most this often
 STACK_AFTER_S = 5.0  # half the server's default stall threshold
 CRASH_FLUSH_S = 1.0
 
@@ -68,6 +70,8 @@ class Watcher:
         self._flight_recorder: FlightRecorder | None = None
         self._process_hooks = ProcessHooks(self._report_crash, self._report_exit)
         self._patches = Patches()
+        self._log_tail = LogTail()
+        self._next_log = 0.0
         self._detached = False
         self._phase_before_device = "started"
         self._main_thread = threading.main_thread().ident
@@ -83,6 +87,8 @@ class Watcher:
     def start(self) -> None:
         self._hook_torch()
         self._process_hooks.install()
+        if os.environ.get("DDPWATCH_LOG_TAIL", "1") != "0":
+            self._log_tail.install()
         self.publisher.start()
         if self.identity.rank is not None:
             self.publisher.publish(
@@ -99,6 +105,7 @@ class Watcher:
         self._model_hooks.remove()
         self._process_hooks.remove()
         self._patches.restore()
+        self._log_tail.remove()
         if self._dist is not None:
             self._wrappers.restore(self._dist)
         if os.getpid() == self._pid:
@@ -288,6 +295,12 @@ class Watcher:
             forwards=progress.forwards or None,
         )
         messages: list[AnyMessage] = [sample]
+        now = time.monotonic()
+        if now >= self._next_log:
+            self._next_log = now + LOG_EVERY_S
+            lines = self._log_tail.buffer.take()
+            if lines:
+                messages.append(self._event("log", text="\n".join(lines)))
         stack = self._stack_if_stuck()
         if stack is not None:
             messages.append(

@@ -14,6 +14,7 @@ from typing import NamedTuple
 from ddpwatch.protocol import AnyMessage, Collective, ErrorInfo, Event, Identity, Sample
 
 HISTORY_LEN = 120
+LOG_LINES = 50
 
 IDENTITY_FIELDS = tuple(
     name for name in Identity.__struct_fields__ if name not in ("v", "rank", "t")
@@ -91,6 +92,7 @@ class RankRecord:
     nan_step: int | None = None
     checkpoint_paths: list[str] = field(default_factory=list)
     phases: list[tuple[str, float]] = field(default_factory=list)
+    log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_LINES))
     history: deque[HistoryPoint] = field(default_factory=lambda: deque(maxlen=HISTORY_LEN))
 
     @property
@@ -203,6 +205,8 @@ def _apply_event(record: RankRecord, event: Event, now: float) -> None:
         record.exit_time = now
         record.exit_code = event.exit_code
         record.exit_signal = event.signal
+    elif kind == "log" and event.text:
+        record.log_tail.extend(event.text.splitlines()[-LOG_LINES:])
     elif kind == "checkpoint" and event.path:
         record.checkpoint_paths.append(event.path)
         del record.checkpoint_paths[:-16]

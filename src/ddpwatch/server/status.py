@@ -10,6 +10,7 @@ from ddpwatch.server.diagnosis import effective_stall_after, rank_state
 from ddpwatch.server.state import RankRecord, ServerState
 
 SCHEMA = 1
+LOG_TAIL_IN_STATUS = 20
 
 
 def rank_entry(
@@ -67,6 +68,9 @@ def rank_entry(
         "exit_code": record.exit_code,
         "exit_signal": record.exit_signal,
         "simulated": record.simulated,
+        "phase_since_s": None if record.phase_since is None else round(now - record.phase_since, 3),
+        "log_tail": list(record.log_tail)[-LOG_TAIL_IN_STATUS:],
+        "checkpoints": list(record.checkpoint_paths),
     }
 
 

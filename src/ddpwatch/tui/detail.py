@@ -225,6 +225,14 @@ class Sparks(Widget):
         return Text("\n").join(lines)
 
 
+def log_text(row: dict[str, Any]) -> Text:
+    """The last lines the rank printed (its stdout and stderr, through the agent)."""
+    lines = row.get("log_tail") or []
+    if not lines:
+        return Text("")
+    return Text.assemble(("\noutput (last lines):\n", "dim"), ("\n".join(lines), ""))
+
+
 class RankDetail(VerticalScroll, can_focus=True):
     """Everything about one rank; follows the table's cursor."""
 
@@ -237,6 +245,7 @@ class RankDetail(VerticalScroll, can_focus=True):
         yield Packed(id="detail-trouble")
         yield Sparks(id="detail-sparks")
         yield Static(id="detail-stack")
+        yield Static(id="detail-log")
 
     def show(
         self,
@@ -253,6 +262,7 @@ class RankDetail(VerticalScroll, can_focus=True):
             self.query_one(Sparks).show({})
             self.query_one("#detail-trouble", Packed).show([])
             self.query_one("#detail-stack", Static).update("")
+            self.query_one("#detail-log", Static).update("")
             return
         if row["rank"] != self.rank:
             self.scroll_home(animate=False)
@@ -270,3 +280,4 @@ class RankDetail(VerticalScroll, can_focus=True):
         self.query_one(Sparks).show(series)
         self.query_one("#detail-trouble", Packed).show(trouble_paragraphs(row, named))
         self.query_one("#detail-stack", Static).update(stack_text(row))
+        self.query_one("#detail-log", Static).update(log_text(row))
