@@ -73,7 +73,9 @@ def test_run_torchrun_on_an_unmodified_script_reports_every_rank_and_only_ranks(
     # rendezvous was watched: the phases went started -> rendezvous -> first_step -> ...
     record = live_server.server.state.ranks[0]
     phases = [name for name, _ in record.phases]
-    assert phases.index("rendezvous") < phases.index("model_wrap") < phases.index("first_step"), phases
+    assert phases.index("rendezvous") < phases.index("model_wrap") < phases.index("first_step"), (
+        phases
+    )
     assert status["alerts"] == []
 
 

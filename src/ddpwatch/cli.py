@@ -28,6 +28,16 @@ def _add_address(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _positive(text: str) -> float:
     value = float(text)
     if value <= 0:
@@ -73,6 +83,32 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds in one startup phase (default 60)",
     )
+    serve.add_argument(
+        "--record",
+        metavar="FILE",
+        default=None,
+        help="append every accepted message to FILE, for ddpwatch replay (docs/recording.md)",
+    )
+    serve.add_argument(
+        "--curve-secret-file",
+        metavar="F",
+        default=None,
+        help="encrypt and authenticate with this CurveZMQ secret key (ddpwatch keygen); "
+        "ranks and clients then need DDPWATCH_SERVER_KEY",
+    )
+    serve.add_argument(
+        "--curve-clients",
+        metavar="DIR",
+        default=None,
+        help="with --curve-secret-file: allow only the client public keys (*.key) in DIR",
+    )
+    serve.add_argument(
+        "--max-ranks",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="track at most N ranks (default: world size + 64, or 1024 while unknown)",
+    )
 
     status = commands.add_parser("status", help="print one snapshot from a running server")
     _add_address(status)
@@ -80,6 +116,23 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--timeout", type=_positive, default=2.0, help="seconds to wait for an answer (default 2)"
     )
+    top = commands.add_parser(
+        "top", help="open the dashboard on a running ddpwatch serve (read-only)"
+    )
+    _add_address(top)
+    top.add_argument(
+        "--timeout", type=_positive, default=1.0, help="seconds to wait per poll (default 1)"
+    )
+
+    web = commands.add_parser(
+        "web", help="serve the read-only dashboard to browsers (textual-serve)"
+    )
+    _add_address(web)
+    web.add_argument(
+        "--web-host", default="127.0.0.1", help="address to serve the page on (default 127.0.0.1)"
+    )
+    web.add_argument("--web-port", type=int, default=8000, help="port of the page (default 8000)")
+
     run = commands.add_parser(
         "run",
         help="run a launch command with ddpwatch in every rank, no code change",
@@ -118,7 +171,44 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--port", type=int, default=None, help="collector port (default 5599 if free)"
     )
+    _add_keygen_and_replay(commands)
     return parser
+
+
+def _speed(text: str) -> float | None:
+    from ddpwatch.server.replay import parse_speed
+
+    return parse_speed(text)
+
+
+def _add_keygen_and_replay(commands: Any) -> None:
+    keygen = commands.add_parser("keygen", help="create a CurveZMQ key pair (docs/security.md)")
+    keygen.add_argument("dir", nargs="?", default=".", help="where to write (default .)")
+    keygen.add_argument(
+        "--name", default="ddpwatch", help="file name stem (default ddpwatch; e.g. a client name)"
+    )
+    keygen.add_argument("--force", action="store_true", help="replace existing key files")
+
+    replay = commands.add_parser(
+        "replay", help="feed a serve --record file through diagnosis and the views again"
+    )
+    replay.add_argument("file", help="a recording made by ddpwatch serve --record")
+    replay.add_argument(
+        "--speed",
+        type=_speed,
+        default=1.0,
+        help="times real time (default 1; 0 or max: as fast as possible)",
+    )
+    replay.add_argument(
+        "--headless", action="store_true", help="print the alert stream instead of the dashboard"
+    )
+    for flag, what in (
+        ("--interval", "the ranks' heartbeat interval"),
+        ("--stall-after", "seconds without progress"),
+        ("--silent-after", "seconds without a heartbeat"),
+        ("--startup-after", "seconds in one startup phase"),
+    ):
+        replay.add_argument(flag, type=_positive, default=None, help=f"{what} (default: recorded)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -130,6 +220,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status(args)
     if args.command == "demo":
         return demo(args)
+    if args.command == "web":
+        from ddpwatch.web import run_web
+
+        return run_web(args.host, args.port, args.web_host, args.web_port)
+    if args.command == "top":
+        from ddpwatch.tui.app import run_client
+
+        return run_client(args.host, args.port, timeout=args.timeout)
+    if args.command == "keygen":
+        from ddpwatch.security import keygen_main
+
+        return keygen_main(args)
+    if args.command == "replay":
+        from ddpwatch.server.replay import replay_main
+
+        return replay_main(args)
     if args.command == "run":
         from ddpwatch.launch import run_command
 
@@ -154,11 +260,39 @@ def serve(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(change.to_dict()) + "\n")
         sys.stdout.flush()
 
+    from ddpwatch.security import CurveKeyError, ServerCurve, is_loopback
+    from ddpwatch.server.recording import RecordingError
+
+    if args.curve_clients and not args.curve_secret_file:
+        print("ddpwatch: --curve-clients needs --curve-secret-file", file=sys.stderr)
+        return 2
     try:
-        server = Server(args.host, args.port, thresholds, on_change=print_change)
-    except BindError as exc:
+        curve = (
+            ServerCurve.from_files(args.curve_secret_file, args.curve_clients)
+            if args.curve_secret_file
+            else None
+        )
+        server = Server(
+            args.host,
+            args.port,
+            thresholds,
+            on_change=print_change,
+            record=args.record,
+            curve=curve,
+            max_ranks=args.max_ranks,
+        )
+    except (BindError, CurveKeyError, RecordingError) as exc:
         print(f"ddpwatch: {exc}", file=sys.stderr)
         return 1
+    if curve is None and not is_loopback(args.host):
+        print(
+            f"ddpwatch: warning: listening on {args.host} without authentication: anyone who "
+            f"can reach ports {args.port}-{args.port + 1} can send data and read the status "
+            "(see ddpwatch keygen and --curve-secret-file)",
+            file=sys.stderr,
+        )
+    if args.record:
+        log.info("recording to %s", args.record)
     if not args.headless:
         from ddpwatch.tui.app import run_dashboard
 
@@ -197,10 +331,13 @@ def fetch_status(host: str, port: int, timeout: float) -> dict[str, Any] | None:
     """Ask a running server for its status document; None if none answered in time."""
     import zmq
 
+    from ddpwatch.security import apply_client_curve
+
     context = zmq.Context()
     sock = context.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        apply_client_curve(sock)  # DDPWATCH_SERVER_KEY set: CurveZMQ (a bad key: ValueError)
         sock.connect(f"tcp://{host}:{port + 1}")
         sock.send(b"status")
         if not sock.poll(int(timeout * 1000)):
@@ -214,11 +351,24 @@ def fetch_status(host: str, port: int, timeout: float) -> dict[str, Any] | None:
 
 
 def status(args: argparse.Namespace) -> int:
+    from ddpwatch.security import SERVER_KEY_ENV, CurveKeyError, client_curve_keys
+
+    try:
+        curve = client_curve_keys() is not None
+    except CurveKeyError as exc:
+        print(f"ddpwatch: {exc}", file=sys.stderr)
+        return 1
     document = fetch_status(args.host, args.port, args.timeout)
     if document is None:
+        hint = (
+            f" (with {SERVER_KEY_ENV} set: is it the key of a server started with "
+            "--curve-secret-file?)"
+            if curve
+            else ""
+        )
         print(
             f"ddpwatch: no server answered on {args.host}:{args.port + 1} "
-            f"within {args.timeout:g} s",
+            f"within {args.timeout:g} s{hint}",
             file=sys.stderr,
         )
         return 1
@@ -273,6 +423,7 @@ def format_status(document: dict[str, Any]) -> str:
     lines.append(
         f"\n{connected}/{_fmt(document['world_size'])} ranks, "
         f"{stats['received']} messages, {stats['rejected']} rejected"
+        + (f", {stats['refused']} refused" if stats.get("refused") else "")
     )
     for alert in document["alerts"]:
         lines.append(f"[{alert['severity']}] {alert['kind']}: {alert['message']}")

@@ -64,6 +64,8 @@ class Progress:
             if mode != "explicit":
                 return
             self.step_mode = mode  # an explicit call overrides counting by hooks
+        if loss is not None:
+            self.loss.submit(loss)  # first: a heartbeat never pairs step N with loss N-1
         now = time.perf_counter()
         if self.last_step_end is not None:
             elapsed = now - self.last_step_end
@@ -76,8 +78,6 @@ class Progress:
         self.collective_time_s = self.collective_time_step
         self.collective_time_step = 0.0
         self.waiting_for_data = True
-        if loss is not None:
-            self.loss.submit(loss)
         if self.on_step is not None and self.step % 64 == 1:
             with contextlib.suppress(Exception):
                 self.on_step()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import zmq
 
 from ddpwatch.protocol import AnyMessage, encode
+from ddpwatch.security import apply_client_curve
 
 log = logging.getLogger("ddpwatch")
 
@@ -89,6 +90,9 @@ class Publisher:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
         try:
+            # DDPWATCH_SERVER_KEY set: CurveZMQ; a bad key is logged once by _fault and the
+            # agent publishes nothing (never in the clear, never raising into training)
+            apply_client_curve(socket)
             socket.connect(self.endpoint)
             self._loop(socket)
         except Exception as exc:

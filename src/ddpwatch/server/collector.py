@@ -1,7 +1,12 @@
 """Sockets of the server: PULL for the ranks' messages, REP for read-only status queries.
 
 Every frame is validated by the protocol decoder; a bad one is counted in
-``state.rejected`` and dropped, never raised.
+``state.rejected`` and dropped, never raised. So is a valid frame that would make
+the server track more ranks than ``rank_cap()`` allows (memory stays bounded
+whatever arrives). Failed handshakes are counted in ``refused``: with CURVE on, a
+client with no key, the wrong server key or a key not allowed; always, a peer that
+is not ZeroMQ. Accepted frames go to the optional ``recorder`` with their receive
+time.
 """
 
 from __future__ import annotations
@@ -11,15 +16,26 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-from ddpwatch.protocol import MAX_FRAME_BYTES, ProtocolError, decode
+from ddpwatch.protocol import MAX_FRAME_BYTES, AnyMessage, ProtocolError, decode
 from ddpwatch.server.state import ServerState
+
+if TYPE_CHECKING:
+    from ddpwatch.security import ServerCurve
+    from ddpwatch.server.recording import Recorder
 
 log = logging.getLogger("ddpwatch.server")
 
 RECV_BATCH = 10_000
+MAX_QUERY_BYTES = 4096  # a status request is the bytes "status"
+RANK_MARGIN = 64  # ranks tracked beyond the known world size (elastic jobs, restarts)
+UNKNOWN_WORLD_RANKS = 1024  # ranks tracked while no rank has reported a world size
+RANK_CEILING = 65_536  # without --max-ranks: the most ranks, and the largest world size, taken
+REFUSED_LOG_S = 10.0
 
 
 class BindError(RuntimeError):
@@ -36,20 +52,37 @@ class Collector:
         host: str = "127.0.0.1",
         port: int = 5599,
         clock: Callable[[], float] = time.time,
+        *,
+        max_ranks: int | None = None,
+        curve: ServerCurve | None = None,
+        recorder: Recorder | None = None,
     ) -> None:
         self.state = state
         self.host = host
         self.port = port
+        self.max_ranks = max_ranks
+        self.recorder = recorder
+        self.refused = 0  # failed handshakes: a refused client retries, each try counts
+        self._world = 0  # the largest world size accepted so far
+        self._refused_logged = -REFUSED_LOG_S
         self._snapshot = snapshot
         self._clock = clock
         self._context = zmq.Context()
+        self._auth: Any = None
+        self._monitors: list[zmq.Socket[Any]] = []
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._pull.setsockopt(zmq.RCVHWM, 100_000)
         self._query = self._context.socket(zmq.REP)
+        self._query.setsockopt(zmq.MAXMSGSIZE, MAX_QUERY_BYTES)
         for sock in (self._pull, self._query):
             sock.setsockopt(zmq.LINGER, 0)
         try:
+            if curve is not None:
+                self._auth = curve.start_authenticator(self._context)
+                for sock in (self._pull, self._query):
+                    curve.apply(sock)
+            self._monitors = [sock.get_monitor_socket(_HANDSHAKE_FAILED) for sock in self.sockets]
             self._pull.bind(f"tcp://{host}:{port}")
             self._query.bind(f"tcp://{host}:{port + 1}")
         except zmq.ZMQError as exc:
@@ -58,6 +91,32 @@ class Collector:
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
         self._poller.register(self._query, zmq.POLLIN)
+        for monitor in self._monitors:
+            self._poller.register(monitor, zmq.POLLIN)
+
+    @property
+    def sockets(self) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
+        return (self._pull, self._query)
+
+    def rank_cap(self, world_size: int | None = None) -> int:
+        """How many ranks the server tracks: ``max_ranks``, else the known world size plus
+        ``RANK_MARGIN`` (``UNKNOWN_WORLD_RANKS`` while unknown), at most ``RANK_CEILING``."""
+        if self.max_ranks is not None:
+            return self.max_ranks
+        world = max(self._world, world_size or 0)
+        return min(RANK_CEILING, world + RANK_MARGIN if world else UNKNOWN_WORLD_RANKS)
+
+    def _admit(self, message: AnyMessage) -> bool:
+        """False for a valid message the server will not track: a new rank beyond the cap,
+        or a world size larger than it could ever track."""
+        world = getattr(message, "world_size", None)
+        if world is not None and world > (self.max_ranks or RANK_CEILING):
+            return False
+        if message.rank not in self.state.ranks and len(self.state.ranks) >= self.rank_cap(world):
+            return False
+        if world is not None and world > self._world:
+            self._world = world
+        return True
 
     def poll(self, timeout_s: float, lock: threading.Lock | None = None) -> int:
         """Wait up to ``timeout_s`` for traffic, then take in all that is ready; returns the count.
@@ -71,7 +130,35 @@ class Collector:
                 count = self._receive()
         if self._query in events:
             self._answer()
+        for monitor in self._monitors:
+            if monitor in events:
+                self._count_refused(monitor)
         return count
+
+    def _count_refused(self, monitor: zmq.Socket[Any]) -> None:
+        while True:
+            try:
+                raw = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:  # Again: drained
+                return
+            try:
+                event = parse_monitor_message(raw)
+            except (ValueError, IndexError, KeyError):
+                continue
+            if not event["event"] & _HANDSHAKE_FAILED:
+                continue
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._refused_logged >= REFUSED_LOG_S:
+                self._refused_logged = now
+                # without CURVE these are port probes and peers gone mid-handshake: quiet
+                log.log(
+                    logging.WARNING if self._auth is not None else logging.DEBUG,
+                    "refused a connection on %s: handshake failed (%s); %d refused so far",
+                    event.get("endpoint", b"").decode(errors="replace") or self.port,
+                    _handshake_reason(event["event"]),
+                    self.refused,
+                )
 
     def _receive(self) -> int:
         now = self._clock()
@@ -90,7 +177,12 @@ class Collector:
             except ProtocolError:
                 self.state.rejected += 1
                 continue
+            if not self._admit(message):
+                self.state.rejected += 1
+                continue
             self.state.apply(message, now)
+            if self.recorder is not None:
+                self.recorder.frame(now, frames[0])
         return count
 
     def _answer(self) -> None:
@@ -105,9 +197,30 @@ class Collector:
         self._query.send(reply)
 
     def close(self) -> None:
+        for sock, monitor in zip(self.sockets, self._monitors, strict=False):
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            monitor.close()
         self._pull.close()
         self._query.close()
+        if self._auth is not None:
+            self._auth.stop()
         self._context.term()
+
+
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+def _handshake_reason(event: int) -> str:
+    if event & zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "client key not allowed"
+    if event & zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return "protocol error: no key, the wrong server key, or not a ZeroMQ peer"
+    return "no key, or a different security mechanism"
 
 
 def _bind_message(host: str, port: int, exc: zmq.ZMQError) -> str:

@@ -6,11 +6,13 @@ Views (headless printer, TUI) subscribe to ``AlertChange``s and read
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -19,6 +21,10 @@ from ddpwatch.server.collector import Collector
 from ddpwatch.server.diagnosis import diagnose
 from ddpwatch.server.state import ServerState
 from ddpwatch.server.status import status_document
+
+if TYPE_CHECKING:
+    from ddpwatch.security import ServerCurve
+    from ddpwatch.server.recording import Recorder
 
 TICK_S = 0.25
 
@@ -41,7 +47,13 @@ def diff_alerts(before: dict[Any, Alert], after: list[Alert]) -> list[AlertChang
 
 
 class Server:
-    """Owns the state; ``run`` loops until ``stop`` is called (thread-safe)."""
+    """Owns the state; ``run`` loops until ``stop`` is called (thread-safe).
+
+    ``record``: append every accepted frame and each diagnosis tick to this file
+    (``docs/recording.md``); ``curve``: encrypt and authenticate both sockets
+    (``docs/security.md``); ``max_ranks``: the most ranks tracked (default: the
+    known world size + 64, or 1024 while unknown).
+    """
 
     def __init__(
         self,
@@ -50,6 +62,10 @@ class Server:
         thresholds: Thresholds | None = None,
         on_change: Callable[[AlertChange], None] | None = None,
         clock: Callable[[], float] = time.time,
+        *,
+        record: str | os.PathLike[str] | None = None,
+        curve: ServerCurve | None = None,
+        max_ranks: int | None = None,
     ) -> None:
         self.thresholds = thresholds or Thresholds()
         self.clock = clock
@@ -59,15 +75,62 @@ class Server:
         self._on_change = on_change
         self._stop = threading.Event()
         self.lock = threading.Lock()
-        self.collector = Collector(self.state, self.status_json, host, port, clock)
+        self.collector = Collector(
+            self.state,
+            self.status_json,
+            host,
+            port,
+            clock,
+            max_ranks=max_ranks,
+            curve=curve,
+        )
+        self.recorder: Recorder | None = None
+        if record is not None:
+            try:
+                self.recorder = self._open_recorder(record, host, port, curve, max_ranks)
+            except BaseException:
+                self.collector.close()
+                raise
+            self.collector.recorder = self.recorder
+
+    def _open_recorder(
+        self,
+        path: str | os.PathLike[str],
+        host: str,
+        port: int,
+        curve: ServerCurve | None,
+        max_ranks: int | None,
+    ) -> Recorder:
+        from ddpwatch import __version__
+        from ddpwatch.protocol import PROTOCOL_VERSION
+        from ddpwatch.server.recording import Recorder
+
+        session = {
+            "started": self.state.started,
+            "ddpwatch": __version__,
+            "protocol": PROTOCOL_VERSION,
+            "thresholds": dataclasses.asdict(self.thresholds),
+            "tick_s": TICK_S,
+            "ticks": True,
+            "host": host,
+            "port": port,
+            "curve": curve is not None,
+            "max_ranks": max_ranks,
+        }
+        return Recorder(path, session)
 
     def tick(self) -> list[AlertChange]:
         """Run diagnosis once and report what changed."""
         with self.lock:
-            alerts = diagnose(self.state, self.clock(), self.thresholds)
+            now = self.clock()
+            alerts = diagnose(self.state, now, self.thresholds)
             changes = diff_alerts(self._active, alerts)
             self.alerts = alerts
             self._active = {alert.key: alert for alert in alerts}
+            if self.recorder is not None:
+                self.recorder.tick(now)  # replay runs diagnosis at exactly these times
+        if self.recorder is not None:
+            self.recorder.flush()
         if self._on_change is not None:
             for change in changes:
                 self._on_change(change)
@@ -75,7 +138,9 @@ class Server:
 
     def status(self) -> dict[str, Any]:
         with self.lock:
-            return status_document(self.state, self.alerts, self.clock(), self.thresholds)
+            document = status_document(self.state, self.alerts, self.clock(), self.thresholds)
+        document["stats"]["refused"] = self.collector.refused  # an addition to the contract
+        return document
 
     def status_json(self) -> bytes:
         return msgspec.json.encode(self.status())
@@ -90,6 +155,8 @@ class Server:
                     next_tick = time.monotonic() + TICK_S
         finally:
             self.collector.close()
+            if self.recorder is not None:
+                self.recorder.close()
 
     def stop(self) -> None:
         self._stop.set()

@@ -1,0 +1,309 @@
+"""``ddpwatch replay``: a recording fed through the same state and diagnosis as a live server.
+
+``ReplayServer`` looks like ``Server`` to the views (``status()``, ``run()``,
+``stop()``, ``state``, ``alerts``, ``lock``): frames are applied with their
+recorded receive times and diagnosis runs at the recorded tick times, on a
+virtual clock that advances ``speed`` times as fast as the recording did (or as
+fast as possible). Diagnosis is a pure function of state and time, so a replay
+raises and clears the same alerts, in the same order, as the live server did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ddpwatch.protocol import ProtocolError, decode
+from ddpwatch.server.alerts import Alert, Thresholds
+from ddpwatch.server.diagnosis import diagnose
+from ddpwatch.server.recording import Record, RecordingError, RecordingReader
+from ddpwatch.server.service import TICK_S, AlertChange, diff_alerts
+from ddpwatch.server.state import ServerState
+from ddpwatch.server.status import status_document
+
+log = logging.getLogger("ddpwatch")
+
+MAX_GAP_S = 60.0  # a longer silence in a recording (clock step, idle file) is skipped, not waited
+
+
+def parse_speed(text: str) -> float | None:
+    """``--speed``: a factor > 0, or ``0``/``max`` for as fast as possible (None)."""
+    if text.strip().lower() in ("max", "0", "0.0", "inf"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a speed: {text!r} (a number, or max)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"speed must be > 0 or max, got {text}")
+    return value
+
+
+def _thresholds(recorded: Any, overrides: Mapping[str, Any]) -> Thresholds:
+    """The recorded thresholds (a session's JSON), with ``overrides`` that are not None."""
+    names = {f.name for f in dataclasses.fields(Thresholds)}
+    values = {}
+    if isinstance(recorded, dict):
+        values.update((k, v) for k, v in recorded.items() if k in names)
+    values.update((k, v) for k, v in overrides.items() if k in names and v is not None)
+    return Thresholds(**values)
+
+
+class ReplayServer:
+    """Replays a recording; ``run`` returns at its end (or at ``stop``), the state stays.
+
+    ``speed``: virtual seconds per real second, None for as fast as possible.
+    ``thresholds`` replaces the recorded thresholds; ``overrides`` changes some of
+    them (by ``Thresholds`` field name).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        speed: float | None = 1.0,
+        on_change: Callable[[AlertChange], None] | None = None,
+        thresholds: Thresholds | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.speed = speed
+        self._on_change = on_change
+        self._fixed_thresholds = thresholds
+        self._overrides = dict(overrides or {})
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self.finished = threading.Event()
+        self.messages = 0
+        self.sessions = 0
+        self.raised = 0
+        self.cleared = 0
+        self.alerts: list[Alert] = []
+        self._active: dict[Any, Alert] = {}
+        self._reader = RecordingReader(self.path)
+        self._records: Iterator[Record] = iter(self._reader)
+        self._pending: Record | None = next(self._records, None)
+        start = self._pending.t if self._pending is not None else time.time()
+        self.thresholds = thresholds or _thresholds(None, self._overrides)
+        self.state = ServerState(started=start)
+        self._ticks = False
+        self._tick_s = TICK_S
+        self._next_tick = start
+        self._now = start  # virtual time of the last record taken in
+        self._horizon = start  # virtual time of the record being waited for
+        self._anchor_t = start
+        self._anchor_m = time.monotonic()
+        if self._pending is not None and self._pending.kind == "session":
+            self._begin_session(self._pending)
+            self._pending = None
+
+    @property
+    def tail_bytes(self) -> int:
+        """Bytes after the recording's last whole record (a server that died mid-write)."""
+        return self._reader.tail_bytes
+
+    # ---------------------------------------------------------------- the views' side
+
+    def clock(self) -> float:
+        """The virtual now: between the last record taken in and the next one."""
+        if self.speed is None or self.finished.is_set():
+            return self._now
+        elapsed = (time.monotonic() - self._anchor_m) * self.speed
+        return min(max(self._anchor_t + elapsed, self._now), max(self._horizon, self._now))
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            now = self.clock()
+            document = status_document(self.state, self.alerts, now, self.thresholds)
+        document["stats"]["refused"] = 0
+        document["replay"] = {
+            "file": str(self.path),
+            "speed": self.speed,
+            "position_s": round(now - self.state.started, 3),
+            "finished": self.finished.is_set(),
+        }
+        return document
+
+    def status_json(self) -> bytes:
+        return msgspec.json.encode(self.status())
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ---------------------------------------------------------------- the feed
+
+    def run(self) -> None:
+        """Feed every record at its (scaled) time; return at the end of the file or ``stop``."""
+        try:
+            if self._pending is not None:
+                self._take(self._pending)
+                self._pending = None
+            for record in self._records:
+                if self._stop.is_set():
+                    break
+                self._take(record)
+            if not self._stop.is_set():
+                self._end_session()
+        finally:
+            self._reader.close()
+            self.finished.set()
+
+    def _take(self, record: Record) -> None:
+        if record.kind == "session":
+            self._end_session()
+            self._begin_session(record)
+            return
+        if record.kind not in ("frame", "tick"):
+            return  # a kind from a newer format
+        self._wait_until(record.t)
+        if self._stop.is_set():
+            return
+        if record.kind == "tick":
+            if self._ticks:
+                self.tick(record.t)
+            return
+        if not self._ticks:
+            while self._next_tick <= record.t:
+                self.tick(self._next_tick)
+                self._next_tick += self._tick_s
+        self._apply(record)
+
+    def _apply(self, record: Record) -> None:
+        try:
+            message = decode(record.data)
+        except ProtocolError:
+            with self.lock:
+                self.state.rejected += 1
+            return
+        with self.lock:
+            self.state.apply(message, record.t)
+            self._now = max(self._now, record.t)
+        self.messages += 1
+
+    def tick(self, now: float) -> list[AlertChange]:
+        """Run diagnosis at virtual time ``now`` and report what changed."""
+        with self.lock:
+            self._now = max(self._now, now)
+            alerts = diagnose(self.state, now, self.thresholds)
+            changes = diff_alerts(self._active, alerts)
+            self.alerts = alerts
+            self._active = {alert.key: alert for alert in alerts}
+        for change in changes:
+            if change.event == "raised":
+                self.raised += 1
+            else:
+                self.cleared += 1
+            if self._on_change is not None:
+                self._on_change(change)
+        return changes
+
+    def _begin_session(self, record: Record) -> None:
+        """A server run starts: fresh state and alerts, its thresholds and tick times."""
+        meta = record.session
+        started = meta.get("started", record.t)
+        started = float(started) if isinstance(started, (int, float)) else record.t
+        tick_s = meta.get("tick_s")
+        with self.lock:
+            self.sessions += 1
+            if self._fixed_thresholds is None:
+                self.thresholds = _thresholds(meta.get("thresholds"), self._overrides)
+            self._ticks = meta.get("ticks") is True
+            self._tick_s = (
+                float(tick_s) if isinstance(tick_s, (int, float)) and tick_s > 0 else (TICK_S)
+            )
+            if self.sessions > 1:
+                self.state = ServerState(started=started)
+                self.alerts = []
+                self._active = {}
+            else:
+                self.state.started = started
+            self._next_tick = started
+            self._now = self._horizon = self._anchor_t = started
+            self._anchor_m = time.monotonic()
+
+    def _end_session(self) -> None:
+        if not self._ticks and self.messages:
+            self.tick(self._now)  # a recording without ticks: diagnose its final state too
+
+    def _wait_until(self, t: float) -> None:
+        """Sleep until the virtual clock reaches ``t`` (not at all at max speed)."""
+        self._horizon = max(t, self._now)
+        if self.speed is None:
+            return
+        if t - self._now > MAX_GAP_S:
+            log.info("replay: skipping %.0f s without records", t - self._now)
+            self._anchor_t, self._anchor_m = t, time.monotonic()
+        delay = (t - self._anchor_t) / self.speed - (time.monotonic() - self._anchor_m)
+        if delay > 0:
+            self._stop.wait(delay)
+
+
+# -------------------------------------------------------------------- command line
+
+_OVERRIDES = ("interval", "stall_after", "silent_after", "startup_after")
+
+
+def replay_main(args: argparse.Namespace) -> int:
+    """``ddpwatch replay FILE [--speed X] [--headless]``."""
+
+    def print_change(change: AlertChange) -> None:
+        sys.stdout.write(json.dumps(change.to_dict()) + "\n")
+        sys.stdout.flush()
+
+    overrides = {name: getattr(args, name, None) for name in _OVERRIDES}
+    try:
+        server = ReplayServer(
+            args.file,
+            speed=args.speed,
+            on_change=print_change if args.headless else None,
+            overrides=overrides,
+        )
+    except RecordingError as exc:
+        print(f"ddpwatch replay: {exc}", file=sys.stderr)
+        return 1
+    if not args.headless:
+        try:
+            from ddpwatch.tui.app import run_dashboard
+        except ImportError:
+            print(
+                "ddpwatch replay: the dashboard is unavailable in this install; "
+                "use --headless for the alert stream",
+                file=sys.stderr,
+            )
+            return 1
+        code = run_dashboard(server)
+        _report_tail(server)
+        return code
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: server.stop())
+    server.run()
+    log.info(
+        "replayed %d messages from %s: %d alerts raised, %d cleared",
+        server.messages,
+        server.path,
+        server.raised,
+        server.cleared,
+    )
+    _report_tail(server)
+    return 0
+
+
+def _report_tail(server: ReplayServer) -> None:
+    if server.tail_bytes:
+        log.warning(
+            "%s ends in a partial record: its last %d bytes were not read "
+            "(the server stopped mid-write)",
+            server.path,
+            server.tail_bytes,
+        )
