@@ -41,6 +41,13 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
+@pytest.fixture(autouse=True)
+def _no_ddpwatch_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A developer's exported DDPWATCH_* settings (a server key, an address) must not leak in."""
+    for name in [n for n in os.environ if n.startswith("DDPWATCH_")]:
+        monkeypatch.delenv(name)
+
+
 @pytest.fixture
 def port() -> int:
     return free_port_pair()

@@ -78,3 +78,36 @@ def test_scrape_shows_ranks_states_and_alerts() -> None:
     assert samples[("ddpwatch_alerts", (("kind", "nan_loss"), ("severity", "error")))] == 1
     assert samples[("ddpwatch_world_size", ())] == 4
     assert samples[("ddpwatch_messages_received_total", ())] == 4
+
+
+def test_serve_exposes_metrics_on_the_prometheus_port() -> None:
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    port, metrics = free_port_pair(), free_port_pair()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpwatch", "serve", "--headless", "--port", str(port), "--prometheus-port", str(metrics)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                text = (
+                    urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=2)
+                    .read()
+                    .decode()
+                )
+                break
+            except OSError:
+                assert time.monotonic() < deadline, proc.stderr
+                time.sleep(0.2)
+        assert "ddpwatch_messages_received_total 0.0" in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=10)
+    assert proc.returncode == 0
+    json.dumps(text)

@@ -400,3 +400,20 @@ def test_query_endpoint_is_read_only() -> None:
         assert status["ranks"] == []
     finally:
         running.stop()
+
+
+def test_dashboard_client_uses_the_server_key(curve_server: Running, keys, monkeypatch) -> None:
+    from ddpwatch.tui.app import run_client
+    from ddpwatch.tui.sources import RemoteSource
+
+    push(curve_server.port, [frame(0)], {SERVER_KEY_ENV: keys["server_key"]})
+    curve_server.wait_for(lambda s: s["stats"]["received"] == 1, 10)
+    monkeypatch.setenv(SERVER_KEY_ENV, keys["server_key"])
+    source = RemoteSource("127.0.0.1", curve_server.port, 2.0)
+    try:
+        document = source.fetch()
+    finally:
+        source.close()
+    assert document is not None and document["stats"]["received"] == 1
+    monkeypatch.setenv(SERVER_KEY_ENV, "bad")
+    assert run_client("127.0.0.1", curve_server.port) == 1  # a clear error, not a blank dashboard

@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="collect every rank and flag problems")
     _add_address(serve)
     serve.add_argument(
+        "--prometheus-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="serve Prometheus metrics on this port (docs/prometheus.md)",
+    )
+    serve.add_argument(
         "--headless",
         action="store_true",
         help="no dashboard: one JSON line per alert raised or cleared",
@@ -293,6 +300,19 @@ def serve(args: argparse.Namespace) -> int:
         )
     if args.record:
         log.info("recording to %s", args.record)
+    if args.prometheus_port is not None:
+        from ddpwatch.server.prometheus import serve_metrics
+
+        try:
+            serve_metrics(server.status, args.prometheus_port, args.host)
+        except OSError as exc:
+            print(
+                f"ddpwatch: cannot serve metrics on port {args.prometheus_port}: {exc.strerror}",
+                file=sys.stderr,
+            )
+            server.collector.close()
+            return 1
+        log.info("Prometheus metrics on http://%s:%d/metrics", args.host, args.prometheus_port)
     if not args.headless:
         from ddpwatch.tui.app import run_dashboard
 

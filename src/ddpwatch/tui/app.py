@@ -8,6 +8,7 @@ a dashboard for a server elsewhere.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from typing import Any, ClassVar
 
@@ -92,6 +93,13 @@ def run_dashboard(server: Any) -> int:
 
 def run_client(host: str, port: int, timeout: float = 1.0, interval: float = 0.5) -> int:
     """``ddpwatch top``: the dashboard of a ``ddpwatch serve`` running elsewhere."""
+    from ddpwatch.security import CurveKeyError, client_curve_keys
+
+    try:
+        client_curve_keys()
+    except CurveKeyError as exc:
+        print(f"ddpwatch top: {exc}", file=sys.stderr)
+        return 1
     with _QuietLogs():
         DashboardApp(RemoteSource(host, port, timeout), interval=interval).run()
     return 0

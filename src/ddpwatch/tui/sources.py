@@ -83,8 +83,11 @@ class RemoteSource:
     def _socket(self) -> Any:
         if self._sock is None:
             zmq = self._zmq
+            from ddpwatch.security import apply_client_curve
+
             sock = self._context.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
+            apply_client_curve(sock)  # DDPWATCH_SERVER_KEY set: CurveZMQ, as the ranks use
             sock.connect(self.endpoint)
             self._sock = sock
         return self._sock
