@@ -59,7 +59,7 @@ def run_command(command: Sequence[str], addr: str | None = None, tui: bool = Fal
         port = pick_port()
         addr = f"127.0.0.1:{port}"
         server = Server("127.0.0.1", port, Thresholds(), on_change=None if tui else _print_change)
-    output = _job_log() if tui and server is not None else None
+    output, log_path = _job_log() if tui and server is not None else (None, "")
     try:
         job = subprocess.Popen(
             list(command),
@@ -74,7 +74,7 @@ def run_command(command: Sequence[str], addr: str | None = None, tui: bool = Fal
         return _wait(job)
     if output is not None:
         output.close()  # the job holds its own copy
-        return _with_dashboard(server, job, output.name)
+        return _with_dashboard(server, job, log_path)
     thread = threading.Thread(target=server.run, name="ddpwatch-collector", daemon=True)
     thread.start()
     try:
@@ -102,9 +102,9 @@ def _wait(job: subprocess.Popen[bytes]) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _job_log() -> IO[bytes]:
-    fd, _ = tempfile.mkstemp(prefix="ddpwatch-run-", suffix=".log")
-    return os.fdopen(fd, "wb")
+def _job_log() -> tuple[IO[bytes], str]:
+    fd, path = tempfile.mkstemp(prefix="ddpwatch-run-", suffix=".log")
+    return os.fdopen(fd, "wb"), path
 
 
 def _with_dashboard(server: Server, job: subprocess.Popen[bytes], log_path: str) -> int:

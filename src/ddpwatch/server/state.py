@@ -189,8 +189,8 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:
 
 def _apply_event(record: RankRecord, event: Event, now: float) -> None:
     kind = event.event
-    if event.step is not None and record.step is None:
-        record.step = event.step
+    if event.step is not None and (record.step is None or event.step > record.step):
+        record.step = event.step  # an exit or crash carries the last step the rank reached
     if event.phase:
         _set_phase(record, event.phase, now)
     if kind == "stack":
