@@ -25,7 +25,7 @@ log = logging.getLogger("ddpwatch")
 QUEUE_LEN = 1000
 SEND_HWM = 1000
 LINGER_MS = 1000
-RECONNECT_MAX_MS = 5000
+RECONNECT_MAX_MS = 500  # a restarted server has every rank back within a heartbeat or two
 
 
 class Publisher:
