@@ -14,7 +14,7 @@ import torch.distributed as dist
 from conftest import free_port_pair
 
 import ddpwatch
-from ddpwatch.agent.collectives import ensure_flight_recorder, oldest_active
+from ddpwatch.agent.collectives import ensure_flight_recorder
 from ddpwatch.agent.hooks import find_loss
 from ddpwatch.agent.progress import LossReader, Progress
 from ddpwatch.agent.publisher import QUEUE_LEN, Publisher
@@ -199,44 +199,49 @@ def test_collective_wrappers_time_and_name_the_op(receiver: Receiver, rank_env) 
         dist.destroy_process_group()
 
 
-def test_flight_recorder_entries_pick_the_oldest_active() -> None:
-    now = 1000.0
-    entries = [
-        {
-            "state": "completed",
-            "collective_seq_id": 4,
-            "profiling_name": "gloo:all_reduce",
-            "time_created_ns": 900e9,
-            "process_group": ["0", "default_pg"],
-        },
-        {
-            "state": "scheduled",
-            "collective_seq_id": 6,
-            "profiling_name": "gloo:broadcast",
-            "time_created_ns": 996e9,
-            "process_group": ["0", "default_pg"],
-        },
-        {
-            "state": "scheduled",
-            "collective_seq_id": 5,
-            "profiling_name": "gloo:all_reduce",
-            "time_created_ns": 995e9,
-            "process_group": ["0", "default_pg"],
-        },
-        {
-            "state": "scheduled",
-            "collective_seq_id": 1,
-            "profiling_name": "gloo:send",
-            "is_p2p": True,
-            "time_created_ns": 1e9,
-        },
-    ]
-    active = oldest_active(entries, now)
-    assert active is not None and active.op == "all_reduce" and active.seq == 5
-    assert active.since_s == pytest.approx(5.0)
-    sub = oldest_active([{**entries[1], "process_group": ["3", "tp"]}], now)
-    assert sub is not None and sub.op == "broadcast[pg 3]"
-    assert oldest_active(entries[:1], now) is None
+def test_flight_recorder_reads_entries_only_for_a_collective_that_stays_pending() -> None:
+    import json
+
+    from ddpwatch.agent.collectives import FlightRecorder
+
+    status = {"0": {"last_completed_collective": "4", "last_enqueued_collective": "6"}}
+    entry = {"collective_seq_id": 5, "profiling_name": "gloo:all_reduce", "process_group": ["0", "default_pg"],
+             "time_created_ns": (time.time() - 7.0) * 1e9, "state": "scheduled"}  # fmt: skip
+    full_reads: list[int] = []
+
+    def dump(include_collectives: bool, only_active: bool) -> bytes:
+        if include_collectives:
+            full_reads.append(1)
+            return json.dumps({"entries": [entry], "pg_status": status}).encode()
+        return json.dumps({"pg_status": status}).encode()
+
+    recorder = FlightRecorder()
+    recorder._dump = dump
+    assert recorder.in_flight() is None  # first sight: may complete any moment
+    found = recorder.in_flight()  # still pending a heartbeat later
+    assert found is not None and (found.op, found.seq) == ("all_reduce", 5)
+    assert found.since_s == pytest.approx(7.0, abs=0.5)
+    assert recorder.in_flight() is not None
+    assert full_reads == [1]  # the entries were read once for this collective
+    status["0"]["last_completed_collective"] = "6"
+    assert recorder.in_flight() is None
+
+
+def test_first_pending_prefers_the_default_group() -> None:
+    from ddpwatch.agent.collectives import first_pending
+
+    assert (
+        first_pending({"0": {"last_completed_collective": "9", "last_enqueued_collective": "9"}})
+        is None
+    )
+    assert first_pending({
+        "3": {"last_completed_collective": "1", "last_enqueued_collective": "2"},
+        "0": {"last_completed_collective": "9", "last_enqueued_collective": "10"},
+    }) == ("0", 10)  # fmt: skip
+    assert first_pending(
+        {"3": {"last_completed_collective": "1", "last_enqueued_collective": "2"}}
+    ) == ("3", 2)
+    assert first_pending({"0": {"last_completed_collective": "x"}}) is None
 
 
 def test_flight_recorder_defaults_follow_the_users_choice(caplog) -> None:

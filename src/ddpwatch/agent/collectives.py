@@ -113,10 +113,19 @@ def _version_tuple(version: str) -> tuple[int, int]:
 
 
 class FlightRecorder:
-    """Reads the oldest collective still in flight from the c10d flight recorder."""
+    """Reads the collective a rank is blocked in from the c10d flight recorder.
+
+    Cheap first: every heartbeat reads only the per-group status (a few hundred
+    bytes, microseconds). Only when the same collective is still pending at the
+    next heartbeat does it read the entries, once per stuck collective: with gloo
+    "only active" filters nothing, and a full recorder is about 1 MB of JSON whose
+    parsing would hold the GIL for tens of milliseconds every heartbeat.
+    """
 
     def __init__(self) -> None:
         self._dump: Callable[..., Any] | None = None
+        self._pending: tuple[str, int] | None = None  # (group, seq) pending at the last look
+        self._found: tuple[tuple[str, int], str, float] | None = None  # key, op, created (unix s)
         try:
             from torch._C._distributed_c10d import _dump_fr_trace_json
 
@@ -129,36 +138,47 @@ class FlightRecorder:
         return self._dump is not None
 
     def in_flight(self) -> Collective | None:
-        """The oldest active collective, or None when nothing is in flight or FR is unusable."""
+        """The oldest collective still pending since the last heartbeat, else None."""
         if self._dump is None:
             return None
         try:
-            raw = self._dump(True, True)  # include collectives, only active ones
-            entries = json.loads(raw).get("entries") or []
+            pending = first_pending(json.loads(self._dump(False, True)).get("pg_status") or {})
+            if pending is None or pending != self._pending:
+                self._pending = pending  # new, or nothing: look again next heartbeat
+                return None
+            if self._found is None or self._found[0] != pending:
+                self._found = self._describe(pending)
         except Exception as exc:  # private API: any failure just turns this source off
             log.debug("ddpwatch: flight recorder unreadable (%s); using wrappers only", exc)
             self._dump = None
             return None
-        return oldest_active(entries, time.time())
+        _, op, created = self._found
+        group, seq = pending
+        since = max(0.0, time.time() - created) if created else 0.0
+        return Collective(op=op if group == "0" else f"{op}[pg {group}]", seq=seq, since_s=since)
+
+    def _describe(self, key: tuple[str, int]) -> tuple[tuple[str, int], str, float]:
+        """The op name and creation time of one pending collective (one full read)."""
+        assert self._dump is not None
+        entries = json.loads(self._dump(True, True)).get("entries") or []
+        group, seq = key
+        for entry in entries:
+            in_group = str((entry.get("process_group") or ["0"])[0]) == group
+            if in_group and entry.get("collective_seq_id") == seq and not entry.get("is_p2p"):
+                name = str(entry.get("profiling_name", "collective")).split(":", 1)[-1]
+                return key, name, (entry.get("time_created_ns") or 0) / 1e9
+        return key, "collective", 0.0
 
 
-def oldest_active(entries: list[dict[str, Any]], now: float) -> Collective | None:
-    """Pick the collective a rank is blocked in from flight-recorder entries."""
-    active = [
-        e
-        for e in entries
-        if e.get("state") in ("scheduled", "started")
-        and not e.get("is_p2p")
-        and not e.get("retired")
-    ]
-    if not active:
-        return None
-    entry = min(active, key=lambda e: (e.get("time_created_ns", 0), e.get("collective_seq_id", 0)))
-    name = str(entry.get("profiling_name", "collective"))
-    op = name.split(":", 1)[-1]
-    group = entry.get("process_group") or ["0"]
-    if str(group[0]) != "0":
-        op = f"{op}[pg {group[0]}]"
-    created = entry.get("time_created_ns") or 0
-    since = max(0.0, now - created / 1e9) if created else 0.0
-    return Collective(op=op, seq=entry.get("collective_seq_id"), since_s=since)
+def first_pending(pg_status: dict[str, Any]) -> tuple[str, int] | None:
+    """(group, seq) of the first collective enqueued but not completed; the default group first."""
+    pending = []
+    for group, status in pg_status.items():
+        try:
+            completed = int(status.get("last_completed_collective", -1))
+            enqueued = int(status.get("last_enqueued_collective", -1))
+        except (TypeError, ValueError, AttributeError):
+            continue
+        if enqueued > completed:
+            pending.append((str(group) != "0", str(group), completed + 1))
+    return min(pending)[1:] if pending else None
