@@ -29,6 +29,7 @@ def test_launchers_are_recognised_from_the_parent_command() -> None:
 def test_bootstrap_decides_now_deferred_or_off(monkeypatch) -> None:
     hooked: list[str] = []
     monkeypatch.setattr("ddpwatch.agent.auto.after_import", lambda name, _: hooked.append(name))
+    monkeypatch.setattr("ddpwatch.agent.auto._install_integrations", lambda: None)
     assert bootstrap({}, parent="torchrun x") == "off"
     # a rank started by torchrun would attach "now"; here the parent is not a launcher
     assert (

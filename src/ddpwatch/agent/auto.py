@@ -56,6 +56,7 @@ def bootstrap(environ: Mapping[str, str] | None = None, parent: str | None = Non
     env = os.environ if environ is None else environ
     if env.get(AUTO_ENV) != "1":
         return "off"
+    _install_integrations()
     launched = started_by_launcher(parent if parent is not None else parent_command())
     if is_rank_process(env) and launched and "--multiprocessing-fork" not in sys.argv:
         import ddpwatch
@@ -64,6 +65,16 @@ def bootstrap(environ: Mapping[str, str] | None = None, parent: str | None = Non
         return "now"
     after_import("torch.distributed", _attach_at_init)
     return "deferred"
+
+
+def _install_integrations() -> None:
+    """Hooks that need no watcher yet: every Lightning Trainer gets a DDPWatchCallback."""
+    try:
+        from ddpwatch.integrations.lightning import install_auto_callback
+
+        install_auto_callback()
+    except Exception as exc:
+        log.debug("ddpwatch: no framework hooks: %r", exc)
 
 
 def _attach_at_init(dist: ModuleType) -> None:

@@ -197,6 +197,12 @@ class Watcher:
             "torch.distributed.fsdp",
             lambda m: self._wrap_model_class(m, "FullyShardedDataParallel"),
         )
+        try:
+            from ddpwatch.integrations import install
+
+            install(self)  # deepspeed.initialize phases, Lightning Trainers' callback
+        except Exception as exc:
+            log.debug("ddpwatch: no framework hooks: %r", exc)
 
     def _before_set_device(self, *args: Any, **kwargs: Any) -> None:
         self._phase_before_device = self.progress.phase

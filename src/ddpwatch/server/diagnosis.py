@@ -35,8 +35,14 @@ STARTUP_PHASES = (
     "started",
     "rendezvous",
     "setup",
+    "configure_model",  # Lightning: this rank's setup hooks are done
     "device",
+    "strategy_setup",  # Lightning: strategy.setup (to device, wrap, optimizers)
     "model_wrap",
+    "deepspeed_init",  # inside deepspeed.initialize
+    "zero_partition",  # deepspeed.initialize builds the ZeRO optimizer
+    "fit_start",  # Lightning: on_fit_start hooks, restoring the training state
+    "sanity_check",  # Lightning: validation sanity check
     "first_step",
     "train",
 )
@@ -795,6 +801,20 @@ _PHASE_HINTS = {
     "CUDA_VISIBLE_DEVICES on that host",
     "model_wrap": "DistributedDataParallel(...) broadcasts rank 0's parameters and checks "
     "shapes: a rank that never gets there, or builds a different model, hangs the others",
+    "configure_model": "the rank is in Lightning's configure_model or loads ckpt_path's "
+    "weights: a model built differently on some ranks, or a slow checkpoint read, keeps the "
+    "others waiting",
+    "strategy_setup": "Lightning moves the model to its device, wraps it (DDP broadcasts rank "
+    "0's parameters) and builds the optimizers: every rank must build the same model",
+    "deepspeed_init": "deepspeed.initialize broadcasts the parameters and builds the optimizer: "
+    "every rank must call it with the same model and config",
+    "zero_partition": "ZeRO partitions parameters, gradients and optimizer states across the "
+    "ranks: a rank with a different model, or missing from the process group, hangs the others",
+    "fit_start": "on_fit_start hooks and restoring the training state from ckpt_path: a slow or "
+    "rank-dependent on_fit_start, or reading a large checkpoint, keeps the others waiting",
+    "sanity_check": "Lightning's sanity check runs validation batches before training: a "
+    "validation_step that syncs (sync_dist, all_gather) on some ranks only hangs; "
+    "num_sanity_val_steps=0 tells",
     "first_step": "the first step compiles and allocates; if it lasts, a collective that only "
     "some ranks call or a rank-dependent branch keeps the ranks apart",
 }
