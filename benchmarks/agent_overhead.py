@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from ddpwatch.ports import free_port_pair
 
 SIZES = {  # width, hidden layers, batch: ~2-4 ms and ~15 ms steps with 2 gloo ranks on 2 cores
     "tiny": (16, 1, 8),
@@ -52,20 +53,6 @@ TARGETS = {"small": 1.02, "medium": 1.005}
 FR_FILL = 2100
 SETTLE_S = 0.25  # untimed steps after attach: the attach-time heartbeat falls here
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port_pair() -> int:
-    """A port P such that P and P+1 are free (the ddpwatch server binds both)."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        with socket.socket() as other:
-            try:
-                other.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
 
 
 # ------------------------------------------------------------------------------------ worker
@@ -249,14 +236,14 @@ def _run_job(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str, A
 def run_ddpwatch_job(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     from ddpwatch.server.service import Server
 
-    port = _free_port_pair()
+    port = free_port_pair()
     server = Server("127.0.0.1", port)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     env = {**os.environ, "DDPWATCH_ADDR": f"127.0.0.1:{port}", "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ranks}",
-        "--master-addr=127.0.0.1", f"--master-port={_free_port_pair()}", __file__,
+        "--master-addr=127.0.0.1", f"--master-port={free_port_pair()}", __file__,
         *_worker_args(args, "ddpwatch", args.arms),
     ]  # fmt: skip
     try:
@@ -272,8 +259,8 @@ def run_traceml_job(args: argparse.Namespace, traceml: list[str]) -> dict[str, A
     with tempfile.TemporaryDirectory(prefix="traceml-bench-") as logs:
         cmd = [
             *traceml, "run", __file__, f"--nproc-per-node={args.ranks}",
-            "--master-addr=127.0.0.1", f"--master-port={_free_port_pair()}",
-            f"--aggregator-port={_free_port_pair()}", "--logs-dir", logs,
+            "--master-addr=127.0.0.1", f"--master-port={free_port_pair()}",
+            f"--aggregator-port={free_port_pair()}", "--logs-dir", logs,
             "--no-save-training-output", "--finalize-timeout-sec", "60",
             "--args", *_worker_args(args, "traceml", "bare,bare-again,traceml"),
         ]  # fmt: skip

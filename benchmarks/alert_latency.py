@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,22 +38,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpwatch.ports import free_port_pair
+
 INTERVAL = 0.5
 STEP_S = 0.02
 VICTIM = 1
-
-
-def _free_port_pair() -> int:
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        with socket.socket() as other:
-            try:
-                other.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
 
 
 # ------------------------------------------------------------------------------------- agent
@@ -144,7 +132,7 @@ class Job:
     """``ranks`` agent processes reporting to ``port``."""
 
     def __init__(self, scenario: str, ranks: int, port: int) -> None:
-        master_port = _free_port_pair()
+        master_port = free_port_pair()
         self.procs: list[subprocess.Popen[str]] = []
         self.onset: float | None = None
         self._onset_seen = threading.Event()
@@ -213,7 +201,7 @@ def one_rep(scenario: str, ranks: int, stall_after: float, timeout: float) -> di
     from ddpwatch.server.alerts import Thresholds
     from ddpwatch.server.service import Server
 
-    port = _free_port_pair()
+    port = free_port_pair()
     recorder = Recorder()
     server = Server(
         "127.0.0.1",

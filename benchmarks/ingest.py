@@ -25,7 +25,6 @@ import cProfile
 import io
 import multiprocessing as mp
 import pstats
-import socket
 import statistics
 import sys
 import threading
@@ -33,22 +32,11 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ddpwatch.ports import free_port_pair
+
 TARGET_RATIO = 0.5
 TARGET_RATE = 2e5
 ARMS = ("raw", "decode", "collector", "whatif")
-
-
-def _free_port_pair() -> int:
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        with socket.socket() as other:
-            try:
-                other.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
 
 
 def make_frames(count: int, ranks: int) -> list[bytes]:
@@ -222,7 +210,7 @@ def run_once(
     from ddpwatch.server.collector import Collector
     from ddpwatch.server.state import ServerState
 
-    port = _free_port_pair()
+    port = free_port_pair()
     patch = None
     if arm in ("collector", "whatif"):
         state = ServerState(started=time.time())

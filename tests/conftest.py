@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
-import socket
 import subprocess
 import sys
 import threading
@@ -16,29 +14,12 @@ from typing import Any
 import pytest
 
 from ddpwatch.demo.runner import stop_job
+from ddpwatch.ports import free_port_pair
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.service import AlertChange, Server
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_pair() -> int:
-    """A port P such that P and P+1 are both free on 127.0.0.1."""
-    for _ in range(200):
-        port = random.randint(20000, 60000)
-        if _port_free(port) and _port_free(port + 1):
-            return port
-    raise RuntimeError("no free port pair")
 
 
 @pytest.fixture(autouse=True)

@@ -20,10 +20,10 @@ import pytest
 from conftest import ROOT, LiveServer, alert_of, free_port_pair
 
 import ddpwatch
+from ddpwatch.agent.patches import Patches
 from ddpwatch.agent.progress import Progress
 from ddpwatch.demo.runner import stop_job
 from ddpwatch.integrations import (
-    MethodPatches,
     PhaseStack,
     adapt,
     claim_steps,
@@ -54,7 +54,7 @@ class RecordingWatcher:
         self.phases: list[str] = []
         self.checkpoints: list[str] = []
         self.models: list[Any] = []
-        self._patches = MethodPatches()
+        self._patches = Patches()
 
     def step(self, loss: Any = None) -> None:
         self.progress.end_step(loss, mode="explicit")
@@ -189,7 +189,7 @@ def test_method_patches_wrap_instances_and_classes_and_restore_them() -> None:
 
     calls: list[Any] = []
     thing = Thing()
-    patches = MethodPatches()
+    patches = Patches()
     assert patches.wrap(
         thing,
         "work",
@@ -217,7 +217,7 @@ def test_method_patches_hold_a_phase_around_a_call_even_when_it_raises() -> None
                 raise OSError("disk full")
 
     saver = Saver()
-    MethodPatches().wrap(saver, "save", around=lambda *_: watcher.phase("checkpoint"))
+    Patches().wrap(saver, "save", around=lambda *_: watcher.phase("checkpoint"))
     saver.save(False)
     with pytest.raises(OSError):
         saver.save(True)

@@ -33,13 +33,6 @@ from ddpwatch.server.replay import ReplayServer, parse_speed
 from ddpwatch.server.service import AlertChange, Server
 
 
-@pytest.fixture(autouse=True)
-def _plain_clients(monkeypatch) -> None:
-    """Clients here talk plain TCP unless a test sets the key (a developer may have it set)."""
-    monkeypatch.delenv("DDPWATCH_SERVER_KEY", raising=False)
-    monkeypatch.delenv("DDPWATCH_CLIENT_KEY_FILE", raising=False)
-
-
 class Recording:
     """A real ``Server`` recording to ``path`` on a background thread."""
 

@@ -41,13 +41,6 @@ from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.service import Server
 
 
-@pytest.fixture(autouse=True)
-def _plain_clients(monkeypatch) -> None:
-    """Clients here talk plain TCP unless a test sets the key (a developer may have it set)."""
-    monkeypatch.delenv("DDPWATCH_SERVER_KEY", raising=False)
-    monkeypatch.delenv("DDPWATCH_CLIENT_KEY_FILE", raising=False)
-
-
 class Running:
     """A real ``Server`` with CURVE on a background thread."""
 

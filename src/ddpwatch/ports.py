@@ -16,14 +16,19 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+def free_port_pair() -> int:
+    """A port P, chosen by the OS, such that P and P+1 are free on 127.0.0.1."""
+    for _ in range(100):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port < 65535 and port_free(port + 1):
+            return port
+    raise RuntimeError("no free port pair on 127.0.0.1")
+
+
 def pick_port(preferred: int = DEFAULT_PORT) -> int:
     """``preferred`` if it and the next port are free, else any free pair."""
     if port_free(preferred) and port_free(preferred + 1):
         return preferred
-    for _ in range(100):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port < 65535 and port_free(port + 1):
-            return port
-    raise RuntimeError("no free port pair on 127.0.0.1")
+    return free_port_pair()

@@ -20,8 +20,8 @@ import contextlib
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from ddpwatch.agent.patches import Patches
 from ddpwatch.integrations import (
-    MethodPatches,
     claim_steps,
     count_steps_explicitly,
     framework_of,
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ddpwatch.agent.watcher import Watcher
 
 _engines: weakref.WeakKeyDictionary[Any, EngineHooks] = weakref.WeakKeyDictionary()
-_fallback_patches = MethodPatches()
+_fallback_patches = Patches()
 
 
 def _patches(watcher: Watcher) -> Any:

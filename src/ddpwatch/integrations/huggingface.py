@@ -23,8 +23,8 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
+from ddpwatch.agent.patches import Patches
 from ddpwatch.integrations import (
-    MethodPatches,
     PhaseStack,
     claim_steps,
     count_steps_explicitly,
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 _class: type | None = None
-_patches = MethodPatches()  # per-trainer and per-accelerator wrappers live as long as they do
+_patches = Patches()  # per-trainer and per-accelerator wrappers live as long as they do
 
 
 class TrainerCallbackLogic:

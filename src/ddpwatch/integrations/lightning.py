@@ -28,8 +28,8 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
+from ddpwatch.agent.patches import Patches
 from ddpwatch.integrations import (
-    MethodPatches,
     PhaseStack,
     claim_steps,
     count_steps_explicitly,
@@ -67,7 +67,7 @@ class CallbackLogic:
         self._transient()
 
     def _transient(self) -> None:
-        self._patches = MethodPatches()
+        self._patches = Patches()
         self._phases = PhaseStack()
         self._primary = True
         self._seen_step: int | None = None
@@ -348,7 +348,7 @@ def install_auto_callback() -> None:
         after_import(module_name, lambda module, package=package: _hook_trainer(module, package))
 
 
-_class_patches = MethodPatches()  # process-wide, never undone: the callback idles without a watcher
+_class_patches = Patches()  # process-wide, never undone: the callback idles without a watcher
 
 
 def _hook_trainer(module: Any, package: str) -> None:
