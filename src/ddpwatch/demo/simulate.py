@@ -12,6 +12,7 @@ import contextlib
 import math
 import threading
 import time
+from typing import Any
 
 import zmq
 
@@ -82,7 +83,7 @@ class SimulatedCluster:
         return 1 if index == SHARES_GPU_1 else index % GPUS_PER_HOST
 
     def sample(self, index: int, now: float) -> Sample:
-        host, local = self._local(index)
+        host, _ = self._local(index)
         gpu = self._gpu(index)
         elapsed = now - self._started
         step = int(elapsed / STEP_TIME_S)
@@ -97,23 +98,12 @@ class SimulatedCluster:
         if index == FOREIGN:
             pids.append(FOREIGN_PID)  # a leftover process from another job
         return Sample(
-            v=PROTOCOL_VERSION,
-            rank=self.first_rank + index,
-            t=now,
-            local_rank=local,
-            world_size=self.world_size,
-            local_world_size=GPUS_PER_HOST,
-            node_rank=index // GPUS_PER_HOST,
-            host=host,
-            pid=SIM_PID_BASE + self.first_rank + index,
-            launcher="simulated",
+            **self._identity(index, now),
             backend="nccl",
             device=f"cuda:{gpu}",
             device_index=gpu,
             device_name="Simulated H100 80GB",
             device_uuid=f"GPU-5151{index // GPUS_PER_HOST:04x}-0000-4000-8000-{gpu:012x}",
-            device_count=GPUS_PER_HOST,
-            simulated=True,
             phase="forward" if step % 2 else "backward",
             step=step,
             loss=2.0 / (1.0 + 0.01 * step) + 0.01 * math.sin(index + step),
@@ -128,6 +118,25 @@ class SimulatedCluster:
             gpu_pids=pids,
         )
 
+    def _identity(self, index: int, now: float) -> dict[str, Any]:
+        """Who simulated rank ``index`` is: the fields every message of it repeats."""
+        host, local = self._local(index)
+        rank = self.first_rank + index
+        return {
+            "v": PROTOCOL_VERSION,
+            "rank": rank,
+            "t": now,
+            "local_rank": local,
+            "world_size": self.world_size,
+            "local_world_size": GPUS_PER_HOST,
+            "node_rank": index // GPUS_PER_HOST,
+            "host": host,
+            "pid": SIM_PID_BASE + rank,
+            "launcher": "simulated",
+            "device_count": GPUS_PER_HOST,
+            "simulated": True,
+        }
+
     def _shares(self, index: int, host: str, gpu: int) -> bool:
         return (
             not self._crashed(index) and self._local(index)[0] == host and self._gpu(index) == gpu
@@ -135,22 +144,8 @@ class SimulatedCluster:
 
     def crash(self, index: int, now: float) -> list[Hello | Event]:
         """A rank that died in ``set_device(rank)``: who it was, then its exception."""
-        host, local = self._local(index)
         rank = self.first_rank + index
-        hello = Hello(
-            v=PROTOCOL_VERSION,
-            rank=rank,
-            t=now,
-            local_rank=local,
-            world_size=self.world_size,
-            local_world_size=GPUS_PER_HOST,
-            node_rank=index // GPUS_PER_HOST,
-            host=host,
-            pid=SIM_PID_BASE + rank,
-            launcher="simulated",
-            device_count=GPUS_PER_HOST,
-            simulated=True,
-        )
+        hello = Hello(**self._identity(index, now))
         message = "CUDA error: invalid device ordinal"
         trace = (
             "Traceback (most recent call last):\n"
