@@ -331,3 +331,9 @@ def test_identity_and_probes_without_torch_installed() -> None:
     assert out["torch_version"] is None and out["backend"] is None
     assert out["device"] == "cpu"
     assert out["memory"] == [None] * 6
+
+
+def test_accelerate_launch_is_named() -> None:
+    ident = identity_from_env({**TORCHRUN, "ACCELERATE_MIXED_PRECISION": "no"})
+    assert ident.launcher == "accelerate"
+    assert (ident.rank, ident.local_rank, ident.world_size) == (5, 1, 8)

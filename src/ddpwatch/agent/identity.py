@@ -145,6 +145,8 @@ def _from_torch_vars(env: Mapping[str, str], ident: RankIdentity) -> None:
     ident.node_rank = _first(env, "GROUP_RANK", "CROSS_RANK", "NODE_RANK")
     if any(name in env for name in DEEPSPEED_MARKERS):
         ident.launcher = "deepspeed"
+    elif any(name.startswith("ACCELERATE_") for name in env):
+        ident.launcher = "accelerate"  # accelerate launch runs torch elastic with its settings
     elif any(name in env for name in TORCH_MARKERS):
         ident.launcher = "torchrun"
     else:
