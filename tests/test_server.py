@@ -201,3 +201,19 @@ def test_format_status_handles_missing_values() -> None:
     state.apply(Sample(v=1, rank=1, t=0, world_size=2), 1.0)
     text = format_status(status_document(state, [], 1.0, Thresholds()))
     assert "not_connected" in text and "1/2 ranks" in text
+
+
+def test_the_server_side_needs_no_torch() -> None:
+    """A laptop with `pip install ddpwatch` (no torch) can watch a cluster."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import ddpwatch.server.service, ddpwatch.server.replay, ddpwatch.server.prometheus\n"
+        "import ddpwatch.tui.app, ddpwatch.web, ddpwatch.demo.runner\n"
+        "from ddpwatch.cli import main\n"
+        f"sys.exit(main(['status', '--port', '{free_port_pair()}', '--timeout', '0.3']))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1, result.stderr  # ran, found no server, said so
+    assert "no server answered" in result.stderr
