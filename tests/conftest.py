@@ -34,6 +34,17 @@ def port() -> int:
     return free_port_pair()
 
 
+def poll_status(server: Any, predicate: Callable[[dict[str, Any]], Any], timeout: float) -> Any:
+    """Poll ``server.status()`` until ``predicate`` returns something truthy, and return that."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate(server.status())
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s; last status:\n{server.status()}")
+
+
 class LiveServer:
     """A real ``Server`` on a background thread, recording every alert change."""
 
@@ -46,13 +57,7 @@ class LiveServer:
 
     def wait_for(self, predicate: Callable[[dict[str, Any]], Any], timeout: float) -> Any:
         """Poll the status document until ``predicate`` returns something truthy."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = predicate(self.server.status())
-            if found:
-                return found
-            time.sleep(0.1)
-        raise AssertionError(f"timed out after {timeout} s; last status:\n{self.server.status()}")
+        return poll_status(self.server, predicate, timeout)
 
     def raised(self, kind: str) -> list[dict[str, Any]]:
         return [

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import zmq
-from conftest import ROOT, free_port_pair
+from conftest import ROOT, free_port_pair, poll_status
 
 from ddpwatch.cli import main
 from ddpwatch.protocol import ErrorInfo, Event, Sample, encode
@@ -54,13 +54,10 @@ class Recording:
             self.sock.send(frame)
 
     def wait_for(self, predicate, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            status = self.server.status()
-            if predicate(status):
-                return status
-            time.sleep(0.05)
-        raise AssertionError(f"timed out; last status: {self.server.status()}")
+        """The status document once ``predicate`` holds for it."""
+        return poll_status(
+            self.server, lambda status: status if predicate(status) else None, timeout
+        )
 
     def stop(self) -> None:
         self.sock.close()

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from conftest import ROOT, free_port_pair
+from conftest import ROOT, free_port_pair, poll_status
 
 from ddpwatch.agent.publisher import Publisher
 from ddpwatch.cli import fetch_status, main
@@ -51,13 +51,10 @@ class Running:
         self.thread.start()
 
     def wait_for(self, predicate, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            status = self.server.status()
-            if predicate(status):
-                return status
-            time.sleep(0.05)
-        raise AssertionError(f"timed out; last status: {self.server.status()['stats']}")
+        """The status document once ``predicate`` holds for it."""
+        return poll_status(
+            self.server, lambda status: status if predicate(status) else None, timeout
+        )
 
     def stop(self) -> None:
         self.server.stop()
