@@ -69,6 +69,17 @@ class LiveServer:
         self.thread.join(5)
 
 
+def ddpwatch_run(
+    server: LiveServer, *command: str, env: dict[str, str] | None = None, timeout: float = 150
+) -> subprocess.CompletedProcess[str]:
+    """``ddpwatch run --addr <server> -- command``, as a user types it."""
+    addr = f"127.0.0.1:{server.port}"
+    return subprocess.run(
+        [sys.executable, "-m", "ddpwatch", "run", "--addr", addr, "--", *command],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )  # fmt: skip
+
+
 @pytest.fixture
 def live_server(port: int) -> Iterator[LiveServer]:
     server = LiveServer(port, Thresholds(stall_after=4.0))

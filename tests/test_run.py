@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import LiveServer, free_port_pair
+from conftest import LiveServer, ddpwatch_run, free_port_pair
 
 from ddpwatch.agent.auto import bootstrap, started_by_launcher
 from ddpwatch.launch import BOOT_DIR, job_environment
@@ -47,19 +46,12 @@ def test_job_environment_prepends_the_boot_hook() -> None:
     assert (BOOT_DIR / "sitecustomize.py").is_file()
 
 
-def _run(server: LiveServer, *command: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ddpwatch", "run", "--addr", f"127.0.0.1:{server.port}", "--", *command],
-        capture_output=True, text=True, timeout=150,
-    )  # fmt: skip
-
-
 @pytest.mark.e2e
 def test_run_torchrun_on_an_unmodified_script_reports_every_rank_and_only_ranks(
     live_server: LiveServer,
 ) -> None:
     master = free_port_pair()
-    result = _run(
+    result = ddpwatch_run(
         live_server, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
         "--master-addr=127.0.0.1", f"--master-port={master}", str(JOBS / "unmodified.py"),
     )  # fmt: skip
@@ -82,7 +74,9 @@ def test_run_torchrun_on_an_unmodified_script_reports_every_rank_and_only_ranks(
 
 @pytest.mark.e2e
 def test_run_attaches_ranks_spawned_without_a_launcher(live_server: LiveServer) -> None:
-    result = _run(live_server, sys.executable, str(JOBS / "spawned.py"), str(free_port_pair()))
+    result = ddpwatch_run(
+        live_server, sys.executable, str(JOBS / "spawned.py"), str(free_port_pair())
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     status = live_server.server.status()
     assert {r["rank"] for r in status["ranks"]} == {0, 1}

@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 def main() -> None:
+    print("loading data", flush=True)
     dist.init_process_group("gloo")
     model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -29,6 +29,9 @@ LAUNCHERS = (
     "torch.distributed.launch",
     "slurmstepd",
     "orted",
+    "orterun",
+    "mpirun",
+    "mpiexec",
     "prted",
     "prterun",
     "hydra_pmi_proxy",
@@ -47,14 +50,51 @@ def parent_command(pid: int | None = None) -> str:
         return ""
 
 
+# Python launchers, by the module or script the interpreter runs.
+LAUNCHER_MODULES = frozenset(
+    {
+        "torch.distributed.run",
+        "torch.distributed.launch",
+        "deepspeed.launcher.runner",
+        "deepspeed.launcher.launch",
+        "accelerate.commands.launch",
+        "accelerate.commands.accelerate_cli",
+    }
+)
+LAUNCHER_SCRIPTS = frozenset({"torchrun", "deepspeed", "ds", "accelerate"})
+_PYTHON_OPTIONS_WITH_VALUE = frozenset({"-X", "-W"})
+
+
 def started_by_launcher(command: str) -> bool:
     return any(name in command for name in LAUNCHERS)
 
 
-def bootstrap(environ: Mapping[str, str] | None = None, parent: str | None = None) -> str:
+def runs_a_launcher(argv: Sequence[str]) -> bool:
+    """Whether this interpreter runs a launcher itself (``sys.orig_argv``).
+
+    ``srun torchrun ...`` gives the torchrun process SLURM rank variables: it
+    looks like a rank started by a launcher, but its children are the ranks.
+    """
+    args = list(argv[1:])
+    while args and args[0].startswith("-"):
+        option = args.pop(0)
+        if option == "-m":
+            return bool(args) and args[0] in LAUNCHER_MODULES
+        if option == "-c":
+            return False
+        if option in _PYTHON_OPTIONS_WITH_VALUE and args:
+            args.pop(0)
+    return bool(args) and os.path.basename(args[0]) in LAUNCHER_SCRIPTS
+
+
+def bootstrap(
+    environ: Mapping[str, str] | None = None,
+    parent: str | None = None,
+    argv: Sequence[str] | None = None,
+) -> str:
     """Attach now, later, or never; returns which ("now", "deferred", "off") for tests and logs."""
     env = os.environ if environ is None else environ
-    if env.get(AUTO_ENV) != "1":
+    if env.get(AUTO_ENV) != "1" or runs_a_launcher(argv if argv is not None else sys.orig_argv):
         return "off"
     _install_integrations()
     launched = started_by_launcher(parent if parent is not None else parent_command())
