@@ -108,13 +108,15 @@ def _job_log() -> tuple[IO[bytes], str]:
 
 
 def _with_dashboard(server: Server, job: subprocess.Popen[bytes], log_path: str) -> int:
-    """The dashboard owns the terminal; the job's output goes to a file (each rank's tail
-    also reaches the dashboard through its agent)."""
+    """The dashboard owns the terminal; the job's output goes to a file, which ``o`` follows
+    (each rank's own tail also reaches its detail pane through its agent). The header shows
+    whether the job still runs; quitting the dashboard stops it."""
     from ddpwatch.demo.runner import stop_job
     from ddpwatch.tui.app import run_dashboard
+    from ddpwatch.tui.sources import JobSource
 
     try:
-        run_dashboard(server)
+        run_dashboard(server, JobSource(server, job, log_path))
     finally:
         stop_job(job)
     print(f"ddpwatch run: the job's output is in {log_path}", file=sys.stderr)

@@ -18,6 +18,7 @@ from textual.logging import TextualHandler
 from textual.screen import Screen
 
 from ddpwatch.tui.help import HelpScreen
+from ddpwatch.tui.output import OutputScreen
 from ddpwatch.tui.screen import DashboardScreen
 from ddpwatch.tui.sources import LocalSource, RemoteSource, StatusSource
 
@@ -32,6 +33,7 @@ class DashboardApp(App[int]):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("q", "quit", "Quit", id="quit"),
         Binding("question_mark", "help", "Help", key_display="?", id="help"),
+        Binding("o", "output", "Output", id="output"),
     ]
 
     def __init__(self, source: StatusSource, *, interval: float = 0.5, history: int = 60) -> None:
@@ -53,6 +55,22 @@ class DashboardApp(App[int]):
             self.screen.dismiss(None)
         else:
             self.push_screen(HelpScreen())
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """``o`` (the job's output) exists only under ``ddpwatch run --tui``."""
+        if action == "output":
+            return self.output_path is not None
+        return True
+
+    @property
+    def output_path(self) -> str | None:
+        return getattr(self.source, "output_path", None)
+
+    def action_output(self) -> None:
+        if isinstance(self.screen, OutputScreen):
+            self.screen.dismiss(None)
+        elif self.output_path is not None:
+            self.push_screen(OutputScreen(self.output_path))
 
     def on_unmount(self) -> None:
         close = getattr(self.source, "close", None)
@@ -78,13 +96,14 @@ class _QuietLogs:
             root.addHandler(handler)
 
 
-def run_dashboard(server: Any) -> int:
-    """Run ``server`` on a daemon thread and the dashboard over it; stop the server on exit."""
+def run_dashboard(server: Any, source: StatusSource | None = None) -> int:
+    """Run ``server`` on a daemon thread and the dashboard over it (``source``: a ``LocalSource``
+    of it by default); stop the server on exit."""
     thread = threading.Thread(target=server.run, name="ddpwatch-server", daemon=True)
     thread.start()
     try:
         with _QuietLogs():
-            DashboardApp(LocalSource(server)).run()
+            DashboardApp(source or LocalSource(server)).run()
     finally:
         server.stop()
         thread.join(timeout=5)

@@ -25,6 +25,7 @@ KEYS = (
     ("g", "group by host: one row per host"),
     ("p", "pause updates (the view freezes; polling stops)"),
     ("e", "export the status JSON shown to ddpwatch-status-<time>.json"),
+    ("o", "the job's output, followed live (ddpwatch run --tui only)"),
     ("tab", "focus the next panel: table, alerts, detail"),
     ("alerts: enter / click", "select the alert's first culprit rank in the table"),
 )

@@ -9,6 +9,8 @@ thread, one call at a time, and returns None when no document could be had.
 from __future__ import annotations
 
 import logging
+import signal
+import subprocess
 import threading
 from typing import Any, Protocol, runtime_checkable
 
@@ -50,6 +52,38 @@ class LocalSource:
 
     def close(self) -> None:
         pass
+
+
+class JobSource(LocalSource):
+    """``ddpwatch run --tui``: the local server plus the job it runs, whose state joins the
+    label in the header and whose output file the ``o`` screen follows."""
+
+    def __init__(self, server: Any, job: subprocess.Popen[bytes], output_path: str) -> None:
+        super().__init__(server)
+        self.job = job
+        self.output_path = output_path
+        self._server_label = self.label
+        self._update_label()
+
+    def fetch(self) -> dict[str, Any] | None:
+        self._update_label()
+        return super().fetch()
+
+    def _update_label(self) -> None:
+        code = self.job.poll()
+        self.label = f"{self._server_label}  job {exit_description(code)}"
+
+
+def exit_description(code: int | None) -> str:
+    """``running``, ``exited 0``, ``exited 2``, ``killed by SIGKILL``."""
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited {code}"
 
 
 _decoder = msgspec.json.Decoder()
