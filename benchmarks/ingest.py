@@ -12,7 +12,9 @@ frame. Receivers, in a rotated order every round:
 * ``raw``: a PULL socket with the collector's options, ``sock.recv()`` and nothing else;
 * ``decode``: the same loop plus ``protocol.decode`` (msgspec decode + validation);
 * ``collector``: ddpwatch's ``Collector.poll`` into a ``ServerState`` under a lock, as
-  ``Server.run`` does: receive, decode, validate and apply.
+  ``Server.run`` does: receive, decode and validate every frame, apply the newest heartbeat
+  of each rank per batch (with 1,024 ranks a 10,000-frame batch holds ~10 per rank: the
+  backlog case coalescing is for; ``--ranks 20000`` measures it with none to coalesce).
 
 Prints the median msgs/s of each and ``RATIO collector/raw``; targets: ratio >= 0.5 and
 collector >= 2e5 msgs/s. ``--profile`` adds a cProfile of one collector run.
@@ -36,7 +38,7 @@ from ddpwatch.ports import free_port_pair
 
 TARGET_RATIO = 0.5
 TARGET_RATE = 2e5
-ARMS = ("raw", "decode", "collector", "whatif")
+ARMS = ("raw", "decode", "collector")
 
 
 def make_frames(count: int, ranks: int) -> list[bytes]:
@@ -114,71 +116,6 @@ def sender(conn: Connection, count: int, ranks: int) -> None:
     context.term()
 
 
-def whatif_collector_class() -> type:
-    """Proposals I1-I3 of docs/performance.md, simulated here (src/ is not changed):
-    I1 apply only the newest Sample per rank of each received batch (a rank's events flush
-    its pending Sample first, so per-rank order holds; every batch shares one arrival time
-    already), I2 ``recv`` + ``RCVMORE`` instead of ``recv_multipart``, I3 skip the 18
-    identity fields when they equal the last ones applied."""
-    import msgspec
-    import zmq
-
-    from ddpwatch.protocol import ProtocolError, Sample, decode
-    from ddpwatch.server import collector as collector_module
-    from ddpwatch.server import state as state_module
-
-    n_identity = len(state_module.IDENTITY_FIELDS)
-    original_apply_identity = state_module._apply_identity
-
-    def apply_identity_cached(record: Any, message: Any) -> None:
-        key = msgspec.structs.astuple(message)[:n_identity]  # identity fields come first
-        if record.__dict__.get("_identity_key") != key:
-            original_apply_identity(record, message)
-            record.__dict__["_identity_key"] = key
-
-    class WhatIfCollector(collector_module.Collector):
-        def _receive(self) -> int:
-            now = self._clock()
-            count = 0
-            state = self.state
-            pull = self._pull
-            pending: dict[int, Any] = {}
-            while count < collector_module.RECV_BATCH:
-                try:
-                    frame = pull.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                count += 1
-                if pull.getsockopt(zmq.RCVMORE):
-                    while pull.getsockopt(zmq.RCVMORE):
-                        pull.recv()
-                    state.rejected += 1
-                    continue
-                try:
-                    message = decode(frame)
-                except ProtocolError:
-                    state.rejected += 1
-                    continue
-                if not self._admit(message):
-                    state.rejected += 1
-                    continue
-                if type(message) is Sample:
-                    if pending.pop(message.rank, None) is not None:
-                        state.received += 1  # superseded within the batch: counted, not applied
-                    pending[message.rank] = message
-                else:
-                    earlier = pending.pop(message.rank, None)
-                    if earlier is not None:
-                        state.apply(earlier, now)
-                    state.apply(message, now)
-            for sample in pending.values():
-                state.apply(sample, now)
-            return count
-
-    WhatIfCollector.patch = (state_module, apply_identity_cached, original_apply_identity)  # type: ignore[attr-defined]
-    return WhatIfCollector
-
-
 def _raw_socket(port: int) -> tuple[Any, Any]:
     import zmq
 
@@ -211,13 +148,10 @@ def run_once(
     from ddpwatch.server.state import ServerState
 
     port = free_port_pair()
-    patch = None
-    if arm in ("collector", "whatif"):
+    if arm == "collector":
         state = ServerState(started=time.time())
-        cls = Collector if arm == "collector" else whatif_collector_class()
-        collector = cls(state, lambda: b"{}", "127.0.0.1", port)
+        collector = Collector(state, lambda: b"{}", "127.0.0.1", port)
         lock = threading.Lock()
-        patch = getattr(cls, "patch", None)
     else:
         context, sock = _raw_socket(port)
     started = time.perf_counter()
@@ -226,9 +160,6 @@ def run_once(
         if conn.recv() != "sent":
             raise RuntimeError("sender failed")
         started = time.perf_counter()
-    if patch is not None:
-        module, replacement, original = patch
-        module._apply_identity = replacement
     if profile is not None:
         profile.enable()
     try:
@@ -248,11 +179,9 @@ def run_once(
     finally:
         if profile is not None:
             profile.disable()
-        if patch is not None:
-            module._apply_identity = original
     if live and conn.recv() != "sent":
         raise RuntimeError("sender failed")
-    if arm in ("collector", "whatif"):
+    if arm == "collector":
         if state.rejected or state.received != count:
             raise RuntimeError(f"{arm}: received {state.received}, rejected {state.rejected}")
         collector.close()
@@ -267,8 +196,6 @@ def run_once(
 def breakdown(count: int, ranks: int, reps: int = 5) -> dict[str, float]:
     """Microseconds per message of each ingest stage on frames already in memory, in steady
     state (every rank already known, histories full); median of ``reps`` interleaved runs."""
-    import msgspec
-
     from ddpwatch.protocol import decode
     from ddpwatch.server import state as state_module
     from ddpwatch.server.state import ServerState
@@ -280,21 +207,15 @@ def breakdown(count: int, ranks: int, reps: int = 5) -> dict[str, float]:
         for message in messages:
             state.apply(message, 1.0)
     pairs = [(state.ranks[m.rank], m) for m in messages]
-    n_identity = len(state_module.IDENTITY_FIELDS)
-
-    def identity_skip(record: Any, message: Any) -> None:
-        key = msgspec.structs.astuple(message)[:n_identity]
-        if record.__dict__.get("_identity_key") != key:
-            state_module._apply_identity(record, message)
-            record.__dict__["_identity_key"] = key
 
     stages: dict[str, Any] = {
         "protocol.decode (msgspec, validated)": lambda: [decode(f) for f in frames],
-        "ServerState.apply, all of it": lambda: [state.apply(m, 2.0) for m in messages],
-        "  _apply_identity (18 fields, setattr loop)": lambda: [
+        "ServerState.apply (identity unchanged: skipped)": lambda: [
+            state.apply(m, 2.0) for m in messages
+        ],
+        "  _apply_identity when it changed (18 fields)": lambda: [
             state_module._apply_identity(r, m) for r, m in pairs
         ],
-        "  the same skipped when unchanged (I3)": lambda: [identity_skip(r, m) for r, m in pairs],
         "  _apply_sample (13 fields, phase, history)": lambda: [
             state_module._apply_sample(r, m, 3.0) for r, m in pairs
         ],
@@ -359,15 +280,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {arm:<10} median {medians[arm]:>9.0f} msgs/s  "
                 f"(min {min(values):>8.0f}, max {max(values):>8.0f})  ratio to raw {ratio:.3f}"
             )
-        for arm in ("collector", "whatif"):
-            ratio = statistics.median(
-                c / r for c, r in zip(mode_rates[arm], mode_rates["raw"], strict=True)
-            )
-            ok = ratio >= TARGET_RATIO and medians[arm] >= TARGET_RATE
-            verdicts.append(
-                f"RATIO {arm}/raw {mode} = {ratio:.3f} (target >= {TARGET_RATIO}), {arm} "
-                f"{medians[arm]:.3g} msgs/s (target >= {TARGET_RATE:.0e}): {'ok' if ok else 'MISS'}"
-            )
+        ratio = statistics.median(
+            c / r for c, r in zip(mode_rates["collector"], mode_rates["raw"], strict=True)
+        )
+        ok = ratio >= TARGET_RATIO and medians["collector"] >= TARGET_RATE
+        verdicts.append(
+            f"RATIO collector/raw {mode} = {ratio:.3f} (target >= {TARGET_RATIO}), collector "
+            f"{medians['collector']:.3g} msgs/s (target >= {TARGET_RATE:.0e}): "
+            f"{'ok' if ok else 'MISS'}"
+        )
     print(" per message, frames in memory (no sockets):")
     for name, us in breakdown(args.messages, args.ranks).items():
         print(f"  {name:<46} {us:6.2f} us")

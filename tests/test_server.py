@@ -146,6 +146,38 @@ def test_restarted_worker_starts_a_fresh_record() -> None:
     assert record.pid == 2 and record.error is None and record.step == 1
 
 
+def test_a_backlog_keeps_each_ranks_order_and_counts_every_frame(port: int) -> None:
+    """Under backlog a known rank's heartbeats are coalesced; its events stay in order."""
+    state = ServerState(started=0.0)
+    collector = Collector(state, lambda: b"", "127.0.0.1", port)
+    try:
+        push(port, [sample(0, step=0), sample(1, step=0), sample(2, step=0)])
+        deadline = time.monotonic() + 10
+        while state.received < 3 and time.monotonic() < deadline:
+            collector.poll(0.1)
+
+        def stack(rank: int) -> bytes:
+            return encode(Event(v=1, rank=rank, t=time.time(), event="stack", stack="line 9"))
+
+        frames = [sample(0, step=n) for n in range(1, 11)] + [stack(0)]
+        frames += [sample(0, step=n) for n in range(11, 21)] + [b"junk"]
+        frames += [sample(1, step=6, loss=float("nan")), sample(1, step=7, loss=0.5)]
+        frames += [sample(1, step=8, device="cuda:1")]  # identity changes are applied
+        frames += [sample(2, step=n) for n in range(1, 6)] + [stack(2)]
+        push(port, frames)
+        time.sleep(0.5)  # all queued: one batch
+        while state.received + state.rejected < 3 + len(frames) and time.monotonic() < deadline:
+            collector.poll(0.1)
+    finally:
+        collector.close()
+    assert (state.received, state.rejected) == (3 + len(frames) - 1, 1)
+    rank0, rank1, rank2 = state.ranks[0], state.ranks[1], state.ranks[2]
+    assert rank0.step == 20 and rank0.stack is None  # the stack came before steps 11-20
+    assert (rank1.step, rank1.device) == (8, "cuda:1")
+    assert [p.step for p in rank1.history if p.loss != p.loss] == [6]  # a NaN is never skipped
+    assert rank2.step == 5 and rank2.stack == "line 9"  # after step 5: still stuck there
+
+
 def test_collective_age_grows_between_samples() -> None:
     state = ServerState(started=0.0)
     state.apply(

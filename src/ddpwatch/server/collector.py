@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ddpwatch.protocol import MAX_FRAME_BYTES, AnyMessage, ProtocolError, decode
+from ddpwatch.protocol import MAX_FRAME_BYTES, AnyMessage, ProtocolError, Sample, decode
 from ddpwatch.server.state import ServerState
 
 if TYPE_CHECKING:
@@ -161,29 +162,59 @@ class Collector:
                 )
 
     def _receive(self) -> int:
+        """Take in up to ``RECV_BATCH`` frames. Under backlog a known rank's heartbeats are
+        coalesced: only its newest ``Sample`` of the batch is applied, and any that report a
+        NaN loss (all share one arrival time, so only intermediate history points are lost);
+        its events keep their order."""
         now = self._clock()
+        state = self.state
+        recv, option = self._pull.recv, self._pull.getsockopt  # bound once: per-frame cost
+        pending: dict[int, Sample] = {}
         count = 0
         while count < RECV_BATCH:
             try:
-                frames = self._pull.recv_multipart(zmq.NOBLOCK, copy=True)
+                frame = recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             count += 1
-            if len(frames) != 1:
-                self.state.rejected += 1
+            if option(zmq.RCVMORE):
+                self._drop_multipart()
                 continue
             try:
-                message = decode(frames[0])
+                message = decode(frame)
             except ProtocolError:
-                self.state.rejected += 1
+                state.rejected += 1
                 continue
             if not self._admit(message):
-                self.state.rejected += 1
+                state.rejected += 1
                 continue
-            self.state.apply(message, now)
             if self.recorder is not None:
-                self.recorder.frame(now, frames[0])
+                self.recorder.frame(now, frame)
+            if type(message) is Sample and message.rank in state.ranks:
+                superseded = pending.get(message.rank)
+                if superseded is not None:
+                    if _reports_nan(superseded):
+                        state.apply(superseded, now)  # a NaN loss, even if gone next time
+                    else:
+                        state.received += 1  # counted, not applied
+                pending[message.rank] = message
+                continue
+            earlier = pending.pop(message.rank, None)
+            if earlier is not None:
+                state.apply(earlier, now)
+            state.apply(message, now)
+        for sample in pending.values():
+            state.apply(sample, now)
         return count
+
+    def _drop_multipart(self) -> None:
+        """The protocol is one frame per message: a multipart message is one reject."""
+        self.state.rejected += 1
+        while self._pull.getsockopt(zmq.RCVMORE):
+            try:
+                self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
 
     def _answer(self) -> None:
         try:
@@ -206,6 +237,10 @@ class Collector:
         if self._auth is not None:
             self._auth.stop()
         self._context.term()
+
+
+def _reports_nan(sample: Sample) -> bool:
+    return sample.loss is not None and not math.isfinite(sample.loss)
 
 
 _HANDSHAKE_FAILED = (

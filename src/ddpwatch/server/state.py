@@ -11,6 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from msgspec.structs import astuple
+
 from ddpwatch.protocol import AnyMessage, Collective, ErrorInfo, Event, Identity, Sample
 
 HISTORY_LEN = 120
@@ -18,6 +20,10 @@ LOG_LINES = 50
 
 IDENTITY_FIELDS = tuple(
     name for name in Identity.__struct_fields__ if name not in ("v", "rank", "t")
+)
+_IDENTITY_SLICE = slice(
+    Identity.__struct_fields__.index(IDENTITY_FIELDS[0]),
+    Identity.__struct_fields__.index(IDENTITY_FIELDS[-1]) + 1,
 )
 SAMPLE_FIELDS = tuple(
     name
@@ -62,6 +68,8 @@ class RankRecord:
     device_pci_bus_id: str | None = None
     device_count: int | None = None
     simulated: bool = False
+    identity_key: tuple[object, ...] | None = None
+    """The identity fields last applied: heartbeats repeat them, unchanged, every time."""
     # measurements
     phase: str | None = None
     phase_since: float | None = None
@@ -131,7 +139,10 @@ class ServerState:
             self.ranks[message.rank] = record
         record.last_seen = now
         if isinstance(message, Identity):
-            _apply_identity(record, message)
+            key = astuple(message)[_IDENTITY_SLICE]
+            if key != record.identity_key:
+                _apply_identity(record, message)
+                record.identity_key = key
         if isinstance(message, Sample):
             _apply_sample(record, message, now)
         elif isinstance(message, Event):
