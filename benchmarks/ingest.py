@@ -42,7 +42,9 @@ ARMS = ("raw", "decode", "collector")
 
 
 def make_frames(count: int, ranks: int) -> list[bytes]:
-    """Valid, realistic heartbeat frames: 8 GPUs per host, every frame a new step."""
+    """Valid, realistic heartbeat frames: 8 GPUs per host, every frame a new step, the identity
+    in every ``IDENTITY_EVERY``-th frame of a rank, as the agent sends it."""
+    from ddpwatch.agent.watcher import IDENTITY_EVERY
     from ddpwatch.protocol import PROTOCOL_VERSION, Collective, Sample, encode
 
     frames = []
@@ -50,10 +52,7 @@ def make_frames(count: int, ranks: int) -> list[bytes]:
     for i in range(count):
         rank, step = i % ranks, i // ranks + 1
         local = rank % 8
-        sample = Sample(
-            v=PROTOCOL_VERSION,
-            rank=rank,
-            t=t0 + i * 1e-4,
+        identity = dict(
             local_rank=local,
             world_size=ranks,
             local_world_size=8,
@@ -71,6 +70,12 @@ def make_frames(count: int, ranks: int) -> list[bytes]:
             device_uuid=f"GPU-{rank:08x}-1b2c-3d4e-5f60-{local:012x}",
             device_pci_bus_id=f"00000000:{0x18 + local:02X}:00.0",
             device_count=8,
+        )
+        sample = Sample(
+            v=PROTOCOL_VERSION,
+            rank=rank,
+            t=t0 + i * 1e-4,
+            **(identity if step % IDENTITY_EVERY == 1 else {}),
             phase="train",
             step=step,
             loss=2.5 / (1 + step * 1e-3),

@@ -18,7 +18,7 @@ from ddpwatch.agent.collectives import ensure_flight_recorder
 from ddpwatch.agent.hooks import find_loss
 from ddpwatch.agent.progress import LossReader, Progress
 from ddpwatch.agent.publisher import QUEUE_LEN, Publisher
-from ddpwatch.agent.watcher import main_thread_stack, resolve_endpoint
+from ddpwatch.agent.watcher import Watcher, main_thread_stack, resolve_endpoint
 from ddpwatch.protocol import Event, Sample
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.state import ServerState
@@ -429,6 +429,59 @@ def test_line_buffer_splits_lines_and_progress_bars() -> None:
     assert buffer.take() == []
     buffer.feed("".join(f"line {i}\n" for i in range(10)))
     assert buffer.take() == ["line 7", "line 8", "line 9"]
+
+
+def test_output_printed_while_no_server_listens_arrives_once_one_does(rank_env, capsys) -> None:
+    """Log lines (like stacks) happen once: a heartbeat no server took must not lose them."""
+    port = free_port_pair()
+    watcher = ddpwatch.attach(addr=f"127.0.0.1:{port}", interval=0.1)
+    watcher._next_log = 0.0
+    print("epoch 1: loading shard 3 of 8")
+    time.sleep(0.5)  # several beats, none of them taken: the lines are already out of the tail
+    receiver = Receiver(port)
+    try:
+        record = receiver.wait_for(
+            lambda s: s.ranks.get(0) if s.ranks.get(0) and s.ranks[0].log_tail else None
+        )
+        assert list(record.log_tail) == ["epoch 1: loading shard 3 of 8"]
+        # the server is new to the agent: it is told the identity on the next heartbeat
+        assert receiver.wait_for(lambda s: s.ranks[0].host is not None and s.ranks[0].pid)
+    finally:
+        ddpwatch.detach()
+        receiver.close()
+    assert capsys.readouterr().out == "epoch 1: loading shard 3 of 8\n"
+
+
+def test_a_restarted_server_is_told_the_identity_at_once(rank_env, monkeypatch) -> None:
+    """Heartbeats repeat the identity only when it changes or a server (re)connects: the
+    safety net (every IDENTITY_EVERY beats) is turned off here to see the reconnect rule."""
+    monkeypatch.setattr("ddpwatch.agent.watcher.IDENTITY_EVERY", 10**9)
+    port = free_port_pair()
+    first = Receiver(port)
+    ddpwatch.attach(addr=f"127.0.0.1:{port}", interval=0.1)
+    try:
+        first.wait_for(lambda s: s.ranks.get(0) and s.ranks[0].host and s.ranks[0].step is None)
+        first.close()  # the Hello went to this one
+        time.sleep(0.3)
+        second = Receiver(port)
+        try:
+            record = second.wait_for(lambda s: s.ranks.get(0) and s.ranks[0].host and s.ranks[0])
+            assert record.pid == os.getpid() and record.device == "cpu"
+        finally:
+            second.close()
+    finally:
+        ddpwatch.detach()
+
+
+def test_heartbeats_carry_the_identity_when_it_changed_or_a_server_connected(rank_env) -> None:
+    watcher = Watcher(addr=f"127.0.0.1:{free_port_pair()}")  # not started: no heartbeats
+    identity = {"host": "node-a", "device": "cuda:0"}
+    due = [watcher._identity_due(identity) for _ in range(12)]
+    assert due == [True] + [False] * 9 + [True, False]  # then every 10th beat
+    assert watcher._identity_due({**identity, "device": "cuda:1"})  # set_device moved it
+    assert not watcher._identity_due({**identity, "device": "cuda:1"})
+    watcher.publisher.connections += 1  # a server (re)connected
+    assert watcher._identity_due({**identity, "device": "cuda:1"})
 
 
 def test_printed_lines_reach_the_server_and_output_is_untouched(

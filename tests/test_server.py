@@ -178,6 +178,18 @@ def test_a_backlog_keeps_each_ranks_order_and_counts_every_frame(port: int) -> N
     assert rank2.step == 5 and rank2.stack == "line 9"  # after step 5: still stuck there
 
 
+def test_a_heartbeat_without_identity_keeps_the_last_one_told() -> None:
+    state = ServerState(started=0.0)
+    state.apply(Sample(v=1, rank=0, t=0, pid=7, host="a", device="cuda:0", simulated=True), 1.0)
+    state.apply(Sample(v=1, rank=0, t=0, step=3), 2.0)  # identity not repeated
+    record = state.ranks[0]
+    assert (record.pid, record.host, record.device, record.simulated, record.step) == (
+        7, "a", "cuda:0", True, 3,
+    )  # fmt: skip
+    state.apply(Sample(v=1, rank=0, t=0, pid=7, host="a", device="cuda:1", step=4), 3.0)
+    assert state.ranks[0].device == "cuda:1" and state.ranks[0] is record
+
+
 def test_collective_age_grows_between_samples() -> None:
     state = ServerState(started=0.0)
     state.apply(

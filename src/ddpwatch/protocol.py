@@ -48,7 +48,8 @@ class Message(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True
 
 
 class Identity(Message):
-    """Who and where a rank is; every heartbeat repeats it so a late server rebuilds the picture."""
+    """Who and where a rank is. Heartbeats repeat it when it changed, after each new connection
+    and every 10th beat; the server keeps the last known value of each field."""
 
     local_rank: NonNegInt | None = None
     world_size: RankCount | None = None

@@ -9,6 +9,7 @@ server exits without waiting on the network.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -17,7 +18,7 @@ from collections.abc import Callable
 
 import zmq
 
-from ddpwatch.protocol import AnyMessage, encode
+from ddpwatch.protocol import AnyMessage, Event, encode
 from ddpwatch.security import apply_client_curve
 
 log = logging.getLogger("ddpwatch")
@@ -41,6 +42,8 @@ class Publisher:
         self.interval = interval
         self.sent = 0
         self.dropped = 0
+        self.connections = 0
+        """Handshakes with a server so far: one that is new to us must hear the identity again."""
         self._heartbeat = heartbeat
         self._queue: deque[AnyMessage] = deque(maxlen=QUEUE_LEN)
         self._wake = threading.Event()
@@ -89,15 +92,21 @@ class Publisher:
         socket.setsockopt(zmq.IMMEDIATE, 1)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
+        monitor: zmq.Socket | None = None
         try:
             # DDPWATCH_SERVER_KEY set: CurveZMQ; a bad key is logged once by _fault and the
             # agent publishes nothing (never in the clear, never raising into training)
             apply_client_curve(socket)
+            monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
             socket.connect(self.endpoint)
-            self._loop(socket)
+            self._loop(socket, monitor)
         except Exception as exc:
             self._fault(exc)
         finally:
+            if monitor is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    socket.disable_monitor()
+                monitor.close(linger=0)
             socket.setsockopt(zmq.LINGER, LINGER_MS)
             socket.close()
             context.term()
@@ -105,21 +114,33 @@ class Publisher:
                 self._pending = 0
                 self._drained.notify_all()
 
-    def _loop(self, socket: zmq.Socket) -> None:
+    def _loop(self, socket: zmq.Socket, monitor: zmq.Socket) -> None:
         next_beat = time.monotonic()
         while True:
             stopping = self._stop.is_set()
             self._drain(socket)
             now = time.monotonic()
             if now >= next_beat and not stopping:
+                self._count_connections(monitor)
                 for message in self._safe_heartbeat():
-                    if not self._send(socket, message):
+                    if isinstance(message, Event):
+                        self.publish(message)  # a log or stack event happens once: keep it
+                    elif not self._send(socket, message):
                         self.dropped += 1  # the next beat repeats it
                 next_beat = max(next_beat + self.interval, now)
             if stopping:
                 return
             self._wake.wait(max(0.0, next_beat - time.monotonic()))
             self._wake.clear()
+
+    def _count_connections(self, monitor: zmq.Socket) -> None:
+        """Count the handshakes the socket monitor reported (one two-frame event each)."""
+        while True:
+            try:
+                monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:  # Again: none left
+                return
+            self.connections += 1
 
     def _drain(self, socket: zmq.Socket) -> None:
         """Send queued events; keep those no server took yet (they happen once, unlike beats)."""

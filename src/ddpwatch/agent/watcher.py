@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import logging
 import os
@@ -37,6 +36,9 @@ log = logging.getLogger("ddpwatch")
 
 RANK_WAIT_S = 10.0
 LOG_EVERY_S = 2.0  # new output lines ship at most this often
+IDENTITY_EVERY = 10
+"""Heartbeats carry the identity when it changed, after each new connection, and at least
+every this many beats (a safety net); the server keeps the last one it was told."""
 STACK_AFTER_S = 5.0  # half the server's default stall threshold
 CRASH_FLUSH_S = 1.0
 
@@ -80,6 +82,9 @@ class Watcher:
         self._exited = False
         self._pid = os.getpid()
         self._started = time.monotonic()
+        self._sent_identity: dict[str, Any] | None = None
+        self._identity_connections = 0
+        self._beats_since_identity = 0
         self.publisher = Publisher(self.endpoint, interval, self._heartbeat)
         self.active = False
 
@@ -270,6 +275,22 @@ class Watcher:
         fields["pid"] = os.getpid()
         return fields
 
+    def _identity_due(self, identity: dict[str, Any]) -> bool:
+        """Whether this beat repeats the identity (see ``IDENTITY_EVERY``)."""
+        connections = self.publisher.connections
+        due = (
+            identity != self._sent_identity
+            or connections != self._identity_connections
+            or self._beats_since_identity + 1 >= IDENTITY_EVERY
+        )
+        if due:
+            self._sent_identity = identity
+            self._identity_connections = connections
+            self._beats_since_identity = 0
+        else:
+            self._beats_since_identity += 1
+        return due
+
     def _heartbeat(self) -> list[AnyMessage]:
         """Build this beat's sample, plus a stack event when the rank has not moved."""
         if not self._dist_ready and self._dist is not None and self._dist.is_initialized():
@@ -283,13 +304,13 @@ class Watcher:
         collective = self._flight_recorder.in_flight() if self._flight_recorder else None
         if collective is None:
             collective = progress.in_flight()
+        identity = {**self._identity_fields(), **device.as_fields()}
         sample = Sample(
             v=PROTOCOL_VERSION,
             rank=self.rank,
             t=time.time(),
-            **self._identity_fields(),
-            **dataclasses.asdict(device),
-            **dataclasses.asdict(memory_info(device)),
+            **(identity if self._identity_due(identity) else {}),
+            **memory_info(device).as_fields(),
             phase=progress.phase,
             step=progress.step,
             loss=progress.loss.poll(),

@@ -7,6 +7,7 @@ never the sender's, so ranks on hosts with skewed clocks compare fairly.
 from __future__ import annotations
 
 import math
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -25,10 +26,17 @@ _IDENTITY_SLICE = slice(
     Identity.__struct_fields__.index(IDENTITY_FIELDS[0]),
     Identity.__struct_fields__.index(IDENTITY_FIELDS[-1]) + 1,
 )
+_NO_IDENTITY = astuple(Identity(v=1, rank=0, t=0.0))[_IDENTITY_SLICE]
+"""A heartbeat that does not repeat the identity (agents send it when it changes)."""
 SAMPLE_FIELDS = tuple(
     name
     for name in Sample.__struct_fields__
     if name not in Identity.__struct_fields__ and name != "collective"
+)
+# the measurements a Sample overwrites, read in one call (a record is a plain dataclass)
+_MEASURED_FIELDS = tuple(name for name in SAMPLE_FIELDS if name != "phase")
+_measured_values = operator.itemgetter(
+    *(Sample.__struct_fields__.index(name) for name in _MEASURED_FIELDS)
 )
 
 
@@ -140,7 +148,7 @@ class ServerState:
         record.last_seen = now
         if isinstance(message, Identity):
             key = astuple(message)[_IDENTITY_SLICE]
-            if key != record.identity_key:
+            if key != record.identity_key and key != _NO_IDENTITY:
                 _apply_identity(record, message)
                 record.identity_key = key
         if isinstance(message, Sample):
@@ -179,10 +187,8 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:
         if not record.finished:
             record.stack = None  # it moved on: the captured stack is stale
     _set_phase(record, sample.phase, now)
-    for name in SAMPLE_FIELDS:
-        if name == "phase":
-            continue
-        setattr(record, name, getattr(sample, name))
+    values = _measured_values(astuple(sample))
+    record.__dict__.update(zip(_MEASURED_FIELDS, values, strict=True))
     record.collective = sample.collective
     record.collective_seen = now if sample.collective is not None else None
     if sample.loss is not None:
