@@ -315,6 +315,7 @@ import ddpwatch
 ddpwatch.attach(addr=sys.argv[1])
 ddpwatch.step(0.5)
 time.sleep(0.6)
+print("collating batch 7", flush=True)  # shipped with the crash, not 2 s later
 raise ValueError("bad batch shape (3, 5)")
 """
 
@@ -324,6 +325,7 @@ import ddpwatch
 ddpwatch.attach(addr=sys.argv[1])
 ddpwatch.step(0.5)
 time.sleep(0.6)
+print("saving checkpoint", flush=True)
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(5)
 """
@@ -354,6 +356,7 @@ def test_crash_is_reported_with_traceback_and_the_process_dies_as_before(
     assert "<string>" in record.error.traceback
     assert record.local_rank == 1 and record.world_size == 4
     receiver.wait_for(lambda s: s.ranks[3].exit_time is not None)
+    assert "collating batch 7" in receiver.state.ranks[3].log_tail
 
 
 def test_sigterm_is_reported_then_the_process_dies_of_it(receiver: Receiver) -> None:
@@ -365,6 +368,7 @@ def test_sigterm_is_reported_then_the_process_dies_of_it(receiver: Receiver) -> 
         lambda s: s.ranks.get(3) if s.ranks.get(3) and s.ranks[3].exit_time else None
     )
     assert record.exit_signal == "SIGTERM"
+    assert "saving checkpoint" in record.log_tail  # printed since the last heartbeat
 
 
 def test_fault_inside_the_agent_never_reaches_training(receiver: Receiver, rank_env) -> None:

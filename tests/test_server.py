@@ -162,7 +162,8 @@ def test_a_backlog_keeps_each_ranks_order_and_counts_every_frame(port: int) -> N
         frames = [sample(0, step=n) for n in range(1, 11)] + [stack(0)]
         frames += [sample(0, step=n) for n in range(11, 21)] + [b"junk"]
         frames += [sample(1, step=6, loss=float("nan")), sample(1, step=7, loss=0.5)]
-        frames += [sample(1, step=8, device="cuda:1")]  # identity changes are applied
+        frames += [sample(1, step=8, device="cuda:1")]  # identity changes are applied,
+        frames += [encode(Sample(v=1, rank=1, t=time.time(), step=9))]  # even if not repeated
         frames += [sample(2, step=n) for n in range(1, 6)] + [stack(2)]
         push(port, frames)
         time.sleep(0.5)  # all queued: one batch
@@ -173,7 +174,7 @@ def test_a_backlog_keeps_each_ranks_order_and_counts_every_frame(port: int) -> N
     assert (state.received, state.rejected) == (3 + len(frames) - 1, 1)
     rank0, rank1, rank2 = state.ranks[0], state.ranks[1], state.ranks[2]
     assert rank0.step == 20 and rank0.stack is None  # the stack came before steps 11-20
-    assert (rank1.step, rank1.device) == (8, "cuda:1")
+    assert (rank1.step, rank1.device, rank1.host) == (9, "cuda:1", "node-a")
     assert [p.step for p in rank1.history if p.loss != p.loss] == [6]  # a NaN is never skipped
     assert rank2.step == 5 and rank2.stack == "line 9"  # after step 5: still stuck there
 

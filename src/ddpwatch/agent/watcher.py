@@ -325,9 +325,7 @@ class Watcher:
         now = time.monotonic()
         if now >= self._next_log:
             self._next_log = now + LOG_EVERY_S
-            lines = self._log_tail.buffer.take()
-            if lines:
-                messages.append(self._event("log", text="\n".join(lines)))
+            messages.extend(self._new_output())
         stack = self._stack_if_stuck()
         if stack is not None:
             messages.append(
@@ -348,6 +346,11 @@ class Watcher:
         self._last_stack = stack
         return stack
 
+    def _new_output(self) -> list[Event]:
+        """The output lines printed since the last call, as a log event (none if no lines)."""
+        lines = self._log_tail.buffer.take()
+        return [self._event("log", text="\n".join(lines))] if lines else []
+
     def _event(self, kind: str, **fields: Any) -> Event:
         return Event(v=PROTOCOL_VERSION, rank=self.rank, t=time.time(), event=kind, **fields)
 
@@ -355,6 +358,8 @@ class Watcher:
     def _report_crash(self, error: ErrorInfo, thread_name: str | None) -> None:
         if not self.active or os.getpid() != self._pid:
             return
+        for message in self._new_output():  # the last lines before the crash
+            self.publisher.publish(message)
         if thread_name is None:
             self.publisher.publish(
                 self._event(
@@ -370,6 +375,8 @@ class Watcher:
         if self._exited or not self.active or os.getpid() != self._pid:
             return
         self._exited = True
+        for message in self._new_output():  # lines printed since the last heartbeat
+            self.publisher.publish(message)
         self.publisher.publish(self._event("exit", signal=signal_name, step=self.progress.step))
         self.publisher.stop(CRASH_FLUSH_S + 0.5)
 

@@ -23,7 +23,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ddpwatch.protocol import MAX_FRAME_BYTES, AnyMessage, ProtocolError, Sample, decode
-from ddpwatch.server.state import ServerState
+from ddpwatch.server.state import ServerState, carries_identity
 
 if TYPE_CHECKING:
     from ddpwatch.security import ServerCurve
@@ -163,9 +163,9 @@ class Collector:
 
     def _receive(self) -> int:
         """Take in up to ``RECV_BATCH`` frames. Under backlog a known rank's heartbeats are
-        coalesced: only its newest ``Sample`` of the batch is applied, and any that report a
-        NaN loss (all share one arrival time, so only intermediate history points are lost);
-        its events keep their order."""
+        coalesced: only its newest ``Sample`` of the batch is applied, plus any that
+        ``_must_apply`` (all share one arrival time, so only intermediate history points are
+        lost); its events keep their order."""
         now = self._clock()
         state = self.state
         recv, option = self._pull.recv, self._pull.getsockopt  # bound once: per-frame cost
@@ -193,8 +193,8 @@ class Collector:
             if type(message) is Sample and message.rank in state.ranks:
                 superseded = pending.get(message.rank)
                 if superseded is not None:
-                    if _reports_nan(superseded):
-                        state.apply(superseded, now)  # a NaN loss, even if gone next time
+                    if _must_apply(superseded, message):
+                        state.apply(superseded, now)
                     else:
                         state.received += 1  # counted, not applied
                 pending[message.rank] = message
@@ -239,8 +239,12 @@ class Collector:
         self._context.term()
 
 
-def _reports_nan(sample: Sample) -> bool:
-    return sample.loss is not None and not math.isfinite(sample.loss)
+def _must_apply(superseded: Sample, newer: Sample) -> bool:
+    """A superseded heartbeat still counts if it reports a NaN loss (even one gone by the next
+    beat) or tells an identity the newer one leaves out (a new pid or device)."""
+    if superseded.loss is not None and not math.isfinite(superseded.loss):
+        return True
+    return carries_identity(superseded) and not carries_identity(newer)
 
 
 _HANDSHAKE_FAILED = (
