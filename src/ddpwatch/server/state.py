@@ -30,11 +30,6 @@ _NO_IDENTITY = astuple(Identity(v=1, rank=0, t=0.0))[_IDENTITY_SLICE]
 """A heartbeat that does not repeat the identity (agents send it when it changes)."""
 
 
-def carries_identity(message: Identity) -> bool:
-    """False for a heartbeat that left the identity out (it keeps the last one told)."""
-    return astuple(message)[_IDENTITY_SLICE] != _NO_IDENTITY
-
-
 SAMPLE_FIELDS = tuple(
     name
     for name in Sample.__struct_fields__
