@@ -149,12 +149,13 @@ class ServerState:
             self.ranks[message.rank] = record
         record.last_seen = now
         if isinstance(message, Identity):
-            key = astuple(message)[_IDENTITY_SLICE]
+            values = astuple(message)  # read once for the identity and the measurements
+            key = values[_IDENTITY_SLICE]
             if key != record.identity_key and key != _NO_IDENTITY:
                 _apply_identity(record, message)
                 record.identity_key = key
-        if isinstance(message, Sample):
-            _apply_sample(record, message, now)
+            if isinstance(message, Sample):
+                _apply_sample(record, message, now, values)
         elif isinstance(message, Event):
             _apply_event(record, message, now)
 
@@ -180,7 +181,10 @@ def _set_phase(record: RankRecord, phase: str | None, now: float) -> None:
         del record.phases[:-32]
 
 
-def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:
+def _apply_sample(
+    record: RankRecord, sample: Sample, now: float, values: tuple[object, ...]
+) -> None:
+    """``values``: ``msgspec.structs.astuple(sample)``."""
     moved = sample.step is not None and sample.step != record.step
     if moved or (sample.forwards is not None and sample.forwards != record.forwards):
         record.last_progress = now  # a forward pass is progress too: evaluation has no steps
@@ -189,8 +193,8 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:
         if not record.finished:
             record.stack = None  # it moved on: the captured stack is stale
     _set_phase(record, sample.phase, now)
-    values = _measured_values(astuple(sample))
-    record.__dict__.update(zip(_MEASURED_FIELDS, values, strict=True))
+    measured = _measured_values(values)
+    record.__dict__.update(zip(_MEASURED_FIELDS, measured, strict=True))
     record.collective = sample.collective
     record.collective_seen = now if sample.collective is not None else None
     if sample.loss is not None:
