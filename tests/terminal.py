@@ -13,7 +13,7 @@ import struct
 import subprocess
 import termios
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pyte
 
@@ -64,19 +64,20 @@ class Terminal:
 
     def wait_for(self, *texts: str, timeout: float = 60.0) -> str:
         """Until every one of ``texts`` is on screen; returns the screen."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.pump(0.1)
-            screen = self.text
-            if all(text in screen for text in texts):
-                return screen
-        raise AssertionError(f"not on screen after {timeout} s: {texts}\n{self.text}")
+        self._until(
+            lambda screen: all(t in screen for t in texts), timeout, f"not on screen: {texts}"
+        )
+        return self.text
 
     def wait_gone(self, text: str, timeout: float = 30.0) -> None:
+        self._until(lambda screen: text not in screen, timeout, f"still on screen: {text}")
+
+    def _until(self, done: Callable[[str], bool], timeout: float, failure: str) -> None:
+        """Read the program's output until ``done(screen)``, for at most ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        while text in self.text:
+        while not done(self.text):
             if time.monotonic() > deadline:
-                raise AssertionError(f"still on screen after {timeout} s: {text}\n{self.text}")
+                raise AssertionError(f"after {timeout} s, {failure}\n{self.text}")
             self.pump(0.1)
 
     def press(self, keys: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,9 +40,16 @@ def need_command(name: str, package: str) -> str:
     return path or name
 
 
-def check_ranks(server: LiveServer, launcher: str, steps: int) -> None:
-    """Exactly ranks 0 and 1 reported, each attached from interpreter start (its output from
-    before ``init_process_group`` is in its log tail), each finished."""
+def check_ranks(
+    server: LiveServer,
+    result: subprocess.CompletedProcess[str],
+    launcher: str,
+    steps: int,
+    logs: str = "",
+) -> None:
+    """The job succeeded; exactly ranks 0 and 1 reported, each attached from interpreter start
+    (its output from before ``init_process_group`` is in its log tail), each finished."""
+    assert result.returncode == 0, result.stdout + result.stderr + logs
     status = server.server.status()
     ranks = {r["rank"]: r for r in status["ranks"]}
     assert set(ranks) == {0, 1}, status["ranks"]
@@ -74,8 +82,7 @@ def test_run_under_open_mpi(live_server: LiveServer) -> None:
         live_server, mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2",
         PYTHON, str(JOBS / "launcher_variables.py"), str(free_port_pair()),
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    check_ranks(live_server, "openmpi", steps=20)
+    check_ranks(live_server, result, "openmpi", steps=20)
 
 
 @pytest.mark.e2e
@@ -85,8 +92,7 @@ def test_run_under_mpich_hydra(live_server: LiveServer) -> None:
         live_server, mpiexec, "-n", "2",
         PYTHON, str(JOBS / "launcher_variables.py"), str(free_port_pair()),
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    check_ranks(live_server, "mpich", steps=20)
+    check_ranks(live_server, result, "mpich", steps=20)
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +115,7 @@ def test_run_under_srun(live_server: LiveServer, slurm: SlurmCluster) -> None:
         PYTHON, str(JOBS / "launcher_variables.py"), str(free_port_pair()),
         env=slurm.env,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr + slurm.log()
-    check_ranks(live_server, "slurm", steps=20)
+    check_ranks(live_server, result, "slurm", steps=20, logs=slurm.log())
 
 
 @pytest.mark.e2e
@@ -124,8 +129,7 @@ def test_run_srun_then_torchrun_reports_the_ranks_not_the_torchrun_agent(
         "--master-addr=127.0.0.1", f"--master-port={free_port_pair()}", str(JOBS / "unmodified.py"),
         env=slurm.env,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr + slurm.log()
-    check_ranks(live_server, "torchrun", steps=48)
+    check_ranks(live_server, result, "torchrun", steps=48, logs=slurm.log())
 
 
 @pytest.mark.e2e
@@ -135,8 +139,7 @@ def test_run_under_the_deepspeed_launcher(live_server: LiveServer) -> None:
         live_server, deepspeed,
         "--num_gpus=2", f"--master_port={free_port_pair()}", str(JOBS / "unmodified.py"),
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    check_ranks(live_server, "deepspeed", steps=48)
+    check_ranks(live_server, result, "deepspeed", steps=48)
 
 
 @pytest.mark.e2e
@@ -147,5 +150,4 @@ def test_run_under_accelerate_launch(live_server: LiveServer) -> None:
         "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no",
         f"--main_process_port={free_port_pair()}", str(JOBS / "unmodified.py"),
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    check_ranks(live_server, "accelerate", steps=48)
+    check_ranks(live_server, result, "accelerate", steps=48)
