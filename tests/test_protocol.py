@@ -25,6 +25,7 @@ from ddpwatch.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Collective,
+    CollectiveCounts,
     ErrorInfo,
     Event,
     Hello,
@@ -54,6 +55,7 @@ IDENTITY: dict[str, Any] = {
     "device_uuid": "GPU-5c1e7a3b-0000-0000-0000-000000000001",
     "device_pci_bus_id": "00000000:19:00.0",
     "device_count": 2,
+    "pg_timeout_s": 1800.0,
     "simulated": True,
 }
 
@@ -72,7 +74,11 @@ FULL_SAMPLE = Sample(
     data_wait_s=0.01,
     collective_time_s=0.05,
     forwards=1234,
-    collective=Collective(op="all_reduce", seq=987, since_s=12.5),
+    collective=Collective(
+        op="all_reduce", seq=987, since_s=12.5, source="fr", group="1", shape=[8, 4], dtype="float32"
+    ),
+    collectives=CollectiveCounts(py=40, fr={"0": 986, "1": 987}),
+    nan_step=118,
     mem_allocated_bytes=3 << 30,
     mem_reserved_bytes=4 << 30,
     mem_peak_bytes=5 << 30,
@@ -96,6 +102,7 @@ EVENTS = {
             traceback='Traceback (most recent call last):\n  File "train.py", line 9\n',
         ),
         stack='  File "train.py", line 9, in <module>\n    loss.backward()\n',
+        collective=Collective(op="all_gather", seq=40, source="py", shape=[5], dtype="float32"),
     ),
     "exit": Event(v=1, rank=2, t=3.0, event="exit", signal="SIGTERM", exit_code=-15),
     "stack": Event(
@@ -177,7 +184,10 @@ def test_round_trip(message: Hello | Sample | Event) -> None:
 def test_round_trip_keeps_nested_structs() -> None:
     sample = decode(encode(FULL_SAMPLE))
     assert isinstance(sample, Sample)
-    assert sample.collective == Collective(op="all_reduce", seq=987, since_s=12.5)
+    assert sample.collective == Collective(
+        op="all_reduce", seq=987, since_s=12.5, source="fr", group="1", shape=[8, 4], dtype="float32"
+    )
+    assert sample.collectives == CollectiveCounts(py=40, fr={"0": 986, "1": 987})
     assert sample.gpu_pids == [4242, 4243, 999]
     crash = decode(encode(EVENTS["crash"]))
     assert isinstance(crash, Event)
@@ -216,7 +226,16 @@ def test_wire_shape_is_a_plain_map() -> None:
     assert raw["event"] == "exit"
     assert raw["signal"] == "SIGTERM"
     raw = msgspec.msgpack.decode(encode(FULL_SAMPLE))
-    assert raw["collective"] == {"op": "all_reduce", "seq": 987, "since_s": 12.5}
+    assert raw["collective"] == {
+        "op": "all_reduce",
+        "seq": 987,
+        "since_s": 12.5,
+        "source": "fr",
+        "group": "1",
+        "shape": [8, 4],
+        "dtype": "float32",
+    }
+    assert raw["collectives"] == {"py": 40, "fr": {"0": 986, "1": 987}}
 
 
 # --- frames from other publishers ----------------------------------------------------

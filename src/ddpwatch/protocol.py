@@ -24,11 +24,28 @@ RankCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
 
 
 class Collective(msgspec.Struct, omit_defaults=True):
-    """The collective a rank is blocked in right now."""
+    """A collective a rank is in: blocked in it right now (samples) or failed in (crash events).
+
+    ``source`` says which counter ``seq`` belongs to: ``"fr"`` the flight recorder's per-group
+    sequence (it counts DDP's own all-reduces too), ``"py"`` the agent's count of Python-level
+    ``torch.distributed`` calls. Sequence numbers of different sources never compare.
+    """
 
     op: str
     seq: int | None = None
     since_s: float = 0.0
+    source: str | None = None
+    group: str | None = None  # flight-recorder process-group name; None: the default group
+    shape: list[int] | None = None  # the tensor this rank contributes (its first one)
+    dtype: str | None = None
+
+
+class CollectiveCounts(msgspec.Struct, omit_defaults=True):
+    """How far a rank has got through its collectives: the evidence that it has (or has not)
+    entered collective #N, whatever it is doing now."""
+
+    py: NonNegInt = 0  # Python-level collectives entered so far (the agent's wrappers)
+    fr: dict[str, int] | None = None  # flight recorder: last enqueued seq per process group
 
 
 class ErrorInfo(msgspec.Struct, omit_defaults=True):
@@ -68,6 +85,7 @@ class Identity(Message):
     device_uuid: str | None = None
     device_pci_bus_id: str | None = None
     device_count: NonNegInt | None = None
+    pg_timeout_s: float | None = None  # the default process group's collective timeout
     simulated: bool = False
 
 
@@ -86,6 +104,8 @@ class Sample(Identity, tag="sample"):
     data_wait_s: float | None = None
     collective_time_s: float | None = None
     collective: Collective | None = None
+    collectives: CollectiveCounts | None = None
+    nan_step: NonNegInt | None = None  # the first step whose loss was not finite (exact)
     forwards: NonNegInt | None = None
     mem_allocated_bytes: NonNegInt | None = None
     mem_reserved_bytes: NonNegInt | None = None
@@ -111,6 +131,7 @@ class Event(Message, tag="event"):
     exit_code: int | None = None
     path: str | None = None
     text: str | None = None
+    collective: Collective | None = None  # crash: the collective the rank failed in
 
 
 AnyMessage = Hello | Sample | Event

@@ -14,7 +14,15 @@ from typing import NamedTuple
 
 from msgspec.structs import astuple
 
-from ddpwatch.protocol import AnyMessage, Collective, ErrorInfo, Event, Identity, Sample
+from ddpwatch.protocol import (
+    AnyMessage,
+    Collective,
+    CollectiveCounts,
+    ErrorInfo,
+    Event,
+    Identity,
+    Sample,
+)
 
 HISTORY_LEN = 120
 LOG_LINES = 50
@@ -36,7 +44,7 @@ SAMPLE_FIELDS = tuple(
     if name not in Identity.__struct_fields__ and name != "collective"
 )
 # the measurements a Sample overwrites, read in one call (a record is a plain dataclass)
-_MEASURED_FIELDS = tuple(name for name in SAMPLE_FIELDS if name != "phase")
+_MEASURED_FIELDS = tuple(name for name in SAMPLE_FIELDS if name not in ("phase", "nan_step"))
 _measured_values = operator.itemgetter(
     *(Sample.__struct_fields__.index(name) for name in _MEASURED_FIELDS)
 )
@@ -77,6 +85,7 @@ class RankRecord:
     device_uuid: str | None = None
     device_pci_bus_id: str | None = None
     device_count: int | None = None
+    pg_timeout_s: float | None = None
     simulated: bool = False
     identity_key: tuple[object, ...] | None = None
     """The identity fields last applied: heartbeats repeat them, unchanged, every time."""
@@ -91,6 +100,9 @@ class RankRecord:
     collective_time_s: float | None = None
     collective: Collective | None = None
     collective_seen: float | None = None
+    collectives: CollectiveCounts | None = None
+    """How many collectives the rank had entered at its last sample (the attribution evidence)."""
+    sample_seen: float | None = None  # when its last sample arrived
     forwards: int | None = None
     mem_allocated_bytes: int | None = None
     mem_reserved_bytes: int | None = None
@@ -107,7 +119,10 @@ class RankRecord:
     exit_code: int | None = None
     exit_signal: str | None = None
     exit_time: float | None = None
+    final_collective: Collective | None = None
+    """The collective the rank was in when it crashed or exited (no longer timed)."""
     nan_step: int | None = None
+    nan_exact: bool = False  # nan_step is the exact first bad step the agent saw, not a bound
     checkpoint_paths: list[str] = field(default_factory=list)
     phases: list[tuple[str, float]] = field(default_factory=list)
     log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_LINES))
@@ -197,10 +212,14 @@ def _apply_sample(
     record.__dict__.update(zip(_MEASURED_FIELDS, measured, strict=True))
     record.collective = sample.collective
     record.collective_seen = now if sample.collective is not None else None
-    if sample.loss is not None:
+    record.sample_seen = now
+    if sample.nan_step is not None:
+        record.nan_step, record.nan_exact = sample.nan_step, True
+    elif sample.loss is not None:
         if math.isfinite(sample.loss):
-            record.nan_step = None
+            record.nan_step, record.nan_exact = None, False
         elif record.nan_step is None:
+            # an agent that does not report nan_step: the heartbeat's step is only a bound
             record.nan_step = sample.step if sample.step is not None else (record.step or 0)
     if sample.step is not None and (not record.history or record.history[-1].step != sample.step):
         record.history.append(
@@ -222,14 +241,24 @@ def _apply_event(record: RankRecord, event: Event, now: float) -> None:
         if record.error is None:
             record.error = event.error
             record.error_time = now
+            _stop_timing(record, event.collective)
         if event.stack:
             record.stack = event.stack
     elif kind == "exit":
         record.exit_time = now
         record.exit_code = event.exit_code
         record.exit_signal = event.signal
+        _stop_timing(record, event.collective)
     elif kind == "log" and event.text:
         record.log_tail.extend(event.text.splitlines()[-LOG_LINES:])
     elif kind == "checkpoint" and event.path:
         record.checkpoint_paths.append(event.path)
         del record.checkpoint_paths[:-16]
+
+
+def _stop_timing(record: RankRecord, collective: Collective | None) -> None:
+    """A dead rank waits in nothing: keep what it was in, but no longer as a live timer."""
+    if record.final_collective is None:
+        record.final_collective = collective or record.collective
+    record.collective = None
+    record.collective_seen = None
