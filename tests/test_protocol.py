@@ -75,7 +75,13 @@ FULL_SAMPLE = Sample(
     collective_time_s=0.05,
     forwards=1234,
     collective=Collective(
-        op="all_reduce", seq=987, since_s=12.5, source="fr", group="1", shape=[8, 4], dtype="float32"
+        op="all_reduce",
+        seq=987,
+        since_s=12.5,
+        source="fr",
+        group="1",
+        shape=[8, 4],
+        dtype="float32",
     ),
     collectives=CollectiveCounts(py=40, fr={"0": 986, "1": 987}),
     nan_step=118,
@@ -185,7 +191,13 @@ def test_round_trip_keeps_nested_structs() -> None:
     sample = decode(encode(FULL_SAMPLE))
     assert isinstance(sample, Sample)
     assert sample.collective == Collective(
-        op="all_reduce", seq=987, since_s=12.5, source="fr", group="1", shape=[8, 4], dtype="float32"
+        op="all_reduce",
+        seq=987,
+        since_s=12.5,
+        source="fr",
+        group="1",
+        shape=[8, 4],
+        dtype="float32",
     )
     assert sample.collectives == CollectiveCounts(py=40, fr={"0": 986, "1": 987})
     assert sample.gpu_pids == [4242, 4243, 999]
