@@ -40,6 +40,7 @@ class Progress:
         self.collective_depth = 0
         self.collective_time_step = 0.0
         self.collective_time_s: float | None = None
+        self.failed_collective: Collective | None = None  # the collective an exception left
         self.waiting_for_data = False
         self.loss = LossReader()
         self.on_step: Callable[[], object] | None = None  # e.g. note the CUDA device, now and then
