@@ -100,7 +100,7 @@ class Recorder:
     def on_change(self, change: Any) -> None:
         if change.event != "raised":
             return
-        from ddpwatch.server.diagnosis import Facts
+        from ddpwatch.server.rules import Facts
 
         now = time.time()
         server = self.server

@@ -14,13 +14,12 @@ import pytest
 
 from ddpwatch.protocol import Collective, ErrorInfo, Event, Hello, Sample
 from ddpwatch.server.alerts import KINDS, Alert, Thresholds
-from ddpwatch.server.diagnosis import (
+from ddpwatch.server.rules import (
     RULES,
     diagnose,
     effective_stall_after,
-    format_ranks,
-    location,
     rank_state,
+    registry,
     rule_cascade,
     rule_checkpoint_conflict,
     rule_clean_exit,
@@ -38,6 +37,7 @@ from ddpwatch.server.diagnosis import (
     rule_straggler,
     rule_uneven_memory,
 )
+from ddpwatch.server.rules.text import format_ranks, location
 from ddpwatch.server.state import RankRecord, ServerState
 
 NOW = 10_000.0
@@ -208,11 +208,17 @@ def test_effective_stall_after_grows_with_slow_steps() -> None:
 
 def test_rules_are_listed_and_kinds_are_known() -> None:
     assert len(RULES) == len(set(RULES)) >= 16
+    assert {kind for rule in RULES for kind in rule.kinds} <= set(KINDS)
     scenarios = [job(), job(world=2, last_seen=NOW - 30), state_of()]
     for state in scenarios:
         for rule in RULES:
             for alert in rule(state, NOW, TH):
-                assert alert.kind in KINDS
+                assert alert.kind in rule.kinds
+
+
+def test_a_misspelt_kind_fails_when_the_rule_is_declared() -> None:
+    with pytest.raises(ValueError, match="stragler"):
+        registry.rule("stragler")
 
 
 # --------------------------------------------------------------------------- healthy jobs

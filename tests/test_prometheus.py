@@ -9,8 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ddpwatch.protocol import Sample
 from ddpwatch.server.alerts import Thresholds
-from ddpwatch.server.diagnosis import diagnose
 from ddpwatch.server.prometheus import serve_metrics
+from ddpwatch.server.rules import diagnose
 from ddpwatch.server.state import ServerState
 from ddpwatch.server.status import status_document
 

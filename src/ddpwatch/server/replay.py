@@ -27,8 +27,8 @@ import msgspec
 
 from ddpwatch.protocol import ProtocolError, decode
 from ddpwatch.server.alerts import Alert, Thresholds
-from ddpwatch.server.diagnosis import diagnose
 from ddpwatch.server.recording import Record, RecordingError, RecordingReader
+from ddpwatch.server.rules import diagnose
 from ddpwatch.server.service import TICK_S, AlertChange, diff_alerts
 from ddpwatch.server.state import ServerState
 from ddpwatch.server.status import status_document

@@ -18,7 +18,7 @@ import msgspec
 
 from ddpwatch.server.alerts import Alert, Thresholds
 from ddpwatch.server.collector import Collector
-from ddpwatch.server.diagnosis import diagnose
+from ddpwatch.server.rules import diagnose
 from ddpwatch.server.state import ServerState
 from ddpwatch.server.status import status_document
 

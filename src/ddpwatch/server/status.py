@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from ddpwatch.server.alerts import Alert, Thresholds
-from ddpwatch.server.diagnosis import effective_stall_after, rank_state
+from ddpwatch.server.rules import effective_stall_after, rank_state
 from ddpwatch.server.state import RankRecord, ServerState
 
 SCHEMA = 1

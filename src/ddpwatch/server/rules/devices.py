@@ -1,0 +1,277 @@
+"""Devices and memory: two ranks on one GPU, the global rank used as a CUDA index, GPUs other
+than cuda:<local rank>, uneven memory and processes of other jobs on a rank's GPU."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from functools import lru_cache
+
+from ddpwatch.server.alerts import Alert
+from ddpwatch.server.rules.facts import Facts
+from ddpwatch.server.rules.registry import alert, rule
+from ddpwatch.server.rules.text import GIB, MAX_LISTED, first_line, format_ranks, gib, verb
+from ddpwatch.server.state import RankRecord
+
+_DUPLICATE_PAIR = re.compile(r"rank (\d+) and rank (\d+) both on CUDA device", re.IGNORECASE)
+
+
+def _device_key(record: RankRecord) -> tuple | None:
+    """The physical GPU a rank uses, as far as can be told, or None for CPU ranks."""
+    if not record.host:
+        return None
+    if record.device_uuid:
+        return (record.host, "uuid", record.device_uuid)
+    device = record.device
+    if not device or not device.startswith("cuda"):
+        return None
+    return (record.host, *_physical_gpu(device, record.device_index, record.cuda_visible_devices))
+
+
+@lru_cache(maxsize=4096)
+def _physical_gpu(device: str, index: int | None, visible_devices: str | None) -> tuple[str, str]:
+    """Map a CUDA ordinal through CUDA_VISIBLE_DEVICES (cuda:0 under "1" is physical GPU 1)."""
+    if index is None and ":" in device:
+        tail = device.split(":", 1)[1]
+        index = int(tail) if tail.isdigit() else None
+    visible = [v.strip() for v in (visible_devices or "").split(",") if v.strip()]
+    if index is not None and index < len(visible):
+        return ("visible", visible[index])
+    return ("device", device if index is None else f"cuda:{index}")
+
+
+def _duplicate_groups(live: Sequence[RankRecord]) -> list[list[RankRecord]]:
+    groups: dict[tuple, list[RankRecord]] = defaultdict(list)
+    for r in live:
+        if r.device_uuid or (r.device and r.device.startswith("cuda")):
+            key = _device_key(r)
+            if key is not None:
+                groups[key].append(r)
+    return [sorted(g, key=lambda r: r.rank) for g in groups.values() if len(g) > 1]
+
+
+def _duplicates(f: Facts) -> list[list[RankRecord]]:
+    return f.memo("duplicate_groups", lambda: _duplicate_groups(f.live))
+
+
+def _suspects(f: Facts) -> list[RankRecord]:
+    return f.memo("ordinal_suspects", lambda: _ordinal_suspects(f.live))
+
+
+def _duplicate_culprits(group: list[RankRecord]) -> list[RankRecord]:
+    """The members whose GPU is not cuda:<local rank>, when that tells them apart."""
+    odd = [r for r in group if r.local_rank is not None and r.device_index != r.local_rank]
+    return odd if 0 < len(odd) < len(group) else group
+
+
+@rule("duplicate_device")
+def rule_duplicate_device(f: Facts) -> list[Alert]:
+    """Two or more ranks on one GPU (NCCL refuses it; with gloo it silently halves speed)."""
+    alerts = []
+    groups = _duplicates(f)
+    if groups:
+        culprits = sorted({r.rank for g in groups for r in _duplicate_culprits(g)})
+        first = groups[0]
+        gpu = first[0].device_uuid or first[0].device or "one GPU"
+        message = f"{format_ranks(r.rank for r in first)} share GPU {gpu} on host {first[0].host}"
+        if len(groups) > 1:
+            message += f", and {len(groups) - 1} more GPUs are shared by several ranks"
+        alerts.append(alert("duplicate_device", "error", culprits, [], message, _DUP_HINT))
+    crashed = f.crashes_of_kind("duplicate_device")
+    if crashed:
+        ranks = {r.rank for r in crashed}
+        for r in crashed:
+            assert r.error is not None
+            for a, b in _DUPLICATE_PAIR.findall(r.error.message):
+                ranks.update((int(a), int(b)))
+        error = crashed[0].error
+        assert error is not None
+        pair = _DUPLICATE_PAIR.search(error.message)
+        message = f"{format_ranks(ranks)} use the same GPU: NCCL reported " + (
+            f"'{pair.group(0)}'" if pair else f"'{first_line(error.message)}'"
+        )
+        alerts.append(alert("duplicate_device", "error", sorted(ranks), [], message, _DUP_HINT))
+    return alerts
+
+
+_DUP_HINT = (
+    "call torch.cuda.set_device(local_rank) before init_process_group (LOCAL_RANK from the "
+    "environment) and check CUDA_VISIBLE_DEVICES: each rank needs its own GPU"
+)
+
+
+def _ordinal_suspects(live: Sequence[RankRecord]) -> list[RankRecord]:
+    """Live ranks that use their global rank as the CUDA index where that is wrong."""
+    found = []
+    for r in live:
+        if not (r.device or "").startswith("cuda") or r.local_rank is None:
+            continue
+        if r.device_index != r.rank or r.rank == r.local_rank:
+            continue
+        multi_node = bool(r.world_size and r.local_world_size and r.world_size > r.local_world_size)
+        if multi_node or (r.device_count is not None and r.rank >= r.device_count):
+            found.append(r)
+    return found
+
+
+def _local_rank_clause(records: list[RankRecord]) -> str:
+    known = [r for r in records if r.local_rank is not None]
+    if not known:
+        return "LOCAL_RANK from the environment"
+    if len(records) == 1:
+        return f"LOCAL_RANK is {known[0].local_rank} on this rank"
+    listed = ", ".join(f"{r.local_rank} on rank {r.rank}" for r in known[:3])
+    return f"LOCAL_RANK is {listed}" + (", …" if len(known) > 3 else "")
+
+
+@rule("device_ordinal")
+def rule_device_ordinal(f: Facts) -> list[Alert]:
+    """The global rank used as a CUDA device index: crashes on the second node."""
+    crashed = f.crashes_of_kind("device_ordinal")
+    suspects = _suspects(f)
+    records = sorted({r.rank: r for r in crashed + suspects}.values(), key=lambda r: r.rank)
+    if not records:
+        return []
+    parts = []
+    if crashed:
+        first = crashed[0]
+        assert first.error is not None
+        parts.append(
+            f"{format_ranks(r.rank for r in crashed)} crashed with {first.error.type}: "
+            f"{first_line(first.error.message)} — the global rank was used as the CUDA "
+            f"device index{_gpus_on(first)}"
+        )
+    live = [r for r in suspects if r.error is None]
+    if live:
+        first = live[0]
+        parts.append(
+            f"{format_ranks(r.rank for r in live)} {verb(len(live), 'uses', 'use')} the global "
+            f"rank as the CUDA device (rank {first.rank} on cuda:{first.device_index} with "
+            f"local rank {first.local_rank}){_gpus_on(first)}"
+        )
+    message = "; ".join(parts)
+    hint = (
+        f"use torch.cuda.set_device(local_rank) — {_local_rank_clause(records)} — "
+        "not the global rank"
+    )
+    return [alert("device_ordinal", "error", [r.rank for r in records], [], message, hint)]
+
+
+def _gpus_on(record: RankRecord) -> str:
+    if record.device_count is None:
+        return ""
+    return f"; host {record.host or '?'} has {record.device_count} GPUs"
+
+
+@rule("local_rank_mismatch")
+def rule_local_rank_mismatch(f: Facts) -> list[Alert]:
+    """A rank on a GPU other than cuda:<local rank> (often all ranks on cuda:0)."""
+    flagged = {r.rank for g in _duplicates(f) for r in _duplicate_culprits(g)}
+    flagged |= {r.rank for r in _suspects(f)}
+    odd = sorted(
+        (
+            r
+            for r in f.live
+            if (r.device or "").startswith("cuda")
+            and (r.device_count or 0) > 1
+            and r.local_rank is not None
+            and r.device_index is not None
+            and r.device_index != r.local_rank
+            and r.rank not in flagged
+        ),
+        key=lambda r: r.rank,
+    )
+    if not odd:
+        return []
+    first = odd[0]
+    message = (
+        f"{format_ranks(r.rank for r in odd)} {verb(len(odd), 'uses', 'use')} a GPU other than "
+        f"cuda:<local rank> (rank {first.rank} is on cuda:{first.device_index} with local "
+        f"rank {first.local_rank})"
+    )
+    hint = (
+        "call torch.cuda.set_device(local_rank) before creating tensors or the model; if the "
+        "mapping is intended, ignore this"
+    )
+    return [alert("local_rank_mismatch", "warning", [r.rank for r in odd], [], message, hint)]
+
+
+@rule("uneven_memory")
+def rule_uneven_memory(f: Facts) -> list[Alert]:
+    """A rank that uses far more GPU memory than the others (often rank 0)."""
+    live = f.live
+    used = [(r, r.gpu_mem_used_bytes) for r in live if r.gpu_mem_used_bytes is not None]
+    if not used:
+        used = [(r, r.mem_reserved_bytes) for r in live if r.mem_reserved_bytes is not None]
+    if len(used) < 2:
+        return []
+    median = statistics.median(float(v or 0) for _, v in used)
+    heavy = sorted(
+        (
+            (r, float(v or 0))
+            for r, v in used
+            if (v or 0) > 1.5 * median and (v or 0) - median >= GIB
+        ),
+        key=lambda item: item[0].rank,
+    )
+    if not heavy:
+        return []
+    top, value = max(heavy, key=lambda item: (item[1], -item[0].rank))
+    ratio = f"{value / median:.1f}x" if median > 0 else "far above"
+    if len(heavy) == 1:
+        amount = f"rank {top.rank} uses {gib(value)} of GPU memory"
+    else:
+        who = format_ranks(r.rank for r, _ in heavy)
+        amount = f"{who} use up to {gib(value)} of GPU memory (rank {top.rank})"
+    message = f"{amount}, {ratio} the median {gib(median)}"
+    hint = (
+        "the heavy rank holds extra tensors (metrics, evaluation, gathered outputs, checkpoint "
+        "state) or other ranks create a CUDA context on its GPU: call "
+        "torch.cuda.set_device(local_rank) early and use map_location when loading checkpoints"
+    )
+    return [alert("uneven_memory", "warning", [r.rank for r, _ in heavy], [], message, hint)]
+
+
+@rule("foreign_memory")
+def rule_foreign_memory(f: Facts) -> list[Alert]:
+    """Processes that are not ranks of this job hold memory on a rank's GPU."""
+    pids: dict[str, set[int]] = defaultdict(set)
+    for r in f.records:
+        if r.host and r.pid is not None:
+            pids[r.host].add(r.pid)
+    reporting = [r for r in f.live if r.host and r.gpu_pids]
+    # Inside containers NVML may report host pids that never match the ranks' own pids;
+    # only judge hosts where at least one rank finds itself in its GPU's list.
+    comparable = {r.host for r in reporting if r.pid is not None and r.pid in (r.gpu_pids or [])}
+    culprits: list[RankRecord] = []
+    foreign: set[int] = set()
+    for r in reporting:
+        known = pids[r.host or ""]
+        if r.host not in comparable or known.issuperset(r.gpu_pids or ()):
+            continue
+        culprits.append(r)
+        foreign.update(p for p in r.gpu_pids or () if p not in known)
+    if not culprits:
+        return []
+    culprits.sort(key=lambda r: r.rank)
+    listed = ", ".join(str(p) for p in sorted(foreign)[:MAX_LISTED])
+    if len(foreign) > MAX_LISTED:
+        listed += f" and {len(foreign) - MAX_LISTED} more"
+    owner = (
+        f"the GPU of rank {culprits[0].rank} ({culprits[0].device or 'cuda'} on {culprits[0].host})"
+        if len(culprits) == 1
+        else f"the GPUs of {format_ranks(r.rank for r in culprits)}"
+    )
+    message = (
+        f"{owner} also {verb(len(culprits), 'holds', 'hold')} "
+        f"{verb(len(foreign), 'process', 'processes')} {listed} that "
+        f"{verb(len(foreign), 'is not a rank', 'are not ranks')} of this job"
+    )
+    hint = (
+        "another job or a leftover process (an earlier run, a notebook) holds memory on this "
+        "GPU: check nvidia-smi and stop it or use other GPUs; note that pids inside "
+        "containers differ from the host's"
+    )
+    return [alert("foreign_memory", "warning", [r.rank for r in culprits], [], message, hint)]

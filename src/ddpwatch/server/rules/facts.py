@@ -1,0 +1,343 @@
+"""The attribution model every rule family shares, worked out once per ``diagnose`` call.
+
+Who failed first and who only failed because of it (the cascade), which collective most
+ranks wait in and which live ranks have not entered it (the straggle), and the thresholds
+derived from the job's own step times. The principle: a rank is named only on its own
+evidence; a rank whose data cannot tell is left out until fresh data arrives.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import TypeVar
+
+from ddpwatch.protocol import ErrorInfo
+from ddpwatch.server.alerts import Thresholds
+from ddpwatch.server.knowledge import TIMEOUT_NAMES, Signature, explain_error
+from ddpwatch.server.rules.text import first_line
+from ddpwatch.server.state import RankRecord, ServerState
+
+T = TypeVar("T")
+MAX_WORLD = 1 << 20  # never iterate a bogus world size further than this
+
+
+_TERM_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
+
+
+_TERM_CODES = frozenset({-15, -2, -1, 143, 130, 129})
+
+
+def rank_state(record: RankRecord, now: float, th: Thresholds, stall_after: float) -> str:
+    """One word for a rank: running, waiting, stalled, silent, crashed or exited."""
+    if record.error is not None:
+        return "crashed"
+    if record.exit_time is not None:
+        return "exited"
+    if now - record.last_seen > th.silent:
+        return "silent"
+    if record.collective is not None:
+        return "waiting"
+    if record.step is not None and now - record.last_progress > stall_after:
+        return "stalled"
+    return "running"
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    data = [v for v in values if v is not None and v > 0]
+    return statistics.median(data) if data else None
+
+
+def median_step_time(records: Iterable[RankRecord]) -> float | None:
+    return median(
+        r.avg_step_time_s if r.avg_step_time_s is not None else r.step_time_s for r in records
+    )
+
+
+def effective_stall_after(state: ServerState, th: Thresholds) -> float:
+    """The stall threshold for this job: longer for jobs with slow steps."""
+    times = [
+        r.avg_step_time_s
+        for r in state.ranks.values()
+        if r.avg_step_time_s is not None and r.avg_step_time_s > 0
+    ]
+    return th.stall(times)
+
+
+def collective_threshold(live: Sequence[RankRecord], stall_after: float) -> float:
+    """How long a wait in a collective is suspicious: ~3 s, longer for slow steps.
+
+    Healthy ranks sit in all_reduce for milliseconds, so 2 s never flickers.
+    """
+    median = median_step_time(live)
+    typical = 3.0 * median if median is not None else 3.0
+    return max(2.0, min(stall_after, typical))
+
+
+def is_term_exit(record: RankRecord) -> bool:
+    """Stopped from outside (the launcher's SIGTERM after a peer failed, Ctrl-C)."""
+    return record.exit_signal in _TERM_SIGNALS or (
+        record.exit_signal is None and record.exit_code in _TERM_CODES
+    )
+
+
+def is_clean_exit(record: RankRecord) -> bool:
+    return record.exit_signal is None and record.exit_code in (0, None)
+
+
+def world_complete(state: ServerState, live: Sequence[RankRecord]) -> bool:
+    """Every rank of the job is connected and alive."""
+    size = state.world_size
+    if size is None:
+        return len(live) == len(state.ranks)
+    return sum(1 for r in live if r.rank < size) == size
+
+
+class Facts:
+    """What several rules need, worked out at most once per ``diagnose`` call.
+
+    A rule called alone builds its own; ``diagnose`` shares one between all rules so
+    that 8192 ranks cost a few linear passes, not one per rule.
+    """
+
+    def __init__(self, state: ServerState, now: float, th: Thresholds) -> None:
+        self.state = state
+        self.now = now
+        self.th = th
+        self._memo: dict[str, object] = {}
+
+    @cached_property
+    def records(self) -> list[RankRecord]:
+        return list(self.state.ranks.values())
+
+    @cached_property
+    def live(self) -> list[RankRecord]:
+        """Ranks still sending heartbeats and not finished."""
+        now, silent = self.now, self.th.silent
+        return [
+            r
+            for r in self.records
+            if r.error is None and r.exit_time is None and now - r.last_seen <= silent
+        ]
+
+    @cached_property
+    def stall_after(self) -> float:
+        return effective_stall_after(self.state, self.th)
+
+    @cached_property
+    def collective_limit(self) -> float:
+        return collective_threshold(self.live, self.stall_after)
+
+    @cached_property
+    def signatures(self) -> dict[int, Signature | None]:
+        """The knowledge base's reading of every crashed rank's error."""
+        return {r.rank: explain_error(r.error) for r in self.records if r.error is not None}
+
+    @cached_property
+    def cascade(self) -> Cascade:
+        return find_cascade(self)
+
+    @cached_property
+    def straggle(self) -> Straggle | None:
+        return find_straggle(self.live, self.now, self.collective_limit, self.th.interval)
+
+    def memo(self, key: str, compute: Callable[[], T]) -> T:
+        """Work one rule family shares between its rules, done once per ``diagnose`` call."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]  # type: ignore[no-any-return]
+
+    def crashes_of_kind(self, kind: str) -> list[RankRecord]:
+        """Crashed ranks whose error the knowledge base ties to alert ``kind``, by rank."""
+        found = [
+            self.state.ranks[rank]
+            for rank, sig in self.signatures.items()
+            if sig is not None and sig.kind == kind
+        ]
+        return sorted(found, key=lambda r: r.rank)
+
+
+@dataclass
+class Root:
+    """One group of ranks that failed first for the same reason."""
+
+    kind: str
+    ranks: list[int]
+    time: float
+    records: list[RankRecord]
+    signature: Signature | None = None
+
+
+@dataclass
+class Cascade:
+    """Who failed first (roots) and who only failed or blocks because of them (victims)."""
+
+    roots: list[Root]
+    symptoms: list[RankRecord]  # peer failures (and timeouts when a real root exists)
+    stopped: list[RankRecord]  # SIGTERM/SIGINT exits
+    blocked: list[int]  # live ranks waiting in a collective
+
+
+def _crash_key(error: ErrorInfo, signature: Signature | None) -> tuple[str, str]:
+    if signature is not None:
+        return ("sig", signature.name)
+    return (error.type, first_line(error.message))
+
+
+def _group(
+    roots: dict[tuple, Root],
+    key: tuple,
+    kind: str,
+    record: RankRecord,
+    t: float,
+    signature: Signature | None = None,
+) -> None:
+    """Add ``record`` to the root group ``key``: the same error on many ranks is one alert."""
+    root = roots.get(key)
+    if root is None:
+        roots[key] = Root(kind, [record.rank], t, [record], signature)
+        return
+    root.ranks.append(record.rank)
+    root.records.append(record)
+    root.time = min(root.time, t)
+
+
+def find_cascade(facts: Facts) -> Cascade:
+    """Split finished and silent ranks into roots and victims (one linear pass)."""
+    now, silent_after = facts.now, facts.th.silent
+    primary: dict[tuple, Root] = {}
+    timeouts: dict[tuple, Root] = {}
+    silent: list[RankRecord] = []
+    symptoms: list[RankRecord] = []
+    stopped: list[RankRecord] = []
+    blocked: list[int] = []
+    for record in facts.records:
+        if record.error is not None:
+            signature = facts.signatures[record.rank]
+            t = record.error_time if record.error_time is not None else record.last_seen
+            if signature is not None and signature.peer_failure:
+                symptoms.append(record)
+            elif signature is not None and signature.name in TIMEOUT_NAMES:
+                key = _crash_key(record.error, signature)
+                _group(timeouts, key, "crashed", record, t, signature)
+            else:
+                key = _crash_key(record.error, signature)
+                _group(primary, key, "crashed", record, t, signature)
+        elif record.exit_time is not None:
+            if is_term_exit(record):
+                stopped.append(record)
+            elif not is_clean_exit(record):
+                key = ("exit", record.exit_code, record.exit_signal)
+                _group(primary, key, "exited", record, record.exit_time)
+        elif now - record.last_seen > silent_after:
+            silent.append(record)
+        elif record.collective is not None:
+            blocked.append(record.rank)
+    if silent:
+        # A rank that still sent heartbeats after another one failed was alive when the
+        # cascade began (the launcher killed it later): a victim, not a second root.
+        cutoff = min(
+            [root.time for root in primary.values()]
+            + [r.error_time or r.last_seen for r in symptoms]
+            + [r.exit_time or r.last_seen for r in stopped],
+            default=math.inf,
+        )
+        early = [r for r in silent if r.last_seen < cutoff]
+        stopped.extend(r for r in silent if r.last_seen >= cutoff)
+        if early:
+            root = Root("silent", [r.rank for r in early], min(r.last_seen for r in early), early)
+            primary[("silent",)] = root
+    if primary:
+        for root in timeouts.values():
+            symptoms.extend(root.records)
+        roots = list(primary.values())
+    else:
+        roots = list(timeouts.values())
+    roots.sort(key=lambda root: (root.time, min(root.ranks)))
+    return Cascade(roots, symptoms, stopped, blocked)
+
+
+@lru_cache(maxsize=1024)
+def normal_op(op: str) -> str:
+    """One spelling per collective: "nccl:all_reduce", "ALLREDUCE", "_allreduce_base"."""
+    name = op.rsplit(":", 1)[-1].lower()
+    name = re.sub(r"[^a-z]", "", name)
+    for suffix in ("intotensor", "coalesced", "base", "tensor"):
+        if name.endswith(suffix) and len(name) > len(suffix):
+            name = name[: -len(suffix)]
+    return name
+
+
+@dataclass
+class Straggle:
+    """The collective most ranks wait in, and the live ranks that have not entered it."""
+
+    op: str
+    seq: int | None
+    age: float
+    waiting: list[RankRecord]
+    culprits: list[RankRecord]
+
+
+def find_straggle(
+    live: Sequence[RankRecord], now: float, limit: float, interval: float
+) -> Straggle | None:
+    """The most-waited collective older than ``limit``, with who is missing from it."""
+    groups: dict[tuple, list[RankRecord]] = defaultdict(list)
+    for r in live:
+        if r.collective is not None:
+            c = r.collective
+            groups[(c.seq,) if c.seq is not None else (normal_op(c.op), None)].append(r)
+    best: tuple[int, float, tuple] | None = None
+    for key, members in groups.items():
+        age = max(r.collective_age(now) or 0.0 for r in members)
+        if age > limit and (best is None or (len(members), age) > best[:2]):
+            best = (len(members), age, key)
+    if best is None:
+        return None
+    _, age, key = best
+    waiting = groups[key]
+    seq = waiting[0].collective.seq if waiting[0].collective else None
+    op = Counter(r.collective.op for r in waiting if r.collective).most_common(1)[0][0]
+    reported = max(r.collective_seen or 0.0 for r in waiting)
+    lag = max(0.0, now - reported) + interval  # how stale the waiters' view may be
+    steps_in_lag = math.ceil(lag / (median_step_time(live) or interval))
+    max_step = max((r.step or 0) for r in waiting) + 1 + steps_in_lag
+    culprits = [
+        r for r in live if _has_not_entered(r, key, seq) and not _moved_on(r, reported, max_step)
+    ]
+    return Straggle(op, seq, age, waiting, culprits)
+
+
+def _moved_on(record: RankRecord, since: float, max_step: int) -> bool:
+    """The rank stepped within the waiters' reporting lag: the collective is likely done.
+
+    The waiters' next heartbeat will say so: without this, every recovery from a
+    straggler (or a stopped rank) would briefly blame the ranks that went on
+    first. A rank further ahead than heartbeats can explain (extra batches while
+    the others wait) still counts as a culprit.
+    """
+    return record.last_step_at > since and (record.step or 0) <= max_step
+
+
+def _has_not_entered(record: RankRecord, key: tuple, seq: int | None) -> bool:
+    c = record.collective
+    if c is None:
+        return True
+    if seq is not None and c.seq is not None:
+        return c.seq < seq
+    own = (c.seq,) if c.seq is not None else (normal_op(c.op), None)
+    return own != key
+
+
+def missing_ranks(state: ServerState) -> list[int]:
+    """Ranks below the reported world size that never sent anything."""
+    size = state.world_size
+    if size is None:
+        return []
+    return [rank for rank in range(min(size, MAX_WORLD)) if rank not in state.ranks]

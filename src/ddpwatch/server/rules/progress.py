@@ -1,0 +1,202 @@
+"""Training progress: stalled ranks, step skew, the slow rank, non-finite losses and
+checkpoint files written by several ranks."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+
+from ddpwatch.server.alerts import Alert
+from ddpwatch.server.rules.facts import Facts, median
+from ddpwatch.server.rules.registry import alert, rule
+from ddpwatch.server.rules.text import format_ranks, record_location, seconds, verb
+
+
+@rule("stalled")
+def rule_stalled(f: Facts) -> list[Alert]:
+    """A training rank that stopped making progress outside any collective."""
+    now = f.now
+    stall_after = f.stall_after
+    candidates = [
+        r
+        for r in f.live
+        if r.step is not None and r.collective is None and now - r.last_progress > stall_after
+    ]
+    if not candidates or f.cascade.roots:
+        return []
+    found = f.straggle
+    excluded = {r.rank for r in found.culprits} if found else set()
+    stalled = [r for r in candidates if r.rank not in excluded]
+    if not stalled:
+        return []
+    worst = min(stalled, key=lambda r: (r.last_progress, r.rank))
+    ranks = sorted(r.rank for r in stalled)
+    quiet = seconds(now - worst.last_progress)
+    phase = f" in phase '{worst.phase}'" if worst.phase else ""
+    loc = record_location(worst)
+    spot = f"at step {worst.step}{phase}" + (f", {loc}" if loc else "")
+    if len(ranks) == 1:
+        message = f"rank {worst.rank} has made no progress for {quiet} {spot}"
+    else:
+        message = (
+            f"{format_ranks(ranks)} have made no progress for up to {quiet}; "
+            f"rank {worst.rank} is {spot}"
+        )
+    pid = f"py-spy dump --pid {worst.pid}" if worst.pid else "py-spy dump"
+    hint = (
+        f"look at rank {worst.rank}'s stack (ddpwatch status --json) or run {pid}: it may "
+        "wait on data loading, I/O, a lock or a GPU kernel"
+    )
+    return [alert("stalled", "error", ranks, [], message, hint)]
+
+
+@rule("step_skew")
+def rule_step_skew(f: Facts) -> list[Alert]:
+    """Training ranks far apart in step count: they are not really in lockstep."""
+    now, th = f.now, f.th
+    stall_after = f.stall_after
+    ranks = [r for r in f.live if r.step is not None and now - r.last_progress <= stall_after]
+    if len(ranks) < 2:
+        return []
+    # Heartbeats sample steps at different moments: allow what the fastest plausible step
+    # rate covers in one interval. The latest step time, not only the average, because an
+    # average still includes a pause the job has just recovered from.
+    times = [
+        t
+        for t in (
+            median(r.step_time_s for r in ranks),
+            median(r.avg_step_time_s for r in ranks),
+        )
+        if t is not None
+    ]
+    if not times:
+        return []
+    allowed = 3 + (th.interval + 0.5) / min(times)
+    lead = max(ranks, key=lambda r: (r.step or 0, -r.rank))
+    top = lead.step or 0
+    behind = sorted((r for r in ranks if (r.step or 0) < top - allowed), key=lambda r: r.rank)
+    if not behind:
+        return []
+    last = min(behind, key=lambda r: (r.step or 0, r.rank))
+    gap = top - (last.step or 0)
+    who = format_ranks(r.rank for r in behind)
+    message = (
+        f"{who} {verb(len(behind), 'is', 'are')} up to {gap} steps behind rank {lead.rank} "
+        f"(step {last.step} against {top}); ranks in lockstep differ by at most {allowed:.0f}"
+    )
+    hint = (
+        "DDP keeps ranks in lockstep, so a growing gap means they do not synchronise: check "
+        "that the model is wrapped in DistributedDataParallel on every rank and that all "
+        "ranks use the same process group"
+    )
+    return [alert("step_skew", "warning", [r.rank for r in behind], [], message, hint)]
+
+
+@rule("slow_rank")
+def rule_slow_rank(f: Facts) -> list[Alert]:
+    """The rank the others wait for every step: its own collective wait is far shorter.
+
+    Conservative on purpose: a healthy job must stay silent, so the slow rank must
+    stand out clearly and collectives must be a real share of the step.
+    """
+    now = f.now
+    stall_after = f.stall_after
+    ranks = [
+        r
+        for r in f.live
+        if r.avg_step_time_s is not None
+        and r.collective_time_s is not None
+        and (r.collective is not None or now - r.last_progress <= stall_after)
+    ]
+    if len(ranks) < 3:
+        return []
+    step = statistics.median(r.avg_step_time_s or 0.0 for r in ranks)
+    wait = statistics.median(r.collective_time_s or 0.0 for r in ranks)
+    if step <= 0 or wait < 0.2 * step or wait < 0.005:
+        return []
+    slow = sorted(
+        (r for r in ranks if (r.collective_time_s or 0.0) < 0.25 * wait), key=lambda r: r.rank
+    )
+    if not slow or len(slow) > max(1, len(ranks) // 4):
+        return []
+    slowest = min(slow, key=lambda r: (r.collective_time_s or 0.0, r.rank))
+    lost_ms = (wait - (slowest.collective_time_s or 0.0)) * 1000
+    who = format_ranks(r.rank for r in slow)
+    message = (
+        f"{who} {verb(len(slow), 'is', 'are')} the slowest: the other ranks wait "
+        f"{lost_ms:.0f} ms per step for {verb(len(slow), 'it', 'them')} in collectives"
+    )
+    hint = (
+        f"rank {slowest.rank} computes or loads data slower than the others: compare its data "
+        "wait, its GPU (clocks, temperature, other processes) and its batch sizes"
+    )
+    if slowest.data_wait_s and slowest.data_wait_s * 1000 > 0.5 * lost_ms:
+        hint = (
+            f"rank {slowest.rank} waits {slowest.data_wait_s * 1000:.0f} ms per step for data: "
+            "give its DataLoader more workers or faster storage"
+        )
+    return [alert("slow_rank", "warning", [r.rank for r in slow], [], message, hint)]
+
+
+@rule("nan_loss")
+def rule_nan_loss(f: Facts) -> list[Alert]:
+    """A loss that became nan or inf, and whether the other ranks are still finite."""
+    bad = sorted((r for r in f.records if r.nan_step is not None), key=lambda r: r.rank)
+    if not bad:
+        return []
+    finite = [
+        r.rank
+        for r in f.records
+        if r.nan_step is None and r.loss is not None and math.isfinite(r.loss)
+    ]
+    values = {
+        "nan" if math.isnan(r.loss) else "inf"
+        for r in bad
+        if r.loss is not None and not math.isfinite(r.loss)
+    }
+    word = values.pop() if len(values) == 1 else "not finite"
+    since = min(r.nan_step or 0 for r in bad)
+    # DDP averages gradients, so one rank's nan reaches every rank a step later: the
+    # ranks that went bad first are the culprits, the later ones only followed.
+    first = [r.rank for r in bad if r.nan_step == since]
+    later = [r for r in bad if r.nan_step != since]
+    message = f"{format_ranks(first)} loss is {word} since step {since}"
+    if later:
+        then = min(r.nan_step or 0 for r in later)
+        message += f" and {format_ranks(r.rank for r in later)} followed from step {then}"
+    if finite:
+        message += f" while {format_ranks(finite)} {verb(len(finite), 'is', 'are')} finite"
+    if finite or later:
+        hint = (
+            f"look for a bad sample or shard in the data of {format_ranks(first)} at step "
+            f"{since}; torch.autograd.set_detect_anomaly(True) finds the first bad operation"
+        )
+    else:
+        hint = (
+            "lower the learning rate, clip gradients, check for log(0) or division by zero, "
+            "or use torch.autograd.set_detect_anomaly(True) to find the first bad operation"
+        )
+    return [alert("nan_loss", "error", first, [r.rank for r in later], message, hint)]
+
+
+@rule("checkpoint_conflict")
+def rule_checkpoint_conflict(f: Facts) -> list[Alert]:
+    """Several ranks writing the same checkpoint file overwrite each other."""
+    writers: dict[str, set[int]] = defaultdict(set)
+    for r in f.records:
+        for path in r.checkpoint_paths:
+            writers[path].add(r.rank)
+    conflicts = sorted((path, ranks) for path, ranks in writers.items() if len(ranks) > 1)
+    if not conflicts:
+        return []
+    culprits = sorted({rank for _, ranks in conflicts for rank in ranks})
+    path, ranks = conflicts[0]
+    message = f"{format_ranks(ranks)} all wrote the checkpoint {path}, overwriting each other"
+    if len(conflicts) > 1:
+        message += f" ({len(conflicts)} paths are written by several ranks)"
+    hint = (
+        "save from one rank only (if dist.get_rank() == 0) or put the rank in the file name; "
+        "ignore this for a sharded torch.distributed.checkpoint directory"
+    )
+    return [alert("checkpoint_conflict", "warning", culprits, [], message, hint)]

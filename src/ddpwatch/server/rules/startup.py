@@ -1,0 +1,154 @@
+"""Startup: ranks stuck before their first step (by startup phase) and ranks that never
+connected."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ddpwatch.server.alerts import Alert, Severity
+from ddpwatch.server.rules.facts import Facts, missing_ranks
+from ddpwatch.server.rules.registry import alert, rule
+from ddpwatch.server.rules.text import format_ranks, record_location, seconds, verb
+from ddpwatch.server.state import RankRecord
+
+STARTUP_PHASES = (
+    "started",
+    "rendezvous",
+    "setup",
+    "configure_model",  # Lightning: this rank's setup hooks are done
+    "device",
+    "strategy_setup",  # Lightning: strategy.setup (to device, wrap, optimizers)
+    "model_wrap",
+    "deepspeed_init",  # inside deepspeed.initialize
+    "zero_partition",  # deepspeed.initialize builds the ZeRO optimizer
+    "fit_start",  # Lightning: on_fit_start hooks, restoring the training state
+    "sanity_check",  # Lightning: validation sanity check
+    "first_step",
+    "train",
+)
+
+
+_PHASE_ORDER = {name: index for index, name in enumerate(STARTUP_PHASES)}
+
+
+def _phase_index(record: RankRecord) -> int:
+    """Startup order of the rank's phase; ranks that train count as past startup."""
+    index = _PHASE_ORDER.get(record.phase, len(STARTUP_PHASES)) if record.phase else 0
+    return max(index, len(STARTUP_PHASES) - 1) if record.step is not None else index
+
+
+_PHASE_HINTS = {
+    "started": "the rank has not reached init_process_group: it may be downloading or "
+    "preparing data while the others wait; prepare data beforehand or only on rank 0 "
+    "followed by a barrier",
+    "rendezvous": "the ranks wait for each other in init_process_group: check that every "
+    "rank started, WORLD_SIZE, and that MASTER_ADDR:MASTER_PORT is reachable",
+    "setup": "the process group exists but the rank has not wrapped its model: it may be "
+    "loading data or a checkpoint, or in a branch that only some ranks take",
+    "device": "setting up the GPU hangs: check the GPU with nvidia-smi and "
+    "CUDA_VISIBLE_DEVICES on that host",
+    "model_wrap": "DistributedDataParallel(...) broadcasts rank 0's parameters and checks "
+    "shapes: a rank that never gets there, or builds a different model, hangs the others",
+    "configure_model": "the rank is in Lightning's configure_model or loads ckpt_path's "
+    "weights: a model built differently on some ranks, or a slow checkpoint read, keeps the "
+    "others waiting",
+    "strategy_setup": "Lightning moves the model to its device, wraps it (DDP broadcasts rank "
+    "0's parameters) and builds the optimizers: every rank must build the same model",
+    "deepspeed_init": "deepspeed.initialize broadcasts the parameters and builds the optimizer: "
+    "every rank must call it with the same model and config",
+    "zero_partition": "ZeRO partitions parameters, gradients and optimizer states across the "
+    "ranks: a rank with a different model, or missing from the process group, hangs the others",
+    "fit_start": "on_fit_start hooks and restoring the training state from ckpt_path: a slow or "
+    "rank-dependent on_fit_start, or reading a large checkpoint, keeps the others waiting",
+    "sanity_check": "Lightning's sanity check runs validation batches before training: a "
+    "validation_step that syncs (sync_dist, all_gather) on some ranks only hangs; "
+    "num_sanity_val_steps=0 tells",
+    "first_step": "the first step compiles and allocates; if it lasts, a collective that only "
+    "some ranks call or a rank-dependent branch keeps the ranks apart",
+}
+
+
+@rule("startup_hang")
+def rule_startup_hang(f: Facts) -> list[Alert]:
+    """Ranks stuck before their first step: name the ones furthest behind.
+
+    Only ranks in a startup phase count as starting: a rank in 'train' or in a phase
+    of its own ('forward', 'eval') is past startup even before its first step.
+    """
+    now, th = f.now, f.th
+    live = f.live
+    train = len(STARTUP_PHASES) - 1
+    starting = [r for r in live if r.step is None and _phase_index(r) < train]
+    if not starting:
+        return []
+    longest = max(now - (r.phase_since or r.first_seen) for r in starting)
+    if longest <= th.startup_after:
+        return []
+    earliest = min(_phase_index(r) for r in starting)
+    behind = sorted((r for r in starting if _phase_index(r) == earliest), key=lambda r: r.rank)
+    ahead = sorted(r.rank for r in live if _phase_index(r) > earliest)
+    missing = missing_ranks(f.state)
+    if missing and not ahead:
+        return [_waiting_for_missing(missing, behind, longest)]
+    if not ahead and min(now - (r.phase_since or r.first_seen) for r in behind) <= th.startup_after:
+        return []  # the last rank has just joined the others: the phase is about to end
+    first = behind[0]
+    phase = first.phase or "started"
+    culprits = sorted({r.rank for r in behind} | set(missing))
+    own = max(now - (r.phase_since or r.first_seen) for r in behind)
+    loc = record_location(first)
+    message = (
+        f"{format_ranks(r.rank for r in behind)} {verb(len(behind), 'is', 'are')} still in "
+        f"'{phase}' after {seconds(own)}" + (f" ({loc})" if loc else "")
+    )
+    if missing:
+        message += f" and {format_ranks(missing)} never connected"
+    if ahead:
+        ahead_phase = Counter(
+            r.phase or "started" for r in live if _phase_index(r) > earliest
+        ).most_common(1)[0][0]
+        message += (
+            f" while {format_ranks(ahead)} {verb(len(ahead), 'waits', 'wait')} in '{ahead_phase}'"
+        )
+    hint = _PHASE_HINTS.get(phase, "look at the stacks of the ranks furthest behind")
+    severity: Severity = "error" if longest > 2 * th.startup_after else "warning"
+    return [alert("startup_hang", severity, culprits, ahead, message, hint)]
+
+
+def _waiting_for_missing(missing: list[int], behind: list[RankRecord], longest: float) -> Alert:
+    phase = behind[0].phase or "started"
+    message = (
+        f"{format_ranks(missing)} never connected while {format_ranks(r.rank for r in behind)} "
+        f"{verb(len(behind), 'has', 'have')} waited in '{phase}' for {seconds(longest)}"
+    )
+    hint = (
+        "start the missing ranks or fix their launch (nnodes x nproc_per_node must equal "
+        "WORLD_SIZE); their own logs say why they did not come up"
+    )
+    return alert("startup_hang", "error", missing, [r.rank for r in behind], message, hint)
+
+
+@rule("not_connected")
+def rule_not_connected(f: Facts) -> list[Alert]:
+    """Ranks of the world that never reported, some time after the first one did."""
+    state, now, th = f.state, f.now, f.th
+    if not f.records:
+        return []
+    elapsed = now - min(r.first_seen for r in f.records)
+    if elapsed <= th.connect_after:
+        return []
+    missing = missing_ranks(f.state)
+    if not missing:
+        return []
+    size = state.world_size
+    message = (
+        f"{format_ranks(missing)} of {size} {verb(len(missing), 'has', 'have')} not connected "
+        f"{seconds(elapsed)} after the first rank did"
+    )
+    hint = (
+        "check that those ranks started (launcher log; nnodes x nproc_per_node = WORLD_SIZE), "
+        "that they call ddpwatch.attach(), and that they can reach the ddpwatch server"
+    )
+    severity: Severity = "error" if elapsed > th.startup_after else "warning"
+    waiting = [r.rank for r in f.live if r.step is None]
+    return [alert("not_connected", severity, missing, waiting, message, hint)]

@@ -1,0 +1,104 @@
+"""Words for alerts: rank lists, durations, sizes, op names and where in the code a rank is."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from ddpwatch.server.state import RankRecord
+
+GIB = float(1 << 30)
+
+
+MAX_LISTED = 8  # rank runs written out before "and N more"
+
+
+_SKIP_PARTS = frozenset({"ddpwatch", "torch", "site-packages", "dist-packages"})
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def format_ranks(ranks: Iterable[int], limit: int = MAX_LISTED) -> str:
+    """Write ranks as "rank 3", "ranks 0, 2" or "ranks 0-5, 9"; huge lists end "and 8000 more".
+
+    Runs of three or more collapse to "a-b" so 8192 ranks stay one short phrase.
+    """
+    ordered = sorted(set(ranks))
+    if not ordered:
+        return "no rank"
+    if len(ordered) == 1:
+        return f"rank {ordered[0]}"
+    pieces: list[tuple[str, int]] = []  # (text, how many ranks it stands for)
+    start = prev = ordered[0]
+    for rank in [*ordered[1:], None]:
+        if rank is not None and rank == prev + 1:
+            prev = rank
+            continue
+        if prev - start >= 2:
+            pieces.append((f"{start}-{prev}", prev - start + 1))
+        else:
+            pieces.extend((str(r), 1) for r in range(start, prev + 1))
+        if rank is not None:
+            start = prev = rank
+    text = ", ".join(piece for piece, _ in pieces[:limit])
+    if len(pieces) > limit:
+        text += f" and {sum(n for _, n in pieces[limit:])} more"
+    return f"ranks {text}"
+
+
+def verb(count: int, one: str, many: str) -> str:
+    return one if count == 1 else many
+
+
+def seconds(value: float) -> str:
+    return f"{value:.1f} s"
+
+
+def gib(value: float) -> str:
+    return f"{value / GIB:.1f} GiB"
+
+
+def first_line(text: str, limit: int = 200) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def collective_name(op: str, seq: int | None) -> str:
+    return op if seq is None else f"{op} #{seq}"
+
+
+def location(stack: str | None) -> str | None:
+    """Return "train.py:88", the innermost frame of a formatted stack in the user's own code.
+
+    Frames inside ddpwatch, torch, threading or installed packages say nothing about
+    where the user's program is, so they are skipped.
+    """
+    if not stack:
+        return None
+    for path, line in reversed(_FRAME.findall(stack)):
+        parts = re.split(r"[\\/]", path)
+        name = parts[-1]
+        if name == "threading.py" or name.startswith("<") or _SKIP_PARTS.intersection(parts):
+            continue
+        return f"{name}:{line}"
+    return None
+
+
+def record_location(record: RankRecord) -> str | None:
+    """Where the rank is: its captured stack, else the traceback it died with."""
+    found = location(record.stack)
+    if found is None and record.error is not None:
+        found = location(record.error.traceback)
+    return found
+
+
+def where(record: RankRecord) -> str:
+    """Describe where a rank is: "in 'forward' at step 311, train.py:88", as far as known."""
+    parts = []
+    if record.phase:
+        parts.append(f"in '{record.phase}'")
+    parts.append("before its first step" if record.step is None else f"at step {record.step}")
+    text = " ".join(parts)
+    loc = record_location(record)
+    return f"{text}, {loc}" if loc else text
