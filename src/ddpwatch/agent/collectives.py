@@ -40,6 +40,19 @@ WRAPPED = (
     "barrier",
     "monitored_barrier",
 )
+CONTRIBUTED = {
+    "all_reduce": (0, "tensor"),
+    "broadcast": (0, "tensor"),
+    "reduce": (0, "tensor"),
+    "gather": (0, "tensor"),
+    "scatter": (0, "tensor"),
+    "all_gather": (1, "tensor"),
+    "all_gather_into_tensor": (1, "input_tensor"),
+    "reduce_scatter_tensor": (1, "input"),
+    "all_to_all_single": (1, "input"),
+}
+"""Where each wrapped function takes the tensor this rank contributes (position, keyword):
+its shape and dtype tell a size mismatch between ranks."""
 FR_ENV = "TORCH_FR_BUFFER_SIZE"
 FR_DEFAULT_SIZE = "2000"
 FR_ON_BY_DEFAULT = (2, 13)  # torch releases from this one keep 2000 entries without the variable
@@ -51,8 +64,17 @@ class CollectiveWrappers:
     def __init__(self, progress: Progress) -> None:
         self._progress = progress
         self._originals: dict[str, Callable[..., Any]] = {}
+        self._dist: Any = None
+
+    def _world_group(self) -> Any:
+        """The default group object (a call passing it explicitly is on the default group)."""
+        try:
+            return self._dist.group.WORLD
+        except Exception:
+            return None
 
     def install(self, dist: Any) -> None:
+        self._dist = dist
         for name in WRAPPED:
             original = getattr(dist, name, None)
             if original is None or getattr(original, "__ddpwatch__", False):
@@ -68,14 +90,21 @@ class CollectiveWrappers:
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         progress = self._progress
+        world = self._world_group
+        index, keyword = CONTRIBUTED.get(name, (-1, ""))
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            progress.enter_collective(name)
+            group = kwargs.get("group")
+            tensor = args[index] if 0 <= index < len(args) else kwargs.get(keyword)
+            progress.enter_collective(name, tensor, group is None or group is world())
             try:
-                return original(*args, **kwargs)
-            finally:
-                progress.exit_collective()
+                result = original(*args, **kwargs)
+            except BaseException:
+                progress.exit_collective(failed=True)
+                raise
+            progress.exit_collective()
+            return result
 
         wrapper.__ddpwatch__ = True  # type: ignore[attr-defined]
         return wrapper
@@ -137,25 +166,33 @@ class FlightRecorder:
     def available(self) -> bool:
         return self._dump is not None
 
-    def in_flight(self) -> Collective | None:
-        """The oldest collective still pending since the last heartbeat, else None."""
+    def read(self) -> tuple[Collective | None, dict[str, int] | None]:
+        """One status read per heartbeat: the oldest collective still pending since the last
+        heartbeat (else None), and the last enqueued sequence number of every group."""
         if self._dump is None:
-            return None
+            return None, None
         try:
-            pending = first_pending(json.loads(self._dump(False, True)).get("pg_status") or {})
+            pg_status = json.loads(self._dump(False, True)).get("pg_status") or {}
+            enqueued = enqueued_counts(pg_status)
+            pending = first_pending(pg_status)
             if pending is None or pending != self._pending:
                 self._pending = pending  # new, or nothing: look again next heartbeat
-                return None
+                return None, enqueued
             if self._found is None or self._found[0] != pending:
                 self._found = self._describe(pending)
         except Exception as exc:  # private API: any failure just turns this source off
             log.debug("ddpwatch: flight recorder unreadable (%s); using wrappers only", exc)
             self._dump = None
-            return None
+            return None, None
         _, op, created = self._found
         group, seq = pending
         since = max(0.0, time.time() - created) if created else 0.0
-        return Collective(op=op if group == "0" else f"{op}[pg {group}]", seq=seq, since_s=since)
+        name = op if group == "0" else f"{op}[pg {group}]"
+        return Collective(op=name, seq=seq, since_s=since, source="fr", group=group), enqueued
+
+    def in_flight(self) -> Collective | None:
+        """The oldest collective still pending since the last heartbeat, else None."""
+        return self.read()[0]
 
     def _describe(self, key: tuple[str, int]) -> tuple[tuple[str, int], str, float]:
         """The op name and creation time of one pending collective (one full read)."""
@@ -182,3 +219,14 @@ def first_pending(pg_status: dict[str, Any]) -> tuple[str, int] | None:
         if enqueued > completed:
             pending.append((str(group) != "0", str(group), completed + 1))
     return min(pending)[1:] if pending else None
+
+
+def enqueued_counts(pg_status: dict[str, Any]) -> dict[str, int]:
+    """The last collective each process group has enqueued: how far this rank has got."""
+    counts = {}
+    for group, status in pg_status.items():
+        try:
+            counts[str(group)] = int(status.get("last_enqueued_collective", -1))
+        except (TypeError, ValueError, AttributeError):
+            continue
+    return counts

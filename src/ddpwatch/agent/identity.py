@@ -52,6 +52,7 @@ class RankIdentity:
     cuda_visible_devices: str | None = None
     backend: str | None = None
     torch_version: str | None = None
+    pg_timeout_s: float | None = None
 
     def as_fields(self) -> dict[str, Any]:
         """The ``protocol.Identity`` fields this covers, ready for ``Identity(rank=..., **fields)``.
@@ -71,6 +72,7 @@ class RankIdentity:
             "backend": self.backend,
             "torch_version": self.torch_version,
             "cuda_visible_devices": self.cuda_visible_devices,
+            "pg_timeout_s": self.pg_timeout_s,
         }
 
 
@@ -329,6 +331,21 @@ def refresh_from_torch(ident: RankIdentity) -> RankIdentity:
         version = getattr(torch, "__version__", None)
         if version is not None:
             changes["torch_version"] = str(version)
+        changes["pg_timeout_s"] = _default_group_timeout(torch, dist)
         return dataclasses.replace(ident, **changes)
     except Exception:
         return ident
+
+
+def _default_group_timeout(torch: Any, dist: Any) -> float | None:
+    """Seconds a collective of the default group may wait before the group times out.
+
+    Read from the backend's options (a private attribute, hence every guard): with it
+    the server can say how long the ranks waiting on a straggler have left.
+    """
+    try:
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        backend = dist.group.WORLD._get_backend(device)
+        return float(backend.options._timeout.total_seconds())
+    except Exception:
+        return None

@@ -38,6 +38,9 @@ class Progress:
         self.collective_seq = 0
         self.collective_start = 0.0
         self.collective_depth = 0
+        self.collective_counted = True
+        self.collective_tensor: Any = None
+        self.collectives_at_step = 0  # collective_seq when the last step ended
         self.collective_time_step = 0.0
         self.collective_time_s: float | None = None
         self.failed_collective: Collective | None = None  # the collective an exception left
@@ -78,6 +81,7 @@ class Progress:
         self.last_progress = now
         self.collective_time_s = self.collective_time_step
         self.collective_time_step = 0.0
+        self.collectives_at_step = self.collective_seq
         self.waiting_for_data = True
         if self.on_step is not None and self.step % 64 == 1:
             with contextlib.suppress(Exception):
@@ -94,18 +98,27 @@ class Progress:
             self.waiting_for_data = False
         self.auto_phase("forward")
 
-    def enter_collective(self, op: str) -> None:
+    def enter_collective(self, op: str, tensor: Any = None, counted: bool = True) -> None:
+        """Enter a Python-level collective. ``tensor``: what this rank contributes (its shape
+        and dtype are read later, off the training thread); ``counted``: it runs on the
+        default group, so its number compares across ranks."""
         self.collective_depth += 1
         if self.collective_depth == 1:
-            self.collective_seq += 1
+            if counted:
+                self.collective_seq += 1
+            self.collective_counted = counted
             self.collective_op = op
+            self.collective_tensor = tensor
             self.collective_start = time.perf_counter()
 
-    def exit_collective(self) -> None:
+    def exit_collective(self, failed: bool = False) -> None:
+        if failed and self.collective_depth == 1 and self.failed_collective is None:
+            self.failed_collective = self.in_flight()
         self.collective_depth -= 1
         if self.collective_depth == 0:
             self.collective_time_step += time.perf_counter() - self.collective_start
             self.collective_op = None
+            self.collective_tensor = None
 
     # publisher thread ------------------------------------------------------
     def in_flight(self) -> Collective | None:
@@ -113,8 +126,14 @@ class Progress:
         op = self.collective_op
         if op is None:
             return None
+        shape, dtype = _describe(self.collective_tensor)
         return Collective(
-            op=op, seq=self.collective_seq, since_s=time.perf_counter() - self.collective_start
+            op=op,
+            seq=self.collective_seq if self.collective_counted else None,
+            since_s=time.perf_counter() - self.collective_start,
+            source="py",
+            shape=shape,
+            dtype=dtype,
         )
 
     def idle_for(self) -> float:
@@ -176,3 +195,11 @@ def _as_float(tensor: Any) -> float | None:
         return float(tensor.detach().float().item())
     except (RuntimeError, ValueError, TypeError):
         return None
+
+
+def _describe(tensor: Any) -> tuple[list[int] | None, str | None]:
+    """Shape and dtype of a tensor a collective was given; (None, None) for anything else."""
+    try:
+        return [int(n) for n in tensor.shape], str(tensor.dtype).removeprefix("torch.")
+    except Exception:
+        return None, None

@@ -26,6 +26,7 @@ from ddpwatch.protocol import (
     DEFAULT_PORT,
     PROTOCOL_VERSION,
     AnyMessage,
+    CollectiveCounts,
     ErrorInfo,
     Event,
     Hello,
@@ -301,9 +302,13 @@ class Watcher:
         if progress.step is not None and progress.phase in ("started", "setup", "first_step"):
             progress.set_phase("train")
         device = device_info()
-        collective = self._flight_recorder.in_flight() if self._flight_recorder else None
+        recorder = self._flight_recorder
+        collective, enqueued = recorder.read() if recorder is not None else (None, None)
         if collective is None:
             collective = progress.in_flight()
+        counts = (
+            CollectiveCounts(py=progress.collective_seq, fr=enqueued) if self._dist_ready else None
+        )
         identity = {**self._identity_fields(), **device.as_fields()}
         sample = Sample(
             v=PROTOCOL_VERSION,
@@ -319,6 +324,7 @@ class Watcher:
             data_wait_s=progress.data_wait_s,
             collective_time_s=progress.collective_time_s,
             collective=collective,
+            collectives=counts,
             forwards=progress.forwards or None,
         )
         messages: list[AnyMessage] = [sample]

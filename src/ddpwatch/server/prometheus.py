@@ -15,7 +15,16 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
 
 RANK_LABELS = ["rank", "local_rank", "host"]
-STATES = ("running", "waiting", "stalled", "silent", "crashed", "exited", "not_connected")
+STATES = (
+    "running",
+    "waiting",
+    "stalled",
+    "silent",
+    "crashed",
+    "stopped",
+    "exited",
+    "not_connected",
+)
 # (metric name, status field, help)
 RANK_GAUGES = (
     ("ddpwatch_rank_step", "step", "Last training step reached."),

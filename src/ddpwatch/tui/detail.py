@@ -23,6 +23,7 @@ STATE_STYLE = {
     "crashed": "bold red",
     "not_connected": "bold red",
     "exited": "dim",
+    "stopped": "dim italic",
 }
 
 

@@ -37,7 +37,8 @@ STATES = (
     ("silent", "red", "no heartbeat: the process is gone or frozen"),
     ("crashed", "red", "raised an exception or died on a signal"),
     ("absent", "red", "not_connected: never reported"),
-    ("exited", "dim", "finished"),
+    ("stopped", "dim italic", "ended by SIGTERM/SIGINT: stopped, often after a failure"),
+    ("exited", "dim", "finished on its own (a code other than 0 shows as exit N)"),
 )
 
 
@@ -54,7 +55,7 @@ def help_text() -> Table:
     table.add_row(
         Text("worst first", style="bold"),
         "culprits of errors, crashed, culprits of warnings, "
-        "silent, stalled, absent, waiting, then running and exited; ties by rank",
+        "silent, stalled, absent, waiting, then running, stopped and exited; ties by rank",
     )
     table.add_row(Text("sim", style="italic magenta"), "a simulated rank (ddpwatch demo)")
     return table

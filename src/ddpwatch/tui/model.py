@@ -21,7 +21,8 @@ STATE_SCORE = {
     "not_connected": 3,
     "waiting": 4,
     "running": 5,
-    "exited": 6,
+    "stopped": 6,
+    "exited": 7,
 }
 """Worst first: a lower score is a worse state."""
 
@@ -32,6 +33,7 @@ SHORT_STATE = {
     "silent": "silent",
     "crashed": "crash",
     "exited": "exit",
+    "stopped": "stop",
     "not_connected": "absent",
 }
 
@@ -45,6 +47,7 @@ _STATE_WORST = {
     "not_connected": 5,
     "waiting": _WAITING_SCORE,
     "running": _RUNNING_SCORE,
+    "stopped": 9,
     "exited": 9,
 }
 
@@ -99,7 +102,7 @@ def is_flagged(row: Row, index: AlertIndex) -> bool:
     return (
         rank in index.culprit
         or rank in index.waiting
-        or row.get("state") not in ("running", "exited")
+        or row.get("state") not in ("running", "exited", "stopped")
     )
 
 

@@ -317,6 +317,7 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
         "rank-table--silent",
         "rank-table--crashed",
         "rank-table--exited",
+        "rank-table--stopped",
         "rank-table--not-connected",
         "rank-table--error",
         "rank-table--warning",
@@ -341,6 +342,7 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
         & > .rank-table--silent { color: $text-error; text-style: bold; }
         & > .rank-table--crashed { color: $text-error; text-style: bold; }
         & > .rank-table--exited { color: $text-disabled; }
+        & > .rank-table--stopped { color: $text-disabled; text-style: italic; }
         & > .rank-table--not-connected { color: $text-error; }
         & > .rank-table--error { color: $text-error; text-style: bold; }
         & > .rank-table--warning { color: $text-warning; }

@@ -14,31 +14,26 @@ from ddpwatch.server.rules.text import (
     verb,
     where,
 )
+from ddpwatch.server.state import RankRecord
 
 
-def _root_alert(root: Root, waiting: list[int], now: float) -> Alert:
-    """The alert for one root: what failed first, why, and what to do."""
+def _root_alert(root: Root, cascade: Cascade | None, now: float) -> Alert:
+    """The alert for one root: what failed first, why, what followed, and what to do."""
     ranks = sorted(root.ranks)
     first = min(root.records, key=lambda r: (r.error_time or r.exit_time or r.last_seen, r.rank))
     who = format_ranks(ranks)
+    waiting, after = _consequences(cascade, ranks)
     if root.kind == "silent":
-        return _silent_alert(root, ranks, waiting, now)
+        return _silent_alert(root, ranks, waiting, after, now)
     if root.kind == "exited":
-        how = f"signal {first.exit_signal}" if first.exit_signal else f"exit code {first.exit_code}"
-        message = f"{who} exited with {how} {where(first)}"
-        hint = (
-            "read the rank's own log: it ended without a Python exception (sys.exit, a crash "
-            "in C++ code, or a signal from outside such as the OOM killer)"
-        )
-        return alert("exited", "error", ranks, waiting, message, hint)
+        return _exit_alert(first, ranks, waiting, after)
     assert first.error is not None
     signature = root.signature
     error = f"{first.error.type}: {first_line(first.error.message)}".rstrip(": ")
     message = f"{who} crashed {where(first)} with {error}"
     if signature is not None:
         message += f" — {signature.cause}"
-    if waiting:
-        message += f"; {format_ranks(waiting)} failed or wait because of it"
+    message += after
     hint = (
         signature.hint
         if signature is not None
@@ -48,7 +43,57 @@ def _root_alert(root: Root, waiting: list[int], now: float) -> Alert:
     return alert("crashed", "error", ranks, waiting, message, hint)
 
 
-def _silent_alert(root: Root, ranks: list[int], waiting: list[int], now: float) -> Alert:
+def _consequences(cascade: Cascade | None, roots: list[int]) -> tuple[list[int], str]:
+    """The ranks that failed, were stopped or wait because of the first root, and a clause
+    saying which did what: "; ranks 0, 2 failed because of it; rank 3 was stopped"."""
+    if cascade is None:
+        return [], ""
+    skip = set(roots)
+    failed = sorted({r.rank for r in cascade.symptoms} - skip)
+    stopped = sorted({r.rank for r in cascade.stopped} - skip - set(failed))
+    blocked = sorted(set(cascade.blocked) - skip)
+    parts = []
+    if failed:
+        parts.append(f"{format_ranks(failed)} failed because of it")
+    if stopped:
+        parts.append(
+            f"{format_ranks(stopped)} {verb(len(stopped), 'was', 'were')} stopped by the "
+            "launcher after it"
+        )
+    if blocked:
+        parts.append(f"{format_ranks(blocked)} {verb(len(blocked), 'waits', 'wait')} for it")
+    return failed + stopped + blocked, "".join(f"; {part}" for part in parts)
+
+
+def _exit_alert(first: RankRecord, ranks: list[int], waiting: list[int], after: str) -> Alert:
+    """A rank that ended without an exception while the others still needed it."""
+    who = format_ranks(ranks)
+    if first.exit_signal and first.exit_signal not in ("SIGTERM", "SIGINT"):
+        how = f"was killed by {first.exit_signal}"
+    elif first.exit_code not in (0, None):
+        how = f"exited with code {first.exit_code}"
+    else:
+        how = "exited normally (code 0)"
+    message = f"{who} {how} {where(first)}, without an exception, while the others still trained"
+    message += after
+    if first.exit_signal and first.exit_signal not in ("SIGTERM", "SIGINT"):
+        hint = (
+            f"something killed the process ({first.exit_signal}): the OOM killer (dmesg), a "
+            "segfault in native code, or the scheduler; its own log shows the last lines"
+        )
+    else:
+        hint = (
+            "the rank left the training loop on its own: sys.exit, os._exit or a return after a "
+            "rank-local decision (early stopping, a caught exception, fewer batches): make every "
+            "rank decide together (all_reduce a stop flag) and give every rank the same number "
+            "of batches"
+        )
+    return alert("exited", "error", ranks, waiting, message, hint)
+
+
+def _silent_alert(
+    root: Root, ranks: list[int], waiting: list[int], after: str, now: float
+) -> Alert:
     who = format_ranks(ranks)
     first = min(root.records, key=lambda r: (r.last_seen, r.rank))
     quiet = now - first.last_seen
@@ -58,8 +103,7 @@ def _silent_alert(root: Root, ranks: list[int], waiting: list[int], now: float) 
         f"{where(first)}; {verb(n, 'it was', 'they were')} probably killed (kill -9, the OOM "
         f"killer) or {verb(n, 'is', 'are')} stuck in native code holding the GIL"
     )
-    if waiting:
-        message += f"; {format_ranks(waiting)} failed or wait because of it"
+    message += after
     on_host = f" on host {first.host}" if first.host else ""
     pid = f"py-spy dump --pid {first.pid}" if first.pid else "py-spy dump --pid PID"
     hint = (
@@ -70,10 +114,12 @@ def _silent_alert(root: Root, ranks: list[int], waiting: list[int], now: float) 
 
 
 def _no_root_alerts(cascade: Cascade, now: float, th: Thresholds) -> list[Alert]:
-    """Peer failures or SIGTERMs with no rank to blame yet.
+    """Peer failures or SIGTERMs with no rank to blame.
 
     Within th.silent of the first one the real culprit is probably about to show up
-    as silent, so say nothing; after that, blame the rank that failed first.
+    as silent, so say nothing. After that, say what happened but name no culprit: a
+    rank whose own error only says that a peer went away is a victim, whatever the
+    order in which the reports arrived.
     """
     events = [(r.error_time or r.last_seen, r.rank, r) for r in cascade.symptoms]
     stops = [(r.exit_time or r.last_seen, r.rank, r) for r in cascade.stopped]
@@ -81,33 +127,32 @@ def _no_root_alerts(cascade: Cascade, now: float, th: Thresholds) -> list[Alert]
         return []
     if now - min(t for t, _, _ in events + stops) <= th.silent:
         return []
+    affected = sorted({r.rank for _, _, r in events + stops} | set(cascade.blocked))
     if not events:
-        ranks = sorted(r.rank for _, _, r in stops)
+        stopped = sorted(r.rank for _, _, r in stops)
         signals = sorted({r.exit_signal or f"exit code {r.exit_code}" for _, _, r in stops})
         message = (
-            f"{format_ranks(ranks)} {verb(len(ranks), 'was', 'were')} stopped by "
+            f"{format_ranks(stopped)} {verb(len(stopped), 'was', 'were')} stopped by "
             f"{', '.join(signals)} and no rank reported a failure before"
         )
         hint = (
             "something outside the job stopped it: the launcher (its log names the first "
             "failure), the scheduler (time limit, preemption) or Ctrl-C"
         )
-        return [alert("exited", "error", ranks, cascade.blocked, message, hint)]
-    _, culprit_rank, culprit = min(events, key=lambda e: (e[0], e[1]))
-    assert culprit.error is not None
-    waiting = sorted({r.rank for _, _, r in events + stops} - {culprit_rank} | set(cascade.blocked))
+        return [alert("exited", "warning", [], affected, message, hint)]
+    failed = sorted(r.rank for _, _, r in events)
+    _, _, example = min(events, key=lambda e: (e[0], e[1]))
+    assert example.error is not None
     message = (
-        f"rank {culprit_rank} failed first, {where(culprit)}, with "
-        f"{culprit.error.type}: {first_line(culprit.error.message)}; the first failure was a "
-        "lost connection and no rank reported another error"
+        f"{format_ranks(failed)} lost the connection to a peer "
+        f"({example.error.type}: {first_line(example.error.message, 120)}) and no rank reported "
+        "a failure of its own: a process ddpwatch does not see died, or the network failed"
     )
-    if waiting:
-        message += f"; {format_ranks(waiting)} failed after it"
     hint = (
         "a process died without reporting (kill -9, the OOM killer, a segfault) or the network "
         "between hosts failed: check dmesg and the launcher's log on every host"
     )
-    return [alert("crashed", "error", [culprit_rank], waiting, message, hint)]
+    return [alert("crashed", "error", [], affected, message, hint)]
 
 
 @rule("crashed", "exited", "silent")
@@ -117,13 +162,8 @@ def rule_cascade(f: Facts) -> list[Alert]:
     cascade = f.cascade
     if not cascade.roots:
         return _no_root_alerts(cascade, now, th)
-    victims = {r.rank for r in cascade.symptoms} | {r.rank for r in cascade.stopped}
-    victims |= set(cascade.blocked)
-    victims -= {rank for root in cascade.roots for rank in root.ranks}
     first, *others = cascade.roots
-    return [_root_alert(first, sorted(victims), now)] + [
-        _root_alert(root, [], now) for root in others
-    ]
+    return [_root_alert(first, cascade, now)] + [_root_alert(root, None, now) for root in others]
 
 
 @rule("exited")
@@ -134,8 +174,8 @@ def rule_clean_exit(f: Facts) -> list[Alert]:
         r for r in f.records if r.exit_time is not None and r.error is None and is_clean_exit(r)
     ]
     live = f.live
-    if not exited or not live:
-        return []
+    if not exited or not live or f.cascade.roots:
+        return []  # with a cascade, the first root's alert tells the story
     limit = f.collective_limit
     stuck = [r for r in live if (r.collective_age(now) or 0.0) > limit]
     if not stuck and now - min(r.exit_time or now for r in exited) <= f.stall_after:

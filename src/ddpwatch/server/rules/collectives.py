@@ -10,8 +10,10 @@ from ddpwatch.server.rules.facts import Facts, Straggle, normal_op, world_comple
 from ddpwatch.server.rules.registry import alert, rule
 from ddpwatch.server.rules.text import (
     collective_name,
+    duration,
     first_line,
     format_ranks,
+    in_data_loading,
     seconds,
     verb,
     where,
@@ -35,17 +37,38 @@ def rule_straggler(f: Facts) -> list[Alert]:
     detail = f"{subject} {where(first)}"
     if first.collective is not None:
         detail += f", inside {collective_name(first.collective.op, first.collective.seq)}"
+    loading = in_data_loading(first.stack)
+    if loading:
+        detail += ", waiting for its DataLoader"
     message = (
         f"{format_ranks(r.rank for r in culprits)} "
         f"{verb(len(culprits), 'has', 'have')} not entered {name} that "
         f"{format_ranks(waiting)} {verb(len(waiting), 'has', 'have')} waited in for "
         f"{seconds(found.age)}; {detail}"
     )
-    hint = (
-        f"see where rank {first.rank} is (its stack in ddpwatch status --json): a rank-dependent "
-        f"branch, slow data loading or I/O, or a collective that not every rank calls keeps it "
-        f"from {name}"
-    )
+    if found.timeout_left is not None:
+        message += (
+            f"; {format_ranks(waiting)} will time out in {duration(found.timeout_left)}"
+            if found.timeout_left > 0
+            else f"; the process group's timeout has passed by {duration(-found.timeout_left)}"
+        )
+    if loading:
+        hint = (
+            f"data loading: rank {first.rank}'s main thread waits for a DataLoader worker; a "
+            "worker that hangs (a deadlock, a network read, a lock taken before fork) keeps it "
+            "there: run with num_workers=0 to see where, and give DataLoader a timeout="
+        )
+    else:
+        hint = (
+            f"see where rank {first.rank} is (its stack in ddpwatch status --json): a "
+            "rank-dependent branch, slow data loading or I/O, or a collective that not every "
+            f"rank calls keeps it from {name}"
+        )
+    if found.timeout_left is not None and not loading:
+        hint += (
+            "; if that rank's work is legitimate (saving, evaluating on one rank), raise "
+            "timeout= in init_process_group or let the other ranks do it too"
+        )
     severity: Severity = "error" if found.age >= f.stall_after else "warning"
     return [alert("straggler", severity, [r.rank for r in culprits], waiting, message, hint)]
 

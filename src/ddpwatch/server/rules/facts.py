@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import TypeVar
 
-from ddpwatch.protocol import ErrorInfo
+from ddpwatch.protocol import Collective, ErrorInfo
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.knowledge import TIMEOUT_NAMES, Signature, explain_error
 from ddpwatch.server.rules.text import first_line
@@ -34,11 +34,15 @@ _TERM_CODES = frozenset({-15, -2, -1, 143, 130, 129})
 
 
 def rank_state(record: RankRecord, now: float, th: Thresholds, stall_after: float) -> str:
-    """One word for a rank: running, waiting, stalled, silent, crashed or exited."""
+    """One word for a rank: running, waiting, stalled, silent, crashed, stopped or exited.
+
+    ``stopped``: ended by a signal from outside (SIGTERM, SIGINT, SIGHUP), usually the
+    launcher stopping the rest after one rank failed; ``exited``: ended on its own.
+    """
     if record.error is not None:
         return "crashed"
     if record.exit_time is not None:
-        return "exited"
+        return "stopped" if is_term_exit(record) else "exited"
     if now - record.last_seen > th.silent:
         return "silent"
     if record.collective is not None:
@@ -208,13 +212,21 @@ def _group(
 
 
 def find_cascade(facts: Facts) -> Cascade:
-    """Split finished and silent ranks into roots and victims (one linear pass)."""
+    """Split finished and silent ranks into roots and victims (one linear pass).
+
+    Roots: ranks that crashed with an error of their own, exited with a failure code, or
+    went silent before anything else failed; and a rank that exited cleanly while the
+    others still trained, once its peers fail or are stopped because of it. Victims: peer
+    failures (a lost connection is never a cause), timeouts when a real root exists, and
+    ranks stopped by a signal from outside (the launcher's SIGTERM).
+    """
     now, silent_after = facts.now, facts.th.silent
     primary: dict[tuple, Root] = {}
     timeouts: dict[tuple, Root] = {}
     silent: list[RankRecord] = []
     symptoms: list[RankRecord] = []
     stopped: list[RankRecord] = []
+    clean: list[RankRecord] = []
     blocked: list[int] = []
     for record in facts.records:
         if record.error is not None:
@@ -234,10 +246,16 @@ def find_cascade(facts: Facts) -> Cascade:
             elif not is_clean_exit(record):
                 key = ("exit", record.exit_code, record.exit_signal)
                 _group(primary, key, "exited", record, record.exit_time)
+            else:
+                clean.append(record)
         elif now - record.last_seen > silent_after:
             silent.append(record)
         elif record.collective is not None:
             blocked.append(record.rank)
+    if clean and (symptoms or stopped) and not primary:
+        # nothing else failed of its own accord: the ranks that left early broke the others
+        for record in clean:
+            _group(primary, ("exit", "clean"), "exited", record, record.exit_time or now)
     if silent:
         # A rank that still sent heartbeats after another one failed was alive when the
         # cascade began (the launcher killed it later): a victim, not a second root.
@@ -282,18 +300,51 @@ class Straggle:
     age: float
     waiting: list[RankRecord]
     culprits: list[RankRecord]
+    timeout_left: float | None = None  # until the process group's timeout ends the wait
+
+
+WaitKey = tuple[object, ...]
+
+
+def wait_key(c: Collective) -> WaitKey:
+    """Which collective a rank waits in, comparable across ranks: the counter its number
+    comes from (flight recorder per group, or the agent's Python-level count), else the op."""
+    if c.seq is None:
+        return ("op", normal_op(c.op))
+    group = (c.group or "0") if c.source == "fr" else None
+    return (c.source, group, c.seq)
+
+
+def entered(record: RankRecord, key: WaitKey) -> bool | None:
+    """The rank's own evidence that it has entered collective ``key``: True, False, or None
+    when its report cannot tell (no counts, another counter, a group it is not in)."""
+    counts = record.collectives
+    source, group, seq = key if len(key) == 3 else (None, None, None)
+    if counts is None or not isinstance(seq, int):
+        return None
+    if source == "py":
+        return counts.py >= seq
+    if source == "fr" and counts.fr is not None and group in counts.fr:
+        return counts.fr[str(group)] >= seq
+    return None
 
 
 def find_straggle(
     live: Sequence[RankRecord], now: float, limit: float, interval: float
 ) -> Straggle | None:
-    """The most-waited collective older than ``limit``, with who is missing from it."""
-    groups: dict[tuple, list[RankRecord]] = defaultdict(list)
+    """The most-waited collective older than ``limit``, with the live ranks missing from it.
+
+    A rank is named only on its own evidence: its collective counts, sent after the
+    collective began, show it has not entered it. Ranks that passed it are never named,
+    and a rank whose last report predates the collective waits for its next one.
+    Publishers that send no counts fall back to what their in-flight collective and
+    their steps suggest.
+    """
+    groups: dict[WaitKey, list[RankRecord]] = defaultdict(list)
     for r in live:
         if r.collective is not None:
-            c = r.collective
-            groups[(c.seq,) if c.seq is not None else (normal_op(c.op), None)].append(r)
-    best: tuple[int, float, tuple] | None = None
+            groups[wait_key(r.collective)].append(r)
+    best: tuple[int, float, WaitKey] | None = None
     for key, members in groups.items():
         age = max(r.collective_age(now) or 0.0 for r in members)
         if age > limit and (best is None or (len(members), age) > best[:2]):
@@ -304,14 +355,48 @@ def find_straggle(
     waiting = groups[key]
     seq = waiting[0].collective.seq if waiting[0].collective else None
     op = Counter(r.collective.op for r in waiting if r.collective).most_common(1)[0][0]
+    began = min(
+        (r.collective_seen or now) - (r.collective.since_s if r.collective else 0.0)
+        for r in waiting
+    )
+    culprits = []
+    legacy: list[RankRecord] = []
+    in_it = {r.rank for r in waiting}
+    for r in live:
+        if r.rank in in_it:
+            continue
+        evidence = entered(r, key)
+        if evidence is False and (r.sample_seen or 0.0) >= began:
+            culprits.append(r)
+        elif evidence is None and r.collectives is None:
+            legacy.append(r)
+    if legacy:
+        culprits += _legacy_culprits(legacy, waiting, key, seq, now, interval, live)
+    timeouts = [r.pg_timeout_s for r in waiting if r.pg_timeout_s]
+    left = min(timeouts) - age if timeouts else None
+    return Straggle(op, seq, age, waiting, culprits, left)
+
+
+def _legacy_culprits(
+    candidates: list[RankRecord],
+    waiting: list[RankRecord],
+    key: WaitKey,
+    seq: int | None,
+    now: float,
+    interval: float,
+    live: Sequence[RankRecord],
+) -> list[RankRecord]:
+    """Ranks without collective counts (other publishers): not in the collective and not
+    stepping on since the waiters last reported."""
     reported = max(r.collective_seen or 0.0 for r in waiting)
     lag = max(0.0, now - reported) + interval  # how stale the waiters' view may be
     steps_in_lag = math.ceil(lag / (median_step_time(live) or interval))
     max_step = max((r.step or 0) for r in waiting) + 1 + steps_in_lag
-    culprits = [
-        r for r in live if _has_not_entered(r, key, seq) and not _moved_on(r, reported, max_step)
+    return [
+        r
+        for r in candidates
+        if _has_not_entered(r, key, seq) and not _moved_on(r, reported, max_step)
     ]
-    return Straggle(op, seq, age, waiting, culprits)
 
 
 def _moved_on(record: RankRecord, since: float, max_step: int) -> bool:
@@ -325,14 +410,13 @@ def _moved_on(record: RankRecord, since: float, max_step: int) -> bool:
     return record.last_step_at > since and (record.step or 0) <= max_step
 
 
-def _has_not_entered(record: RankRecord, key: tuple, seq: int | None) -> bool:
+def _has_not_entered(record: RankRecord, key: WaitKey, seq: int | None) -> bool:
     c = record.collective
     if c is None:
         return True
     if seq is not None and c.seq is not None:
         return c.seq < seq
-    own = (c.seq,) if c.seq is not None else (normal_op(c.op), None)
-    return own != key
+    return wait_key(c) != key
 
 
 def missing_ranks(state: ServerState) -> list[int]:

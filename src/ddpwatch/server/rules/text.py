@@ -16,6 +16,7 @@ MAX_LISTED = 8  # rank runs written out before "and N more"
 _SKIP_PARTS = frozenset({"ddpwatch", "torch", "site-packages", "dist-packages"})
 
 
+_STDLIB_DIR = re.compile(r"python\d+\.\d+$|python\d{3,}$", re.IGNORECASE)
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
@@ -55,6 +56,15 @@ def seconds(value: float) -> str:
     return f"{value:.1f} s"
 
 
+def duration(value: float) -> str:
+    """A wait people read at a glance: "45 s", "24 min", "2.5 h"."""
+    if value < 90:
+        return f"{value:.0f} s"
+    if value < 5400:
+        return f"{value / 60:.0f} min"
+    return f"{value / 3600:.1f} h"
+
+
 def gib(value: float) -> str:
     return f"{value / GIB:.1f} GiB"
 
@@ -68,6 +78,11 @@ def collective_name(op: str, seq: int | None) -> str:
     return op if seq is None else f"{op} #{seq}"
 
 
+def _is_stdlib(parts: list[str]) -> bool:
+    """A frame of Python's own library ("/usr/lib/python3.11/multiprocessing/queues.py")."""
+    return any(_STDLIB_DIR.match(part) for part in parts[:-1])
+
+
 def location(stack: str | None) -> str | None:
     """Return "train.py:88", the innermost frame of a formatted stack in the user's own code.
 
@@ -79,7 +94,7 @@ def location(stack: str | None) -> str | None:
     for path, line in reversed(_FRAME.findall(stack)):
         parts = re.split(r"[\\/]", path)
         name = parts[-1]
-        if name == "threading.py" or name.startswith("<") or _SKIP_PARTS.intersection(parts):
+        if name.startswith("<") or _SKIP_PARTS.intersection(parts) or _is_stdlib(parts):
             continue
         return f"{name}:{line}"
     return None
@@ -102,3 +117,13 @@ def where(record: RankRecord) -> str:
     text = " ".join(parts)
     loc = record_location(record)
     return f"{text}, {loc}" if loc else text
+
+
+_LOADER_PARTS = ("torch/utils/data/", "torch\\utils\\data\\")
+
+
+def in_data_loading(stack: str | None) -> bool:
+    """The rank's main thread is inside a DataLoader's iterator: waiting for a worker's batch."""
+    if not stack:
+        return False
+    return any(part in path for path, _ in _FRAME.findall(stack) for part in _LOADER_PARTS)

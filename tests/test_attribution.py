@@ -1,0 +1,288 @@
+"""Attribution: a rank is named for collective #N only on its own evidence.
+
+Each rank's heartbeat carries how many collectives it has entered (the flight recorder's
+per-group sequence and the agent's Python-level count). These tests feed real protocol
+messages through ``ServerState.apply`` at chosen server times, the way the collector does,
+and check who diagnosis names, including in the races that used to blame a rank that had
+already passed the collective (a barrier released while the waiters' heartbeats were still
+in flight).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ddpwatch.protocol import Collective, CollectiveCounts, ErrorInfo, Event, Sample
+from ddpwatch.server.alerts import Alert, Thresholds
+from ddpwatch.server.rules import diagnose, rank_state
+from ddpwatch.server.rules.facts import Facts
+from ddpwatch.server.state import ServerState
+from ddpwatch.server.status import status_document
+
+NOW = 50_000.0
+TH = Thresholds()
+
+LOADER_STACK = """\
+  File "/home/ann/train.py", line 40, in main
+    for batch in loader:
+  File "/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", line 733, in __next__
+    data = self._next_data()
+  File "/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", line 1480, in _next_data
+    idx, data = self._get_data()
+  File "/usr/lib/python3.11/multiprocessing/connection.py", line 440, in _poll
+    r = wait([self], timeout)
+"""
+
+
+def beat(rank: int, step: int = 100, world: int = 3, **fields: Any) -> Sample:
+    return Sample(
+        v=1,
+        rank=rank,
+        t=0.0,
+        world_size=world,
+        local_rank=rank,
+        host="node0",
+        pid=100 + rank,
+        step=step,
+        step_time_s=0.05,
+        avg_step_time_s=0.05,
+        **fields,
+    )
+
+
+def counts(py: int, fr: int | None = None, **groups: int) -> CollectiveCounts:
+    return CollectiveCounts(py=py, fr=None if fr is None else {"0": fr, **groups})
+
+
+def in_barrier(seq: int, since: float, source: str = "py", **extra: Any) -> Collective:
+    return Collective(op="barrier", seq=seq, since_s=since, source=source, **extra)
+
+
+def feed(state: ServerState, at: float, *messages: Sample | Event) -> None:
+    for message in messages:
+        state.apply(message, at)
+
+
+def alerts_at(state: ServerState, at: float) -> list[Alert]:
+    return diagnose(state, at, TH)
+
+
+def named(alerts: list[Alert]) -> set[int]:
+    return {rank for alert in alerts for rank in alert.ranks}
+
+
+def test_the_rank_that_has_not_entered_is_named_and_the_one_that_passed_never_is() -> None:
+    """A barrier released while rank 0's heartbeat still says it waits: rank 2 has passed
+    barrier #57 (its count says so) and must not be named; rank 1, asleep before it, is."""
+    state = ServerState(started=NOW - 100)
+    feed(
+        state,
+        NOW - 0.3,
+        beat(0, collective=in_barrier(57, 19.7), collectives=counts(57)),
+        beat(1, collectives=counts(56)),  # asleep before the barrier
+        beat(2, step=101, collectives=counts(58)),  # released, already one further
+    )
+    alerts = alerts_at(state, NOW)
+    straggler = [a for a in alerts if a.kind == "straggler"]
+    assert [(a.ranks, a.waiting) for a in straggler] == [((1,), (0,))]
+    assert named(alerts) == {1}
+
+    # rank 1 wakes up and enters #57: nobody is named while rank 0's last beat is stale
+    feed(state, NOW + 0.2, beat(1, collectives=counts(57)))
+    assert named(alerts_at(state, NOW + 0.3)) == set()
+
+
+def test_a_report_older_than_the_collective_names_nobody_until_fresh_data_arrives() -> None:
+    state = ServerState(started=NOW - 100)
+    feed(state, NOW - 10.0, beat(1, collectives=counts(56)))  # last heard before #57 began
+    feed(
+        state,
+        NOW - 0.2,
+        beat(0, collective=in_barrier(57, 3.0), collectives=counts(57)),
+        beat(2, collective=in_barrier(57, 3.0), collectives=counts(57)),
+    )
+    th = Thresholds(silent_after=30.0)  # rank 1 still counts as live, only its news is old
+    assert [a for a in diagnose(state, NOW, th) if a.kind == "straggler"] == []
+    feed(state, NOW, beat(1, collectives=counts(56)))  # fresh: still has not entered it
+    straggler = [a for a in diagnose(state, NOW + 0.1, th) if a.kind == "straggler"]
+    assert [a.ranks for a in straggler] == [(1,)]
+
+
+def test_flight_recorder_sequence_is_compared_per_group() -> None:
+    """DDP's own all-reduce is seen only by the flight recorder: its per-group number decides,
+    and a rank that is not in the waiters' group is never named."""
+    state = ServerState(started=NOW - 100, ranks={})
+    waiting = Collective(op="allreduce", seq=171, since_s=5.0, source="fr", group="0")
+    feed(
+        state,
+        NOW - 0.2,
+        beat(0, collective=waiting, collectives=counts(40, 171)),
+        beat(1, collectives=counts(40, 170)),  # in forward: has not enqueued #171
+        beat(2, collective=waiting, collectives=counts(40, 171)),
+    )
+    found = Facts(state, NOW, TH).straggle
+    assert found is not None and [r.rank for r in found.culprits] == [1]
+
+    other_group = Collective(op="allreduce", seq=9, since_s=5.0, source="fr", group="5")
+    feed(
+        state,
+        NOW - 0.1,
+        beat(0, collective=other_group, collectives=counts(40, 171, **{"5": 9})),
+        beat(1, collectives=counts(40, 171)),  # not a member of group 5
+        beat(2, collective=other_group, collectives=counts(40, 171, **{"5": 9})),
+    )
+    found = Facts(state, NOW, TH).straggle
+    assert found is not None and found.culprits == []
+
+
+def test_publishers_without_counts_keep_the_step_based_reading() -> None:
+    state = ServerState(started=NOW - 100)
+    feed(
+        state,
+        NOW - 0.2,
+        beat(0, collective=Collective(op="all_reduce", seq=12, since_s=4.0)),
+        beat(1),
+        beat(2, collective=Collective(op="all_reduce", seq=12, since_s=4.0)),
+    )
+    straggler = [a for a in alerts_at(state, NOW) if a.kind == "straggler"]
+    assert [(a.ranks, a.waiting) for a in straggler] == [((1,), (0, 2))]
+
+
+def test_busy_rank_zero_says_when_the_others_time_out() -> None:
+    """Rank 0 saves a checkpoint alone while ranks 1 and 2 wait in a barrier."""
+    state = ServerState(started=NOW - 100)
+    feed(
+        state,
+        NOW - 0.2,
+        beat(0, phase="checkpoint", collectives=counts(9)),
+        beat(1, collective=in_barrier(10, 360.0), collectives=counts(10), pg_timeout_s=1800.0),
+        beat(2, collective=in_barrier(10, 360.0), collectives=counts(10), pg_timeout_s=1800.0),
+    )
+    alert = next(a for a in alerts_at(state, NOW) if a.kind == "straggler")
+    assert alert.ranks == (0,) and alert.waiting == (1, 2)
+    assert "in 'checkpoint'" in alert.message
+    assert "ranks 1, 2 will time out in 24 min" in alert.message
+    assert "raise timeout= in init_process_group" in alert.hint
+
+
+def test_a_rank_waiting_for_its_dataloader_is_named_with_data_loading_as_the_cause() -> None:
+    state = ServerState(started=NOW - 100)
+    feed(
+        state,
+        NOW - 0.2,
+        beat(0, collective=in_barrier(30, 6.0), collectives=counts(30)),
+        beat(1, collectives=counts(29)),
+        beat(2, collective=in_barrier(30, 6.0), collectives=counts(30)),
+        Event(v=1, rank=1, t=0.0, event="stack", stack=LOADER_STACK),
+    )
+    alert = next(a for a in alerts_at(state, NOW) if a.kind == "straggler")
+    assert alert.ranks == (1,)
+    assert "waiting for its DataLoader" in alert.message and "train.py:40" in alert.message
+    assert alert.hint.startswith("data loading:")
+
+
+def test_a_dead_rank_keeps_its_last_collective_but_no_live_timer() -> None:
+    state = ServerState(started=NOW - 100)
+    feed(state, NOW - 5, beat(1, collective=in_barrier(68, 1.0), collectives=counts(68)))
+    feed(state, NOW - 4, Event(v=1, rank=1, t=0.0, event="exit", exit_code=3))
+    record = state.ranks[1]
+    assert record.collective is None and record.collective_age(NOW) is None
+    assert record.final_collective is not None and record.final_collective.seq == 68
+    entry = status_document(state, [], NOW, TH)["ranks"][1]
+    assert entry["state"] == "exited" and entry["collective"] is None and entry["exit_code"] == 3
+
+
+def test_a_rank_stopped_by_the_launcher_is_stopped_not_exited() -> None:
+    state = ServerState(started=NOW - 100)
+    feed(
+        state,
+        NOW - 5,
+        beat(0, step=50),
+        beat(1, step=49),
+        beat(2, step=50),
+        Event(v=1, rank=1, t=0.0, event="exit", exit_code=3, step=50),
+        Event(v=1, rank=0, t=0.0, event="exit", signal="SIGTERM", exit_code=-15),
+        Event(
+            v=1,
+            rank=2,
+            t=0.0,
+            event="crash",
+            error=ErrorInfo(
+                type="RuntimeError",
+                message="[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed "
+                "by peer [127.0.0.1]:41234",
+            ),
+        ),
+    )
+    states = {r.rank: rank_state(r, NOW, TH, 10.0) for r in state.ranks.values()}
+    assert states == {0: "stopped", 1: "exited", 2: "crashed"}
+    alerts = alerts_at(state, NOW)
+    assert [(a.kind, a.ranks, a.waiting) for a in alerts] == [("exited", (1,), (0, 2))]
+    message = alerts[0].message
+    assert "rank 1 exited with code 3" in message and "step 50" in message
+    assert "rank 2 failed because of it" in message
+    assert "rank 0 was stopped by the launcher after it" in message
+
+
+# --------------------------------------------------------------------------- the agent's evidence
+
+
+def test_wrappers_count_default_group_collectives_and_keep_what_failed() -> None:
+    """The agent's side of the evidence, on a real one-rank gloo group: the count, the
+    contributed shape and dtype, subgroups left uncounted, and the collective an exception
+    left (what a crash event reports)."""
+    import torch
+    import torch.distributed as dist
+
+    from ddpwatch.agent.collectives import CollectiveWrappers
+    from ddpwatch.agent.progress import Progress
+    from ddpwatch.ports import free_port_pair
+
+    progress = Progress()
+    wrappers = CollectiveWrappers(progress)
+    port = free_port_pair()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    wrappers.install(dist)
+    try:
+        dist.all_reduce(torch.ones(3, 2))
+        dist.all_gather([torch.zeros(5)], torch.ones(5))
+        dist.barrier(group=dist.group.WORLD)
+        assert progress.collective_seq == 3
+        subgroup = dist.new_group([0])
+        dist.all_reduce(torch.ones(1), group=subgroup)
+        assert progress.collective_seq == 3  # another group's numbers do not compare
+
+        progress.enter_collective("all_gather", torch.ones(4, dtype=torch.float16))
+        seen = progress.in_flight()
+        progress.exit_collective()
+        assert seen is not None
+        assert (seen.op, seen.seq, seen.source, seen.shape, seen.dtype) == (
+            "all_gather", 4, "py", [4], "float16"
+        )  # fmt: skip
+        with pytest.raises(RuntimeError):
+            dist.all_gather([torch.zeros(2)], torch.ones(3))  # sizes that cannot match
+        failed = progress.failed_collective
+        assert failed is not None and (failed.op, failed.seq, failed.shape) == (
+            "all_gather",
+            5,
+            [3],
+        )
+        assert progress.collective_op is None and progress.collective_depth == 0
+
+    finally:
+        wrappers.restore(dist)
+        dist.destroy_process_group()
+
+
+def test_enqueued_counts_read_every_group_and_skip_what_is_unreadable() -> None:
+    from ddpwatch.agent.collectives import enqueued_counts
+
+    status = {
+        "0": {"last_enqueued_collective": "171", "last_completed_collective": "170"},
+        "5": {"last_enqueued_collective": 9},
+        "7": {"last_enqueued_collective": "x"},
+        "8": None,
+    }
+    assert enqueued_counts(status) == {"0": 171, "5": 9}
