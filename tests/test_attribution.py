@@ -286,3 +286,95 @@ def test_enqueued_counts_read_every_group_and_skip_what_is_unreadable() -> None:
         "8": None,
     }
     assert enqueued_counts(status) == {"0": 171, "5": 9}
+
+
+# --------------------------------------------------------------------------- mismatches
+
+
+GLOO_SIZE_ERROR = ErrorInfo(
+    type="RuntimeError",
+    message="[../third_party/gloo/gloo/transport/tcp/pair.cc:...] invalid tensor size at "
+    "index 0 (expected (8), got (4))",  # the error text quoted in the issue
+)
+
+
+def gathered(numel: int, seq: int = 40) -> Collective:
+    return Collective(op="all_gather", seq=seq, source="py", shape=[numel], dtype="float32")
+
+
+def test_size_mismatch_names_the_odd_rank_even_when_its_peers_raised_the_error() -> None:
+    """Rank 2 passes 5 elements to all_gather where ranks 0 and 1 pass 4. The ranks that
+    receive its data raise the size error; rank 2 is the odd one out all the same."""
+    state = ServerState(started=NOW - 100)
+    feed(state, NOW - 2, beat(0), beat(1), beat(2))
+    for rank, numel in ((0, 4), (1, 4)):
+        crash = Event(
+            v=1, rank=rank, t=0.0, event="crash", error=GLOO_SIZE_ERROR, collective=gathered(numel)
+        )
+        feed(state, NOW - 1.5, crash)
+    feed(
+        state,
+        NOW - 1.4,
+        Event(v=1, rank=2, t=0.0, event="exit", signal="SIGTERM", exit_code=-15,
+              collective=gathered(5)),
+    )  # fmt: skip
+    alerts = alerts_at(state, NOW)
+    assert [(a.kind, a.ranks, a.waiting) for a in alerts] == [("collective_mismatch", (2,), (0, 1))]
+    message = alerts[0].message
+    assert "rank 2 called all_gather with 5 elements (float32) at collective #40" in message
+    assert "ranks 0, 1 called all_gather with 4 elements (float32)" in message
+
+
+def test_live_op_mismatch_uses_one_counter_only() -> None:
+    """Rank 0 reduces a metric that ranks 1 and 2 never reduce: at Python collective #12 it
+    is in all_reduce while they are in barrier. A flight-recorder #12 is another collective."""
+    state = ServerState(started=NOW - 100)
+    reduce = Collective(op="all_reduce", seq=12, since_s=3.0, source="py", shape=[1])
+    barrier = Collective(op="barrier", seq=12, since_s=3.0, source="py")
+    feed(
+        state,
+        NOW - 0.2,
+        beat(0, collective=reduce, collectives=counts(12)),
+        beat(1, collective=barrier, collectives=counts(12)),
+        beat(2, collective=barrier, collectives=counts(12)),
+    )
+    alerts = alerts_at(state, NOW)
+    mismatch = [a for a in alerts if a.kind == "collective_mismatch"]
+    assert [(a.ranks, a.waiting) for a in mismatch] == [((0,), (1, 2))]
+    assert "rank 0 called all_reduce at collective #12 where ranks 1, 2 called barrier" in (
+        mismatch[0].message
+    )
+    assert named(alerts) == {0}
+
+    # rank 1 now reports a flight-recorder #12: not comparable, so ranks 0 and 2 tie
+    other = Collective(op="allreduce", seq=12, since_s=3.0, source="fr", group="0")
+    feed(state, NOW, beat(1, collective=other, collectives=counts(12, 12)))
+    assert named(alerts_at(state, NOW + 0.1)) == set()
+
+
+def test_a_tie_names_no_culprit() -> None:
+    state = ServerState(started=NOW - 100, ranks={})
+    feed(
+        state,
+        NOW - 0.2,
+        beat(0, world=2, collective=Collective(op="broadcast", seq=3, since_s=4.0, source="py",
+                                               shape=[8], dtype="float32")),
+        beat(1, world=2, collective=Collective(op="broadcast", seq=3, since_s=4.0, source="py",
+                                               shape=[6], dtype="float32")),
+    )  # fmt: skip
+    alerts = [a for a in alerts_at(state, NOW) if a.kind == "collective_mismatch"]
+    assert [(a.ranks, a.waiting) for a in alerts] == [((), (0, 1))]
+    assert "different calls at collective #3" in alerts[0].message
+
+
+def test_a_mismatch_error_without_calls_to_compare_names_no_rank() -> None:
+    state = ServerState(started=NOW - 100)
+    feed(state, NOW - 2, beat(0), beat(1), beat(2))
+    error = ErrorInfo(
+        type="RuntimeError",
+        message="Received data size doesn't match expected size. Is there a distributed "
+        "collective mismatch?",
+    )
+    feed(state, NOW - 1, Event(v=1, rank=0, t=0.0, event="crash", error=error))
+    alerts = alerts_at(state, NOW)
+    assert [(a.kind, a.ranks) for a in alerts] == [("collective_mismatch", ())]

@@ -556,7 +556,7 @@ def test_collective_mismatch_names_the_minority() -> None:
     assert (alert.severity, alert.ranks, alert.waiting) == ("error", (3,), (0, 1, 2))
     assert (
         alert.message
-        == "at collective #7 rank 3 called broadcast while ranks 0-2 called all_reduce"
+        == "rank 3 called broadcast at collective #7 where ranks 0-2 called all_reduce"
     )
 
 
@@ -581,8 +581,8 @@ def test_collective_mismatch_from_a_gloo_abort() -> None:
     state = job(2)
     state.ranks[1] = rank(1, 2, error=error, error_time=NOW - 1)
     alert = only(rule_collective_mismatch(state, NOW, TH), "collective_mismatch")
-    assert alert.ranks == (1,)
-    assert set(kinds(diagnose(state, NOW, TH))) == {"crashed", "collective_mismatch"}
+    assert alert.ranks == ()  # the rank that detects a size mismatch may be the innocent one
+    assert kinds(diagnose(state, NOW, TH)) == ["collective_mismatch"]
 
 
 # --------------------------------------------------------------------------- progress

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
@@ -80,9 +81,21 @@ def run_command(command: Sequence[str], addr: str | None = None, tui: bool = Fal
     try:
         return _wait(job)
     finally:
+        _settle(server)
         server.tick()  # report what the job's last messages say
         server.stop()
         thread.join(5)
+
+
+def _settle(server: Server, quiet_s: float = 0.5, limit_s: float = 3.0) -> None:
+    """Let the ranks' last messages in before the final diagnosis: a rank's exit or crash
+    report is sent as it dies, and may still be on its way when the launcher returns."""
+    deadline = time.monotonic() + limit_s
+    seen, since = server.state.received, time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < quiet_s:
+        time.sleep(0.05)
+        if server.state.received != seen:
+            seen, since = server.state.received, time.monotonic()
 
 
 def _print_change(change: AlertChange) -> None:

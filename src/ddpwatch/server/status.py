@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ddpwatch.protocol import Collective
 from ddpwatch.server.alerts import Alert, Thresholds
 from ddpwatch.server.rules import effective_stall_after, rank_state
 from ddpwatch.server.state import RankRecord, ServerState
@@ -67,11 +68,26 @@ def rank_entry(
         "gpu_pids": record.gpu_pids,
         "exit_code": record.exit_code,
         "exit_signal": record.exit_signal,
+        "final_collective": _collective(record.final_collective),
+        "collectives": (
+            None
+            if record.collectives is None
+            else {"py": record.collectives.py, "fr": record.collectives.fr}
+        ),
+        "nan_step": record.nan_step,
+        "nan_exact": record.nan_exact,
+        "pg_timeout_s": record.pg_timeout_s,
         "simulated": record.simulated,
         "phase_since_s": None if record.phase_since is None else round(now - record.phase_since, 3),
         "log_tail": list(record.log_tail)[-LOG_TAIL_IN_STATUS:],
         "checkpoints": list(record.checkpoint_paths),
     }
+
+
+def _collective(c: Collective | None) -> dict[str, Any] | None:
+    if c is None:
+        return None
+    return {"op": c.op, "seq": c.seq, "shape": c.shape, "dtype": c.dtype}
 
 
 def missing_entry(rank: int, world_size: int) -> dict[str, Any]:

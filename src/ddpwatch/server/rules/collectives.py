@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
-
 from ddpwatch.server.alerts import Alert, Severity
-from ddpwatch.server.rules.facts import Facts, Straggle, normal_op, world_complete
+from ddpwatch.server.rules.facts import Facts, Mismatch, Straggle, normal_op, world_complete
 from ddpwatch.server.rules.registry import alert, rule
 from ddpwatch.server.rules.text import (
     collective_name,
@@ -99,61 +97,79 @@ def _all_waiting(facts: Facts, found: Straggle) -> list[Alert]:
 
 @rule("collective_mismatch")
 def rule_collective_mismatch(f: Facts) -> list[Alert]:
-    """Ranks in different collectives at the same sequence number, or a mismatch crash."""
-    now = f.now
-    alerts = _mismatch_from_crashes(f)
-    by_seq: dict[int, dict[str, list[RankRecord]]] = defaultdict(lambda: defaultdict(list))
-    for r in f.live:
-        c = r.collective
-        if c is not None and c.seq is not None:
-            by_seq[c.seq][normal_op(c.op)].append(r)
-    for seq in sorted(by_seq):
-        ops = by_seq[seq]
-        if len(ops) < 2:
-            continue
-        members = [r for group in ops.values() for r in group]
-        if max(r.collective_age(now) or 0.0 for r in members) < 1.0:
-            continue
-        alerts.append(_mismatch_alert(seq, ops))
-        break  # the first divergence; later ones follow from it
-    return alerts
+    """Ranks that made different calls at the same collective number: another op, or the same
+    op with another size or dtype (live, or from what the ranks died in); else a mismatch
+    error the knowledge base recognises, naming only what the evidence names."""
+    found = f.mismatch
+    if found is not None:
+        return [_mismatch_alert(f, found)]
+    return _mismatch_from_crashes(f)
 
 
-def _mismatch_alert(seq: int, ops: dict[str, list[RankRecord]]) -> Alert:
-    ranked = sorted(ops.values(), key=lambda group: (-len(group), min(r.rank for r in group)))
-    majority = ranked[0]
-    if len(ranked[0]) == len(ranked[1]):
-        culprits = sorted(r.rank for group in ranked for r in group)
-        waiting: list[int] = []
+def _mismatch_alert(f: Facts, found: Mismatch) -> Alert:
+    source, group, seq = found.key
+    (usual, majority), *odd = found.calls
+    number = f"collective #{seq}"
+    if source == "fr" and group != "0":
+        number += f" of process group {group}"
+    if found.culprits:
+        odd_text = "; ".join(
+            f"{format_ranks(r.rank for r in group)} called {text}" for text, group in odd[:3]
+        )
+        message = (
+            f"{odd_text} at {number} where {format_ranks(r.rank for r in majority)} called {usual}"
+        )
     else:
-        culprits = sorted(r.rank for group in ranked[1:] for r in group)
-        waiting = sorted(r.rank for r in majority)
-    parts = [f"{format_ranks(r.rank for r in group)} called {_op_of(group)}" for group in ranked]
-    odd = ", ".join(parts[1:4]) + (f" and {len(parts) - 4} more" if len(parts) > 4 else "")
-    message = f"at collective #{seq} {odd} while {parts[0]}"
+        calls = "; ".join(
+            f"{format_ranks(r.rank for r in group)} called {text}"
+            for text, group in found.calls[:4]
+        )
+        message = f"the ranks made different calls at {number}: {calls}"
+    culprits = {r.rank for r in found.culprits}
+    affected = {r.rank for r in found.others} | _dead_or_blocked(f)
+    failed = sorted(r.rank for r in f.records if r.error is not None and r.rank not in culprits)
+    if failed:
+        message += f"; {format_ranks(failed)} failed because of it"
     hint = (
-        "every rank must call the same collectives in the same order: look for a dist.* call "
-        "that only some ranks make (under `if rank == 0`, in logging or metrics code)"
+        "every rank must call the same collectives in the same order with the same shapes and "
+        "dtypes: look for a dist.* call that only some ranks make (under `if rank == 0`, in "
+        "logging or metrics code) or a size that depends on the rank's data (pad it, or "
+        "all_gather the sizes first); TORCH_DISTRIBUTED_DEBUG=DETAIL checks every call"
     )
-    return alert("collective_mismatch", "error", culprits, waiting, message, hint)
+    return alert("collective_mismatch", "error", culprits, affected, message, hint)
 
 
-def _op_of(group: list[RankRecord]) -> str:
-    return Counter(r.collective.op for r in group if r.collective).most_common(1)[0][0]
+def _calls(calls: list[tuple[str, list[RankRecord]]], limit: int = 3) -> str:
+    """ "rank 2 called all_gather with 5 elements (float32); rank 4 called barrier"."""
+    text = "; ".join(
+        f"{format_ranks(r.rank for r in group)} called {what}" for what, group in calls[:limit]
+    )
+    return text + (f"; and {len(calls) - limit} more calls" if len(calls) > limit else "")
+
+
+def _dead_or_blocked(f: Facts) -> set[int]:
+    """Everyone who failed, was stopped or waits: the ranks a mismatch took down with it."""
+    cascade = f.cascade
+    dead = {r.rank for r in cascade.symptoms} | {r.rank for r in cascade.stopped}
+    return dead | set(cascade.blocked) | {r.rank for r in cascade.mismatched}
 
 
 def _mismatch_from_crashes(facts: Facts) -> list[Alert]:
+    """A mismatch error with no calls to compare: name the ranks the error text names, if
+    any; the ranks that raised it may only have received the odd rank's data."""
     crashed = facts.crashes_of_kind("collective_mismatch")
     if not crashed:
         return []
     first = crashed[0]
     assert first.error is not None
-    ranks = [r.rank for r in crashed]
+    named: list[int] = []
     message = (
-        f"{format_ranks(ranks)} failed with {first.error.type}: "
+        f"{format_ranks(r.rank for r in crashed)} failed with {first.error.type}: "
         f"{first_line(first.error.message)} — the ranks called different collectives, or "
         "the same one with different sizes"
     )
+    if not named:
+        message += "; which rank made the odd call is not known yet"
     signature = facts.signatures.get(first.rank)
     hint = signature.hint if signature else ""
-    return [alert("collective_mismatch", "error", ranks, [], message, hint)]
+    return [alert("collective_mismatch", "error", named, _dead_or_blocked(facts), message, hint)]

@@ -13,7 +13,7 @@ import re
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import TypeVar
 
@@ -25,6 +25,7 @@ from ddpwatch.server.state import RankRecord, ServerState
 
 T = TypeVar("T")
 MAX_WORLD = 1 << 20  # never iterate a bogus world size further than this
+MISMATCH_SETTLE_S = 1.0  # a live rank's call counts once it has waited in it this long
 
 
 _TERM_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
@@ -138,6 +139,10 @@ class Facts:
         return collective_threshold(self.live, self.stall_after)
 
     @cached_property
+    def mismatch(self) -> Mismatch | None:
+        return find_mismatch(self.records, self.now, MISMATCH_SETTLE_S)
+
+    @cached_property
     def signatures(self) -> dict[int, Signature | None]:
         """The knowledge base's reading of every crashed rank's error."""
         return {r.rank: explain_error(r.error) for r in self.records if r.error is not None}
@@ -185,6 +190,8 @@ class Cascade:
     symptoms: list[RankRecord]  # peer failures (and timeouts when a real root exists)
     stopped: list[RankRecord]  # SIGTERM/SIGINT exits
     blocked: list[int]  # live ranks waiting in a collective
+    mismatched: list[RankRecord] = field(default_factory=list)
+    """Ranks that died of a collective mismatch: the mismatch rule decides who caused it."""
 
 
 def _crash_key(error: ErrorInfo, signature: Signature | None) -> tuple[str, str]:
@@ -227,13 +234,20 @@ def find_cascade(facts: Facts) -> Cascade:
     symptoms: list[RankRecord] = []
     stopped: list[RankRecord] = []
     clean: list[RankRecord] = []
+    mismatched: list[RankRecord] = []
     blocked: list[int] = []
+    found = facts.mismatch  # a crash inside a mismatched collective is that mismatch's doing
+    in_mismatch = {r.rank for r in found.culprits + found.others} if found else set()
     for record in facts.records:
         if record.error is not None:
             signature = facts.signatures[record.rank]
             t = record.error_time if record.error_time is not None else record.last_seen
             if signature is not None and signature.peer_failure:
                 symptoms.append(record)
+            elif record.rank in in_mismatch or (
+                signature is not None and signature.kind == "collective_mismatch"
+            ):
+                mismatched.append(record)
             elif signature is not None and signature.name in TIMEOUT_NAMES:
                 key = _crash_key(record.error, signature)
                 _group(timeouts, key, "crashed", record, t, signature)
@@ -252,7 +266,7 @@ def find_cascade(facts: Facts) -> Cascade:
             silent.append(record)
         elif record.collective is not None:
             blocked.append(record.rank)
-    if clean and (symptoms or stopped) and not primary:
+    if clean and (symptoms or stopped) and not primary and not mismatched:
         # nothing else failed of its own accord: the ranks that left early broke the others
         for record in clean:
             _group(primary, ("exit", "clean"), "exited", record, record.exit_time or now)
@@ -277,7 +291,7 @@ def find_cascade(facts: Facts) -> Cascade:
     else:
         roots = list(timeouts.values())
     roots.sort(key=lambda root: (root.time, min(root.ranks)))
-    return Cascade(roots, symptoms, stopped, blocked)
+    return Cascade(roots, symptoms, stopped, blocked, mismatched)
 
 
 @lru_cache(maxsize=1024)
@@ -417,6 +431,75 @@ def _has_not_entered(record: RankRecord, key: WaitKey, seq: int | None) -> bool:
     if seq is not None and c.seq is not None:
         return c.seq < seq
     return wait_key(c) != key
+
+
+_SIZE_FREE_OPS = frozenset({"alltoall", "alltoallsingle", "send", "recv"})
+"""Ops whose ranks may legitimately pass tensors of different sizes (split sizes)."""
+
+
+@dataclass
+class Mismatch:
+    """Ranks that reached the same collective number with different calls."""
+
+    key: WaitKey
+    calls: list[tuple[str, list[RankRecord]]]  # (what they called, who), most ranks first
+    culprits: list[RankRecord]  # the odd ones out; empty when no majority tells them apart
+    others: list[RankRecord]
+
+
+def call_text(c: Collective) -> str:
+    """How a rank called a collective: "all_gather with 5 elements (float32)"."""
+    text = c.op.split("[", 1)[0].rsplit(":", 1)[-1]
+    if c.shape is not None:
+        numel = math.prod(c.shape)
+        text += f" with {numel} {'element' if numel == 1 else 'elements'}"
+    return text + (f" ({c.dtype})" if c.dtype else "")
+
+
+def last_collective(record: RankRecord) -> Collective | None:
+    """The collective a rank is in, or was in when it died."""
+    return record.collective if not record.finished else record.final_collective
+
+
+def find_mismatch(records: Sequence[RankRecord], now: float, settle: float) -> Mismatch | None:
+    """The first collective number where ranks made different calls: another op, or the
+    same op with another size or dtype. Live ranks count once they have been in it for
+    ``settle`` seconds; dead ranks with the collective they died in."""
+    by_key: dict[WaitKey, list[tuple[RankRecord, Collective]]] = defaultdict(list)
+    for r in records:
+        c = last_collective(r)
+        if c is None or c.seq is None:
+            continue
+        if not r.finished and (r.collective_age(now) or 0.0) < settle:
+            continue
+        by_key[wait_key(c)].append((r, c))
+    for key in sorted(by_key, key=lambda k: (str(k[0]), str(k[1]), k[2])):
+        members = by_key[key]
+        sized = all(c.shape is not None for _, c in members) and not any(
+            normal_op(c.op) in _SIZE_FREE_OPS for _, c in members
+        )
+        calls: dict[tuple, list[RankRecord]] = defaultdict(list)
+        texts: dict[tuple, str] = {}
+        for r, c in members:
+            numel = math.prod(c.shape) if sized and c.shape is not None else None
+            signature = (normal_op(c.op), numel, c.dtype if sized else None)
+            calls[signature].append(r)
+            texts.setdefault(signature, call_text(c) if sized else c.op)
+        if len(calls) < 2:
+            continue
+        ranked = sorted(
+            calls.items(), key=lambda item: (-len(item[1]), min(r.rank for r in item[1]))
+        )
+        majority = ranked[0][1]
+        if len(majority) == len(ranked[1][1]):
+            culprits: list[RankRecord] = []  # a tie: either side may be the odd one
+            others = [r for _, group in ranked for r in group]
+        else:
+            culprits = [r for _, group in ranked[1:] for r in group]
+            others = list(majority)
+        described = [(texts[signature], group) for signature, group in ranked]
+        return Mismatch(key, described, culprits, others)
+    return None
 
 
 def missing_ranks(state: ServerState) -> list[int]:
