@@ -642,11 +642,33 @@ def test_nan_loss_message() -> None:
 
 
 def test_nan_loss_names_the_rank_that_went_bad_first() -> None:
-    state = job(3, loss=math.nan, nan_step=9)
-    state.ranks[1] = rank(1, 3, loss=math.nan, nan_step=8)  # DDP spread it to the others
+    state = job(3, loss=math.nan, nan_step=9, nan_exact=True)
+    state.ranks[1] = rank(1, 3, loss=math.nan, nan_step=8, nan_exact=True)  # DDP spread it
     alert = only(rule_nan_loss(state, NOW, TH), "nan_loss")
     assert (alert.ranks, alert.waiting) == ((1,), (0, 2))
     assert alert.message == "rank 1 loss is nan since step 8 and ranks 0, 2 followed from step 9"
+
+
+def test_nan_loss_from_heartbeat_steps_only_names_no_first_rank() -> None:
+    """The issue's report: heartbeats sample the loss every ~20 steps, so a heartbeat's step
+    is only a bound on the first bad one, and an order between ranks cannot be read from it."""
+    state = job(3, loss=math.nan, nan_step=9)
+    state.ranks[1] = rank(1, 3, loss=math.nan, nan_step=8)
+    alert = only(rule_nan_loss(state, NOW, TH), "nan_loss")
+    assert (alert.ranks, alert.waiting) == ((), (0, 1, 2))
+    assert "which rank went first is not known" in alert.message
+
+
+def test_nan_loss_waits_for_a_rank_that_has_not_reported_past_the_step() -> None:
+    """Rank 0's NaN (spread from rank 1) arrives before rank 1's own report: say nothing until
+    rank 1, still last heard at step 10, reports past step 16."""
+    state = job(3, step=20)
+    state.ranks[0] = rank(0, 3, step=20, loss=math.nan, nan_step=16, nan_exact=True)
+    state.ranks[1] = rank(1, 3, step=10)
+    assert rule_nan_loss(state, NOW, TH) == []
+    state.ranks[1] = rank(1, 3, step=20, loss=math.nan, nan_step=15, nan_exact=True)
+    alert = only(rule_nan_loss(state, NOW, TH), "nan_loss")
+    assert (alert.ranks, alert.waiting) == ((1,), (0,))
 
 
 def test_step_skew_after_a_pause_uses_the_current_step_rate() -> None:

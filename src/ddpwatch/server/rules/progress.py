@@ -11,6 +11,7 @@ from ddpwatch.server.alerts import Alert
 from ddpwatch.server.rules.facts import Facts, median
 from ddpwatch.server.rules.registry import alert, rule
 from ddpwatch.server.rules.text import format_ranks, record_location, seconds, verb
+from ddpwatch.server.state import RankRecord
 
 
 @rule("stalled")
@@ -141,43 +142,69 @@ def rule_slow_rank(f: Facts) -> list[Alert]:
 
 @rule("nan_loss")
 def rule_nan_loss(f: Facts) -> list[Alert]:
-    """A loss that became nan or inf, and whether the other ranks are still finite."""
+    """A loss that became nan or inf: the rank whose first bad step is earliest.
+
+    DDP averages gradients, so one rank's NaN reaches every rank a step later. A rank is
+    named first only when every other live rank's own report shows it was still finite at
+    that step (an agent reports the exact first bad step; a heartbeat's step is only an
+    upper bound); until then, a heartbeat at most, nothing is said.
+    """
     bad = sorted((r for r in f.records if r.nan_step is not None), key=lambda r: r.rank)
     if not bad:
         return []
-    finite = [
-        r.rank
-        for r in f.records
-        if r.nan_step is None and r.loss is not None and math.isfinite(r.loss)
-    ]
+    since = min(r.nan_step or 0 for r in bad)
+    first = [r for r in bad if r.nan_step == since]
+    others = [r for r in f.live if r.nan_step is None or r.nan_step > since]
+    if not all(_finite_at(r, since) for r in others):
+        if any(r.nan_step is not None and not r.nan_exact for r in bad) and len(bad) > 1:
+            return [_nan_alert(f, bad, [], since, "which rank went first is not known")]
+        return []  # a rank has not reported past that step yet: its next heartbeat will
+    if any(not r.nan_exact for r in first) and len(first) < len(bad):
+        return [_nan_alert(f, bad, [], since, "which rank went first is not known")]
+    return [_nan_alert(f, bad, first, since, None)]
+
+
+def _finite_at(record: RankRecord, step: int) -> bool:
+    """The rank's own report shows a finite loss at ``step``: it went bad later, or not."""
+    if record.nan_step is not None:
+        return record.nan_exact and record.nan_step > step
+    return record.step is not None and record.step >= step
+
+
+def _nan_alert(
+    f: Facts, bad: list[RankRecord], first: list[RankRecord], since: int, unknown: str | None
+) -> Alert:
     values = {
         "nan" if math.isnan(r.loss) else "inf"
         for r in bad
         if r.loss is not None and not math.isfinite(r.loss)
     }
     word = values.pop() if len(values) == 1 else "not finite"
-    since = min(r.nan_step or 0 for r in bad)
-    # DDP averages gradients, so one rank's nan reaches every rank a step later: the
-    # ranks that went bad first are the culprits, the later ones only followed.
-    first = [r.rank for r in bad if r.nan_step == since]
-    later = [r for r in bad if r.nan_step != since]
-    message = f"{format_ranks(first)} loss is {word} since step {since}"
-    if later:
-        then = min(r.nan_step or 0 for r in later)
-        message += f" and {format_ranks(r.rank for r in later)} followed from step {then}"
+    finite = [r.rank for r in f.live if r.nan_step is None and r.loss is not None]
+    later = [r for r in bad if r not in first]
+    if unknown:
+        message = f"{format_ranks(r.rank for r in bad)} loss is {word}, the first by step {since}"
+        message += f"; {unknown}"
+    else:
+        message = f"{format_ranks(r.rank for r in first)} loss is {word} since step {since}"
+        if later:
+            then = min(r.nan_step or 0 for r in later)
+            message += f" and {format_ranks(r.rank for r in later)} followed from step {then}"
     if finite:
         message += f" while {format_ranks(finite)} {verb(len(finite), 'is', 'are')} finite"
-    if finite or later:
+    if first and (finite or later):
         hint = (
-            f"look for a bad sample or shard in the data of {format_ranks(first)} at step "
-            f"{since}; torch.autograd.set_detect_anomaly(True) finds the first bad operation"
+            f"look for a bad sample or shard in the data of {format_ranks(r.rank for r in first)} "
+            f"at step {since}; torch.autograd.set_detect_anomaly(True) finds the first bad "
+            "operation"
         )
     else:
         hint = (
             "lower the learning rate, clip gradients, check for log(0) or division by zero, "
             "or use torch.autograd.set_detect_anomaly(True) to find the first bad operation"
         )
-    return [alert("nan_loss", "error", first, [r.rank for r in later], message, hint)]
+    waiting = [r.rank for r in later] if first else [r.rank for r in bad]
+    return alert("nan_loss", "error", [r.rank for r in first], waiting, message, hint)
 
 
 @rule("checkpoint_conflict")
