@@ -378,3 +378,22 @@ def test_a_mismatch_error_without_calls_to_compare_names_no_rank() -> None:
     feed(state, NOW - 1, Event(v=1, rank=0, t=0.0, event="crash", error=error))
     alerts = alerts_at(state, NOW)
     assert [(a.kind, a.ranks) for a in alerts] == [("collective_mismatch", ())]
+
+
+def test_a_rendezvous_timeout_blames_the_rank_that_never_came_not_the_host_that_waited() -> None:
+    """torchrun started 2 processes for a world of 3: rank 0's store gives up with "2/3
+    clients joined". Rank 2 never came (it would run on a second node); rank 0 is a victim."""
+    state = ServerState(started=NOW - 100)
+    early = [
+        beat(rank, world=3, phase="rendezvous", local_world_size=2, step=None) for rank in (0, 1)
+    ]
+    feed(state, NOW - 40, *early)
+    timeout = ErrorInfo(
+        type="torch.distributed.DistStoreError",
+        message="Timed out after 31 seconds waiting for clients. 2/3 clients joined.",
+    )
+    feed(state, NOW - 5, Event(v=1, rank=0, t=0.0, event="crash", error=timeout))
+    feed(state, NOW - 4, Event(v=1, rank=1, t=0.0, event="exit", signal="SIGTERM"))
+    alerts = alerts_at(state, NOW)
+    assert [(a.kind, a.ranks, a.waiting) for a in alerts] == [("not_connected", (2,), (0, 1))]
+    assert "(expected on node 1, 2 ranks per node)" in alerts[0].message

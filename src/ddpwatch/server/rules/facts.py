@@ -25,6 +25,9 @@ from ddpwatch.server.state import RankRecord, ServerState
 
 T = TypeVar("T")
 MAX_WORLD = 1 << 20  # never iterate a bogus world size further than this
+WAIT_NAMES = TIMEOUT_NAMES | {"store_clients_timeout"}
+"""Errors that only say a rank waited too long for others: never a cause while a rank that
+failed, or one that never came, is in view."""
 MISMATCH_SETTLE_S = 1.0  # a live rank's call counts once it has waited in it this long
 
 
@@ -192,6 +195,8 @@ class Cascade:
     blocked: list[int]  # live ranks waiting in a collective
     mismatched: list[RankRecord] = field(default_factory=list)
     """Ranks that died of a collective mismatch: the mismatch rule decides who caused it."""
+    missing: list[int] = field(default_factory=list)
+    """Ranks of the world that never connected: the ones a rendezvous timeout waited for."""
 
 
 def _crash_key(error: ErrorInfo, signature: Signature | None) -> tuple[str, str]:
@@ -248,7 +253,7 @@ def find_cascade(facts: Facts) -> Cascade:
                 signature is not None and signature.kind == "collective_mismatch"
             ):
                 mismatched.append(record)
-            elif signature is not None and signature.name in TIMEOUT_NAMES:
+            elif signature is not None and signature.name in WAIT_NAMES:
                 key = _crash_key(record.error, signature)
                 _group(timeouts, key, "crashed", record, t, signature)
             else:
@@ -284,14 +289,15 @@ def find_cascade(facts: Facts) -> Cascade:
         if early:
             root = Root("silent", [r.rank for r in early], min(r.last_seen for r in early), early)
             primary[("silent",)] = root
-    if primary:
+    if primary or missing_ranks(facts.state):
+        # a timeout waited for someone: the rank that failed, or one that never came
         for root in timeouts.values():
             symptoms.extend(root.records)
         roots = list(primary.values())
     else:
         roots = list(timeouts.values())
     roots.sort(key=lambda root: (root.time, min(root.ranks)))
-    return Cascade(roots, symptoms, stopped, blocked, mismatched)
+    return Cascade(roots, symptoms, stopped, blocked, mismatched, missing_ranks(facts.state))
 
 
 @lru_cache(maxsize=1024)

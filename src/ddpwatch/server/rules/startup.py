@@ -143,7 +143,7 @@ def rule_not_connected(f: Facts) -> list[Alert]:
     size = state.world_size
     message = (
         f"{format_ranks(missing)} of {size} {verb(len(missing), 'has', 'have')} not connected "
-        f"{seconds(elapsed)} after the first rank did"
+        f"{seconds(elapsed)} after the first rank did{_expected_where(f.records, missing)}"
     )
     hint = (
         "check that those ranks started (launcher log; nnodes x nproc_per_node = WORLD_SIZE), "
@@ -151,4 +151,18 @@ def rule_not_connected(f: Facts) -> list[Alert]:
     )
     severity: Severity = "error" if elapsed > th.startup_after else "warning"
     waiting = [r.rank for r in f.live if r.step is None]
+    waiting += [r.rank for r in f.records if r.finished]  # died waiting for them (store timeout)
     return [alert("not_connected", severity, missing, waiting, message, hint)]
+
+
+def _expected_where(records: list[RankRecord], missing: list[int]) -> str:
+    """Where the missing ranks should run: the node their rank numbers fall on, and its host
+    when another rank of that node has reported (" (expected on node 1, host gpu-b)")."""
+    per_node = next((r.local_world_size for r in records if r.local_world_size), None)
+    if not per_node:
+        return ""
+    hosts = {r.rank // per_node: r.host for r in records if r.host}
+    nodes = sorted({rank // per_node for rank in missing})
+    places = [f"node {n}, host {hosts[n]}" if n in hosts else f"node {n}" for n in nodes[:4]]
+    more = f" and {len(nodes) - 4} more nodes" if len(nodes) > 4 else ""
+    return f" (expected on {'; '.join(places)}{more}, {per_node} ranks per node)"
