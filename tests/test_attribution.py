@@ -397,3 +397,41 @@ def test_a_rendezvous_timeout_blames_the_rank_that_never_came_not_the_host_that_
     alerts = alerts_at(state, NOW)
     assert [(a.kind, a.ranks, a.waiting) for a in alerts] == [("not_connected", (2,), (0, 1))]
     assert "(expected on node 1, 2 ranks per node)" in alerts[0].message
+
+
+def test_a_rank_that_calls_an_extra_collective_is_named_before_anything_breaks() -> None:
+    """Rank 0 all-reduces a metric only on itself at step 20 (Lightning `self.log(...,
+    sync_dist=True)` under `if self.global_rank == 0`, as in Lightning-AI/pytorch-lightning
+    issues about hangs with rank-zero-only logging): by the end of step 24 it has entered one
+    collective more than the others, while every collective still completes."""
+    state = ServerState(started=NOW - 100)
+    for rank in range(3):
+        extra = 1 if rank == 0 else 0
+        marks = [(8, 16), (16, 32), (24, 48 + extra)]
+        feed(
+            state, NOW - 0.3, beat(rank, step=25, collectives=CollectiveCounts(py=50, marks=marks))
+        )
+    alerts = alerts_at(state, NOW)
+    assert [(a.kind, a.ranks, a.waiting) for a in alerts] == [("collective_mismatch", (0,), (1, 2))]
+    assert "rank 0 had entered 1 more collective than ranks 1, 2 by the end of step 24" in (
+        alerts[0].message
+    )
+
+
+def test_collective_counts_that_agree_or_tie_name_nobody() -> None:
+    state = ServerState(started=NOW - 100)
+    for rank in range(3):
+        marks = [(8, 16), (16, 32)]
+        feed(
+            state, NOW - 0.3, beat(rank, step=17, collectives=CollectiveCounts(py=33, marks=marks))
+        )
+    assert alerts_at(state, NOW) == []
+    tie = ServerState(started=NOW - 100)
+    for rank in range(2):
+        marks = [(8, 16 + rank)]
+        feed(
+            tie,
+            NOW - 0.3,
+            beat(rank, world=2, step=9, collectives=CollectiveCounts(py=18, marks=marks)),
+        )
+    assert alerts_at(tie, NOW) == []

@@ -46,6 +46,12 @@ class CollectiveCounts(msgspec.Struct, omit_defaults=True):
 
     py: NonNegInt = 0  # Python-level collectives entered so far (the agent's wrappers)
     fr: dict[str, int] | None = None  # flight recorder: last enqueued seq per process group
+    marks: list[tuple[NonNegInt, NonNegInt]] | None = None
+    """(step, py) at the end of recent steps that are multiples of ``MARK_EVERY``: every rank
+    marks the same steps, so ranks that call different numbers of collectives show it."""
+
+
+MARK_EVERY = 8
 
 
 class ErrorInfo(msgspec.Struct, omit_defaults=True):

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ddpwatch.protocol import Collective
+from ddpwatch.protocol import MARK_EVERY, Collective
 
 EMA_WEIGHT = 0.1
+MARKS_KEPT = 16  # 128 steps of marks between two heartbeats: enough for 4 ms steps
 
 
 class Progress:
@@ -40,7 +42,7 @@ class Progress:
         self.collective_depth = 0
         self.collective_counted = True
         self.collective_tensor: Any = None
-        self.collectives_at_step = 0  # collective_seq when the last step ended
+        self.marks: deque[tuple[int, int]] = deque(maxlen=MARKS_KEPT)
         self.collective_time_step = 0.0
         self.collective_time_s: float | None = None
         self.failed_collective: Collective | None = None  # the collective an exception left
@@ -81,7 +83,9 @@ class Progress:
         self.last_progress = now
         self.collective_time_s = self.collective_time_step
         self.collective_time_step = 0.0
-        self.collectives_at_step = self.collective_seq
+        if self.step % MARK_EVERY == 0 and self.step_mode != "forward":
+            # forward passes are no step count to compare ranks by (evaluation on one rank)
+            self.marks.append((self.step, self.collective_seq))  # one append: atomic
         self.waiting_for_data = True
         if self.on_step is not None and self.step % 64 == 1:
             with contextlib.suppress(Exception):

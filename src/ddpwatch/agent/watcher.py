@@ -307,7 +307,11 @@ class Watcher:
         if collective is None:
             collective = progress.in_flight()
         counts = (
-            CollectiveCounts(py=progress.collective_seq, fr=enqueued) if self._dist_ready else None
+            CollectiveCounts(
+                py=progress.collective_seq, fr=enqueued, marks=list(progress.marks) or None
+            )
+            if self._dist_ready
+            else None
         )
         identity = {**self._identity_fields(), **device.as_fields()}
         sample = Sample(

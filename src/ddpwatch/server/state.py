@@ -26,6 +26,7 @@ from ddpwatch.protocol import (
 
 HISTORY_LEN = 120
 LOG_LINES = 50
+MARKS_KEPT = 32
 
 IDENTITY_FIELDS = tuple(
     name for name in Identity.__struct_fields__ if name not in ("v", "rank", "t")
@@ -103,6 +104,8 @@ class RankRecord:
     collectives: CollectiveCounts | None = None
     """How many collectives the rank had entered at its last sample (the attribution evidence)."""
     sample_seen: float | None = None  # when its last sample arrived
+    step_marks: dict[int, int] = field(default_factory=dict)
+    """Python-level collectives entered by the end of marked steps (every MARK_EVERY-th)."""
     forwards: int | None = None
     mem_allocated_bytes: int | None = None
     mem_reserved_bytes: int | None = None
@@ -213,6 +216,12 @@ def _apply_sample(
     record.collective = sample.collective
     record.collective_seen = now if sample.collective is not None else None
     record.sample_seen = now
+    counts = sample.collectives
+    if counts is not None and counts.marks:
+        marks = record.step_marks
+        marks.update(counts.marks)
+        while len(marks) > MARKS_KEPT:
+            del marks[min(marks)]
     if sample.nan_step is not None:
         record.nan_step, record.nan_exact = sample.nan_step, True
     elif sample.loss is not None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from ddpwatch.server.alerts import Alert, Severity
 from ddpwatch.server.rules.facts import Facts, Mismatch, Straggle, normal_op, world_complete
 from ddpwatch.server.rules.registry import alert, rule
@@ -103,7 +105,60 @@ def rule_collective_mismatch(f: Facts) -> list[Alert]:
     found = f.mismatch
     if found is not None:
         return [_mismatch_alert(f, found)]
-    return _mismatch_from_crashes(f)
+    return _mismatch_from_crashes(f) or _desync(f)
+
+
+def _desync(f: Facts) -> list[Alert]:
+    """Ranks that entered a different number of collectives by the end of the same step.
+
+    Every rank marks the same steps (every 8th) with how many Python-level collectives it
+    had entered; in a lockstep job they agree. A rank that differs at the latest step all
+    live ranks have marked calls a collective the others do not (or skips one): the job is
+    out of step before anything fails. Named only against a strict majority.
+    """
+    live = [r for r in f.live if r.step_marks]
+    if len(live) < 3 or len(live) < len(f.live):
+        return []
+    common = set.intersection(*(set(r.step_marks) for r in live))
+    if not common:
+        return []
+    step = max(common)
+    by_count: dict[int, list[RankRecord]] = defaultdict(list)
+    for r in live:
+        by_count[r.step_marks[step]].append(r)
+    if len(by_count) < 2:
+        return []
+    ranked = sorted(by_count.items(), key=lambda item: (-len(item[1]), item[0]))
+    (usual, majority), (_, second) = ranked[0], ranked[1]
+    if len(majority) <= len(second) or len(majority) * 2 <= len(live):
+        return []  # no clear majority: which side is odd cannot be told
+    odd = sorted((r for count, group in ranked[1:] for r in group), key=lambda r: r.rank)
+    first = odd[0]
+    diff = first.step_marks[step] - usual
+    more = (
+        f"{abs(diff)} {'more' if diff > 0 else 'fewer'} collective{'s' if abs(diff) != 1 else ''}"
+    )
+    message = (
+        f"{format_ranks(r.rank for r in odd)} had entered {more} than "
+        f"{format_ranks(r.rank for r in majority)} by the end of step {step} "
+        f"({first.step_marks[step]} against {usual}): the ranks no longer call the same "
+        "collective at the same number, so the next ones pair up wrongly or hang"
+    )
+    hint = (
+        "a collective that only some ranks call (under `if rank == 0`, in logging, metrics or "
+        "evaluation), or one skipped after a caught exception: every rank must call the same "
+        f"collectives in the same order; look at what rank {first.rank} does differently"
+    )
+    return [
+        alert(
+            "collective_mismatch",
+            "error",
+            [r.rank for r in odd],
+            [r.rank for r in majority],
+            message,
+            hint,
+        )
+    ]
 
 
 def _mismatch_alert(f: Facts, found: Mismatch) -> Alert:
