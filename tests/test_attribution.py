@@ -435,3 +435,59 @@ def test_collective_counts_that_agree_or_tie_name_nobody() -> None:
             beat(rank, world=2, step=9, collectives=CollectiveCounts(py=18, marks=marks)),
         )
     assert alerts_at(tie, NOW) == []
+
+
+def test_an_error_that_names_the_late_rank_blames_it_not_the_rank_that_raised_it() -> None:
+    """monitored_barrier on rank 0 names rank 1 (text captured on torch 2.13 gloo by
+    tests/jobs/error_texts.py)."""
+    state = ServerState(started=NOW - 100)
+    feed(state, NOW - 3, beat(0), beat(1), beat(2))
+    error = ErrorInfo(
+        type="RuntimeError",
+        message="[Rank 0]: Rank 1 failed to pass monitoredBarrier in 2000 ms",
+    )
+    feed(state, NOW - 2, Event(v=1, rank=0, t=0.0, event="crash", error=error))
+    alerts = alerts_at(state, NOW)
+    crashed = [a for a in alerts if a.kind == "crashed"]
+    assert [(a.ranks, a.waiting) for a in crashed] == [((1,), (0,))]
+    assert "rank 0 failed with RuntimeError" in crashed[0].message
+    assert "naming rank 1" in crashed[0].message
+
+
+def test_a_rank_aborted_by_gloo_during_a_size_mismatch_is_not_blamed() -> None:
+    """Ranks size all_gather's outputs from their own input; rank 2 passes more. gloo aborts
+    rank 0, which receives too much (SIGABRT: no report, it just falls silent), and the
+    others lose their connection inside all_gather: 4 elements on rank 1, 5 on rank 2."""
+    state = ServerState(started=NOW - 100)
+    feed(state, NOW - 5, beat(0), beat(1), beat(2))
+    reset = ErrorInfo(
+        type="RuntimeError",
+        message="[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+        "[127.0.0.1]:52110: Connection reset by peer",
+    )
+    for rank, numel in ((1, 4), (2, 5)):
+        event = Event(
+            v=1, rank=rank, t=0.0, event="crash", error=reset, collective=gathered(numel, 7)
+        )
+        feed(state, NOW - 4.9, event)
+    alerts = alerts_at(state, NOW)  # rank 0 has been silent for 5 s
+    assert named(alerts) == set(), alerts
+    assert [a.kind for a in alerts] == ["collective_mismatch"]
+    assert "ranks made different calls at collective #7" in alerts[0].message
+
+
+def test_detail_mismatch_texts_name_the_rank_most_reporters_name() -> None:
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL: the majority name the odd rank, the odd one names
+    rank 0 (captured on torch 2.13 gloo)."""
+    state = ServerState(started=NOW - 100)
+    feed(state, NOW - 3, beat(0), beat(1), beat(2))
+    text = (
+        "Detected mismatch between collectives on ranks. Rank {me} is running collective: "
+        "CollectiveFingerPrint(SequenceNumber=3, OpType=ALLREDUCE), but Rank {other} is running "
+        "collective: CollectiveFingerPrint(SequenceNumber=3, OpType=BROADCAST)."
+    )
+    for me, other in ((0, 2), (1, 2), (2, 0)):
+        error = ErrorInfo(type="RuntimeError", message=text.format(me=me, other=other))
+        feed(state, NOW - 2, Event(v=1, rank=me, t=0.0, event="crash", error=error))
+    alerts = alerts_at(state, NOW)
+    assert [(a.kind, a.ranks) for a in alerts] == [("collective_mismatch", (2,))]

@@ -23,6 +23,8 @@ def _root_alert(root: Root, cascade: Cascade | None, now: float) -> Alert:
     first = min(root.records, key=lambda r: (r.error_time or r.exit_time or r.last_seen, r.rank))
     who = format_ranks(ranks)
     waiting, after = _consequences(cascade, ranks)
+    if root.named:  # the ranks that raised the error only reported it
+        waiting = sorted(set(waiting) | {r.rank for r in root.records})
     if root.kind == "silent":
         return _silent_alert(root, ranks, waiting, after, now)
     if root.kind == "exited":
@@ -30,7 +32,11 @@ def _root_alert(root: Root, cascade: Cascade | None, now: float) -> Alert:
     assert first.error is not None
     signature = root.signature
     error = f"{first.error.type}: {first_line(first.error.message)}".rstrip(": ")
-    message = f"{who} crashed {where(first)} with {error}"
+    if root.named:
+        reporters = format_ranks(r.rank for r in root.records)
+        message = f"{reporters} failed with {error}, naming {who}"
+    else:
+        message = f"{who} crashed {where(first)} with {error}"
     if signature is not None:
         message += f" — {signature.cause}"
     message += after

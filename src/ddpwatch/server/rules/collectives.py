@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from ddpwatch.server.alerts import Alert, Severity
+from ddpwatch.server.knowledge import named_ranks
 from ddpwatch.server.rules.facts import Facts, Mismatch, Straggle, normal_op, world_complete
 from ddpwatch.server.rules.registry import alert, rule
 from ddpwatch.server.rules.text import (
@@ -217,7 +218,8 @@ def _mismatch_from_crashes(facts: Facts) -> list[Alert]:
         return []
     first = crashed[0]
     assert first.error is not None
-    named: list[int] = []
+    votes = Counter(rank for r in crashed if r.error for rank in named_ranks(r.error))
+    named = [rank for rank, n in votes.items() if n * 2 > len(crashed)]  # most reporters agree
     message = (
         f"{format_ranks(r.rank for r in crashed)} failed with {first.error.type}: "
         f"{first_line(first.error.message)} — the ranks called different collectives, or "

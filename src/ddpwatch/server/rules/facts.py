@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from ddpwatch.protocol import Collective, ErrorInfo
 from ddpwatch.server.alerts import Thresholds
-from ddpwatch.server.knowledge import TIMEOUT_NAMES, Signature, explain_error
+from ddpwatch.server.knowledge import TIMEOUT_NAMES, Signature, explain_error, named_ranks
 from ddpwatch.server.rules.text import first_line
 from ddpwatch.server.state import RankRecord, ServerState
 
@@ -183,6 +183,7 @@ class Root:
     time: float
     records: list[RankRecord]
     signature: Signature | None = None
+    named: bool = False  # ``ranks`` come from the error text; ``records`` only reported it
 
 
 @dataclass
@@ -213,14 +214,31 @@ def _group(
     t: float,
     signature: Signature | None = None,
 ) -> None:
-    """Add ``record`` to the root group ``key``: the same error on many ranks is one alert."""
+    """Add ``record`` to the root group ``key``: the same error on many ranks is one alert.
+
+    An error whose text blames other ranks ("Rank 1 failed to pass monitoredBarrier",
+    "did not receive grad for rank 1") makes those ranks the root; the rank that raised
+    it only reported it.
+    """
+    blamed = _blamed_by(record)
+    if blamed:
+        key = ("named", *blamed, *key)
     root = roots.get(key)
     if root is None:
-        roots[key] = Root(kind, [record.rank], t, [record], signature)
+        ranks = list(blamed) if blamed else [record.rank]
+        roots[key] = Root(kind, ranks, t, [record], signature, named=bool(blamed))
         return
-    root.ranks.append(record.rank)
+    if not blamed:
+        root.ranks.append(record.rank)
     root.records.append(record)
     root.time = min(root.time, t)
+
+
+def _blamed_by(record: RankRecord) -> tuple[int, ...]:
+    """Ranks other than itself that a rank's error text names as at fault."""
+    if record.error is None:
+        return ()
+    return tuple(rank for rank in named_ranks(record.error) if rank != record.rank)
 
 
 def find_cascade(facts: Facts) -> Cascade:
@@ -253,7 +271,7 @@ def find_cascade(facts: Facts) -> Cascade:
                 signature is not None and signature.kind == "collective_mismatch"
             ):
                 mismatched.append(record)
-            elif signature is not None and signature.name in WAIT_NAMES:
+            elif signature is not None and signature.name in WAIT_NAMES and not _blamed_by(record):
                 key = _crash_key(record.error, signature)
                 _group(timeouts, key, "crashed", record, t, signature)
             else:
@@ -284,6 +302,14 @@ def find_cascade(facts: Facts) -> Cascade:
             + [r.exit_time or r.last_seen for r in stopped],
             default=math.inf,
         )
+        if mismatched or found is not None:
+            # gloo aborts (SIGABRT, no report) whichever rank receives the odd rank's data:
+            # a rank that fell silent as the mismatch broke is one of its victims
+            involved = mismatched + (found.culprits + found.others if found else [])
+            begun = min((r.error_time or r.last_seen for r in involved), default=now)
+            lost = [r for r in silent if r.last_seen >= begun - silent_after]
+            mismatched.extend(lost)
+            silent = [r for r in silent if r not in lost]
         early = [r for r in silent if r.last_seen < cutoff]
         stopped.extend(r for r in silent if r.last_seen >= cutoff)
         if early:
