@@ -491,3 +491,38 @@ def test_detail_mismatch_texts_name_the_rank_most_reporters_name() -> None:
         feed(state, NOW - 2, Event(v=1, rank=me, t=0.0, event="crash", error=error))
     alerts = alerts_at(state, NOW)
     assert [(a.kind, a.ranks) for a in alerts] == [("collective_mismatch", (2,))]
+
+
+def test_ranks_released_from_a_long_barrier_have_not_stalled() -> None:
+    """Rank 1 slept 20 s before a barrier (the issue's false-blame report). When it releases,
+    ranks 0 and 2 leave the barrier before their step count moves: they are not stalled."""
+    state = ServerState(started=NOW - 100)
+    for at in range(30, 0, -1):  # 20 s in the barrier, heartbeats every second
+        feed(
+            state,
+            NOW - at,
+            beat(0, step=20, collective=in_barrier(46, 20.0 - at), collectives=counts(46)),
+            beat(1, step=20, collectives=counts(45)),
+            beat(2, step=20, collective=in_barrier(46, 20.0 - at), collectives=counts(46)),
+        )
+    feed(state, NOW, *(beat(rank, step=20, collectives=counts(47)) for rank in range(3)))
+    for later in (0.1, 1.0):
+        assert alerts_at(state, NOW + later) == []
+    assert {rank_state(r, NOW + 1, TH, 10.0) for r in state.ranks.values()} == {"running"}
+    # no news at all afterwards: the whole job went quiet together, and nobody is blamed
+    quiet = alerts_at(state, NOW + 3.0)
+    assert [(a.kind, a.severity, a.ranks) for a in quiet] == [("silent", "warning", ())]
+
+
+def test_slow_rank_needs_a_lasting_difference_not_one_noisy_step() -> None:
+    state = ServerState(started=NOW - 100)
+    for step in range(1, 40):
+        waits = [0.02, 0.02, 0.02]
+        if step == 39:
+            waits[2] = 0.0  # one step where rank 2 happened to arrive last
+        feed(
+            state,
+            NOW - (40 - step) * 0.05,
+            *(beat(r, step=step, collective_time_s=w) for r, w in enumerate(waits)),
+        )
+    assert alerts_at(state, NOW) == []

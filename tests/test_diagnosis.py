@@ -679,8 +679,8 @@ def test_step_skew_after_a_pause_uses_the_current_step_rate() -> None:
 
 
 def test_slow_rank() -> None:
-    state = job(4, avg_step_time_s=0.2, collective_time_s=0.1)
-    state.ranks[3] = rank(3, avg_step_time_s=0.2, collective_time_s=0.01)
+    state = job(4, avg_step_time_s=0.2, avg_collective_time_s=0.1)
+    state.ranks[3] = rank(3, avg_step_time_s=0.2, avg_collective_time_s=0.01)
     alert = only(diagnose(state, NOW, TH), "slow_rank")
     assert alert.ranks == (3,)
     assert alert.message == (
@@ -698,7 +698,7 @@ def test_slow_rank() -> None:
 )
 def test_slow_rank_quiet(times: tuple[float, ...]) -> None:
     state = state_of(
-        *(rank(r, avg_step_time_s=0.2, collective_time_s=t) for r, t in enumerate(times))
+        *(rank(r, avg_step_time_s=0.2, avg_collective_time_s=t) for r, t in enumerate(times))
     )
     assert rule_slow_rank(state, NOW, TH) == []
 

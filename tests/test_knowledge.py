@@ -758,12 +758,19 @@ def _run_job(scenario: str, nproc: int, env: dict[str, str] | None = None) -> di
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     cmd += ["--master-addr=127.0.0.1", f"--master-port={free_port_pair()}", str(JOB), scenario]
     done = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=120)
-    caught: dict[int, dict] = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("CAUGHT "):
-            record = json.loads(line.removeprefix("CAUGHT "))
-            caught[record["rank"]] = record
-    return caught
+    return {record["rank"]: record for record in _records(done.stdout)}
+
+
+def _records(output: str) -> list[dict]:
+    """Every ``CAUGHT {json}`` record in the output, wherever the line breaks fell."""
+    decoder = json.JSONDecoder()
+    records = []
+    for chunk in output.split("CAUGHT ")[1:]:
+        try:
+            records.append(decoder.raw_decode(chunk)[0])
+        except json.JSONDecodeError:
+            continue
+    return records
 
 
 def _as_error(record: dict) -> ErrorInfo:
@@ -826,12 +833,7 @@ def test_a_missing_rank_is_counted() -> None:
         for rank in (0, 1)
     ]
     outputs = [proc.communicate(timeout=120)[0] for proc in procs]
-    records = [
-        json.loads(line.removeprefix("CAUGHT "))
-        for out in outputs
-        for line in out.splitlines()
-        if line.startswith("CAUGHT ")
-    ]
+    records = [record for out in outputs for record in _records(out)]
     by_rank = {record["rank"]: _as_error(record) for record in records}
     host = explain_error(by_rank[0])
     assert host is not None and host.name == "store_clients_timeout"

@@ -33,7 +33,10 @@ def report(rank: int, err: BaseException) -> None:
         "message": str(err),
         "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__)),
     }
-    print("CAUGHT " + json.dumps(caught), flush=True)
+    sys.stdout.flush()
+    # one write: ranks raising in the same millisecond share the pipe, and print() writes the
+    # text and its newline separately, so two records could end up on one line
+    os.write(1, ("CAUGHT " + json.dumps(caught) + "\n").encode())
 
 
 def size(rank: int) -> int:

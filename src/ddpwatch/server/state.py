@@ -104,6 +104,8 @@ class RankRecord:
     collectives: CollectiveCounts | None = None
     """How many collectives the rank had entered at its last sample (the attribution evidence)."""
     sample_seen: float | None = None  # when its last sample arrived
+    avg_collective_time_s: float | None = None
+    """Collective wait per step, averaged over the steps heartbeats saw (one step is noisy)."""
     step_marks: dict[int, int] = field(default_factory=dict)
     """Python-level collectives entered by the end of marked steps (every MARK_EVERY-th)."""
     forwards: int | None = None
@@ -204,8 +206,15 @@ def _apply_sample(
 ) -> None:
     """``values``: ``msgspec.structs.astuple(sample)``."""
     moved = sample.step is not None and sample.step != record.step
-    if moved or (sample.forwards is not None and sample.forwards != record.forwards):
-        record.last_progress = now  # a forward pass is progress too: evaluation has no steps
+    if (
+        moved
+        or (sample.forwards is not None and sample.forwards != record.forwards)
+        or _left_collective(record.collective, sample.collective)
+        or _entered_more(record.collectives, sample.collectives)
+    ):
+        # a forward pass is progress too (evaluation has no steps), and so are collectives:
+        # a rank that came out of one, or entered new ones, has not stalled
+        record.last_progress = now
     if moved:
         record.last_step_at = now
         if not record.finished:
@@ -216,6 +225,10 @@ def _apply_sample(
     record.collective = sample.collective
     record.collective_seen = now if sample.collective is not None else None
     record.sample_seen = now
+    if moved and sample.collective_time_s is not None:
+        avg = record.avg_collective_time_s
+        value = sample.collective_time_s
+        record.avg_collective_time_s = value if avg is None else avg + 0.2 * (value - avg)
     counts = sample.collectives
     if counts is not None and counts.marks:
         marks = record.step_marks
@@ -236,6 +249,19 @@ def _apply_sample(
                 now, sample.step, sample.step_time_s, sample.loss, sample.mem_allocated_bytes
             )
         )
+
+
+def _left_collective(before: Collective | None, now: Collective | None) -> bool:
+    """The rank was in a collective at its last sample and is out of it, or in another."""
+    if before is None:
+        return False
+    return now is None or (now.op, now.seq, now.source) != (before.op, before.seq, before.source)
+
+
+def _entered_more(before: CollectiveCounts | None, now: CollectiveCounts | None) -> bool:
+    if before is None or now is None:
+        return False
+    return now.py != before.py or (now.fr != before.fr and now.fr is not None)
 
 
 def _apply_event(record: RankRecord, event: Event, now: float) -> None:

@@ -161,11 +161,31 @@ def _no_root_alerts(cascade: Cascade, now: float, th: Thresholds) -> list[Alert]
     return [alert("crashed", "error", [], affected, message, hint)]
 
 
+def _together_alert(records: list[RankRecord], now: float) -> Alert:
+    """Every rank went quiet within a heartbeat or two, none reporting a failure or exit."""
+    ranks = sorted(r.rank for r in records)
+    last = max(records, key=lambda r: r.last_seen)
+    steps = sorted({r.step for r in records if r.step is not None})
+    at = f" at step {steps[-1]}" if steps else ""
+    message = (
+        f"all {len(ranks)} ranks stopped reporting {seconds(now - last.last_seen)} ago, within "
+        f"a heartbeat of each other{at}, and none reported an exit or a failure"
+    )
+    hint = (
+        "nothing tells one rank from another: the job was killed as a whole (the scheduler, "
+        "kill -9, a node going down) or the network between the job and ddpwatch failed; "
+        "check the launcher's log"
+    )
+    return alert("silent", "warning", [], ranks, message, hint)
+
+
 @rule("crashed", "exited", "silent")
 def rule_cascade(f: Facts) -> list[Alert]:
     """Name the ranks that failed first; list everything that failed because of them."""
     now, th = f.now, f.th
     cascade = f.cascade
+    if cascade.together:
+        return [_together_alert(cascade.together, now)]
     if not cascade.roots:
         return _no_root_alerts(cascade, now, th)
     first, *others = cascade.roots

@@ -198,6 +198,8 @@ class Cascade:
     """Ranks that died of a collective mismatch: the mismatch rule decides who caused it."""
     missing: list[int] = field(default_factory=list)
     """Ranks of the world that never connected: the ones a rendezvous timeout waited for."""
+    together: list[RankRecord] = field(default_factory=list)
+    """Every rank fell silent at once with no failure: the job or the path to us is gone."""
 
 
 def _crash_key(error: ErrorInfo, signature: Signature | None) -> tuple[str, str]:
@@ -293,6 +295,12 @@ def find_cascade(facts: Facts) -> Cascade:
         # nothing else failed of its own accord: the ranks that left early broke the others
         for record in clean:
             _group(primary, ("exit", "clean"), "exited", record, record.exit_time or now)
+    together: list[RankRecord] = []
+    failed = primary or symptoms or stopped or mismatched or timeouts
+    if len(silent) >= 2 and not failed and not facts.live:
+        seen = [r.last_seen for r in silent]
+        if max(seen) - min(seen) <= 2 * facts.th.interval + 0.5:
+            together, silent = silent, []  # nobody to tell apart: no culprit
     if silent:
         # A rank that still sent heartbeats after another one failed was alive when the
         # cascade began (the launcher killed it later): a victim, not a second root.
@@ -323,7 +331,8 @@ def find_cascade(facts: Facts) -> Cascade:
     else:
         roots = list(timeouts.values())
     roots.sort(key=lambda root: (root.time, min(root.ranks)))
-    return Cascade(roots, symptoms, stopped, blocked, mismatched, missing_ranks(facts.state))
+    missing = missing_ranks(facts.state)
+    return Cascade(roots, symptoms, stopped, blocked, mismatched, missing, together)
 
 
 @lru_cache(maxsize=1024)

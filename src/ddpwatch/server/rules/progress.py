@@ -99,7 +99,8 @@ def rule_slow_rank(f: Facts) -> list[Alert]:
     """The rank the others wait for every step: its own collective wait is far shorter.
 
     Conservative on purpose: a healthy job must stay silent, so the slow rank must
-    stand out clearly and collectives must be a real share of the step.
+    stand out clearly in waits averaged over steps (one step's wait jitters by milliseconds
+    on a busy host), and collectives must be a real share of the step.
     """
     now = f.now
     stall_after = f.stall_after
@@ -107,22 +108,22 @@ def rule_slow_rank(f: Facts) -> list[Alert]:
         r
         for r in f.live
         if r.avg_step_time_s is not None
-        and r.collective_time_s is not None
+        and r.avg_collective_time_s is not None
         and (r.collective is not None or now - r.last_progress <= stall_after)
     ]
     if len(ranks) < 3:
         return []
     step = statistics.median(r.avg_step_time_s or 0.0 for r in ranks)
-    wait = statistics.median(r.collective_time_s or 0.0 for r in ranks)
+    wait = statistics.median(r.avg_collective_time_s or 0.0 for r in ranks)
     if step <= 0 or wait < 0.2 * step or wait < 0.005:
         return []
     slow = sorted(
-        (r for r in ranks if (r.collective_time_s or 0.0) < 0.25 * wait), key=lambda r: r.rank
+        (r for r in ranks if (r.avg_collective_time_s or 0.0) < 0.25 * wait), key=lambda r: r.rank
     )
     if not slow or len(slow) > max(1, len(ranks) // 4):
         return []
-    slowest = min(slow, key=lambda r: (r.collective_time_s or 0.0, r.rank))
-    lost_ms = (wait - (slowest.collective_time_s or 0.0)) * 1000
+    slowest = min(slow, key=lambda r: (r.avg_collective_time_s or 0.0, r.rank))
+    lost_ms = (wait - (slowest.avg_collective_time_s or 0.0)) * 1000
     who = format_ranks(r.rank for r in slow)
     message = (
         f"{who} {verb(len(slow), 'is', 'are')} the slowest: the other ranks wait "
