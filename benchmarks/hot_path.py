@@ -9,18 +9,20 @@ baseline and the median round is reported, so load from other processes hits bot
 Measured: ``Progress.end_step``, ``ddpwatch.step`` attached and detached, the forward
 pre/post hooks of ``ModelHooks`` (called directly, and as the extra cost of calling a
 hooked module, which leaves ``nn.Module``'s no-hook fast path), the global optimizer step
-hooks (the extra cost of ``optimizer.step()``), and the collective wrapper around a no-op.
+hooks (the extra cost of ``optimizer.step()``), the collective wrapper around a no-op, and
+the ``Tensor.backward`` wrapper's own work (zero-code mode hands the loss over there).
 The publisher thread's heartbeat (flight-recorder read included) is timed too: it runs off
 the training thread but takes the GIL at 2 Hz.
 
 Part 2, no host-device synchronisation from the training thread.
 * CPU (always): ``Tensor.item``, ``tolist``, ``cpu``, ``numpy``, ``__float__``, ``__int__`` and
   ``__bool__`` are wrapped with counters while an attached DDP loop calls
-  ``ddpwatch.step(loss)`` every step with the heartbeat at 20 Hz. A call counts as
-  ddpwatch's when a ddpwatch frame is on the calling stack. The script asserts zero such
-  calls on the training thread, and more than zero on the publisher thread (which reads the
-  loss: so the counters do see ddpwatch's reads).
-* CUDA (only where ``torch.cuda.is_available()``): the same loop on the GPU inside
+  ``ddpwatch.step(loss)`` every step with the heartbeat at 20 Hz, then while a loop that
+  never calls it (zero-code: the loss is taken from ``loss.backward()``) runs. A call counts
+  as ddpwatch's when a ddpwatch frame is on the calling stack. The script asserts zero such
+  calls on the training thread, and more than zero on the publisher thread in each loop
+  (which reads the losses: so the counters do see ddpwatch's reads).
+* CUDA (only where ``torch.cuda.is_available()``): the same two loops on the GPU inside
   ``torch.cuda.set_sync_debug_mode("error")``, where any synchronising call raises.
 
 Prints ``RATIO`` lines: the hot-path cost of one step as a fraction of a 2 ms step.
@@ -106,10 +108,11 @@ def measure_calls(calls: int, rounds: int) -> tuple[dict[str, float], dict[str, 
 
     import ddpwatch
     from ddpwatch.agent.collectives import CollectiveWrappers
-    from ddpwatch.agent.hooks import ModelHooks
+    from ddpwatch.agent.hooks import BackwardLoss, ModelHooks
     from ddpwatch.agent.progress import Progress
 
     loss = torch.tensor(1.0)
+    graph_loss = (torch.ones(1, requires_grad=True) * 2).sum()  # detached when handed over
 
     progress = Progress()
     progress.on_step = None
@@ -129,6 +132,10 @@ def measure_calls(calls: int, rounds: int) -> tuple[dict[str, float], dict[str, 
 
     wrappers = CollectiveWrappers(progress)
     wrapped_noop = wrappers._wrap("all_reduce", _noop)
+
+    zero_code = Progress()
+    zero_code.step_mode = "optimizer"  # no ddpwatch.step(): backward() hands the loss over
+    backward_hook = BackwardLoss(zero_code)._before_backward
 
     def step_detached(value: Any) -> None:
         ddpwatch.step(value)
@@ -150,6 +157,12 @@ def measure_calls(calls: int, rounds: int) -> tuple[dict[str, float], dict[str, 
         ),
         "hooked module call, extra": (hooked_module, bare_module, (loss,), slow),
         "collective wrapper around a no-op": (wrapped_noop, _noop, (loss,), fast),
+        "Tensor.backward wrapper's hook (direct call)": (
+            backward_hook,
+            _noop,
+            (graph_loss,),
+            fast,
+        ),
     }
     devnull = open(os.devnull, "w")  # noqa: SIM115 - closed below
     tee = _stdout_tee(devnull)
@@ -330,7 +343,13 @@ def _train(model: Any, x: Any, steps: int, step_fn: Callable[[Any], None]) -> No
         step_fn(loss)
 
 
-def cpu_sync_proof(steps: int) -> SyncCounter:
+def _no_step(loss: Any) -> None:
+    """Zero-code mode: the loop never calls ``ddpwatch.step``."""
+
+
+def cpu_sync_proof(steps: int) -> dict[str, SyncCounter]:
+    """One counter per loop: ``ddpwatch.step(loss)`` each step, then zero-code (no model
+    hooks, no step call: the loss comes from the ``backward()`` wrapper)."""
     import torch
     from torch import nn
 
@@ -339,18 +358,23 @@ def cpu_sync_proof(steps: int) -> SyncCounter:
     _init_single_rank_group()
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 1)))
     x = torch.randn(32, 64)
-    counter = SyncCounter()
-    ddpwatch.attach(model, addr=f"127.0.0.1:{_free_port()}", interval=0.05)
-    try:
-        with counter.installed():
-            deadline = time.monotonic() + 0.6  # at least a dozen heartbeats
-            while time.monotonic() < deadline:
-                _train(model, x, max(10, steps // 10), ddpwatch.step)
-            _train(model, x, steps, ddpwatch.step)
-            time.sleep(0.15)  # let the publisher read the last loss
-    finally:
-        ddpwatch.detach()
-    return counter
+    counters: dict[str, SyncCounter] = {}
+    for name, hooked, step_fn in (
+        ("ddpwatch.step(loss)", model, ddpwatch.step),
+        ("zero-code, loss from backward()", None, _no_step),
+    ):
+        counter = counters[name] = SyncCounter()
+        ddpwatch.attach(hooked, addr=f"127.0.0.1:{_free_port()}", interval=0.05)
+        try:
+            with counter.installed():
+                deadline = time.monotonic() + 0.6  # at least a dozen heartbeats
+                while time.monotonic() < deadline:
+                    _train(model, x, max(10, steps // 10), step_fn)
+                _train(model, x, steps, step_fn)
+                time.sleep(0.15)  # let the publisher read the last loss
+        finally:
+            ddpwatch.detach()
+    return counters
 
 
 def cuda_sync_check(steps: int) -> str:
@@ -372,29 +396,38 @@ def cuda_sync_check(steps: int) -> str:
         model(x).pow(2).mean().backward()
         optimizer.step()
     torch.cuda.synchronize()
-    watcher = ddpwatch.attach(model, addr=f"127.0.0.1:{_free_port()}", interval=0.05)
-    try:
-        torch.cuda.set_sync_debug_mode("error")
+    seen: list[str] = []
+    verdict = "ok"
+    for name, hooked, step_fn in (
+        ("ddpwatch.step(loss)", model, ddpwatch.step),
+        ("zero-code", None, _no_step),
+    ):
+        watcher = ddpwatch.attach(hooked, addr=f"127.0.0.1:{_free_port()}", interval=0.05)
         try:
-            for _ in range(steps):
-                loss = model(x).pow(2).mean()
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                ddpwatch.step(loss)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for _ in range(steps):
+                    loss = model(x).pow(2).mean()
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    step_fn(loss)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+            time.sleep(0.3)  # a few heartbeats: the publisher copies and reads the losses
+            loss_seen = watcher.progress.loss.value if watcher is not None else None
+            faulted = bool(watcher is not None and watcher.publisher._faulted)
         finally:
-            torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-        time.sleep(0.3)  # a few heartbeats: the publisher copies and reads the loss
-        loss_seen = watcher.progress.loss.value if watcher is not None else None
-        faulted = bool(watcher is not None and watcher.publisher._faulted)
-    finally:
-        ddpwatch.detach()
-    verdict = "ok" if loss_seen is not None and not faulted else "CHECK"
+            ddpwatch.detach()
+        if loss_seen is None or faulted:
+            verdict = "CHECK"
+        seen.append(f"{name}: publisher read loss={loss_seen}, publisher fault={faulted}")
     return (
-        f"CUDA sync check: {steps} steps on {torch.cuda.get_device_name(device)} under "
+        f"CUDA sync check: {steps} steps twice on {torch.cuda.get_device_name(device)} under "
         f"set_sync_debug_mode('error'): no synchronising call on the training thread; "
-        f"publisher read loss={loss_seen}, publisher fault={faulted} ({verdict})"
+        + "; ".join(seen)
+        + f" ({verdict})"
     )
 
 
@@ -440,21 +473,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"RATIO hot path per step / 2 ms step = {per_step / (REFERENCE_STEP_S * 1e9):.5f}")
     print(f"RATIO heartbeat GIL time per second / 1 s = {full * 2 / 1e9:.4f}")
 
-    counter = cpu_sync_proof(args.sync_steps)
-    on_training = counter.ours_on("training")
-    on_publisher = counter.ours_on("other")
-    print(
-        "CPU sync proof: ddpwatch's calls of "
-        + "/".join(SYNC_METHODS)
-        + f" on the training thread: {on_training}; on the publisher thread: {on_publisher}"
-    )
-    for (thread, method), n in sorted(counter.ours.items()):
-        print(f"  {thread:<8} {method:<10} {n:>5}  first at {counter.where[(thread, method)]}")
-    user_calls = sum(n for (t, _), n in counter.total.items() if t == "training") - on_training
-    print(f"  (calls from the training loop itself and torch, not ddpwatch: {user_calls})")
+    ok = True
+    on_training = 0
+    for name, counter in cpu_sync_proof(args.sync_steps).items():
+        training = counter.ours_on("training")
+        on_publisher = counter.ours_on("other")
+        on_training += training
+        ok = ok and training == 0 and on_publisher > 0
+        print(
+            f"CPU sync proof, {name}: ddpwatch's calls of "
+            + "/".join(SYNC_METHODS)
+            + f" on the training thread: {training}; on the publisher thread: {on_publisher}"
+        )
+        for (thread, method), n in sorted(counter.ours.items()):
+            where = counter.where[(thread, method)]
+            print(f"  {thread:<8} {method:<10} {n:>5}  first at {where}")
+        user_calls = sum(n for (t, _), n in counter.total.items() if t == "training") - training
+        print(f"  (calls from the training loop itself and torch, not ddpwatch: {user_calls})")
     print(cuda_sync_check(args.sync_steps))
 
-    ok = on_training == 0 and on_publisher > 0
     print(f"RATIO training-thread syncs by ddpwatch = {on_training} ({'ok' if ok else 'FAILED'})")
     import torch.distributed as dist
 

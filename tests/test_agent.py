@@ -145,11 +145,13 @@ def test_steps_counted_from_optimizer_then_forward(receiver: Receiver, rank_env)
     # optimizer steps take over from forward counting without double counting
     assert watcher.progress.step_mode == "optimizer"
     assert watcher.progress.step == 4
-    ddpwatch.step()
-    assert watcher.progress.step_mode == "explicit"
+    ddpwatch.step()  # ends the step optimizer.step() counted: the user's step 4 is step 4
+    assert watcher.progress.step_mode == "explicit" and watcher.progress.step == 4
     model(torch.randn(2, 3))
     optimizer.step()
-    assert watcher.progress.step == 5  # hooks no longer count once step() is used
+    assert watcher.progress.step == 4  # hooks no longer count once step() is used
+    ddpwatch.step()
+    assert watcher.progress.step == 5
 
 
 def test_loss_found_in_model_output() -> None:

@@ -1,23 +1,28 @@
-"""Hooks into the training process: model, optimizer, exceptions, signals, exit.
+"""Hooks into the training process: model, optimizer, backward, exceptions, signals, exit.
 
 Every hook that runs on the training thread is a few attribute writes wrapped
 so that a fault inside ddpwatch can never reach the user's code. Everything
-installed here is undone by ``remove``.
+installed here is undone by ``remove`` (and the watcher's ``Patches.restore``).
 """
 
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
+import dis
 import logging
+import os
 import signal
 import sys
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
+from ddpwatch.agent.patches import Patches
 from ddpwatch.agent.progress import Progress
 from ddpwatch.protocol import ErrorInfo
 
@@ -98,6 +103,41 @@ class ModelHooks:
             pass
 
 
+class BackwardLoss:
+    """Zero-code loss: the scalar a rank calls ``backward()`` on is its step's loss.
+
+    Only while the user does not hand losses over with ``ddpwatch.step(loss)``, and only for
+    a step no model output or integration gave a loss for (it may be divided for gradient
+    accumulation, or have extra terms). Under a ``GradScaler`` the tensor backward sees is
+    the scaled loss; the wrapper of ``GradScaler.scale`` remembers the unscaled one.
+    """
+
+    def __init__(self, progress: Progress) -> None:
+        self._progress = progress
+        self._scaled: tuple[Any, Any] | None = None  # (weakref to scaled, unscaled detached)
+
+    def install(self, patches: Patches, torch: Any) -> None:
+        patches.wrap(torch.Tensor, "backward", before=self._before_backward)
+        scaler = getattr(getattr(torch, "amp", None), "GradScaler", None)
+        if scaler is not None:
+            patches.wrap(scaler, "scale", after=self._after_scale)
+
+    def _before_backward(self, tensor: Any, *args: Any, **kwargs: Any) -> None:
+        progress = self._progress
+        if progress.step_mode == "explicit" or tensor.ndim != 0 or not tensor.is_floating_point():
+            return
+        scaled = self._scaled
+        if scaled is not None and scaled[0]() is tensor:
+            tensor = scaled[1]
+            self._scaled = None
+        progress.loss.submit(tensor, fallback=True)
+
+    def _after_scale(self, result: Any, scaler: Any, outputs: Any, *args: Any) -> None:
+        if result is not outputs and getattr(outputs, "ndim", None) == 0:
+            # no graph kept: the unscaled loss is often a temporary, gone by backward()
+            self._scaled = (weakref.ref(result), outputs.detach())
+
+
 def error_info(
     exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
 ) -> ErrorInfo:
@@ -108,26 +148,58 @@ def error_info(
     )
 
 
-class ProcessHooks:
-    """Chained excepthooks, terminating-signal handlers and an atexit report.
+def exit_status(code: object) -> int:
+    """The status ``sys.exit(code)`` ends the process with, as ``subprocess`` reports it:
+    None is 0, an int is itself (modulo 256 on POSIX), anything else (a message) is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF if os.name == "posix" else int(code)
+    return 1
 
-    ``on_crash(error, thread_name)`` and ``on_exit(signal_name)`` are the
-    watcher's callbacks; each must return within about a second.
+
+def main_module_frame(frame: FrameType | None) -> FrameType | None:
+    """The outermost frame running the ``__main__`` module's own code, below ``frame``."""
+    found = None
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            found = frame
+        frame = frame.f_back
+    return found
+
+
+def finished_by_return(frame: FrameType) -> bool:
+    """Whether a finished frame ended at a return, not by an exception going through it."""
+    return dis.opname[frame.f_code.co_code[frame.f_lasti]].startswith("RETURN")
+
+
+class ProcessHooks:
+    """Chained excepthooks, terminating-signal handlers, exit wrappers and an atexit report.
+
+    ``on_crash(error, thread_name)`` and ``on_exit(signal_name, exit_code)`` are the
+    watcher's callbacks; each must return within about a second. An atexit handler cannot
+    see the exit code, so the ways out that can be seen (``sys.exit``, ``exit()``, an
+    uncaught exception, a signal) note it first; ``mark()`` (the step count) tells a noted
+    exit the program caught and carried on from, which is then forgotten.
     """
 
     def __init__(
         self,
         on_crash: Callable[[ErrorInfo, str | None], None],
-        on_exit: Callable[[str | None], None],
+        on_exit: Callable[[str | None, int | None], None],
+        mark: Callable[[], object] | None = None,
     ) -> None:
         self._on_crash = on_crash
         self._on_exit = on_exit
+        self._mark = mark or (lambda: None)
         self._prev_excepthook: Callable[..., Any] | None = None
         self._prev_thread_hook: Callable[..., Any] | None = None
         self._prev_signals: dict[int, Any] = {}
-        self._last_signal: str | None = None
+        self._noted: tuple[int | None, str | None, object] | None = None  # code, signal, mark
+        self._main_ident = threading.main_thread().ident
+        self._main_frame: FrameType | None = None
 
-    def install(self) -> None:
+    def install(self, patches: Patches | None = None) -> None:
         self._prev_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
         self._prev_thread_hook = threading.excepthook
@@ -136,6 +208,13 @@ class ProcessHooks:
         if threading.current_thread() is threading.main_thread():
             for sig in TERMINATING_SIGNALS:
                 self._install_signal(sig)
+            self._main_frame = main_module_frame(sys._getframe())
+        if patches is not None:
+            patches.wrap(sys, "exit", before=self._before_sys_exit)
+            patches.wrap(os, "_exit", before=self._before_os_exit)
+            quitter = type(getattr(builtins, "exit", None))
+            if quitter.__module__ == "_sitebuiltins":  # exit() and quit(), from site
+                patches.wrap(quitter, "__call__", before=self._before_quit)
 
     def remove(self) -> None:
         if sys.excepthook == self._excepthook:
@@ -149,6 +228,60 @@ class ProcessHooks:
                     signal.signal(sig, previous)
         self._prev_signals.clear()
 
+    def find_main_frame(self) -> None:
+        """Find the main script's frame from another thread (ranks attached before it ran)."""
+        if self._main_frame is None and self._main_ident is not None:
+            self._main_frame = main_module_frame(sys._current_frames().get(self._main_ident))
+
+    # what the process will exit with -------------------------------------------------
+    def note_exit(self, code: int | None, signal_name: str | None = None) -> None:
+        """Remember how the process is about to end. A code noted without a signal keeps the
+        signal noted just before it (a SIGTERM handler that calls ``sys.exit(0)``)."""
+        mark = self._mark()
+        noted = self._noted
+        if signal_name is None and noted is not None and noted[2] == mark:
+            signal_name = noted[1]
+        self._noted = (code, signal_name, mark)
+
+    def outcome(self) -> tuple[int | None, str | None]:
+        """(exit code, signal) at exit: what was noted unless the program went on since;
+        else 0 when the main script returned, None when it ended by an unseen SystemExit."""
+        noted = self._noted
+        code, signal_name = (None, None) if noted is None or noted[2] != self._mark() else noted[:2]
+        if code is None and self._main_returned() is not False:
+            code = 0
+        return code, signal_name
+
+    def _main_returned(self) -> bool | None:
+        frame = self._main_frame
+        if frame is None or frame.f_lasti < 0:
+            return None  # not known: assume it returned, the common case
+        try:
+            return finished_by_return(frame)
+        except (IndexError, AttributeError):
+            return None
+
+    def _on_main_thread(self) -> bool:
+        return threading.get_ident() == self._main_ident
+
+    def _before_sys_exit(self, status: object = None, *args: Any) -> None:
+        if self._on_main_thread():  # elsewhere it only ends that thread
+            self.note_exit(exit_status(status))
+
+    def _before_quit(self, quitter: Any, code: object = None, *args: Any) -> None:
+        if self._on_main_thread():
+            self.note_exit(exit_status(code))
+
+    def _before_os_exit(self, status: object = 0, *args: Any) -> None:
+        """``os._exit`` skips atexit: report now, bounded, and never stop it happening."""
+        try:
+            code = exit_status(status) if isinstance(status, int) else None
+            self.note_exit(code)
+            self._report_exit(self._noted[1] if self._noted else None, code)
+        except BaseException:  # a KeyboardInterrupt here must not cancel the exit
+            pass
+
+    # hooks -------------------------------------------------------------------------
     def _install_signal(self, sig: int) -> None:
         previous = signal.getsignal(sig)
         if previous is signal.SIG_IGN or previous is None:
@@ -159,7 +292,11 @@ class ProcessHooks:
     def _excepthook(
         self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
     ) -> None:
-        if not issubclass(exc_type, KeyboardInterrupt):
+        if issubclass(exc_type, KeyboardInterrupt):
+            # Python ends by killing itself with SIGINT: -2 as subprocess reports it
+            self.note_exit(-int(signal.SIGINT) if os.name == "posix" else 1, "SIGINT")
+        else:
+            self.note_exit(1)
             self._report_crash(error_info(exc_type, exc, tb), None)
         (self._prev_excepthook or sys.__excepthook__)(exc_type, exc, tb)
 
@@ -175,22 +312,25 @@ class ProcessHooks:
         except Exception as exc:
             log.debug("ddpwatch: could not report crash: %s", exc)
 
+    def _report_exit(self, signal_name: str | None, code: int | None) -> None:
+        try:
+            self._on_exit(signal_name, code)
+        except Exception as exc:
+            log.debug("ddpwatch: could not report exit: %s", exc)
+
     def _signal_handler(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
-        self._last_signal = name
         previous = self._prev_signals.get(signum, signal.SIG_DFL)
         if callable(previous):
-            previous(signum, frame)  # the program may survive this: report at exit, if ever
+            # the program's own handler decides: it may exit (noted then) or go on
+            self.note_exit(None, name)
+            previous(signum, frame)
             return
-        try:
-            self._on_exit(name)
-        except Exception as exc:
-            log.debug("ddpwatch: could not report signal: %s", exc)
+        self.note_exit(-signum, name)
+        self._report_exit(name, -signum)
         signal.signal(signum, signal.SIG_DFL)  # die exactly as without ddpwatch
         signal.raise_signal(signum)
 
     def _atexit(self) -> None:
-        try:
-            self._on_exit(self._last_signal)
-        except Exception as exc:
-            log.debug("ddpwatch: could not report exit: %s", exc)
+        code, signal_name = self.outcome()
+        self._report_exit(signal_name, code)

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from ddpwatch.agent.loss import LossReader
 from ddpwatch.protocol import MARK_EVERY, Collective
 
 EMA_WEIGHT = 0.1
@@ -47,7 +48,7 @@ class Progress:
         self.collective_time_s: float | None = None
         self.failed_collective: Collective | None = None  # the collective an exception left
         self.waiting_for_data = False
-        self.loss = LossReader()
+        self.loss = LossReader(self)
         self.on_step: Callable[[], object] | None = None  # e.g. note the CUDA device, now and then
 
     # training thread -------------------------------------------------------
@@ -69,9 +70,12 @@ class Progress:
         elif mode != self.step_mode:
             if mode != "explicit":
                 return
-            self.step_mode = mode  # an explicit call overrides counting by hooks
+            self.step_mode = mode  # an explicit call overrides counting by hooks,
+            if self.step:  # and ends the step they counted already: step(loss) N is step N
+                self.step -= 1
         if loss is not None:
-            self.loss.submit(loss)  # first: a heartbeat never pairs step N with loss N-1
+            # first: a heartbeat never pairs step N with loss N-1; it is the ending step's
+            self.loss.submit(loss, 1 if self.step is None else self.step + 1)
         now = time.perf_counter()
         if self.last_step_end is not None:
             elapsed = now - self.last_step_end
@@ -143,62 +147,6 @@ class Progress:
     def idle_for(self) -> float:
         """Seconds since the rank last moved: a step ended or its phase changed."""
         return time.perf_counter() - max(self.last_progress, self.phase_changed)
-
-
-class LossReader:
-    """Hands a loss from the training thread to the publisher without a GPU sync.
-
-    The training thread only stores a reference. The publisher copies a CUDA
-    loss to the host asynchronously and reads it once the copy's event has
-    completed, so neither thread ever waits for the GPU.
-    """
-
-    def __init__(self) -> None:
-        self._pending: Any = None
-        self._copy: Any = None
-        self._event: Any = None
-        self.value: float | None = None
-
-    def submit(self, loss: Any) -> None:
-        self._pending = loss
-
-    def poll(self) -> float | None:
-        """Latest loss value that can be read without waiting (publisher thread)."""
-        if self._event is not None and self._event.query():
-            self._keep(_as_float(self._copy))
-            self._event = self._copy = None
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return self.value
-        if isinstance(pending, (int, float)):
-            self.value = float(pending)
-        elif getattr(pending, "is_cuda", False):
-            if self._event is None:
-                self._start_copy(pending)
-        elif hasattr(pending, "detach"):
-            self._keep(_as_float(pending))
-        return self.value
-
-    def _keep(self, value: float | None) -> None:
-        if value is not None:  # a non-scalar "loss" leaves the last good value
-            self.value = value
-
-    def _start_copy(self, tensor: Any) -> None:
-        import torch
-
-        with torch.cuda.device(tensor.device):
-            self._copy = tensor.detach().to("cpu", non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-
-def _as_float(tensor: Any) -> float | None:
-    try:
-        if tensor.numel() != 1:
-            return None
-        return float(tensor.detach().float().item())
-    except (RuntimeError, ValueError, TypeError):
-        return None
 
 
 def _describe(tensor: Any) -> tuple[list[int] | None, str | None]:

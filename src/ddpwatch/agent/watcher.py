@@ -15,7 +15,7 @@ from typing import Any
 
 from ddpwatch.agent.auto import after_import
 from ddpwatch.agent.collectives import CollectiveWrappers, FlightRecorder, ensure_flight_recorder
-from ddpwatch.agent.hooks import ModelHooks, ProcessHooks
+from ddpwatch.agent.hooks import BackwardLoss, ModelHooks, ProcessHooks
 from ddpwatch.agent.identity import RankIdentity, identity_from_env, refresh_from_torch
 from ddpwatch.agent.logtail import LogTail
 from ddpwatch.agent.patches import Patches
@@ -26,6 +26,7 @@ from ddpwatch.protocol import (
     DEFAULT_PORT,
     PROTOCOL_VERSION,
     AnyMessage,
+    Collective,
     CollectiveCounts,
     ErrorInfo,
     Event,
@@ -41,7 +42,8 @@ IDENTITY_EVERY = 10
 """Heartbeats carry the identity when it changed, after each new connection, and at least
 every this many beats (a safety net); the server keeps the last one it was told."""
 STACK_AFTER_S = 5.0  # half the server's default stall threshold
-CRASH_FLUSH_S = 1.0
+CRASH_FLUSH_S = 1.0  # the most a crash or an exit waits for its report to leave
+FINAL_SAMPLE_WAIT_S = 0.1  # for a heartbeat being built on the publisher thread
 
 
 def resolve_endpoint(addr: str | None = None, environ: dict[str, str] | None = None) -> str:
@@ -71,7 +73,12 @@ class Watcher:
         self._model_hooks = ModelHooks(self.progress)
         self._wrappers = CollectiveWrappers(self.progress)
         self._flight_recorder: FlightRecorder | None = None
-        self._process_hooks = ProcessHooks(self._report_crash, self._report_exit)
+        self._backward_loss = BackwardLoss(self.progress)
+        self._process_hooks = ProcessHooks(
+            self._report_crash, self._report_exit, mark=lambda: self.progress.step
+        )
+        self._beat_lock = threading.Lock()  # one sample built at a time (heartbeat or exit)
+        self._final_sent = False
         self._patches = Patches()
         self._log_tail = LogTail()
         self._next_log = 0.0
@@ -92,7 +99,7 @@ class Watcher:
     # lifecycle -------------------------------------------------------------
     def start(self) -> None:
         self._hook_torch()
-        self._process_hooks.install()
+        self._process_hooks.install(self._patches)
         if os.environ.get("DDPWATCH_LOG_TAIL", "1") != "0":
             self._log_tail.install()
         self.publisher.start()
@@ -198,6 +205,7 @@ class Watcher:
             torch.cuda, "set_device", before=self._before_set_device, after=self._after_set_device
         )
         patches.wrap(torch, "save", before=self._before_save)
+        self._backward_loss.install(patches, torch)  # zero-code loss: what backward() is run on
         self._wrap_model_class(torch.nn.parallel, "DistributedDataParallel")
         after_import(
             "torch.distributed.fsdp",
@@ -249,15 +257,17 @@ class Watcher:
         note_current_device()  # on the training thread: its set_device has happened
 
     def _learn_rank(self, init: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Ranks started by ``mp.spawn`` learn their rank from init_process_group's arguments."""
+        """Rank and world size given to init_process_group are what the group will use: ranks
+        started by ``mp.spawn`` learn them here, and a world size that differs from the
+        launcher's (a rank the launcher never starts) is seen while the rendezvous waits."""
         try:
             bound = inspect.signature(init).bind_partial(*args, **kwargs).arguments
         except (TypeError, ValueError):
             return
         rank, world_size = bound.get("rank", -1), bound.get("world_size", -1)
-        if self.identity.rank is None and isinstance(rank, int) and rank >= 0:
+        if isinstance(rank, int) and rank >= 0:
             self.identity.rank = rank
-        if self.identity.world_size is None and isinstance(world_size, int) and world_size > 0:
+        if isinstance(world_size, int) and world_size > 0:
             self.identity.world_size = world_size
 
     def _on_group_ready(self) -> None:
@@ -294,10 +304,30 @@ class Watcher:
 
     def _heartbeat(self) -> list[AnyMessage]:
         """Build this beat's sample, plus a stack event when the rank has not moved."""
+        with self._beat_lock:
+            sample = self._sample()
+        if sample is None:
+            return []
+        self._process_hooks.find_main_frame()  # once found, a no-op
+        progress = self.progress
+        messages: list[AnyMessage] = [sample]
+        now = time.monotonic()
+        if now >= self._next_log:
+            self._next_log = now + LOG_EVERY_S
+            messages.extend(self._new_output())
+        stack = self._stack_if_stuck()
+        if stack is not None:
+            messages.append(
+                self._event("stack", stack=stack, phase=progress.phase, step=progress.step)
+            )
+        return messages
+
+    def _sample(self) -> Sample | None:
+        """The rank's measurements now; None while it does not know which rank it is."""
         if not self._dist_ready and self._dist is not None and self._dist.is_initialized():
             self._on_group_ready()
         if self.identity.rank is None and time.monotonic() - self._started < RANK_WAIT_S:
-            return []  # which rank this is comes with init_process_group; a lone process is rank 0
+            return None  # which rank this is comes with init_process_group; lone: rank 0
         progress = self.progress
         if progress.step is not None and progress.phase in ("started", "setup", "first_step"):
             progress.set_phase("train")
@@ -314,7 +344,8 @@ class Watcher:
             else None
         )
         identity = {**self._identity_fields(), **device.as_fields()}
-        sample = Sample(
+        loss = progress.loss.poll()
+        return Sample(
             v=PROTOCOL_VERSION,
             rank=self.rank,
             t=time.time(),
@@ -322,7 +353,8 @@ class Watcher:
             **memory_info(device).as_fields(),
             phase=progress.phase,
             step=progress.step,
-            loss=progress.loss.poll(),
+            loss=loss,
+            nan_step=progress.loss.nan_step,
             step_time_s=progress.step_time_s,
             avg_step_time_s=progress.avg_step_time_s,
             data_wait_s=progress.data_wait_s,
@@ -331,17 +363,6 @@ class Watcher:
             collectives=counts,
             forwards=progress.forwards or None,
         )
-        messages: list[AnyMessage] = [sample]
-        now = time.monotonic()
-        if now >= self._next_log:
-            self._next_log = now + LOG_EVERY_S
-            messages.extend(self._new_output())
-        stack = self._stack_if_stuck()
-        if stack is not None:
-            messages.append(
-                self._event("stack", stack=stack, phase=progress.phase, step=progress.step)
-            )
-        return messages
 
     def _stack_if_stuck(self) -> str | None:
         """The main thread's stack once idle for ``stack_after``; sent only when it changed."""
@@ -365,15 +386,43 @@ class Watcher:
         return Event(v=PROTOCOL_VERSION, rank=self.rank, t=time.time(), event=kind, **fields)
 
     # process hooks -----------------------------------------------------------
+    def _final_collective(self) -> Collective | None:
+        """The collective the main thread failed in or is inside now, if any."""
+        progress = self.progress
+        return progress.failed_collective or progress.in_flight()
+
+    def _publish_final_sample(self) -> None:
+        """One last sample before a crash or exit event (after one, it would revive a dead
+        rank's collective timer): the loss that went NaN a step before the end is in it."""
+        if self._final_sent:
+            return
+        self._final_sent = True
+        try:
+            if not self._beat_lock.acquire(timeout=FINAL_SAMPLE_WAIT_S):
+                return
+            try:
+                sample = self._sample()
+            finally:
+                self._beat_lock.release()
+            if sample is not None:
+                self.publisher.publish(sample)
+        except Exception as exc:
+            log.debug("ddpwatch: no final sample: %r", exc)
+
     def _report_crash(self, error: ErrorInfo, thread_name: str | None) -> None:
         if not self.active or os.getpid() != self._pid:
             return
         for message in self._new_output():  # the last lines before the crash
             self.publisher.publish(message)
         if thread_name is None:
+            self._publish_final_sample()
             self.publisher.publish(
                 self._event(
-                    "crash", error=error, phase=self.progress.phase, step=self.progress.step
+                    "crash",
+                    error=error,
+                    phase=self.progress.phase,
+                    step=self.progress.step,
+                    collective=self._final_collective(),
                 )
             )
         else:
@@ -381,14 +430,25 @@ class Watcher:
             self.publisher.publish(self._event("log", error=error, text=text))
         self.publisher.flush(CRASH_FLUSH_S)
 
-    def _report_exit(self, signal_name: str | None) -> None:
+    def _report_exit(self, signal_name: str | None, exit_code: int | None) -> None:
+        """The exit event (once), sent within ``CRASH_FLUSH_S``: from atexit, a terminating
+        signal, or ``os._exit`` (which runs no atexit handler)."""
         if self._exited or not self.active or os.getpid() != self._pid:
             return
         self._exited = True
         for message in self._new_output():  # lines printed since the last heartbeat
             self.publisher.publish(message)
-        self.publisher.publish(self._event("exit", signal=signal_name, step=self.progress.step))
-        self.publisher.stop(CRASH_FLUSH_S + 0.5)
+        self._publish_final_sample()
+        self.publisher.publish(
+            self._event(
+                "exit",
+                signal=signal_name,
+                exit_code=exit_code,
+                step=self.progress.step,
+                collective=self._final_collective(),
+            )
+        )
+        self.publisher.stop(CRASH_FLUSH_S)
 
 
 def main_thread_stack(thread_id: int | None) -> str | None:
