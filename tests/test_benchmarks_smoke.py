@@ -70,3 +70,9 @@ def test_alert_latency_tiny() -> None:
     out = run_benchmark("alert_latency.py", "--reps", "1")
     for kind in ("stalled", "silent", "straggler"):
         assert f"RATIO {kind} latency beyond threshold" in out
+
+
+def test_diagnosis_tiny() -> None:
+    out = run_benchmark("diagnosis.py", "--reps", "1", "--modes", "raise")
+    assert "RATIO diagnosis right_culprit=" in out
+    assert "raise" in out

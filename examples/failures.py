@@ -1,0 +1,272 @@
+"""One DDP job, one real failure mode from users' public bug reports, chosen by ``--mode``.
+
+    torchrun --nproc-per-node 3 examples/failures.py --mode exit-zero
+    torchrun --nproc-per-node 2 examples/failures.py --mode missing-rank   # world size 3
+
+Every mode is a bug people reported against PyTorch, Lightning, DeepSpeed or Accelerate (the
+issue is cited at each mode below); ``benchmarks/diagnosis.py`` runs them all under a real
+server and scores whether ddpwatch names the right rank. Just before it injects its fault,
+the faulty rank (or its data-loader worker) prints one line, so a harness can time
+detection from it::
+
+    DDPWATCH_FAULT rank=<r> t=<time.time()>
+
+The training loop is what real scripts do: a DataLoader, a DDP model, the loss all-reduced
+for logging every step (an explicit collective besides DDP's own gradient all-reduce),
+``optimizer.step()`` and ``ddpwatch.step(loss)``, then a final ``dist.barrier()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+import ddpwatch
+
+# mode -> (faulty rank, step of the fault): defaults chosen so each run stays short
+DEFAULTS: dict[str, tuple[int, int]] = {
+    "healthy": (1, 0),
+    # Lightning #379: an early-stopping decision met on one rank only stops that process and
+    # the others hang (https://github.com/Lightning-AI/pytorch-lightning/issues/379)
+    "exit-early": (1, 50),
+    # PyTorch #138322: a rank with nothing left to do returns (exit code 0) and the others
+    # hang in their barrier (https://github.com/pytorch/pytorch/issues/138322)
+    "exit-zero": (1, 20),
+    # PyTorch #41067: the launcher keeps waiting while the surviving ranks block on one that
+    # is already gone (https://github.com/pytorch/pytorch/issues/41067); os._exit runs no
+    # exception hook and no atexit handler
+    "os-exit": (1, 20),
+    # Lightning #5243 / PR #5359: a NaN/invalid loss on one DDP process poisons the others
+    # through the gradient all-reduce (https://github.com/Lightning-AI/pytorch-lightning/issues/5243)
+    "nan": (1, 15),
+    # DeepSpeed #4488: one rank busy for a long time (a dataset map) while the others wait in
+    # a barrier (https://github.com/deepspeedai/DeepSpeed/issues/4488)
+    "barrier-sleep": (1, 20),
+    # Lightning #7773: all_gather of tensors with different sizes per rank freezes or fails,
+    # and gloo refuses uneven sizes (PyTorch #156627)
+    # (https://github.com/Lightning-AI/pytorch-lightning/issues/7773)
+    "allgather-size": (2, 20),
+    # Lightning #19045 (fixed by PR #19056): self.log(..., sync_dist=True) called on rank 0
+    # only deadlocks (https://github.com/Lightning-AI/pytorch-lightning/pull/19056)
+    "rank0-only-collective": (0, 20),
+    # Accelerate #1359 / #2690: the main process saves or downloads alone while the others
+    # wait in wait_for_everyone() (https://github.com/huggingface/accelerate/issues/1359,
+    # https://github.com/huggingface/accelerate/issues/2690)
+    "rank0-checkpoint": (0, 20),
+    # PyTorch #87995: one rank hangs in its DataLoader, all others wait in all_reduce
+    # (https://github.com/pytorch/pytorch/issues/87995)
+    "dataloader-hang": (1, 20),
+    # PyTorch #8976: "DataLoader worker (pid N) is killed by signal: Killed" in DDP training
+    # (https://github.com/pytorch/pytorch/issues/8976)
+    "dataloader-killed": (1, 20),
+    # PyTorch #43259: "Expected to have finished reduction in the prior iteration ...
+    # Parameter indices which did not receive grad for rank N"
+    # (https://github.com/pytorch/pytorch/issues/43259)
+    "unused-params": (1, 20),
+    # PyTorch #44353: catching an OOM on one rank and skipping the batch desyncs the
+    # collectives (https://github.com/pytorch/pytorch/issues/44353)
+    "skipped-batch": (1, 20),
+    # Lightning #8130: one DDP process raises and the script hangs
+    # (https://github.com/Lightning-AI/pytorch-lightning/issues/8130)
+    "raise": (1, 20),
+    # PyTorch #52848: init_process_group hangs when the world size says more ranks than were
+    # started (https://github.com/pytorch/pytorch/issues/52848)
+    "missing-rank": (2, 0),
+}
+MODES = tuple(DEFAULTS)
+
+
+def fault_line(rank: int) -> None:
+    """Tell the harness when the fault begins (the faulty rank's own clock)."""
+    print(f"DDPWATCH_FAULT rank={rank} t={time.time()!r}", flush=True)
+
+
+class Samples(Dataset[torch.Tensor]):
+    """Synthetic samples; on the faulty rank one index blocks or kills the worker."""
+
+    def __init__(self, size: int, width: int, seed: int, bad_index: int, how: str) -> None:
+        self.data = torch.randn(size, width, generator=torch.Generator().manual_seed(seed))
+        self.bad_index = bad_index
+        self.how = how
+        self.rank = seed
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index == self.bad_index:
+            fault_line(self.rank)
+            if self.how == "dataloader-hang":
+                while True:  # a read that never returns (a dead NFS mount, a stuck decoder)
+                    time.sleep(3600)
+            os.kill(os.getpid(), signal.SIGKILL)  # the kernel's OOM killer, as users see it
+        return self.data[index]
+
+
+class Net(nn.Module):
+    """A small MLP with an auxiliary head that one rank may skip (``unused-params``)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+        self.aux = nn.Linear(width, width)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, use_aux: bool = True) -> torch.Tensor:
+        h = self.body(x)
+        if use_aux:
+            h = h + self.aux(h)
+        return self.head(h)
+
+
+def solo_work(model: nn.Module, seconds: float) -> None:
+    """Real work on one rank only: serialize the model again and again, as a slow save does."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)
+        torch.load(io.BytesIO(buffer.getvalue()))
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mode", choices=MODES, default="healthy")
+    parser.add_argument("--rank", type=int, help="the faulty rank (default: per mode)")
+    parser.add_argument("--at", type=int, help="the step of the fault (default: per mode)")
+    parser.add_argument("--steps", type=int, help="steps per rank (default: at + 30, min 60)")
+    parser.add_argument("--step-time", type=float, help="extra seconds per step (0.03; nan 0.01)")
+    parser.add_argument("--sleep", type=float, help="barrier-sleep 20 s, rank0-checkpoint 25 s")
+    parser.add_argument("--world-size", type=int, default=3, help="missing-rank: the wrong size")
+    parser.add_argument(
+        "--init-timeout", type=float, default=30.0, help="missing-rank: rendezvous timeout (s)"
+    )
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8)
+    args = parser.parse_args(argv)
+    default_rank, default_at = DEFAULTS[args.mode]
+    args.rank = default_rank if args.rank is None else args.rank
+    args.at = default_at if args.at is None else args.at
+    args.steps = args.steps or max(60, args.at + 30)
+    if args.step_time is None:
+        args.step_time = 0.01 if args.mode == "nan" else 0.03
+    if args.sleep is None:
+        args.sleep = 25.0 if args.mode == "rank0-checkpoint" else 20.0
+    return args
+
+
+def init(args: argparse.Namespace, me: int) -> None:
+    if args.mode == "missing-rank":
+        # the script's own config says 3 ranks where the launcher started 2: the rendezvous
+        # waits for a rank that never comes, until the timeout
+        if me == 0:
+            fault_line(args.rank)
+        dist.init_process_group(
+            "gloo",
+            rank=me,
+            world_size=args.world_size,
+            timeout=timedelta(seconds=args.init_timeout),
+        )
+    else:
+        dist.init_process_group("gloo")
+
+
+def train(args: argparse.Namespace) -> int:
+    """The training loop with the fault; returns the exit code for ``sys.exit``."""
+    ddpwatch.attach()
+    me = int(os.environ.get("RANK", 0))
+    init(args, me)
+    mode, faulty = args.mode, me == args.rank
+    torch.manual_seed(0)
+    model = Net(args.width)
+    ddp = DistributedDataParallel(model)
+    ddpwatch.attach(ddp)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    workers = 1 if mode.startswith("dataloader") else 0
+    bad = args.at * args.batch if faulty and mode.startswith("dataloader") else -1
+    data = Samples(args.steps * args.batch, args.width, me, bad, mode)
+    loader = DataLoader(data, batch_size=args.batch, num_workers=workers)
+    batches = iter(loader)
+    for step in range(1, args.steps + 1):
+        x = next(batches)
+        at_fault = faulty and step == args.at
+        if at_fault and mode in ("exit-early", "exit-zero", "os-exit", "raise", "skipped-batch"):
+            fault_line(me)
+            if mode == "exit-early":
+                sys.exit(3)  # "should stop" decided on this rank alone
+            if mode == "exit-zero":
+                return 0  # leaves the loop and skips the final barrier
+            if mode == "os-exit":
+                os._exit(3)
+            if mode == "raise":
+                raise RuntimeError(f"injected failure on rank {me} at step {step}")
+            try:
+                raise ValueError(f"corrupt sample in batch {step}")
+            except ValueError as exc:  # the rank skips this batch: one collective behind
+                print(f"rank {me}: skipping batch {step}: {exc}", flush=True)
+                continue
+        if at_fault and mode == "unused-params":
+            fault_line(me)
+        loss = ddp(x, use_aux=not (at_fault and mode == "unused-params")).pow(2).mean()
+        if at_fault and mode == "nan":
+            fault_line(me)
+            loss = loss * float("nan")
+        metric = loss.detach().clone()
+        dist.all_reduce(metric)  # the logged loss, averaged over ranks, as logging code does
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        ddpwatch.step(loss)
+        if step == args.at:
+            special(args, me, faulty, model, metric)
+        time.sleep(args.step_time)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def special(
+    args: argparse.Namespace, me: int, faulty: bool, model: nn.Module, metric: torch.Tensor
+) -> None:
+    """The faults that happen between steps, at step ``--at``."""
+    mode = args.mode
+    if mode == "barrier-sleep":
+        if faulty:
+            fault_line(me)
+            time.sleep(args.sleep)
+        dist.barrier()  # e.g. "wait until everyone finished the epoch"
+    elif mode == "rank0-checkpoint":
+        if faulty:
+            fault_line(me)
+            with ddpwatch.phase("checkpoint"):
+                solo_work(model, args.sleep)
+        dist.barrier()  # the others wait for the checkpoint, as wait_for_everyone() does
+    elif mode == "allgather-size":
+        values = torch.arange(5.0 if faulty else 4.0)
+        if faulty:
+            fault_line(me)
+        gathered = [torch.zeros_like(values) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, values)
+    elif mode == "rank0-only-collective" and faulty:
+        fault_line(me)
+        dist.all_reduce(metric)  # e.g. self.log(..., sync_dist=True) under `if rank == 0`
+
+
+def main() -> None:
+    sys.exit(train(parse()))
+
+
+if __name__ == "__main__":
+    main()

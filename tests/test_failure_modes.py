@@ -1,0 +1,243 @@
+"""Failure modes from users' public bug reports: ddpwatch must blame the rank that caused them.
+
+Each test runs one mode of ``examples/failures.py`` as a real torchrun job (3 CPU ranks, gloo)
+under a live server, through the harness of ``benchmarks/diagnosis.py`` (the same runs and
+scoring as the benchmark), and asserts what a user needs from the alert: the first alert that
+blames anyone names exactly the culprit rank with a kind that says why, and no alert during
+the whole run ever names an innocent rank. Sleeps and watch windows are shorter than the
+benchmark's, so the file takes about four minutes on two cores. On failure the assertion
+message is the run's full account: every alert with its time from the fault, how each rank
+ended, and the job's own tracebacks and torchrun's root cause.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from diagnosis import (
+    MODES,
+    RunResult,
+    describe,
+    job_command,
+    job_environment,
+    run_mode,
+    score,
+)
+
+from ddpwatch.demo.runner import stop_job
+from ddpwatch.ports import free_port_pair
+
+pytestmark = pytest.mark.e2e
+
+# shorter than the benchmark: the same failure, fewer seconds of it
+SHORTER: dict[str, tuple[str, ...]] = {
+    "healthy": ("--steps", "40"),
+    "barrier-sleep": ("--sleep", "8"),
+    "rank0-checkpoint": ("--sleep", "8"),
+    "missing-rank": ("--init-timeout", "16"),
+}
+WATCH_S = {
+    "barrier-sleep": 14.0,
+    "rank0-checkpoint": 14.0,
+    "dataloader-hang": 8.0,
+    "skipped-batch": 8.0,
+    "missing-rank": 22.0,
+}
+_runs: dict[str, RunResult] = {}
+
+
+def run(name: str) -> RunResult:
+    """One run per mode for the whole module (a test that needs it again shares it)."""
+    if name not in _runs:
+        _runs[name] = run_mode(name, extra=SHORTER.get(name, ()), watch_s=WATCH_S.get(name))
+    return _runs[name]
+
+
+def assert_blames_only_the_culprit(name: str) -> RunResult:
+    """The first error-or-warning alert naming anyone names exactly the mode's culprits with
+    an allowed kind, and no alert of the run names a rank outside them."""
+    mode = MODES[name]
+    result = run(name)
+    scored = score(result, mode)
+    account = describe(result)
+    assert result.fault_at is not None, f"the fault never happened\n{account}"
+    first = scored.first
+    assert first is not None, f"no alert blamed anyone\n{account}"
+    assert set(first.ranks) == mode.culprits, f"blamed {list(first.ranks)} first\n{account}"
+    assert first.kind in mode.kinds, f"kind {first.kind} not in {sorted(mode.kinds)}\n{account}"
+    innocent = [(c.kind, list(c.ranks)) for c in scored.wrong]
+    assert not innocent, f"alerts named innocent ranks: {innocent}\n{account}"
+    return result
+
+
+def test_healthy_run_raises_no_alert_at_all() -> None:
+    """The baseline every other mode is compared with: a clean job must stay silent."""
+    result = run("healthy")
+    account = describe(result)
+    assert result.returncode == 0, account
+    assert [c for c in result.changes if c.event == "raised"] == [], account
+
+
+def test_exit_early_with_sys_exit_names_the_rank() -> None:
+    """Lightning #379: an early-stopping condition met on one DDP process stops only that
+    process and the others hang (https://github.com/Lightning-AI/pytorch-lightning/issues/379).
+    Here rank 1 calls sys.exit(3) at step 50."""
+    assert_blames_only_the_culprit("exit-early")
+
+
+def test_exit_with_code_zero_names_the_rank_not_the_ones_that_lost_it() -> None:
+    """PyTorch #138322: a rank with nothing to do returns while the others block in their next
+    collective (https://github.com/pytorch/pytorch/issues/138322). Its exit code is 0, so
+    torchrun's "Root Cause" names a rank that only lost its peer."""
+    assert_blames_only_the_culprit("exit-zero")
+
+
+def test_os_exit_names_the_rank() -> None:
+    """PyTorch #41067: a worker is gone and the survivors block on it
+    (https://github.com/pytorch/pytorch/issues/41067); os._exit(3) runs no exception hook and
+    no atexit handler."""
+    assert_blames_only_the_culprit("os-exit")
+
+
+def test_nan_names_the_first_rank_and_lists_the_ones_that_followed() -> None:
+    """Lightning #5243: a NaN loss on one DDP process reaches every replica through the
+    gradient all-reduce (https://github.com/Lightning-AI/pytorch-lightning/issues/5243).
+    Rank 1's loss is NaN at step 15 of 10 ms steps; ranks 0, 2 follow one step later, many
+    steps inside one heartbeat."""
+    result = assert_blames_only_the_culprit("nan")
+    first = score(result).first
+    assert first is not None and set(first.waiting) <= {0, 2}, describe(result)
+    nan_steps = {rank["rank"]: rank["nan_step"] for rank in result.ranks}
+    assert nan_steps == {0: 16, 1: 15, 2: 16}, describe(result)
+
+
+def test_slow_rank_before_a_barrier_is_the_straggler() -> None:
+    """DeepSpeed #4488: one rank busy for a long time while the others wait in a barrier
+    (https://github.com/deepspeedai/DeepSpeed/issues/4488); training then goes on. The
+    release of the barrier must not turn a waiting rank into a culprit."""
+    assert_blames_only_the_culprit("barrier-sleep")
+
+
+def test_all_gather_with_another_size_names_the_odd_rank() -> None:
+    """Lightning #7773: all_gather of tensors whose size differs per rank freezes or fails
+    (https://github.com/Lightning-AI/pytorch-lightning/issues/7773); gloo aborts from C++ on
+    a rank that only received the odd rank's data.
+
+    Which rank gloo aborts decides what can be known: when the odd rank raises, or is the one
+    aborted, it is named; when an innocent receiver is aborted (SIGABRT: it reports nothing),
+    only two calls are known and they tie, so the mismatch is reported with no culprit. Never
+    an innocent one: that is the contract here."""
+    mode = MODES["allgather-size"]
+    result = run("allgather-size")
+    account = describe(result)
+    assert result.fault_at is not None, f"the fault never happened\n{account}"
+    scored = score(result, mode)
+    assert not scored.wrong, f"alerts named innocent ranks\n{account}"
+    kinds = {c.kind for c in result.scored()}
+    assert "collective_mismatch" in kinds, f"the mismatch was not reported\n{account}"
+
+
+def test_collective_on_rank_zero_only_names_rank_zero() -> None:
+    """Lightning #19045 / PR #19056: self.log(..., sync_dist=True) reached by rank 0 only
+    deadlocks (https://github.com/Lightning-AI/pytorch-lightning/pull/19056); under gloo the
+    extra all_reduce aborts a collective later."""
+    assert_blames_only_the_culprit("rank0-only-collective")
+
+
+def test_rank_zero_checkpointing_alone_is_the_one_waited_for() -> None:
+    """Accelerate #1359 / #2690: the main process saves or downloads alone while the others
+    wait in wait_for_everyone() (https://github.com/huggingface/accelerate/issues/1359,
+    https://github.com/huggingface/accelerate/issues/2690)."""
+    assert_blames_only_the_culprit("rank0-checkpoint")
+
+
+def test_hung_data_loader_worker_names_its_rank() -> None:
+    """PyTorch #87995: rank 0 hangs in its DataLoader and all other ranks wait in all_reduce
+    (https://github.com/pytorch/pytorch/issues/87995). Here rank 1's worker blocks forever."""
+    assert_blames_only_the_culprit("dataloader-hang")
+
+
+def test_killed_data_loader_worker_names_its_rank() -> None:
+    """PyTorch #8976: "DataLoader worker (pid N) is killed by signal: Killed" during DDP
+    training (https://github.com/pytorch/pytorch/issues/8976)."""
+    assert_blames_only_the_culprit("dataloader-killed")
+
+
+def test_unused_parameters_on_one_rank_names_that_rank() -> None:
+    """PyTorch #43259: "Expected to have finished reduction in the prior iteration ...
+    Parameter indices which did not receive grad for rank N"
+    (https://github.com/pytorch/pytorch/issues/43259). Rank 1 skips a submodule once."""
+    assert_blames_only_the_culprit("unused-params")
+
+
+def test_skipped_batch_desync_names_the_rank_that_skipped() -> None:
+    """PyTorch #44353: catching an OOM and skipping the batch on one rank desyncs the
+    collectives (https://github.com/pytorch/pytorch/issues/44353): rank 1 is one step behind
+    from then on, without an immediate error."""
+    assert_blames_only_the_culprit("skipped-batch")
+
+
+def test_exception_on_one_rank_names_that_rank() -> None:
+    """Lightning #8130: one DDP process raises and the others hang or die of it
+    (https://github.com/Lightning-AI/pytorch-lightning/issues/8130)."""
+    assert_blames_only_the_culprit("raise")
+
+
+def test_world_size_larger_than_the_ranks_started_names_the_missing_rank() -> None:
+    """PyTorch #52848: init_process_group hangs when the world size counts more ranks than
+    were started (https://github.com/pytorch/pytorch/issues/52848). The script says 3, torchrun
+    starts 2: rank 2 is missing, ranks 0, 1 wait in the rendezvous and time out."""
+    assert_blames_only_the_culprit("missing-rank")
+
+
+# ------------------------------------------------------------ the same exits under `ddpwatch run`
+
+ALERT = re.compile(r"^ddpwatch: \[(error|warning|info)\] (\w+): (.*)$")
+SUBJECT = re.compile(r"^ranks? (\d+(?:-\d+)?(?:, \d+(?:-\d+)?)*)")
+
+
+def named_ranks(message: str) -> set[int]:
+    """The culprits an alert line names: its messages begin with them ("rank 1 exited ...",
+    "ranks 0, 2 crashed ...", "ranks 0-2 have sent ...")."""
+    found = SUBJECT.match(message)
+    ranks: set[int] = set()
+    for part in found[1].split(", ") if found else []:
+        first, _, last = part.partition("-")
+        ranks.update(range(int(first), int(last or first) + 1))
+    return ranks
+
+
+@pytest.mark.parametrize("name", ["exit-early", "exit-zero", "os-exit"])
+def test_ddpwatch_run_prints_the_rank_that_exited(name: str) -> None:
+    """`ddpwatch run -- torchrun ...` with its own collector, as a user types it: the alert
+    lines it prints on stderr must blame rank 1, and never rank 0 or 2 (which only lost it).
+    Same reports as the exit tests above (Lightning #379, PyTorch #138322, PyTorch #41067)."""
+    mode = MODES[name]
+    command = [sys.executable, "-m", "ddpwatch", "run", "--", *job_command(mode, free_port_pair())]
+    proc = subprocess.Popen(
+        command,
+        env=job_environment(None),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        stop_job(proc, grace=3.0)
+        _, err = proc.communicate()
+        pytest.fail(f"ddpwatch run did not end in 90 s\n{err[-4000:]}")
+    lines = [m for m in map(ALERT.match, err.splitlines()) if m and m[1] != "info"]
+    assert lines, f"ddpwatch run printed no alert\n{err[-4000:]}"
+    _, kind, message = lines[0].groups()
+    assert named_ranks(message) == {1}, f"first alert: {lines[0][0]}\n{err[-4000:]}"
+    assert kind in mode.kinds, f"first alert: {lines[0][0]}\n{err[-4000:]}"
+    innocent = [m[0] for m in lines if named_ranks(m[3]) - {1}]
+    assert not innocent, "\n".join(innocent) + "\n" + err[-4000:]
