@@ -32,7 +32,8 @@ def test_scrape_shows_ranks_states_and_alerts() -> None:
             ),
             100.0,
         )
-    state.apply(Sample(v=1, rank=2, t=0, step=8, loss=float("nan")), 100.0)
+    # ranks 0 and 1 report a finite loss at the step rank 2 went bad: it went first
+    state.apply(Sample(v=1, rank=2, t=0, step=7, loss=float("nan")), 100.0)
     th = Thresholds(connect_after=1.0)
 
     def status():
