@@ -221,14 +221,14 @@ def test_flight_recorder_reads_entries_only_for_a_collective_that_stays_pending(
 
     recorder = FlightRecorder()
     recorder._dump = dump
-    assert recorder.in_flight() is None  # first sight: may complete any moment
-    found = recorder.in_flight()  # still pending a heartbeat later
+    assert recorder.read()[0] is None  # first sight: may complete any moment
+    found = recorder.read()[0]  # still pending a heartbeat later
     assert found is not None and (found.op, found.seq) == ("all_reduce", 5)
     assert found.since_s == pytest.approx(7.0, abs=0.5)
-    assert recorder.in_flight() is not None
+    assert recorder.read()[0] is not None
     assert full_reads == [1]  # the entries were read once for this collective
     status["0"]["last_completed_collective"] = "6"
-    assert recorder.in_flight() is None
+    assert recorder.read()[0] is None
 
 
 def test_first_pending_prefers_the_default_group() -> None:

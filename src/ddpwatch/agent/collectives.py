@@ -190,10 +190,6 @@ class FlightRecorder:
         name = op if group == "0" else f"{op}[pg {group}]"
         return Collective(op=name, seq=seq, since_s=since, source="fr", group=group), enqueued
 
-    def in_flight(self) -> Collective | None:
-        """The oldest collective still pending since the last heartbeat, else None."""
-        return self.read()[0]
-
     def _describe(self, key: tuple[str, int]) -> tuple[tuple[str, int], str, float]:
         """The op name and creation time of one pending collective (one full read)."""
         assert self._dump is not None

@@ -408,6 +408,9 @@ ROOT_CAUSES = (
 
 SIGNATURES: tuple[Signature, ...] = LOCAL_FIRST + PEER_FAILURES + TIMEOUTS + ROOT_CAUSES
 TIMEOUT_NAMES = frozenset(sig.name for sig in TIMEOUTS)
+WAIT_NAMES = TIMEOUT_NAMES | {"store_clients_timeout"}
+"""Errors that only say a rank waited too long for others (the store host's "2/3 clients
+joined" too): never a cause while a rank that failed, or one that never came, is in view."""
 
 
 @lru_cache(maxsize=1 << 14)

@@ -19,15 +19,12 @@ from typing import TypeVar
 
 from ddpwatch.protocol import Collective, ErrorInfo
 from ddpwatch.server.alerts import Thresholds
-from ddpwatch.server.knowledge import TIMEOUT_NAMES, Signature, explain_error, named_ranks
+from ddpwatch.server.knowledge import WAIT_NAMES, Signature, explain_error, named_ranks
 from ddpwatch.server.rules.text import first_line
 from ddpwatch.server.state import RankRecord, ServerState
 
 T = TypeVar("T")
 MAX_WORLD = 1 << 20  # never iterate a bogus world size further than this
-WAIT_NAMES = TIMEOUT_NAMES | {"store_clients_timeout"}
-"""Errors that only say a rank waited too long for others: never a cause while a rank that
-failed, or one that never came, is in view."""
 MISMATCH_SETTLE_S = 1.0  # a live rank's call counts once it has waited in it this long
 
 
