@@ -106,6 +106,8 @@ class RankRecord:
     sample_seen: float | None = None  # when its last sample arrived
     avg_collective_time_s: float | None = None
     """Collective wait per step, averaged over the steps heartbeats saw (one step is noisy)."""
+    collective_time_samples: int = 0
+    """How many heartbeats' steps that average holds: a young average still holds warm-up."""
     step_marks: dict[int, int] = field(default_factory=dict)
     """Python-level collectives entered by the end of marked steps (every MARK_EVERY-th)."""
     forwards: int | None = None
@@ -229,6 +231,7 @@ def _apply_sample(
         avg = record.avg_collective_time_s
         value = sample.collective_time_s
         record.avg_collective_time_s = value if avg is None else avg + 0.2 * (value - avg)
+        record.collective_time_samples += 1
     counts = sample.collectives
     if counts is not None and counts.marks:
         marks = record.step_marks

@@ -94,13 +94,20 @@ def rule_step_skew(f: Facts) -> list[Alert]:
     return [alert("step_skew", "warning", [r.rank for r in behind], [], message, hint)]
 
 
+SETTLED_SAMPLES = 10
+"""Heartbeats a rank's averaged collective wait needs before slow_rank reads it: the
+warm-up's weight in the average is 0.8**10, about a tenth, after 10 (5 s at 2 Hz)."""
+
+
 @rule("slow_rank")
 def rule_slow_rank(f: Facts) -> list[Alert]:
     """The rank the others wait for every step: its own collective wait is far shorter.
 
     Conservative on purpose: a healthy job must stay silent, so the slow rank must
     stand out clearly in waits averaged over steps (one step's wait jitters by milliseconds
-    on a busy host), and collectives must be a real share of the step.
+    on a busy host), every average must hold enough steps to be past warm-up (DataLoader
+    workers starting, first compilations: a rank slow for its first second is not slow), and
+    collectives must be a real share of the step.
     """
     now = f.now
     stall_after = f.stall_after
@@ -109,6 +116,7 @@ def rule_slow_rank(f: Facts) -> list[Alert]:
         for r in f.live
         if r.avg_step_time_s is not None
         and r.avg_collective_time_s is not None
+        and r.collective_time_samples >= SETTLED_SAMPLES
         and (r.collective is not None or now - r.last_progress <= stall_after)
     ]
     if len(ranks) < 3:
