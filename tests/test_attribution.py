@@ -474,6 +474,7 @@ def test_a_rank_aborted_by_gloo_during_a_size_mismatch_is_not_blamed() -> None:
     assert named(alerts) == set(), alerts
     assert [a.kind for a in alerts] == ["collective_mismatch"]
     assert "ranks made different calls at collective #7" in alerts[0].message
+    assert "rank 0's call is not known, so which side is odd cannot be told" in alerts[0].message
 
 
 def test_detail_mismatch_texts_name_the_rank_most_reporters_name() -> None:

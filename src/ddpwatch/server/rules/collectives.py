@@ -181,6 +181,13 @@ def _mismatch_alert(f: Facts, found: Mismatch) -> Alert:
             for text, group in found.calls[:4]
         )
         message = f"the ranks made different calls at {number}: {calls}"
+        called = {r.rank for _, group in found.calls for r in group}
+        unknown = sorted(r.rank for r in f.records if r.rank not in called)
+        if unknown:
+            message += (
+                f"; {format_ranks(unknown)}'s {verb(len(unknown), 'call is', 'calls are')} "
+                "not known, so which side is odd cannot be told"
+            )
     culprits = {r.rank for r in found.culprits}
     affected = {r.rank for r in found.others} | _dead_or_blocked(f)
     failed = sorted(r.rank for r in f.records if r.error is not None and r.rank not in culprits)
