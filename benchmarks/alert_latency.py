@@ -98,8 +98,8 @@ class Recorder:
     event: threading.Event = field(default_factory=threading.Event)
 
     def on_change(self, change: Any) -> None:
-        if change.event != "raised":
-            return
+        if change.event == "cleared":
+            return  # raised, or escalated (a step_skew warning that became stalled)
         from ddpwatch.server.rules import Facts
 
         now = time.time()

@@ -5,11 +5,11 @@
 Each mode of ``examples/failures.py`` (a bug from a public issue, cited there) runs ``--reps``
 times as a real ``torchrun --nproc-per-node 3`` job (4 for allgather-size; gloo, CPU,
 ``OMP_NUM_THREADS=1``) reporting to a real ``Server`` on a thread here, whose ``on_change``
-stamps every raised and cleared alert with ``time.time()``. The faulty rank prints ``DDPWATCH_FAULT rank=r
-t=...`` just before its fault. A run ends when the job ends (plus a few seconds for the
-ranks' last messages) or ``watch_s`` after the fault, when the job is stopped; alerts
-raised after the harness began stopping it are kept but not scored (the harness's own
-SIGTERM is not part of the failure).
+stamps every raised and cleared alert with ``time.time()``. The faulty rank prints
+``DDPWATCH_FAULT rank=r t=...`` just before its fault. A run ends when the job ends (plus a
+few seconds for the ranks' last messages) or ``watch_s`` after the fault, when the job is
+stopped; alerts raised after the harness began stopping it are kept but not scored (the
+harness's own SIGTERM is not part of the failure).
 
 Per mode the table shows:
 
@@ -186,7 +186,7 @@ class RunResult:
     def scored(self) -> list[Stamped]:
         """The raised alerts that count: those before the harness stopped the job."""
         limit = self.stopped_at if self.stopped_at is not None else float("inf")
-        return [c for c in self.changes if c.event == "raised" and c.at < limit]
+        return [c for c in self.changes if c.event != "cleared" and c.at < limit]
 
 
 class _Recorder:

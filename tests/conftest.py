@@ -23,10 +23,14 @@ EXAMPLES = ROOT / "examples"
 
 
 @pytest.fixture(autouse=True)
-def _no_ddpwatch_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A developer's exported DDPWATCH_* settings (a server key, an address) must not leak in."""
+def _no_ddpwatch_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A developer's exported DDPWATCH_* settings (a server key, an address) must not leak in;
+    `ddpwatch run`'s default recordings go to a temporary folder, not the checkout."""
     for name in [n for n in os.environ if n.startswith("DDPWATCH_")]:
         monkeypatch.delenv(name)
+    monkeypatch.setenv("DDPWATCH_RECORD_DIR", str(tmp_path_factory.getbasetemp() / "runs"))
 
 
 @pytest.fixture
@@ -61,7 +65,7 @@ class LiveServer:
 
     def raised(self, kind: str) -> list[dict[str, Any]]:
         return [
-            c.alert.to_dict() for c in self.changes if c.event == "raised" and c.alert.kind == kind
+            c.alert.to_dict() for c in self.changes if c.event != "cleared" and c.alert.kind == kind
         ]
 
     def stop(self) -> None:

@@ -203,6 +203,43 @@ def test_collective_wrappers_time_and_name_the_op(receiver: Receiver, rank_env) 
         dist.destroy_process_group()
 
 
+def test_a_wrapped_collective_adds_one_self_explaining_frame_to_tracebacks() -> None:
+    """Every user traceback through a collective shows ddpwatch's frame: its name and its
+    line must say it only passes the call on; the failure still reaches Progress."""
+    import traceback
+    from types import SimpleNamespace
+
+    from ddpwatch.agent.collectives import CollectiveWrappers
+
+    def all_reduce(tensor: object, group: object = None) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    fake_dist = SimpleNamespace(all_reduce=all_reduce, group=SimpleNamespace(WORLD=None))
+    progress = Progress()
+    CollectiveWrappers(progress).install(fake_dist)
+    assert fake_dist.all_reduce.__name__ == "all_reduce"  # functools.wraps: still torch's name
+    with pytest.raises(RuntimeError) as caught:
+        fake_dist.all_reduce("t")
+    package = os.path.dirname(ddpwatch.__file__)
+    frames = [
+        f
+        for f in traceback.extract_tb(caught.value.__traceback__)
+        if f.filename.startswith(package)
+    ]
+    assert [(f.name, f.line) for f in frames] == [
+        (
+            "ddpwatch_passthrough",
+            "return torch_collective(*args, **kwargs)  # ddpwatch only records the call",
+        )
+    ]
+    failed = progress.failed_collective
+    assert failed is not None and failed.op == "all_reduce" and progress.collective_depth == 0
+    fake_dist.barrier = lambda group=None: "done"
+    CollectiveWrappers(progress).install(fake_dist)
+    assert fake_dist.barrier() == "done" and progress.collective_seq == 2
+    assert progress.collective_depth == 0 and progress.collective_op is None
+
+
 def test_flight_recorder_reads_entries_only_for_a_collective_that_stays_pending() -> None:
     import json
 

@@ -25,7 +25,7 @@ def _read_changes(proc: subprocess.Popen[str], until: float, want: set[str]) -> 
         if not line:
             break
         change = json.loads(line)
-        if change["event"] == "raised":
+        if change["event"] != "cleared":  # raised, or escalated from a warning
             seen.setdefault(change["alert"]["kind"], time.monotonic() - started)
     return seen
 

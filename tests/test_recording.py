@@ -374,7 +374,7 @@ def test_replay_without_headless_opens_the_dashboard(tmp_path: Path, monkeypatch
     Recorder(path, {"started": 0.0}).close()
     shown: list[Any] = []
 
-    def fake_dashboard(server: Any) -> int:
+    def fake_dashboard(server: Any, **options: Any) -> int:
         server.run()
         shown.append(server.status())
         return 0

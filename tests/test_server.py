@@ -206,10 +206,13 @@ def test_alert_diff_raises_and_clears_by_kind_and_culprits() -> None:
     from ddpwatch.server.alerts import Alert
 
     a = Alert("straggler", "warning", (1,), (0,), "m", "h")
-    a2 = Alert("straggler", "error", (1,), (0, 2), "m2", "h")
+    a2 = Alert("straggler", "warning", (1,), (0, 2), "m2", "h")
+    a3 = Alert("straggler", "error", (1,), (0, 2), "m3", "h")
     b = Alert("silent", "error", (2,), (), "m", "h")
     assert diff_alerts({}, [a]) == [AlertChange("raised", a)]
     assert diff_alerts({a.key: a}, [a2]) == []  # same alert, updated numbers
+    assert diff_alerts({a.key: a}, [a3]) == [AlertChange("escalated", a3, previous=a)]
+    assert diff_alerts({a3.key: a3}, [a2]) == []  # calmer again: no event
     assert diff_alerts({a.key: a}, [b]) == [AlertChange("cleared", a), AlertChange("raised", b)]
 
 

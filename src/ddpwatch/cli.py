@@ -7,7 +7,7 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ddpwatch import __version__
@@ -22,7 +22,7 @@ def _add_address(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--port",
-        type=int,
+        type=_rank_port,
         default=DEFAULT_PORT,
         help=f"rank port (default {DEFAULT_PORT}); queries use port+1",
     )
@@ -45,6 +45,90 @@ def _positive(text: str) -> float:
     return value
 
 
+def _port(text: str, highest: int = 65535, why: str = "") -> int:
+    """A TCP port, checked here: the OS would take 99999 modulo 65536, and 0 as "any"."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 1 <= value <= highest:
+        raise argparse.ArgumentTypeError(f"must be 1-{highest}{why}, got {text}")
+    return value
+
+
+def _rank_port(text: str) -> int:
+    """The ranks' port: the status queries use the next one, which must exist too."""
+    return _port(text, 65534, " (queries use port+1)")
+
+
+def _addr(text: str) -> str:
+    """``run --addr``: HOST, HOST:PORT or tcp://HOST:PORT, read as the ranks will read it
+    (``agent/watcher.py``: a bare host, IPv6 ones included, means port 5599)."""
+    host, sep, port = text.removeprefix("tcp://").rpartition(":")
+    if sep and not host.endswith(":") and "]" not in port:
+        try:
+            _rank_port(port)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{text}: the port {exc}") from None
+    return text
+
+
+def _webhook_url(text: str) -> str:
+    from ddpwatch.server.notify import check_webhook_url
+
+    try:
+        return check_webhook_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_notify(parser: argparse.ArgumentParser) -> None:
+    """Alert notifications (``server/notify.py``): ``serve`` and ``run``."""
+    parser.add_argument(
+        "--notify-cmd",
+        metavar="CMD",
+        default=None,
+        help="run this shell command for each raised alert, its JSON on stdin",
+    )
+    parser.add_argument(
+        "--webhook",
+        metavar="URL",
+        type=_webhook_url,
+        default=None,
+        help="POST each raised alert's JSON here (with a Slack-compatible text field)",
+    )
+    parser.add_argument(
+        "--notify-level",
+        choices=("error", "warning", "info"),
+        default="warning",
+        help="notify of alerts this severe or worse (default warning)",
+    )
+    parser.add_argument(
+        "--notify-interval",
+        type=_positive,
+        default=60.0,
+        metavar="S",
+        help="notify of the same alert at most once per S seconds (default 60)",
+    )
+
+
+def _notifier(args: argparse.Namespace) -> Any:
+    """The ``Notifier`` the notify flags ask for, or None."""
+    if args.notify_cmd is None and args.webhook is None:
+        return None
+    from ddpwatch.server.notify import Notifier
+
+    return Notifier(
+        args.notify_cmd, args.webhook, level=args.notify_level, interval=args.notify_interval
+    )
+
+
+def _add_bell(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-bell", action="store_true", help="dashboard: no terminal bell on a new error"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddpwatch", description="Live monitor for distributed PyTorch training."
@@ -56,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_address(serve)
     serve.add_argument(
         "--prometheus-port",
-        type=int,
+        type=_port,
         default=None,
         metavar="P",
         help="serve Prometheus metrics on this port (docs/prometheus.md)",
@@ -116,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="track at most N ranks (default: world size + 64, or 1024 while unknown)",
     )
+    _add_notify(serve)
+    _add_bell(serve)
 
     status = commands.add_parser("status", help="print one snapshot from a running server")
     _add_address(status)
@@ -130,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument(
         "--timeout", type=_positive, default=1.0, help="seconds to wait per poll (default 1)"
     )
+    _add_bell(top)
 
     web = commands.add_parser(
         "web", help="serve the read-only dashboard to browsers (textual-serve)"
@@ -138,15 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
     web.add_argument(
         "--web-host", default="127.0.0.1", help="address to serve the page on (default 127.0.0.1)"
     )
-    web.add_argument("--web-port", type=int, default=8000, help="port of the page (default 8000)")
+    web.add_argument("--web-port", type=_port, default=8000, help="port of the page (default 8000)")
 
     run = commands.add_parser(
         "run",
         help="run a launch command with ddpwatch in every rank, no code change",
-        usage="ddpwatch run [--addr HOST:PORT] [--tui] -- COMMAND ...",
+        usage="ddpwatch run [--addr HOST:PORT] [--tui] [--notify-cmd CMD] [--webhook URL] "
+        "-- COMMAND ...",
     )
     run.add_argument(
         "--addr",
+        type=_addr,
         default=None,
         help="a running ddpwatch serve (default: collect here and print alerts)",
     )
@@ -155,6 +244,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show the dashboard here; the job's output goes to a file",
     )
+    recording = run.add_mutually_exclusive_group()
+    recording.add_argument(
+        "--record",
+        metavar="FILE",
+        default=None,
+        help="record the run here (default: ddpwatch-<script>-<time>.ddpw in the working "
+        "directory; ddpwatch report FILE reads it)",
+    )
+    recording.add_argument("--no-record", action="store_true", help="do not record the run")
+    _add_notify(run)
+    _add_bell(run)
     run.add_argument("job", nargs=argparse.REMAINDER, help="the launch command, after --")
 
     demo = commands.add_parser("demo", help="watch a real CPU DDP job that misbehaves on cue")
@@ -176,9 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--duration", type=_positive, default=None, help="headless: stop after this many seconds"
     )
     demo.add_argument(
-        "--port", type=int, default=None, help="collector port (default 5599 if free)"
+        "--port", type=_rank_port, default=None, help="collector port (default 5599 if free)"
     )
+    _add_bell(demo)
     _add_keygen_and_replay(commands)
+    _add_report(commands)
+    _add_doctor(commands)
     return parser
 
 
@@ -216,6 +319,67 @@ def _add_keygen_and_replay(commands: Any) -> None:
         ("--startup-after", "seconds in one startup phase"),
     ):
         replay.add_argument(flag, type=_positive, default=None, help=f"{what} (default: recorded)")
+    _add_bell(replay)
+
+
+def _add_report(commands: Any) -> None:
+    report = commands.add_parser(
+        "report", help="a post-mortem of a serve --record file; two files: compare them"
+    )
+    report.add_argument("file", help="a recording made by ddpwatch serve --record")
+    report.add_argument(
+        "other", nargs="?", default=None, help="a second recording: the two runs side by side"
+    )
+    report.add_argument(
+        "--format", choices=("md", "html", "json"), default="md", help="output format (default md)"
+    )
+    report.add_argument(
+        "-o", "--output", metavar="PATH", default=None, help="write here (default: stdout)"
+    )
+
+
+def _add_doctor(commands: Any) -> None:
+    doctor = commands.add_parser(
+        "doctor", help="pre-flight checks to run before a launch; exit 1 if one fails"
+    )
+    doctor.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="ranks per node, as given to torchrun (default: $LOCAL_WORLD_SIZE)",
+    )
+    doctor.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        default=None,
+        help="the job's backend (default: nccl when CUDA is available, else gloo)",
+    )
+    doctor.add_argument(
+        "--addr",
+        type=_addr,
+        default=None,
+        metavar="HOST:PORT",
+        help="the ddpwatch serve to probe (default: where the ranks report: $DDPWATCH_ADDR, "
+        "else $MASTER_ADDR:5599)",
+    )
+    doctor.add_argument(
+        "--curve-server-key",
+        default=None,
+        metavar="KEY|FILE",
+        help="the server's CurveZMQ public key, or its .key file (default: $DDPWATCH_SERVER_KEY)",
+    )
+    doctor.add_argument(
+        "--curve-client-key-file",
+        default=None,
+        metavar="FILE",
+        help="this client's .key_secret file (default: $DDPWATCH_CLIENT_KEY_FILE)",
+    )
+    doctor.add_argument(
+        "--timeout", type=_positive, default=2.0, help="seconds to wait for the server (default 2)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -234,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "top":
         from ddpwatch.tui.app import run_client
 
-        return run_client(args.host, args.port, timeout=args.timeout)
+        return run_client(args.host, args.port, timeout=args.timeout, bell=not args.no_bell)
     if args.command == "keygen":
         from ddpwatch.security import keygen_main
 
@@ -247,7 +411,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ddpwatch.launch import run_command
 
         job = args.job[1:] if args.job[:1] == ["--"] else args.job
-        return run_command(job, args.addr, args.tui)
+        if args.addr is not None and (args.notify_cmd or args.webhook):
+            print(
+                "ddpwatch run: with --addr the alerts are that serve's: give it "
+                "--notify-cmd/--webhook",
+                file=sys.stderr,
+            )
+            return 2
+        if args.addr is not None and args.record:
+            print(
+                "ddpwatch run: with --addr the run is that serve's: give it --record",
+                file=sys.stderr,
+            )
+            return 2
+        record = None
+        if args.addr is None and not args.no_record:
+            from ddpwatch.launch import default_recording
+
+            record = args.record or default_recording(job)
+        return run_command(
+            job, args.addr, args.tui, notify=_notifier(args), bell=not args.no_bell, record=record
+        )
+    if args.command == "doctor":
+        from ddpwatch.doctor import doctor_main
+
+        return doctor_main(args)
+    if args.command == "report":
+        from ddpwatch.server.report import report_main
+
+        return report_main(args)
     return 2
 
 
@@ -268,11 +460,13 @@ def serve(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     from ddpwatch.security import CurveKeyError, ServerCurve, is_loopback
+    from ddpwatch.server.notify import chain
     from ddpwatch.server.recording import RecordingError
 
     if args.curve_clients and not args.curve_secret_file:
         print("ddpwatch: --curve-clients needs --curve-secret-file", file=sys.stderr)
         return 2
+    notifier = _notifier(args)  # its thread starts with the first alert it sends
     try:
         curve = (
             ServerCurve.from_files(args.curve_secret_file, args.curve_clients)
@@ -283,7 +477,7 @@ def serve(args: argparse.Namespace) -> int:
             args.host,
             args.port,
             thresholds,
-            on_change=print_change,
+            on_change=chain(print_change, notifier),
             record=args.record,
             curve=curve,
             max_ranks=args.max_ranks,
@@ -300,6 +494,8 @@ def serve(args: argparse.Namespace) -> int:
         )
     if args.record:
         log.info("recording to %s", args.record)
+    if notifier is not None:
+        log.info("notifying of each raised alert of severity %s or worse", args.notify_level)
     if args.prometheus_port is not None:
         from ddpwatch.server.prometheus import serve_metrics
 
@@ -316,15 +512,31 @@ def serve(args: argparse.Namespace) -> int:
     if not args.headless:
         from ddpwatch.tui.app import run_dashboard
 
-        return run_dashboard(server)
+        try:
+            return run_dashboard(server, bell=not args.no_bell)
+        finally:
+            if notifier is not None:
+                notifier.close()
+            _summarize(server)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.stop())
     log.info(
         "listening for ranks on tcp://%s:%d, status on port %d", args.host, args.port, args.port + 1
     )
     server.run()
+    if notifier is not None:
+        notifier.close()
     log.info("stopped")
+    _summarize(server)
     return 0
+
+
+def _summarize(server: Any) -> None:
+    """What happened, once the server stops: only when some rank ever reported."""
+    from ddpwatch.server.summary import print_summary
+
+    if server.state.ranks:
+        print_summary(server.status(), sys.stderr)
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -343,12 +555,17 @@ def demo(args: argparse.Namespace) -> int:
         headless=args.headless,
         duration=args.duration,
         port=args.port,
+        bell=not args.no_bell,
     )
     return run_demo(options)
 
 
-def fetch_status(host: str, port: int, timeout: float) -> dict[str, Any] | None:
-    """Ask a running server for its status document; None if none answered in time."""
+def fetch_status(
+    host: str, port: int, timeout: float, environ: Mapping[str, str] | None = None
+) -> dict[str, Any] | None:
+    """Ask a running server for its status document; None if none answered in time.
+
+    ``environ`` (default ``os.environ``) is where the CURVE keys are read from."""
     import zmq
 
     from ddpwatch.security import apply_client_curve
@@ -357,7 +574,8 @@ def fetch_status(host: str, port: int, timeout: float) -> dict[str, Any] | None:
     sock = context.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        apply_client_curve(sock)  # DDPWATCH_SERVER_KEY set: CurveZMQ (a bad key: ValueError)
+        # DDPWATCH_SERVER_KEY set: CurveZMQ (a bad key: ValueError)
+        apply_client_curve(sock, environ)
         sock.connect(f"tcp://{host}:{port + 1}")
         sock.send(b"status")
         if not sock.poll(int(timeout * 1000)):

@@ -8,6 +8,7 @@ collector runs here and prints each alert as it is raised and cleared.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,14 +17,21 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from ddpwatch.agent.auto import AUTO_ENV
+from ddpwatch.emphasis import emphasize_for, mark_for
 from ddpwatch.ports import pick_port
+from ddpwatch.protocol import DEFAULT_PORT
 from ddpwatch.server.alerts import Thresholds
+from ddpwatch.server.history import describe
+from ddpwatch.server.notify import Notifier, chain
+from ddpwatch.server.recording import RecordingError
 from ddpwatch.server.service import AlertChange, Server
+from ddpwatch.server.summary import print_summary
 
 BOOT_DIR = Path(__file__).resolve().parent / "boot"
+RECORD_DIR_ENV = "DDPWATCH_RECORD_DIR"  # where run's default recordings go
 
 
 def job_environment(addr: str, environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -36,19 +44,20 @@ def job_environment(addr: str, environ: dict[str, str] | None = None) -> dict[st
     return env
 
 
-def describe(change: AlertChange) -> str:
-    """One line for people: the alert stream interleaved with the job's own output."""
-    alert = change.alert
-    culprits = ", ".join(str(r) for r in alert.ranks[:16]) + ("…" if len(alert.ranks) > 16 else "")
-    if change.event == "cleared":
-        return f"ddpwatch: cleared {alert.kind} (rank {culprits})"
-    return (
-        f"ddpwatch: [{alert.severity}] {alert.kind}: {alert.message}\nddpwatch:   fix: {alert.hint}"
-    )
-
-
-def run_command(command: Sequence[str], addr: str | None = None, tui: bool = False) -> int:
-    """Run ``command`` watched; returns its exit code."""
+def run_command(
+    command: Sequence[str],
+    addr: str | None = None,
+    tui: bool = False,
+    *,
+    notify: Notifier | None = None,
+    bell: bool = True,
+    preferred_port: int = DEFAULT_PORT,
+    record: str | None = None,
+) -> int:
+    """Run ``command`` watched; returns its exit code. ``notify`` gets the local collector's
+    alerts (closed at the end, after the final diagnosis); ``bell``: the dashboard's, on errors.
+    ``preferred_port``: the local collector's, when it and the next are free. ``record``: the
+    local collector records the run there (``ddpwatch report`` reads it)."""
     if not command:
         print(
             "ddpwatch run: give the command after --, e.g. ddpwatch run -- torchrun train.py",
@@ -57,9 +66,12 @@ def run_command(command: Sequence[str], addr: str | None = None, tui: bool = Fal
         return 2
     server = None
     if addr is None:
-        port = pick_port()
+        port = pick_port(preferred_port)
         addr = f"127.0.0.1:{port}"
-        server = Server("127.0.0.1", port, Thresholds(), on_change=None if tui else _print_change)
+        on_change = chain(None if tui else _print_change, notify)
+        server = _local_server(port, on_change, record)
+    if not tui:
+        print(_banner(command, addr, server is not None, preferred_port), file=sys.stderr)
     output, log_path = _job_log() if tui and server is not None else (None, "")
     try:
         job = subprocess.Popen(
@@ -75,7 +87,11 @@ def run_command(command: Sequence[str], addr: str | None = None, tui: bool = Fal
         return _wait(job)
     if output is not None:
         output.close()  # the job holds its own copy
-        return _with_dashboard(server, job, log_path)
+        try:
+            return _with_dashboard(server, job, log_path, bell)
+        finally:
+            if notify is not None:
+                notify.close()
     thread = threading.Thread(target=server.run, name="ddpwatch-collector", daemon=True)
     thread.start()
     try:
@@ -85,6 +101,40 @@ def run_command(command: Sequence[str], addr: str | None = None, tui: bool = Fal
         server.tick()  # report what the job's last messages say
         server.stop()
         thread.join(5)
+        print_summary(server.status(), sys.stderr)
+        if notify is not None:
+            notify.close()  # the final alerts still go out (a few seconds at most)
+
+
+def default_recording(command: Sequence[str], now: float | None = None) -> str:
+    """Where ``ddpwatch run`` records when not told: ``$DDPWATCH_RECORD_DIR`` or the working
+    directory, named after the job's script (or program) and the time, e.g.
+    ``ddpwatch-train-20261123-192600.ddpw``."""
+    scripts = [Path(arg).stem for arg in command if arg.endswith(".py")]
+    name = scripts[0] if scripts else Path(command[0]).name if command else "job"
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:40] or "job"
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    folder = os.environ.get(RECORD_DIR_ENV)
+    file = f"ddpwatch-{name}-{stamp}.ddpw"
+    return str(Path(folder) / file) if folder else file
+
+
+def _local_server(port: int, on_change: Any, record: str | None) -> Server:
+    """The collector here, recording to ``record`` when it can: a recording that cannot be
+    written is announced and skipped, never a reason not to run the job."""
+    if record is not None:
+        try:
+            Path(record).parent.mkdir(parents=True, exist_ok=True)
+            server = Server("127.0.0.1", port, Thresholds(), on_change=on_change, record=record)
+        except (RecordingError, OSError) as exc:
+            print(f"ddpwatch run: not recording: {exc}", file=sys.stderr)
+        else:
+            print(
+                f"ddpwatch run: recording to {record} (post-mortem: ddpwatch report {record})",
+                file=sys.stderr,
+            )
+            return server
+    return Server("127.0.0.1", port, Thresholds(), on_change=on_change)
 
 
 def _settle(server: Server, quiet_s: float = 0.5, limit_s: float = 3.0) -> None:
@@ -98,8 +148,23 @@ def _settle(server: Server, quiet_s: float = 0.5, limit_s: float = 3.0) -> None:
             seen, since = server.state.received, time.monotonic()
 
 
+def _banner(command: Sequence[str], addr: str, local: bool, preferred_port: int) -> str:
+    """What ``run`` watches and where, before the job's first line: a healthy run prints
+    nothing else, and a collector moved off a busy port must say where it went."""
+    shown = " ".join(shlex.join(command).split())  # one line, even for python -c "..."
+    shown = shown if len(shown) <= 60 else shown[:59] + "…"
+    if not local:
+        return f"ddpwatch run: watching `{shown}`; its ranks report to {addr}"
+    busy = "" if addr.endswith(f":{preferred_port}") else f" ({preferred_port} was busy)"
+    return (
+        f"ddpwatch run: watching `{shown}` on {addr}{busy}; "
+        f"alerts appear here, marked {mark_for(sys.stderr)}"
+    )
+
+
 def _print_change(change: AlertChange) -> None:
-    print(describe(change), file=sys.stderr, flush=True)
+    severity = None if change.event == "cleared" else change.alert.severity
+    print(emphasize_for(sys.stderr, describe(change), severity), file=sys.stderr, flush=True)
 
 
 def _wait(job: subprocess.Popen[bytes]) -> int:
@@ -120,17 +185,27 @@ def _job_log() -> tuple[IO[bytes], str]:
     return os.fdopen(fd, "wb"), path
 
 
-def _with_dashboard(server: Server, job: subprocess.Popen[bytes], log_path: str) -> int:
+def _with_dashboard(
+    server: Server, job: subprocess.Popen[bytes], log_path: str, bell: bool = True
+) -> int:
     """The dashboard owns the terminal; the job's output goes to a file, which ``o`` follows
     (each rank's own tail also reaches its detail pane through its agent). The header shows
-    whether the job still runs; quitting the dashboard stops it."""
+    whether the job still runs; quitting the dashboard stops it, unless the user detaches."""
     from ddpwatch.demo.runner import stop_job
     from ddpwatch.tui.app import run_dashboard
+    from ddpwatch.tui.quit import detached_message
     from ddpwatch.tui.sources import JobSource
 
+    source = JobSource(server, job, log_path)
     try:
-        run_dashboard(server, JobSource(server, job, log_path))
+        run_dashboard(server, source, bell=bell)
     finally:
-        stop_job(job)
+        if not source.detached:
+            stop_job(job)
+    if source.detached:  # the job runs on, unwatched: say where it is and how to stop it
+        print_summary(server.status(), sys.stderr)
+        print(detached_message(job.pid, log_path), file=sys.stderr)
+        return 0
     print(f"ddpwatch run: the job's output is in {log_path}", file=sys.stderr)
+    print_summary(server.status(), sys.stderr)
     return job.returncode if job.returncode is not None else 1

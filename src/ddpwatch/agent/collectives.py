@@ -88,26 +88,40 @@ class CollectiveWrappers:
                 setattr(dist, name, original)
         self._originals.clear()
 
-    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap(self, name: str, torch_collective: Callable[..., Any]) -> Callable[..., Any]:
         progress = self._progress
         world = self._world_group
         index, keyword = CONTRIBUTED.get(name, (-1, ""))
 
-        @functools.wraps(original)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # Its name and its one call line appear in every traceback through a collective, so
+        # both say what it is: torch has no hook run on entering a Python-level collective
+        # (process-group completion hooks run after it, and only under NCCL).
+        @functools.wraps(torch_collective)
+        def ddpwatch_passthrough(*args: Any, **kwargs: Any) -> Any:
             group = kwargs.get("group")
             tensor = args[index] if 0 <= index < len(args) else kwargs.get(keyword)
-            progress.enter_collective(name, tensor, group is None or group is world())
-            try:
-                result = original(*args, **kwargs)
-            except BaseException:
-                progress.exit_collective(failed=True)
-                raise
-            progress.exit_collective()
-            return result
+            with _Recorded(progress, name, tensor, group is None or group is world()):
+                return torch_collective(*args, **kwargs)  # ddpwatch only records the call
 
-        wrapper.__ddpwatch__ = True  # type: ignore[attr-defined]
-        return wrapper
+        ddpwatch_passthrough.__ddpwatch__ = True  # type: ignore[attr-defined]
+        return ddpwatch_passthrough
+
+
+class _Recorded:
+    """Enters one collective in ``Progress`` and leaves it, keeping whether it failed (a plain
+    class: no generator frame of its own, and cheap on every collective)."""
+
+    __slots__ = ("_counted", "_op", "_progress", "_tensor")
+
+    def __init__(self, progress: Progress, op: str, tensor: Any, counted: bool) -> None:
+        self._progress, self._op, self._tensor, self._counted = progress, op, tensor, counted
+
+    def __enter__(self) -> None:
+        self._progress.enter_collective(self._op, self._tensor, self._counted)
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> bool:
+        self._progress.exit_collective(failed=kind is not None)
+        return False
 
 
 def ensure_flight_recorder(torch_version: str, environ: dict[str, str] | None = None) -> None:

@@ -20,6 +20,7 @@ from ddpwatch.ports import pick_port
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.collector import BindError
 from ddpwatch.server.service import AlertChange, Server
+from ddpwatch.server.summary import print_summary
 
 NO_TORCH = (
     "ddpwatch demo: the real DDP job needs torch: pip install 'ddpwatch[torch]' "
@@ -35,6 +36,7 @@ class DemoOptions:
     headless: bool = False
     duration: float | None = None
     port: int | None = None
+    bell: bool = True
 
 
 def torch_installed() -> bool:
@@ -135,11 +137,12 @@ def run_demo(options: DemoOptions) -> int:
                 return _run_headless(server, job, options.duration)
             from ddpwatch.tui.app import run_dashboard
 
-            return run_dashboard(server)
+            return run_dashboard(server, bell=options.bell)
         finally:
             if cluster is not None:
                 cluster.stop()
             stop_job(job)
+            print_summary(server.status(), sys.stderr)
 
 
 def _start_simulation(options: DemoOptions, port: int, first_rank: int) -> SimulatedCluster | None:

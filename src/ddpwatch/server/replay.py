@@ -25,11 +25,12 @@ from typing import Any
 
 import msgspec
 
-from ddpwatch.protocol import ProtocolError, decode
+from ddpwatch.protocol import DEFAULT_PORT, ProtocolError, decode
 from ddpwatch.server.alerts import Alert, Thresholds
+from ddpwatch.server.history import AlertChange, AlertTracker
 from ddpwatch.server.recording import Record, RecordingError, RecordingReader
 from ddpwatch.server.rules import diagnose
-from ddpwatch.server.service import TICK_S, AlertChange, diff_alerts
+from ddpwatch.server.service import TICK_S, with_port
 from ddpwatch.server.state import ServerState
 from ddpwatch.server.status import status_document
 
@@ -90,7 +91,8 @@ class ReplayServer:
         self.raised = 0
         self.cleared = 0
         self.alerts: list[Alert] = []
-        self._active: dict[Any, Alert] = {}
+        self.tracker = AlertTracker()
+        self._port = DEFAULT_PORT
         self._reader = RecordingReader(self.path)
         self._records: Iterator[Record] = iter(self._reader)
         self._pending: Record | None = next(self._records, None)
@@ -113,6 +115,17 @@ class ReplayServer:
         """Bytes after the recording's last whole record (a server that died mid-write)."""
         return self._reader.tail_bytes
 
+    @property
+    def progress(self) -> float:
+        """How far through the recording the replay is, 0 to 1, by bytes read (1 at its end)."""
+        if self.finished.is_set():
+            return 1.0
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            return 0.0
+        return min(1.0, self._reader.valid_bytes / size) if size else 1.0
+
     # ---------------------------------------------------------------- the views' side
 
     def clock(self) -> float:
@@ -125,7 +138,9 @@ class ReplayServer:
     def status(self) -> dict[str, Any]:
         with self.lock:
             now = self.clock()
-            document = status_document(self.state, self.alerts, now, self.thresholds)
+            document = status_document(
+                self.state, self.alerts, now, self.thresholds, self.tracker.entries()
+            )
         document["stats"]["refused"] = 0
         document["replay"] = {
             "file": str(self.path),
@@ -195,15 +210,14 @@ class ReplayServer:
         """Run diagnosis at virtual time ``now`` and report what changed."""
         with self.lock:
             self._now = max(self._now, now)
-            alerts = diagnose(self.state, now, self.thresholds)
-            changes = diff_alerts(self._active, alerts)
+            alerts = with_port(diagnose(self.state, now, self.thresholds), self._port)
+            changes = self.tracker.update(alerts, now, self.state.job_started)
             self.alerts = alerts
-            self._active = {alert.key: alert for alert in alerts}
         for change in changes:
-            if change.event == "raised":
-                self.raised += 1
-            else:
+            if change.event == "cleared":
                 self.cleared += 1
+            else:
+                self.raised += 1
             if self._on_change is not None:
                 self._on_change(change)
         return changes
@@ -214,8 +228,10 @@ class ReplayServer:
         started = meta.get("started", record.t)
         started = float(started) if isinstance(started, (int, float)) else record.t
         tick_s = meta.get("tick_s")
+        port = meta.get("port")
         with self.lock:
             self.sessions += 1
+            self._port = port if isinstance(port, int) else DEFAULT_PORT  # hints name it
             if self._fixed_thresholds is None:
                 self.thresholds = _thresholds(meta.get("thresholds"), self._overrides)
             self._ticks = meta.get("ticks") is True
@@ -225,7 +241,7 @@ class ReplayServer:
             if self.sessions > 1:
                 self.state = ServerState(started=started)
                 self.alerts = []
-                self._active = {}
+                self.tracker.restart()
             else:
                 self.state.started = started
             self._next_tick = started
@@ -282,7 +298,7 @@ def replay_main(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-        code = run_dashboard(server)
+        code = run_dashboard(server, bell=not getattr(args, "no_bell", False))
         _report_tail(server)
         return code
     for sig in (signal.SIGINT, signal.SIGTERM):

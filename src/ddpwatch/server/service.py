@@ -11,13 +11,14 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from ddpwatch.protocol import DEFAULT_PORT
 from ddpwatch.server.alerts import Alert, Thresholds
 from ddpwatch.server.collector import Collector
+from ddpwatch.server.history import AlertChange, AlertTracker, diff_alerts
 from ddpwatch.server.rules import diagnose
 from ddpwatch.server.state import ServerState
 from ddpwatch.server.status import status_document
@@ -26,24 +27,27 @@ if TYPE_CHECKING:
     from ddpwatch.security import ServerCurve
     from ddpwatch.server.recording import Recorder
 
+__all__ = ["TICK_S", "AlertChange", "Server", "diff_alerts"]
+
 TICK_S = 0.25
 
 
-@dataclass(frozen=True)
-class AlertChange:
-    event: Literal["raised", "cleared"]
-    alert: Alert
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"event": self.event, "alert": self.alert.to_dict()}
-
-
-def diff_alerts(before: dict[Any, Alert], after: list[Alert]) -> list[AlertChange]:
-    """Alerts that appeared or went away between two ticks (same kind and culprits = same alert)."""
-    now = {alert.key: alert for alert in after}
-    changes = [AlertChange("cleared", alert) for key, alert in before.items() if key not in now]
-    changes += [AlertChange("raised", alert) for key, alert in now.items() if key not in before]
-    return changes
+def with_port(alerts: list[Alert], port: int) -> list[Alert]:
+    """Hints that send users to ``ddpwatch status`` name this server's port when it is not
+    the default one (``ddpwatch run`` moves off a busy 5599)."""
+    if port == DEFAULT_PORT:
+        return alerts
+    command = f"ddpwatch status --port {port}"
+    return [
+        dataclasses.replace(
+            a,
+            message=a.message.replace("ddpwatch status", command),
+            hint=a.hint.replace("ddpwatch status", command),
+        )
+        if "ddpwatch status" in a.hint or "ddpwatch status" in a.message
+        else a
+        for a in alerts
+    ]
 
 
 class Server:
@@ -71,7 +75,8 @@ class Server:
         self.clock = clock
         self.state = ServerState(started=clock())
         self.alerts: list[Alert] = []
-        self._active: dict[Any, Alert] = {}
+        self.tracker = AlertTracker()
+        self.port = port
         self._document: dict[str, Any] | None = None
         self._encoded: bytes | None = None
         self._on_change = on_change
@@ -125,10 +130,9 @@ class Server:
         """Run diagnosis once and report what changed."""
         with self.lock:
             now = self.clock()
-            alerts = diagnose(self.state, now, self.thresholds)
-            changes = diff_alerts(self._active, alerts)
+            alerts = with_port(diagnose(self.state, now, self.thresholds), self.port)
+            changes = self.tracker.update(alerts, now, self.state.job_started)
             self.alerts = alerts
-            self._active = {alert.key: alert for alert in alerts}
             self._document = self._encoded = None
             if self.recorder is not None:
                 self.recorder.tick(now)  # replay runs diagnosis at exactly these times
@@ -144,7 +148,9 @@ class Server:
         ask (8,192 ranks take tens of milliseconds). Treat it as read-only."""
         with self.lock:
             if self._document is None:
-                document = status_document(self.state, self.alerts, self.clock(), self.thresholds)
+                document = status_document(
+                    self.state, self.alerts, self.clock(), self.thresholds, self.tracker.entries()
+                )
                 document["stats"]["refused"] = self.collector.refused  # an addition to the contract
                 self._document = document
             return self._document

@@ -155,6 +155,13 @@ class ServerState:
     ranks: dict[int, RankRecord] = field(default_factory=dict)
     received: int = 0
     rejected: int = 0
+    first_report: float | None = None
+    """When the first rank reported: the job's start, as far as the server can tell."""
+
+    @property
+    def job_started(self) -> float:
+        """Where a job's elapsed time counts from: its first report, else the server start."""
+        return self.started if self.first_report is None else self.first_report
 
     @property
     def world_size(self) -> int | None:
@@ -169,6 +176,8 @@ class ServerState:
         if record is None or _is_new_process(record, message):
             record = RankRecord(rank=message.rank, first_seen=now, last_seen=now, last_progress=now)
             self.ranks[message.rank] = record
+            if self.first_report is None:
+                self.first_report = now
         record.last_seen = now
         if isinstance(message, Identity):
             values = astuple(message)  # read once for the identity and the measurements

@@ -98,9 +98,14 @@ def missing_entry(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def status_document(
-    state: ServerState, alerts: list[Alert], now: float, th: Thresholds
+    state: ServerState,
+    alerts: list[Alert],
+    now: float,
+    th: Thresholds,
+    history: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The whole ``ddpwatch status --json`` document."""
+    """The whole ``ddpwatch status --json`` document; ``history``: the alert timeline's
+    entries (``AlertTracker.entries``), oldest first."""
     stall_after = effective_stall_after(state, th)
     world_size = state.world_size
     ranks = [rank_entry(state.ranks[r], now, th, stall_after) for r in sorted(state.ranks)]
@@ -116,6 +121,8 @@ def status_document(
         "ranks": ranks,
         "alerts": [alert.to_dict() for alert in alerts],
         "stats": {"received": state.received, "rejected": state.rejected},
+        "history": history or [],
+        "job_started": state.job_started,
     }
 
 

@@ -67,9 +67,12 @@ class AlertList(OptionList):
         self.alerts: list[dict[str, Any]] = []
         self._signature: tuple[Any, ...] | None = None
 
-    def show(self, alerts: list[dict[str, Any]]) -> None:
-        """Replace the options only when the alerts changed; keep the highlight."""
-        signature = tuple(alert_signature(a) for a in alerts)
+    def show(self, alerts: list[dict[str, Any]], empty: str | None = None) -> None:
+        """Replace the options only when the alerts changed; keep the highlight.
+
+        ``empty``: the line to show instead of "every rank looks healthy" when there is no
+        rank to be healthy (such as where ranks should report)."""
+        signature = (*(alert_signature(a) for a in alerts), empty)
         if signature == self._signature:
             return
         keep = self.highlighted
@@ -80,6 +83,8 @@ class AlertList(OptionList):
             self.add_options(Option(alert_prompt(a), id=f"alert-{i}") for i, a in enumerate(alerts))
             if keep is not None:
                 self.highlighted = min(keep, len(alerts) - 1)
+        elif empty is not None:
+            self.add_option(Option(Text(empty, style="yellow"), disabled=True))
         else:
             self.add_option(
                 Option(Text("✔ no alerts: every rank looks healthy", style="green"), disabled=True)

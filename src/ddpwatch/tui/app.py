@@ -19,8 +19,10 @@ from textual.screen import Screen
 
 from ddpwatch.tui.help import HelpScreen
 from ddpwatch.tui.output import OutputScreen
+from ddpwatch.tui.quit import QuitChoice, QuitScreen
 from ddpwatch.tui.screen import DashboardScreen
-from ddpwatch.tui.sources import LocalSource, RemoteSource, StatusSource
+from ddpwatch.tui.sources import RemoteSource, StatusSource, local_source
+from ddpwatch.tui.timeline import TimelineScreen
 
 
 class DashboardApp(App[int]):
@@ -34,16 +36,29 @@ class DashboardApp(App[int]):
         Binding("q", "quit", "Quit", id="quit"),
         Binding("question_mark", "help", "Help", key_display="?", id="help"),
         Binding("o", "output", "Output", id="output"),
+        # o outside run --tui: says where output is instead of doing nothing (not in the footer)
+        Binding("o", "no_output", "Output", show=False, id="output.none"),
+        Binding("t", "timeline", "Timeline", id="timeline"),
     ]
 
-    def __init__(self, source: StatusSource, *, interval: float = 0.5, history: int = 60) -> None:
+    def __init__(
+        self,
+        source: StatusSource,
+        *,
+        interval: float = 0.5,
+        history: int = 60,
+        bell: bool = True,
+    ) -> None:
         super().__init__()
         self.source = source
         self.interval = interval
         self.history_len = history
+        self.ring_bell = bell
 
     def get_default_screen(self) -> Screen[Any]:
-        return DashboardScreen(self.source, interval=self.interval, history=self.history_len)
+        return DashboardScreen(
+            self.source, interval=self.interval, history=self.history_len, bell=self.ring_bell
+        )
 
     @property
     def dashboard(self) -> DashboardScreen:
@@ -57,14 +72,57 @@ class DashboardApp(App[int]):
             self.push_screen(HelpScreen())
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """``o`` (the job's output) exists only under ``ddpwatch run --tui``."""
+        """``o`` (the job's output) exists only under ``ddpwatch run --tui``; elsewhere ``o``
+        says so (``no_output``)."""
         if action == "output":
             return self.output_path is not None
+        if action == "no_output":
+            return self.output_path is None
         return True
+
+    @property
+    def running_job(self) -> Any:
+        """The job of ``ddpwatch run --tui`` while it runs (a ``Popen``), else None."""
+        job = getattr(self.source, "job", None)
+        return job if job is not None and job.poll() is None else None
+
+    async def action_quit(self) -> None:
+        """Quit; under ``ddpwatch run --tui`` with the job still running, ask first."""
+        job = self.running_job
+        if job is None:
+            self.exit()
+        elif not isinstance(self.screen, QuitScreen):
+            self.push_screen(QuitScreen(job.pid, self.output_path), self._quit_chosen)
+
+    def _quit_chosen(self, choice: QuitChoice | None) -> None:
+        if choice == "detach":
+            getattr(self.source, "detach")()  # noqa: B009 (only a JobSource has a job)
+        if choice is not None:
+            self.exit()  # "stop": ddpwatch run stops the job once the dashboard is gone
+
+    def action_no_output(self) -> None:
+        self.notify(
+            "the job's output is only available under ddpwatch run --tui; "
+            "each rank's last output lines are in its detail pane (enter on its row)",
+            title="no job output here",
+            severity="warning",
+            markup=False,
+        )
 
     @property
     def output_path(self) -> str | None:
         return getattr(self.source, "output_path", None)
+
+    @property
+    def latest_document(self) -> dict[str, Any] | None:
+        """The dashboard's newest status document (screens over it read this)."""
+        return self.dashboard.document
+
+    def action_timeline(self) -> None:
+        if isinstance(self.screen, TimelineScreen):
+            self.screen.dismiss(None)
+        else:
+            self.push_screen(TimelineScreen(self.latest_document))
 
     def action_output(self) -> None:
         if isinstance(self.screen, OutputScreen):
@@ -96,21 +154,23 @@ class _QuietLogs:
             root.addHandler(handler)
 
 
-def run_dashboard(server: Any, source: StatusSource | None = None) -> int:
+def run_dashboard(server: Any, source: StatusSource | None = None, *, bell: bool = True) -> int:
     """Run ``server`` on a daemon thread and the dashboard over it (``source``: a ``LocalSource``
-    of it by default); stop the server on exit."""
+    of it by default); stop the server on exit. ``bell``: ring on a new error (``--no-bell``)."""
     thread = threading.Thread(target=server.run, name="ddpwatch-server", daemon=True)
     thread.start()
     try:
         with _QuietLogs():
-            DashboardApp(source or LocalSource(server)).run()
+            DashboardApp(source or local_source(server), bell=bell).run()
     finally:
         server.stop()
         thread.join(timeout=5)
     return 0
 
 
-def run_client(host: str, port: int, timeout: float = 1.0, interval: float = 0.5) -> int:
+def run_client(
+    host: str, port: int, timeout: float = 1.0, interval: float = 0.5, *, bell: bool = True
+) -> int:
     """``ddpwatch top``: the dashboard of a ``ddpwatch serve`` running elsewhere."""
     from ddpwatch.security import CurveKeyError, client_curve_keys
 
@@ -120,5 +180,5 @@ def run_client(host: str, port: int, timeout: float = 1.0, interval: float = 0.5
         print(f"ddpwatch top: {exc}", file=sys.stderr)
         return 1
     with _QuietLogs():
-        DashboardApp(RemoteSource(host, port, timeout), interval=interval).run()
+        DashboardApp(RemoteSource(host, port, timeout), interval=interval, bell=bell).run()
     return 0

@@ -13,7 +13,11 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 KEYS = (
-    ("q", "quit"),
+    (
+        "q",
+        "quit; under ddpwatch run --tui, while the job runs, asks: stop the job, "
+        "detach (it runs on, unwatched) or cancel",
+    ),
     ("?", "this help (esc closes it)"),
     ("↑ ↓ PgUp PgDn Home End", "move the cursor (also k / j)"),
     ("enter", "detail pane of the cursor rank; on a host row (g): show that host's ranks"),
@@ -24,8 +28,17 @@ KEYS = (
     ("a", "flagged ranks only: named by an alert, or not running"),
     ("g", "group by host: one row per host"),
     ("p", "pause updates (the view freezes; polling stops)"),
-    ("e", "export the status JSON shown to ddpwatch-status-<time>.json"),
-    ("o", "the job's output, followed live (ddpwatch run --tui only)"),
+    (
+        "e",
+        "export the status JSON to ddpwatch-status-<time>.json, beside the job's log "
+        "under run --tui, else in the working directory",
+    ),
+    (
+        "o",
+        "the job's output, followed live (ddpwatch run --tui only; elsewhere each rank's "
+        "last lines are in its detail pane)",
+    ),
+    ("t", "timeline: every alert raised, escalated and cleared, when and for how long"),
     ("tab", "focus the next panel: table, alerts, detail"),
     ("alerts: enter / click", "select the alert's first culprit rank in the table"),
 )

@@ -35,6 +35,7 @@ from ddpwatch.tui.model import (
     index_alerts,
     select_groups,
     select_rows,
+    worst_first,
 )
 from ddpwatch.tui.rank_table import GROUP_COLUMNS, RANK_COLUMNS, RankTable
 from ddpwatch.tui.sources import StatusSource
@@ -76,13 +77,23 @@ class DashboardScreen(Screen[None]):
         Binding("g", "group", "Hosts", id="group"),
         Binding("p", "pause", "Pause", id="pause"),
         Binding("e", "export", "Export", id="export"),
+        Binding("t", "app.timeline", "Timeline", id="timeline"),
         Binding("escape", "clear_filter", "Clear filter", show=False, id="filter.clear"),
     ]
 
-    def __init__(self, source: StatusSource, *, interval: float = 0.5, history: int = 60) -> None:
+    def __init__(
+        self,
+        source: StatusSource,
+        *,
+        interval: float = 0.5,
+        history: int = 60,
+        bell: bool = True,
+    ) -> None:
         super().__init__()
         self.source = source
         self.interval = interval
+        self.bell = bell
+        self._errors: set[tuple[Any, ...]] | None = None  # error alerts of the last document
         self.document: dict[str, Any] | None = None
         self.connected: bool | None = None
         self.paused = False
@@ -99,6 +110,7 @@ class DashboardScreen(Screen[None]):
         self.last_export: Path | None = None
         self._poll_started = 0.0
         self._summary: dict[str, Any] = {}
+        self._cursor_placed = False  # on the worst rank, at the first document with ranks
 
     # ------------------------------------------------------------------ layout
 
@@ -129,7 +141,7 @@ class DashboardScreen(Screen[None]):
         return self.query_one(RankDetail)
 
     def on_mount(self) -> None:
-        self.query_one(AlertList).show([])
+        self.query_one(AlertList).show([], empty=self.no_ranks)
         self.detail.border_title = "detail"
         self.table.focus()
         self._update_header()
@@ -211,8 +223,35 @@ class DashboardScreen(Screen[None]):
         self._rank_pos = {}
         self._summary = summarize(document)
         self.index = index_alerts(document.get("alerts") or [])
+        self._ring_on_new_errors(document.get("alerts") or [])
         self.history.update(ranks)
         self.refresh_view()
+        if not self._cursor_placed and self.table.rows:
+            self._cursor_placed = True
+            self._cursor_to_worst()
+
+    def _cursor_to_worst(self) -> None:
+        """Start the cursor on the worst rank (host, when grouped) whatever the sort, so enter
+        opens the rank to look at; only once: later the cursor is the user's."""
+        table = self.table
+        if table.grouped:
+            key = min(table.rows, key=lambda g: (g["worst"], g["host"]))["host"]
+        else:
+            key = worst_first(table.rows, self.index)[0]["rank"]
+        table.move_cursor_to_key(key)
+
+    def _ring_on_new_errors(self, alerts: list[dict[str, Any]]) -> None:
+        """Ring the terminal bell once when an error alert (kind and culprits) appears that the
+        last document did not have as an error, so a hang at 3 am is heard; warnings stay quiet,
+        and so does the first document (its errors were there before anyone looked)."""
+        errors = {
+            (alert.get("kind"), tuple(alert.get("ranks") or ()))
+            for alert in alerts
+            if alert.get("severity") == "error"
+        }
+        if self.bell and self._errors is not None and not errors <= self._errors:
+            self.app.bell()
+        self._errors = errors
 
     def refresh_view(self) -> None:
         """Re-select and re-order rows for the current query, then redraw once."""
@@ -230,7 +269,7 @@ class DashboardScreen(Screen[None]):
         self.table.set_rows(
             rows, self.index, grouped=query.grouped, sort_key=sort_key, sort_reverse=query.reverse
         )
-        self.alert_list.show(document.get("alerts") or [])
+        self.alert_list.show(document.get("alerts") or [], empty=None if ranks else self.no_ranks)
         self._update_header()
         self._update_detail()
 
@@ -398,20 +437,36 @@ class DashboardScreen(Screen[None]):
         self.table.focus()
 
     def action_export(self) -> None:
-        """Write the status document on screen to ``ddpwatch-status-<time>.json`` in the cwd."""
+        """Write the status document on screen to ``ddpwatch-status-<time>.json`` in
+        ``export_dir`` and say where: beside the job's log under ``ddpwatch run --tui``, else
+        the working directory."""
         if self.document is None:
             self.notify("nothing to export yet: no status document received", severity="warning")
             return
+        folder = self.export_dir
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = Path.cwd() / f"ddpwatch-status-{stamp}.json"
+        path = folder / f"ddpwatch-status-{stamp}.json"
         n = 1
         while path.exists():
-            path = Path.cwd() / f"ddpwatch-status-{stamp}-{n}.json"
+            path = folder / f"ddpwatch-status-{stamp}-{n}.json"
             n += 1
         try:
             path.write_text(json.dumps(self.document, indent=2) + "\n")
         except OSError as exc:
-            self.notify(f"could not write {path}: {exc.strerror}", severity="error")
+            self.notify(f"could not write {path}: {exc.strerror}", severity="error", markup=False)
             return
-        self.notify(f"wrote {path}", title="exported")
+        self.notify(
+            f"the status JSON on screen is in {path}", title="exported", timeout=10, markup=False
+        )
         self.last_export = path
+
+    @property
+    def export_dir(self) -> Path:
+        """Where ``e`` writes: the source's ``export_dir`` (the run's folder), else the cwd."""
+        folder = getattr(self.source, "export_dir", None)
+        return Path(folder) if folder else Path.cwd()
+
+    @property
+    def no_ranks(self) -> str:
+        """The alerts panel's line while no rank has reported (where ranks should report)."""
+        return getattr(self.source, "no_ranks", None) or "waiting for ranks"

@@ -9,6 +9,7 @@ thread, one call at a time, and returns None when no document could be had.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import threading
@@ -40,6 +41,9 @@ class LocalSource:
         collector = getattr(server, "collector", None)
         port = getattr(collector, "port", None)
         self.label = f"local :{port}" if port is not None else "local"
+        host = getattr(collector, "host", None) or "*"
+        self.addr = f"{host}:{port}" if port is not None else None
+        self.no_ranks = waiting_for_ranks(self.addr)  # the alerts panel's line until ranks report
         state = getattr(server, "state", None)
         self.started: float | None = getattr(state, "started", None)
 
@@ -62,8 +66,17 @@ class JobSource(LocalSource):
         super().__init__(server)
         self.job = job
         self.output_path = output_path
+        # exports go beside the job's log: the files of one run stay together
+        self.export_dir = os.path.dirname(os.path.abspath(output_path))
+        self.detached = False  # the quit question's "Detach": the job outlives the dashboard
+        if self.addr is not None:
+            self.no_ranks = f"waiting for the job's ranks on {self.addr}: each reports as it starts"
         self._server_label = self.label
         self._update_label()
+
+    def detach(self) -> None:
+        """Leave the job running when the dashboard exits (``ddpwatch run`` says where it is)."""
+        self.detached = True
 
     def fetch(self) -> dict[str, Any] | None:
         self._update_label()
@@ -72,6 +85,40 @@ class JobSource(LocalSource):
     def _update_label(self) -> None:
         code = self.job.poll()
         self.label = f"{self._server_label}  job {exit_description(code)}"
+
+
+class ReplaySource(LocalSource):
+    """``ddpwatch replay FILE``: the header names the file and how far the replay has got."""
+
+    def __init__(self, server: Any) -> None:
+        super().__init__(server)
+        self.no_ranks = "no ranks in the recording yet"
+        self._update_label()
+
+    def fetch(self) -> dict[str, Any] | None:
+        document = super().fetch()
+        self._update_label()
+        return document
+
+    def _update_label(self) -> None:
+        self.label = replay_label(self.server.path, self.server.progress)
+
+
+def replay_label(path: str | os.PathLike[str], progress: float) -> str:
+    """``replay run.ddpw 37 %`` (rounded down: 100 % only once the whole file is replayed)."""
+    return f"replay {os.path.basename(path)} {int(max(0.0, min(1.0, progress)) * 100)} %"
+
+
+def local_source(server: Any) -> LocalSource:
+    """The source for a server in this process; a ``ReplayServer`` (it has ``progress``) gets
+    a ``ReplaySource``."""
+    return ReplaySource(server) if hasattr(server, "progress") else LocalSource(server)
+
+
+def waiting_for_ranks(addr: str | None) -> str:
+    """The alerts panel's line while no rank has reported: where ranks should report, and how."""
+    where = f" on {addr}" if addr else ""
+    return f"waiting for ranks{where} — set DDPWATCH_ADDR or run under ddpwatch run"
 
 
 def exit_description(code: int | None) -> str:
@@ -104,6 +151,7 @@ class RemoteSource:
         self._zmq = zmq
         self.host, self.port, self.timeout = host, port, timeout
         self.label = f"{host}:{port}"
+        self.no_ranks = waiting_for_ranks(self.label)
         self.started: float | None = None
         self._context = zmq.Context()
         self._sock: Any = None

@@ -1,0 +1,159 @@
+"""What happened and when: each tick's alerts turned into timed changes, kept as a timeline.
+
+Users look at a job after lunch or after a page; alerts that cleared must still be there.
+``AlertTracker`` diffs one tick's alerts against the last (the same kind about the same
+culprits is the same alert), stamps every change with the server's clock and the job's
+elapsed time, and keeps the last ``HISTORY_KEPT`` changes: the ``history`` of the status
+document, the dashboard's timeline (key ``t``) and the end-of-run summary read them.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ddpwatch.server.alerts import Alert
+
+HISTORY_KEPT = 1000
+SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2}
+
+Event = Literal["raised", "escalated", "cleared"]
+
+
+def iso_time(at: float, timespec: str = "milliseconds") -> str:
+    """ISO-8601 with the local offset: ``2026-11-23T19:02:05.134+01:00``."""
+    return datetime.datetime.fromtimestamp(at).astimezone().isoformat(timespec=timespec)
+
+
+def describe(change: AlertChange) -> str:
+    """One line for people (two with the fix), stamped: the alert stream of ``ddpwatch run``
+    and the end-of-run summary. ``2026-11-23T19:02:05+01:00 +12.3 s [error] straggler: …``"""
+    alert = change.alert
+    when = f"{iso_time(change.at, 'seconds')} +{change.elapsed_s:.1f} s"
+    culprits = ", ".join(str(r) for r in alert.ranks[:16]) + ("…" if len(alert.ranks) > 16 else "")
+    if change.event == "cleared":
+        who = f" (rank {culprits})" if culprits else ""
+        up = f" after {change.duration_s:.1f} s" if change.duration_s is not None else ""
+        return f"ddpwatch: {when} cleared {alert.kind}{who}{up}"
+    what = f"[{alert.severity}] {alert.kind}"
+    if change.event == "escalated" and change.previous is not None:
+        what += f" (was {change.previous.kind}, {change.previous.severity})"
+    return f"ddpwatch: {when} {what}: {alert.message}\nddpwatch:   fix: {alert.hint}"
+
+
+@dataclass(frozen=True)
+class AlertChange:
+    """An alert raised, escalated (more severe than before: a warning that became an error,
+    or a straggler that became ``stalled``) or cleared, at server time ``at``.
+
+    ``elapsed_s`` counts from the job's first report; ``previous`` is the alert an
+    escalation replaces; ``duration_s`` says how long a cleared alert was up.
+    """
+
+    event: Event
+    alert: Alert
+    at: float = 0.0
+    elapsed_s: float = 0.0
+    previous: Alert | None = None
+    duration_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON line of ``serve --headless``, ``run``, ``demo --headless``, ``replay``
+        and one entry of the status document's ``history``."""
+        entry: dict[str, Any] = {
+            "event": self.event,
+            "time": iso_time(self.at),
+            "elapsed_s": round(self.elapsed_s, 3),
+            "alert": self.alert.to_dict(),
+        }
+        if self.previous is not None:
+            entry["from"] = {"kind": self.previous.kind, "severity": self.previous.severity}
+        if self.duration_s is not None:
+            entry["duration_s"] = round(self.duration_s, 3)
+        return entry
+
+
+def diff_alerts(before: dict[Any, Alert], after: list[Alert]) -> list[AlertChange]:
+    """Alerts that appeared, went away or became more severe between two ticks."""
+    now = {alert.key: alert for alert in after}
+    changes = [AlertChange("cleared", alert) for key, alert in before.items() if key not in now]
+    for key, alert in now.items():
+        old = before.get(key)
+        if old is None:
+            changes.append(AlertChange("raised", alert))
+        elif SEVERITY_RANK[alert.severity] > SEVERITY_RANK[old.severity]:
+            changes.append(AlertChange("escalated", alert, previous=old))
+    return _merge_escalations(changes)
+
+
+def _merge_escalations(changes: list[AlertChange]) -> list[AlertChange]:
+    """One tick clears a warning and raises an error about the same culprits (``straggler``
+    → ``stalled``): that is one escalation, not an unrelated pair."""
+    cleared = {c.alert.ranks: c for c in changes if c.event == "cleared" and c.alert.ranks}
+    merged: list[AlertChange] = []
+    replaced: set[int] = set()
+    for change in changes:
+        old = cleared.get(change.alert.ranks) if change.event == "raised" else None
+        if (
+            old is not None
+            and SEVERITY_RANK[change.alert.severity] > SEVERITY_RANK[old.alert.severity]
+        ):
+            merged.append(AlertChange("escalated", change.alert, previous=old.alert))
+            replaced.add(id(old))
+        else:
+            merged.append(change)
+    return [c for c in merged if id(c) not in replaced]
+
+
+@dataclass
+class AlertTracker:
+    """The alerts up now, when each went up, and the bounded timeline of changes."""
+
+    active: dict[Any, Alert] = field(default_factory=dict)
+    since: dict[Any, float] = field(default_factory=dict)
+    history: deque[AlertChange] = field(default_factory=lambda: deque(maxlen=HISTORY_KEPT))
+    total: int = 0
+    """Changes ever recorded; ``len(history)`` stops at HISTORY_KEPT."""
+    _entries: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY_KEPT))
+
+    def update(self, alerts: list[Alert], now: float, started: float) -> list[AlertChange]:
+        """Take one tick's alerts; return the changes, stamped, in the order they happened."""
+        found = diff_alerts(self.active, alerts)
+        stamped: list[AlertChange] = []
+        for change in found:
+            key = change.alert.key
+            if change.event == "cleared":
+                duration = now - self.since.pop(key, now)
+                stamped.append(_stamp(change, now, started, duration))
+                continue
+            if change.previous is not None and change.previous.key != key:
+                self.since.pop(change.previous.key, None)
+            self.since.setdefault(key, now)
+            stamped.append(_stamp(change, now, started, None))
+        self.active = {alert.key: alert for alert in alerts}
+        self.history.extend(stamped)
+        self._entries.extend(change.to_dict() for change in stamped)
+        self.total += len(stamped)
+        return stamped
+
+    def restart(self) -> None:
+        """A new server session (replay): nothing is up any more; the timeline stays."""
+        self.active.clear()
+        self.since.clear()
+
+    def entries(self) -> list[dict[str, Any]]:
+        """The timeline for the status document, oldest first (each entry built once)."""
+        return list(self._entries)
+
+
+def _stamp(change: AlertChange, now: float, started: float, duration: float | None) -> AlertChange:
+    return AlertChange(
+        change.event,
+        change.alert,
+        at=now,
+        elapsed_s=max(0.0, now - started),
+        previous=change.previous,
+        duration_s=duration,
+    )

@@ -1,0 +1,444 @@
+"""A recording turned into what a post-mortem needs (``ddpwatch report``): the final status
+document, per-rank time series, per-rank numbers and the culprits.
+
+The final document comes from replaying the file, so its alerts and timeline are exactly the
+live server's. The series come from a second pass over the frames: the server keeps only
+each rank's latest values, and a post-mortem wants the whole curve.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpwatch.protocol import ProtocolError, Sample, decode
+from ddpwatch.server.recording import RecordingError, RecordingReader
+from ddpwatch.server.replay import ReplayServer
+from ddpwatch.server.summary import summary_lines, verdict
+
+SERIES_POINTS = 400  # per rank and metric: enough for a chart, small in JSON
+_COMPACT_AT = 8 * SERIES_POINTS  # series are thinned while read, so memory stays bounded
+STEP_TIMES_KEPT = 8192  # step times kept per rank for its median (halved evenly when full)
+METRICS = ("step", "step_time_s", "loss", "mem_allocated_bytes", "gpu_mem_used_bytes")
+ALERTING = ("error", "warning")
+
+Point = tuple[float, float]
+TIMES = "\N{MULTIPLICATION SIGN}"
+
+
+def downsample(points: list[Point], limit: int = SERIES_POINTS) -> list[Point]:
+    """At most ``limit`` points of a time-ordered series: per time bucket its lowest and
+    highest point, plus the last one, so a spike survives where plain striding skips it."""
+    if len(points) <= limit:
+        return list(points)
+    buckets = max(1, (limit - 1) // 2)
+    t0 = points[0][0]
+    span = (points[-1][0] - t0) or 1.0
+    out: list[Point] = []
+    current, low, high = -1, points[0], points[0]
+    for point in points:
+        bucket = min(buckets - 1, max(0, int((point[0] - t0) / span * buckets)))
+        if bucket != current:
+            if current >= 0:
+                out.extend(_pair(low, high))
+            current, low, high = bucket, point, point
+            continue
+        if point[1] < low[1]:
+            low = point
+        if point[1] > high[1]:
+            high = point
+    out.extend(_pair(low, high))
+    if out[-1] != points[-1]:
+        out.append(points[-1])
+    return out[:limit]
+
+
+def _pair(low: Point, high: Point) -> list[Point]:
+    if low is high:
+        return [low]
+    return [low, high] if low[0] <= high[0] else [high, low]
+
+
+@dataclass
+class RankSeries:
+    """One rank over time: ``points[metric]`` is ``(seconds since t0, value)``, at most
+    ``SERIES_POINTS`` each; step time and loss get one point per new step."""
+
+    rank: int
+    points: dict[str, list[Point]] = field(default_factory=lambda: {m: [] for m in METRICS})
+    step_times: list[float] = field(default_factory=list)
+    samples: int = 0
+    max_step: int | None = None
+    peak_allocated_bytes: int | None = None
+    peak_gpu_used_bytes: int | None = None
+    _last_step: int | None = None
+    _stride: int = 1
+    _skipped: int = 0
+
+    @property
+    def peak_mem_bytes(self) -> int | None:
+        """The allocator's peak where the rank reported it, else the GPU's (NVML)."""
+        return (
+            self.peak_allocated_bytes
+            if self.peak_allocated_bytes is not None
+            else self.peak_gpu_used_bytes
+        )
+
+    @property
+    def median_step_time_s(self) -> float | None:
+        return statistics.median(self.step_times) if self.step_times else None
+
+    def take(self, elapsed: float, sample: Sample) -> None:
+        """Fold one heartbeat in."""
+        self.samples += 1
+        if sample.step is not None and sample.step != self._last_step:
+            self._last_step = sample.step
+            self.max_step = max(sample.step, self.max_step or 0)
+            self._add("step", elapsed, sample.step)
+            step_time, loss = sample.step_time_s, sample.loss
+            if step_time is not None and math.isfinite(step_time):
+                self._add("step_time_s", elapsed, step_time)
+                self._keep_step_time(step_time)
+            if loss is not None and math.isfinite(loss):
+                self._add("loss", elapsed, loss)
+        allocated = max(
+            (v for v in (sample.mem_allocated_bytes, sample.mem_peak_bytes) if v is not None),
+            default=None,
+        )
+        if allocated is not None:
+            self.peak_allocated_bytes = max(self.peak_allocated_bytes or 0, allocated)
+        if sample.mem_allocated_bytes is not None:
+            self._add("mem_allocated_bytes", elapsed, sample.mem_allocated_bytes)
+        if sample.gpu_mem_used_bytes is not None:
+            self.peak_gpu_used_bytes = max(self.peak_gpu_used_bytes or 0, sample.gpu_mem_used_bytes)
+            self._add("gpu_mem_used_bytes", elapsed, sample.gpu_mem_used_bytes)
+
+    def _add(self, metric: str, elapsed: float, value: float) -> None:
+        points = self.points[metric]
+        points.append((elapsed, float(value)))
+        if len(points) >= _COMPACT_AT:
+            self.points[metric] = downsample(points, 4 * SERIES_POINTS)
+
+    def _keep_step_time(self, value: float) -> None:
+        """Every step's time, thinned evenly (every 2nd, 4th, ...) once there are too many."""
+        self._skipped += 1
+        if self._skipped < self._stride:
+            return
+        self._skipped = 0
+        self.step_times.append(value)
+        if len(self.step_times) >= STEP_TIMES_KEPT:
+            del self.step_times[1::2]
+            self._stride *= 2
+
+    def finish(self) -> None:
+        """Cut every series to ``SERIES_POINTS``."""
+        self.points = {m: downsample(p) for m, p in self.points.items()}
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One rank's numbers for the tables and the comparison."""
+
+    rank: int
+    host: str | None
+    state: str | None
+    steps: int | None
+    median_step_time_s: float | None
+    peak_mem_bytes: int | None
+    alerts: tuple[str, ...]  # kinds of the raised alerts naming this rank, in order
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """A rank named by an error or warning: what was said about it and what it left behind."""
+
+    rank: int
+    alerts: tuple[dict[str, Any], ...]  # kind, severity, message, hint (as it last stood)
+    state: str | None
+    step: int | None
+    stack: str | None
+    error: dict[str, Any] | None
+    log_tail: tuple[str, ...]
+
+
+@dataclass
+class RunReport:
+    """Everything the renderers need from one recording; they are pure functions of it."""
+
+    path: str
+    document: dict[str, Any]
+    series: dict[int, RankSeries]
+    ranks: list[RankStats]
+    culprits: list[Culprit]
+    t0: float | None  # unix time the series count from: the file's first report
+    frames: int = 0
+    undecodable: int = 0
+    tail_bytes: int = 0
+    sessions: int = 0
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).name
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return list(self.document.get("history") or [])
+
+    @property
+    def duration_s(self) -> float | None:
+        started, now = self.document.get("job_started"), self.document.get("server_time")
+        if isinstance(started, (int, float)) and isinstance(now, (int, float)):
+            return max(0.0, now - started)
+        return None
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.document)
+
+    @property
+    def summary(self) -> list[str]:
+        return summary_lines(self.document)
+
+    @property
+    def alerts_raised(self) -> int:
+        return sum(1 for e in self.history if e.get("event") != "cleared")
+
+    @property
+    def median_step_time_s(self) -> float | None:
+        """The median over every rank's steps."""
+        times = [t for s in self.series.values() for t in s.step_times]
+        return statistics.median(times) if times else None
+
+    @property
+    def slowest_step_time_s(self) -> float | None:
+        """The slowest rank's median step time: in synchronous training, the job's pace."""
+        medians = [r.median_step_time_s for r in self.ranks if r.median_step_time_s is not None]
+        return max(medians) if medians else None
+
+    @property
+    def peak_mem_bytes(self) -> int | None:
+        peaks = [r.peak_mem_bytes for r in self.ranks if r.peak_mem_bytes is not None]
+        return max(peaks) if peaks else None
+
+    def worst_ranks(self, limit: int) -> list[int]:
+        """Up to ``limit`` ranks, the most telling first: culprits, other ranks alerts named,
+        then the slowest, then the most memory (charts and tables cannot show 8,192)."""
+        chosen = dict.fromkeys(c.rank for c in self.culprits)
+        chosen.update(dict.fromkeys(r.rank for r in self.ranks if r.alerts))
+        rest = sorted(
+            (r for r in self.ranks if r.rank not in chosen),
+            key=lambda r: (-(r.median_step_time_s or 0.0), -(r.peak_mem_bytes or 0), r.rank),
+        )
+        chosen.update(dict.fromkeys(r.rank for r in rest))
+        return list(chosen)[:limit]
+
+    def hints(self) -> list[tuple[str, str]]:
+        """(kind, hint) of every raised alert, once each, in the order they first came up."""
+        seen: dict[tuple[str, str], None] = {}
+        for entry in self.history:
+            alert = entry.get("alert") or {}
+            if entry.get("event") != "cleared" and alert.get("hint"):
+                seen.setdefault((str(alert.get("kind")), str(alert["hint"])), None)
+        return list(seen)
+
+    def notes(self) -> list[str]:
+        """What the reader should know about the file itself."""
+        notes = []
+        if self.tail_bytes:
+            notes.append(
+                f"the file ends in a partial record: its last {self.tail_bytes} bytes were not "
+                "read (the server stopped mid-write)"
+            )
+        if self.undecodable:
+            notes.append(f"{self.undecodable} recorded frames no longer decode and were skipped")
+        if self.sessions > 1:
+            notes.append(
+                f"the file holds {self.sessions} server runs: the ranks are the last run's; "
+                "the timeline and the plots cover all of them"
+            )
+        return notes
+
+
+def load_run(path: str | os.PathLike[str]) -> RunReport:
+    """Replay ``path`` as fast as possible for its final document, then read its frames
+    again for the series. Raises ``RecordingError`` for a file that is not a recording
+    or holds no whole record."""
+    replay = ReplayServer(path, speed=None)
+    replay.run()
+    document = replay.status()
+    reader = RecordingReader(path)
+    series: dict[int, RankSeries] = {}
+    frames = undecodable = 0
+    t0: float | None = None
+    for record in reader:
+        if record.kind != "frame":
+            continue
+        frames += 1
+        try:
+            message = decode(record.data)
+        except ProtocolError:
+            undecodable += 1
+            continue
+        if t0 is None:
+            t0 = record.t
+        if isinstance(message, Sample):
+            if message.rank not in series:
+                series[message.rank] = RankSeries(message.rank)
+            series[message.rank].take(record.t - t0, message)
+    if reader.records_read == 0 and reader.tail_bytes:
+        raise RecordingError(
+            f"{path} holds no readable record: its {reader.tail_bytes} bytes after the header "
+            "are corrupt"
+        )
+    for rank in series.values():
+        rank.finish()
+    return RunReport(
+        path=str(path),
+        document=document,
+        series=series,
+        ranks=_rank_stats(document, series),
+        culprits=_culprits(document),
+        t0=t0,
+        frames=frames,
+        undecodable=undecodable,
+        tail_bytes=reader.tail_bytes,
+        sessions=replay.sessions,
+    )
+
+
+def _raised(history: Iterable[dict[str, Any]]) -> Iterable[dict[str, Any]]:
+    return (e["alert"] for e in history if e.get("event") != "cleared" and e.get("alert"))
+
+
+def _rank_stats(document: dict[str, Any], series: dict[int, RankSeries]) -> list[RankStats]:
+    entries = {r["rank"]: r for r in document.get("ranks", []) if isinstance(r, dict)}
+    named: dict[int, list[str]] = {}
+    for alert in _raised(document.get("history") or []):
+        for rank in alert.get("ranks") or []:
+            kinds = named.setdefault(rank, [])
+            if alert.get("kind") not in kinds:
+                kinds.append(str(alert.get("kind")))
+    stats = []
+    for rank in sorted(set(entries) | set(series)):
+        entry, seen = entries.get(rank, {}), series.get(rank)
+        steps = seen.max_step if seen is not None else None
+        if steps is None and isinstance(entry.get("step"), int):
+            steps = entry["step"]
+        stats.append(
+            RankStats(
+                rank=rank,
+                host=entry.get("host"),
+                state=entry.get("state"),
+                steps=steps,
+                median_step_time_s=seen.median_step_time_s if seen is not None else None,
+                peak_mem_bytes=seen.peak_mem_bytes if seen is not None else None,
+                alerts=tuple(named.get(rank, ())),
+            )
+        )
+    return stats
+
+
+def _culprits(document: dict[str, Any]) -> list[Culprit]:
+    """Ranks named by error or warning alerts, errors' culprits first, each alert as it last
+    stood (a cleared entry holds its final numbers; an active alert its current ones)."""
+    latest: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
+    for entry in document.get("history") or []:
+        alert = entry.get("alert") or {}
+        latest[(str(alert.get("kind")), tuple(alert.get("ranks") or ()))] = alert
+    for alert in document.get("alerts") or []:
+        latest[(str(alert.get("kind")), tuple(alert.get("ranks") or ()))] = alert
+    order: dict[int, list[dict[str, Any]]] = {}
+    for severity in ALERTING:
+        for alert in latest.values():
+            if alert.get("severity") != severity:
+                continue
+            for rank in alert.get("ranks") or []:
+                order.setdefault(rank, []).append(alert)
+    entries = {r["rank"]: r for r in document.get("ranks", []) if isinstance(r, dict)}
+    culprits = []
+    for rank, alerts in order.items():
+        entry = entries.get(rank, {})
+        culprits.append(
+            Culprit(
+                rank=rank,
+                alerts=tuple(
+                    {k: a.get(k) for k in ("kind", "severity", "message", "hint")} for a in alerts
+                ),
+                state=entry.get("state"),
+                step=entry.get("step"),
+                stack=entry.get("stack"),
+                error=entry.get("error"),
+                log_tail=tuple(entry.get("log_tail") or ()),
+            )
+        )
+    return culprits
+
+
+# ------------------------------------------------------------------ two runs
+
+
+@dataclass(frozen=True)
+class RankPair:
+    """One rank in both runs (None where a run never saw it)."""
+
+    rank: int
+    before: RankStats | None
+    after: RankStats | None
+
+
+def pair_ranks(before: RunReport, after: RunReport) -> list[RankPair]:
+    a = {r.rank: r for r in before.ranks}
+    b = {r.rank: r for r in after.ranks}
+    return [RankPair(rank, a.get(rank), b.get(rank)) for rank in sorted(set(a) | set(b))]
+
+
+def ratio(before: float | None, after: float | None) -> float | None:
+    """``after / before``, or None where either is unknown or ``before`` is 0."""
+    if before is None or after is None or before == 0:
+        return None
+    return after / before
+
+
+# ------------------------------------------------------------------ formatting
+
+
+def fmt_seconds(value: float | None) -> str:
+    if value is None:
+        return "—"
+    if value >= 100:
+        return f"{value:.0f} s"
+    return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
+
+
+def fmt_duration(value: float | None) -> str:
+    """``2.3 s``, ``4 min 12 s``, ``3 h 5 min``: how long a run took."""
+    if value is None:
+        return "—"
+    if value < 60:
+        return f"{value:.1f} s"
+    minutes, seconds = divmod(int(value), 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds} s"
+    return f"{minutes // 60} h {minutes % 60} min"
+
+
+def fmt_bytes(value: float | None) -> str:
+    if value is None:
+        return "—"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(value) >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def fmt_change(before: float | None, after: float | None) -> str:
+    """``-75.0% (x0.25)`` with a multiplication sign; ``—`` where there is nothing to compare."""
+    r = ratio(before, after)
+    if r is None:
+        return "—"
+    return f"{(r - 1) * 100:+.1f}% ({TIMES}{r:.2f})"

@@ -1,0 +1,90 @@
+"""The alert timeline: changes stamped with time and the job's elapsed time, escalations as
+events of their own, bounded, and in the status document as ``history``."""
+
+from __future__ import annotations
+
+import datetime
+
+from ddpwatch.server.alerts import Alert, Thresholds
+from ddpwatch.server.history import HISTORY_KEPT, AlertTracker, iso_time
+from ddpwatch.server.state import ServerState
+from ddpwatch.server.status import status_document
+
+T0 = 1_800_000_000.0
+STRAGGLER = Alert("straggler", "warning", (1,), (0, 2), "rank 1 has not entered", "look")
+STRAGGLER_ERROR = Alert("straggler", "error", (1,), (0, 2), "rank 1 still not", "look")
+STALLED = Alert("stalled", "error", (1,), (), "rank 1 has made no progress", "look")
+NAN = Alert("nan_loss", "error", (2,), (), "rank 2's loss is nan", "lower the lr")
+
+
+def test_changes_carry_time_elapsed_and_duration() -> None:
+    tracker = AlertTracker()
+    assert tracker.update([], T0 + 1, T0) == []
+    (raised,) = tracker.update([NAN], T0 + 12.5, T0)
+    assert (raised.event, raised.at, raised.elapsed_s) == ("raised", T0 + 12.5, 12.5)
+    (cleared,) = tracker.update([], T0 + 20.0, T0)
+    assert (cleared.event, cleared.duration_s, cleared.alert) == ("cleared", 7.5, NAN)
+    entry = cleared.to_dict()
+    assert entry["elapsed_s"] == 20.0 and entry["duration_s"] == 7.5
+    assert datetime.datetime.fromisoformat(entry["time"]).timestamp() == T0 + 20.0
+    assert [e["event"] for e in tracker.entries()] == ["raised", "cleared"]
+
+
+def test_a_warning_that_becomes_an_error_is_an_escalation() -> None:
+    tracker = AlertTracker()
+    tracker.update([STRAGGLER], T0 + 2, T0)
+    (up,) = tracker.update([STRAGGLER_ERROR], T0 + 10, T0)
+    assert (up.event, up.previous, up.alert) == ("escalated", STRAGGLER, STRAGGLER_ERROR)
+    assert up.to_dict()["from"] == {"kind": "straggler", "severity": "warning"}
+    assert tracker.update([STRAGGLER_ERROR], T0 + 11, T0) == []  # no repeat
+    (cleared,) = tracker.update([], T0 + 14, T0)
+    assert cleared.duration_s == 12.0  # up since the first warning
+
+
+def test_a_straggler_that_becomes_stalled_is_one_escalation() -> None:
+    tracker = AlertTracker()
+    tracker.update([STRAGGLER, NAN], T0 + 2, T0)
+    changes = tracker.update([STALLED, NAN], T0 + 9, T0)
+    assert [(c.event, c.alert.kind) for c in changes] == [("escalated", "stalled")]
+    assert changes[0].previous == STRAGGLER
+    # a different rank's alert going away while another is raised stays two events
+    other = Alert("silent", "error", (3,), (), "rank 3 fell silent", "look")
+    changes = tracker.update([other], T0 + 12, T0)
+    assert sorted(c.event for c in changes) == ["cleared", "cleared", "raised"]
+
+
+def test_the_timeline_is_bounded_newest_last() -> None:
+    tracker = AlertTracker()
+    for i in range(HISTORY_KEPT):
+        tracker.update([NAN] if i % 2 == 0 else [], T0 + i, T0)
+    tracker.update([STALLED], T0 + HISTORY_KEPT, T0)
+    entries = tracker.entries()
+    assert len(entries) == HISTORY_KEPT and tracker.total == HISTORY_KEPT + 1
+    assert entries[-1]["alert"]["kind"] == "stalled"
+
+
+def test_status_document_has_the_history_and_the_job_start() -> None:
+    tracker = AlertTracker()
+    tracker.update([NAN], T0 + 5, T0)
+    state = ServerState(started=T0 - 30)
+    document = status_document(state, [NAN], T0 + 6, Thresholds(), tracker.entries())
+    assert [e["alert"]["kind"] for e in document["history"]] == ["nan_loss"]
+    assert document["job_started"] == T0 - 30  # no rank yet: the server's start
+    assert status_document(state, [], T0, Thresholds())["history"] == []
+
+
+def test_iso_time_has_an_offset_and_milliseconds() -> None:
+    text = iso_time(T0 + 0.25)
+    parsed = datetime.datetime.fromisoformat(text)
+    assert parsed.tzinfo is not None and parsed.timestamp() == T0 + 0.25
+    assert text.count(":") >= 3 and ".250" in text
+
+
+def test_hints_name_the_servers_port_when_it_is_not_the_default() -> None:
+    from ddpwatch.server.service import with_port
+
+    hint = Alert("straggler", "warning", (1,), (0,), "m", "its stack in ddpwatch status --json")
+    assert with_port([hint], 5599) == [hint]
+    (moved,) = with_port([hint], 57853)
+    assert moved.hint == "its stack in ddpwatch status --port 57853 --json"
+    assert moved.key == hint.key  # the same alert, only its words point elsewhere

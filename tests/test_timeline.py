@@ -1,0 +1,101 @@
+"""The dashboard's timeline (key ``t``): alerts that came and went stay findable."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from test_tui import make_app, poll, settle
+from textual.widgets import DataTable
+from tui_fixtures import FixtureSource, document
+
+from ddpwatch.server.alerts import Alert
+from ddpwatch.server.history import AlertTracker
+from ddpwatch.tui.timeline import TimelineScreen, timeline_rows
+
+T0 = 1_800_000_000.0
+NAN = Alert("nan_loss", "error", (2,), (), "rank 2's loss is nan since step 15", "lower the lr")
+FROZEN = Alert("straggler", "warning", (3,), (0, 1, 2), "rank 3 has not entered", "look")
+FROZEN_STALLED = Alert("stalled", "error", (3,), (), "rank 3 has made no progress", "look")
+
+
+def with_history(tracker: AlertTracker, tick: int = 0) -> dict[str, Any]:
+    doc = copy.deepcopy(document(tick))
+    doc["history"] = tracker.entries()
+    return doc
+
+
+def test_rows_newest_first_with_escalation_and_duration() -> None:
+    tracker = AlertTracker()
+    tracker.update([NAN], T0 + 5, T0)
+    tracker.update([], T0 + 9, T0)
+    tracker.update([FROZEN], T0 + 20, T0)
+    tracker.update([FROZEN_STALLED], T0 + 30, T0)
+    rows = timeline_rows(tracker.entries())
+    assert [(r[1], r[2], r[4], r[5], r[6]) for r in rows] == [
+        ("+30.0 s", "escalated from straggler", "stalled", "3", ""),
+        ("+20.0 s", "raised", "straggler", "3", ""),
+        ("+9.0 s", "cleared", "nan_loss", "2", "4.0 s"),
+        ("+5.0 s", "raised", "nan_loss", "2", ""),
+    ]
+    assert rows[0][0].count(":") == 2  # the time of day, hh:mm:ss
+
+
+async def test_t_opens_the_timeline_which_follows_new_changes_and_t_closes_it() -> None:
+    tracker = AlertTracker()
+    tracker.update([NAN], T0 + 5, T0)
+    tracker.update([], T0 + 9, T0)  # the NaN came and went before anyone looked
+    source = FixtureSource([with_history(tracker)])
+    async with make_app(source).run_test(size=(160, 40)) as pilot:
+        await settle(pilot)
+        await pilot.press("t")
+        await pilot.pause()
+        screen = pilot.app.screen
+        assert isinstance(screen, TimelineScreen)
+        table = screen.query_one(DataTable)
+        assert table.row_count == 2
+        assert [table.get_row_at(i)[4] for i in range(2)] == ["nan_loss", "nan_loss"]
+        tracker.update([FROZEN], T0 + 20, T0)
+        source.push(with_history(tracker, 1))
+        await poll(pilot)  # the dashboard keeps polling under the timeline
+        screen.follow()
+        await pilot.pause()
+        assert table.row_count == 3
+        assert table.get_row_at(0)[4] == "straggler"
+        await pilot.press("t")
+        await pilot.pause()
+        assert not isinstance(pilot.app.screen, TimelineScreen)
+
+
+async def test_an_empty_timeline_says_so() -> None:
+    async with make_app(FixtureSource([document(0)])).run_test(size=(120, 30)) as pilot:
+        await settle(pilot)
+        await pilot.press("t")
+        await pilot.pause()
+        table = pilot.app.screen.query_one(DataTable)
+        assert table.get_row_at(0)[2] == "no alerts yet"
+
+
+def _entry(event: str, elapsed: float, alert: Alert, **extra: Any) -> dict[str, Any]:
+    clock = f"2026-11-23T19:{int(elapsed) // 60:02d}:{int(elapsed) % 60:02d}.000+00:00"
+    return {"event": event, "time": clock, "elapsed_s": elapsed, "alert": alert.to_dict(), **extra}
+
+
+def test_snapshot_timeline(snap_compare: Any) -> None:
+    """The demo's story after it happened: a NaN that cleared, a frozen rank that escalated."""
+    doc = copy.deepcopy(document(1))
+    doc["history"] = [
+        _entry("raised", 12.0, NAN),
+        _entry("cleared", 19.5, NAN, duration_s=7.5),
+        _entry("raised", 31.0, FROZEN),
+        _entry("escalated", 36.0, FROZEN_STALLED, **{"from": {"kind": "straggler",
+                                                             "severity": "warning"}}),
+    ]  # fmt: skip
+
+    async def open_timeline(pilot: Any) -> None:
+        await settle(pilot)
+        await pilot.press("t")
+        await pilot.pause()
+
+    app = make_app(FixtureSource([doc]))
+    assert snap_compare(app, terminal_size=(120, 24), run_before=open_timeline)
