@@ -994,3 +994,30 @@ def test_straggler_far_ahead_or_busy_without_stepping_is_still_named() -> None:
     busy.ranks[0] = rank(0, 2, step=500, **waiting_in("barrier", 9, 8.0))
     busy.ranks[1] = rank(1, 2, step=500, last_progress=NOW - 0.05, last_step_at=NOW - 9.0)
     assert only(rule_straggler(busy, NOW, TH), "straggler").ranks == (1,)
+
+
+@pytest.mark.parametrize("device", ["cuda:²", "cuda:" + "9" * 5000, "cuda:-1", "cuda:"])
+def test_a_malformed_device_from_a_rank_never_breaks_diagnosis(device: str) -> None:
+    state = job(3)
+    for r in state.ranks.values():
+        r.device = device
+    import ddpwatch.server.rules as rules
+
+    before = dict(rules.RULE_FAILURES)
+    diagnose(state, NOW, TH)
+    assert dict(rules.RULE_FAILURES) == before  # no rule raised: they read what they can
+
+
+def test_a_rule_that_raises_loses_only_its_own_alerts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ddpwatch.server.rules as rules
+
+    def broken(*_: Any) -> list[Alert]:
+        raise RuntimeError("a bug in one rule")
+
+    state = job(4, avg_collective_time_s=0.1, avg_step_time_s=0.2, collective_time_samples=10)
+    state.ranks[3].avg_collective_time_s = 0.01
+    monkeypatch.setattr(rules, "RULES", (broken, *rules.RULES))
+    monkeypatch.setattr(rules, "RULE_FAILURES", type(rules.RULE_FAILURES)())
+    assert kinds(rules.diagnose(state, NOW, TH)) == ["slow_rank"]
+    assert kinds(rules.diagnose(state, NOW, TH)) == ["slow_rank"]
+    assert rules.RULE_FAILURES == {"broken": 2}

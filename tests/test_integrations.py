@@ -20,16 +20,12 @@ import pytest
 from conftest import ROOT, LiveServer, alert_of, free_port_pair
 
 import ddpwatch
+from ddpwatch.agent.api import WatcherSurface
 from ddpwatch.agent.patches import Patches
 from ddpwatch.agent.progress import Progress
 from ddpwatch.demo.runner import stop_job
-from ddpwatch.integrations import (
-    PhaseStack,
-    adapt,
-    claim_steps,
-    framework_of,
-    release_steps,
-)
+from ddpwatch.integrations import adapt, framework_of
+from ddpwatch.integrations.shared import PhaseStack
 from ddpwatch.launch import job_environment
 from ddpwatch.server.alerts import Thresholds
 
@@ -46,7 +42,8 @@ def fake_class(module: str, name: str, base: type = object) -> type:
 
 
 class RecordingWatcher:
-    """The Watcher API the integrations use, recording calls (no threads, no sockets)."""
+    """The Watcher API the integrations use (``WatcherSurface``), recording calls (no
+    threads, no sockets); step counting and losses are the agent's own ``Progress``."""
 
     def __init__(self) -> None:
         self.progress = Progress()
@@ -54,10 +51,29 @@ class RecordingWatcher:
         self.phases: list[str] = []
         self.checkpoints: list[str] = []
         self.models: list[Any] = []
-        self._patches = Patches()
+        self.patches = Patches()
+
+    @property
+    def in_startup(self) -> bool:
+        return self.progress.step is None
 
     def step(self, loss: Any = None) -> None:
         self.progress.end_step(loss, mode="explicit")
+
+    def submit_loss(self, loss: Any) -> None:
+        self.progress.loss.submit(loss)
+
+    def note_forward(self) -> None:
+        self.progress.note_forward()
+
+    def count_steps_explicitly(self) -> None:
+        self.progress.count_steps_explicitly()
+
+    def claim_steps(self, owner: Any) -> bool:
+        return self.progress.claim_steps(owner)
+
+    def release_steps(self, owner: Any) -> None:
+        self.progress.release_steps(owner)
 
     def set_phase(self, name: str) -> None:
         self.phases.append(name)
@@ -84,7 +100,7 @@ class RecordingWatcher:
 
     def add_model(self, model: Any) -> None:
         self.models.append(model)
-        adapt(self, model)  # type: ignore[arg-type]
+        adapt(self, model)
 
 
 @pytest.fixture
@@ -228,12 +244,12 @@ def test_phase_stack_closes_what_it_opened() -> None:
     watcher = RecordingWatcher()
     watcher.set_phase("data")
     phases = PhaseStack()
-    phases.push(watcher, "validation")  # type: ignore[arg-type]
+    phases.push(watcher, "validation")
     assert watcher.progress.phase == "validation" and watcher.progress.pinned == 1
     phases.pop("test")  # not open: nothing happens
     phases.pop("validation")
     assert watcher.progress.phase == "data" and watcher.progress.pinned == 0
-    phases.push(watcher, "sanity_check")  # type: ignore[arg-type]
+    phases.push(watcher, "sanity_check")
     phases.close_all()
     assert watcher.progress.pinned == 0
 
@@ -245,13 +261,21 @@ def test_only_one_integration_counts_the_steps_of_a_watcher() -> None:
         pass
 
     first, second = Owner(), Owner()
-    assert claim_steps(watcher, first)  # type: ignore[arg-type]
-    assert not claim_steps(watcher, second)  # type: ignore[arg-type]
-    assert claim_steps(watcher, first)  # type: ignore[arg-type]
-    release_steps(watcher, first)  # type: ignore[arg-type]
-    assert claim_steps(watcher, second)  # type: ignore[arg-type]
+    assert watcher.claim_steps(first)
+    assert not watcher.claim_steps(second)
+    assert watcher.claim_steps(first)
+    watcher.release_steps(first)
+    assert watcher.claim_steps(second)
     del second
-    assert claim_steps(watcher, first)  # type: ignore[arg-type]  # the owner is gone
+    assert watcher.claim_steps(first)  # the owner is gone
+
+
+def test_watcher_and_its_test_double_offer_the_integration_surface() -> None:
+    from ddpwatch.agent.watcher import Watcher
+
+    assert isinstance(RecordingWatcher(), WatcherSurface)
+    watcher = Watcher(addr=f"127.0.0.1:{free_port_pair()}")  # not started: no threads
+    assert isinstance(watcher, WatcherSurface)
 
 
 # --------------------------------------------------------------------------- DeepSpeed, duck-typed
@@ -321,14 +345,14 @@ def test_deepspeed_initialize_gets_startup_phases_and_attaches_its_engine() -> N
 
     module.initialize = initialize  # type: ignore[attr-defined]
     module.DeepSpeedEngine = Engine  # type: ignore[attr-defined]
-    hook_initialize(watcher, module)  # type: ignore[arg-type]
+    hook_initialize(watcher, module)
     engine, *_ = module.initialize(model=None)
     assert watcher.phases == ["deepspeed_init", "zero_partition", "first_step"]
     assert watcher.models == [engine]
     engine.backward(torch.tensor(2.0))
     engine.step()
     assert watcher.progress.step == 1
-    watcher._patches.restore()
+    watcher.patches.restore()
     assert module.initialize is initialize
 
 
@@ -457,7 +481,7 @@ def test_lightning_callback_is_picklable_for_ddp_spawn(pl: Any) -> None:
 
     from ddpwatch.integrations.lightning import DDPWatchCallback
 
-    callback = DDPWatchCallback(watcher=RecordingWatcher())  # type: ignore[arg-type]
+    callback = DDPWatchCallback(watcher=RecordingWatcher())
     copy = pickle.loads(pickle.dumps(callback))
     assert type(copy) is DDPWatchCallback and copy.attach is True and copy._watcher is None
 
@@ -670,7 +694,7 @@ def test_trainer_callback_logic_against_the_documented_signatures(tmp_path: Path
     from ddpwatch.integrations.huggingface import TrainerCallbackLogic
 
     watcher = RecordingWatcher()
-    callback = TrainerCallbackLogic(watcher=watcher, attach=False)  # type: ignore[arg-type]
+    callback = TrainerCallbackLogic(watcher=watcher, attach=False)
     args = StandIn(output_dir=str(tmp_path), should_save=True)
     state = StandIn(global_step=0)
     control = StandIn()

@@ -25,10 +25,8 @@ from ddpwatch.server.knowledge import (
     SIGNATURES,
     TIMEOUT_NAMES,
     clients_joined,
-    error_text,
     explain,
     explain_error,
-    is_peer_failure,
     named_ranks,
     reporting_rank,
 )
@@ -420,7 +418,6 @@ def test_explain_real_texts(text: str, name: str, peer: bool) -> None:
     assert signature is not None
     assert signature.name == name
     assert signature.peer_failure is peer
-    assert is_peer_failure(text) is peer
 
 
 def test_every_signature_has_a_real_text() -> None:
@@ -453,7 +450,6 @@ def test_signatures_are_well_formed() -> None:
 )
 def test_unknown_texts(text: str) -> None:
     assert explain(text) is None
-    assert not is_peer_failure(text)
 
 
 @pytest.mark.parametrize(
@@ -502,16 +498,10 @@ def test_explain_error_prefers_the_message_over_the_traceback() -> None:
     )
     signature = explain_error(error)
     assert signature is not None and signature.name == "connection_closed"
-    assert explain(error_text(error)) is signature
+    assert explain(f"{error.type}: {error.message}\n{error.traceback}") is signature
     unknown = ErrorInfo(type="ValueError", message="boom", traceback=traceback)
     fallback = explain_error(unknown)
     assert fallback is not None and fallback.name == "rendezvous"
-
-
-def test_error_text_format() -> None:
-    assert error_text(ErrorInfo(type="ValueError", message="boom")) == "ValueError: boom"
-    with_tb = ErrorInfo(type="ValueError", message="boom", traceback="tb")
-    assert error_text(with_tb) == "ValueError: boom\ntb"
 
 
 MISMATCH_TEXTS = [
@@ -566,7 +556,7 @@ def test_a_dead_dataloader_worker_is_not_a_dead_peer() -> None:
         + "\n",
     )
     assert explain_error(chained) is died
-    assert explain(error_text(chained)) is died
+    assert explain(f"{chained.type}: {chained.message}\n{chained.traceback}") is died
     # the bare reset, when the read fails before DataLoader names the worker (seen here)
     reset = ErrorInfo(
         type="ConnectionResetError",
@@ -619,9 +609,8 @@ def test_the_specific_text_wins_over_the_generic_one(text: str, name: str) -> No
     ],
 )
 def test_connection_closed_and_reset_stay_peer_failures(text: str) -> None:
-    assert is_peer_failure(text)
     signature = explain(text)
-    assert signature is not None and signature.kind is None
+    assert signature is not None and signature.peer_failure and signature.kind is None
 
 
 def test_a_source_line_passing_timeout_is_not_a_gloo_timeout() -> None:

@@ -12,9 +12,14 @@ from typing import Any
 
 import pytest
 
+import ddpwatch.devices
 from ddpwatch.agent.nvml import Nvml, parse_cuda_visible_devices
 from ddpwatch.agent.probes import DeviceInfo, MemoryInfo, Probes, TorchCuda
 from ddpwatch.protocol import Sample, decode, encode
+from ddpwatch.server.alerts import Thresholds
+from ddpwatch.server.rules import devices as device_rules
+from ddpwatch.server.rules.devices import rule_duplicate_device
+from ddpwatch.server.state import RankRecord, ServerState
 
 GiB = 1 << 30
 
@@ -526,7 +531,146 @@ def test_real_nvml_without_the_library_is_none_and_logged_once(
         ("GPU-abc,1", ["GPU-abc"]),
         ("MIG-abc", ["MIG-abc"]),
         ("GPU-abc,GPU-abc", []),
+        ("GPU-abc,", ["GPU-abc"]),  # a trailing comma adds nothing
+        ("3,1,", [3, 1]),
+        ("+1,02", [1, 2]),
+        ("00,0", []),  # the same ordinal, however written
+        ("9" * 5000, [2**64 - 1]),  # saturates like strtoul, never too long for int()
     ],
 )
 def test_parse_cuda_visible_devices(value: str | None, expected: list[Any] | None) -> None:
     assert parse_cuda_visible_devices(value) == expected
+
+
+def test_one_parser_for_agent_server_and_doctor() -> None:
+    """The agent, ``ddpwatch doctor`` (through the agent's module) and the server's device rules
+    use the one parser in ``ddpwatch.devices``."""
+    assert parse_cuda_visible_devices is ddpwatch.devices.parse_cuda_visible_devices
+    assert device_rules.parse_cuda_visible_devices is ddpwatch.devices.parse_cuda_visible_devices
+
+
+def _mig_machine() -> list[FakeGpu]:
+    """Four GPUs; GPU 1 is split into two MIG instances."""
+    gpus = _machine(4)
+    parent = gpus[1]
+    parent.migs = [
+        FakeGpu(index=0, uuid=f"MIG-{n}abc1234-0000-1111-2222-33334444555{n}", parent=parent)
+        for n in range(2)
+    ]
+    return gpus
+
+
+_G = _machine(4)  # the same UUIDs as _mig_machine()'s GPUs
+_MIG0, _MIG1 = (gpu.uuid for gpu in _mig_machine()[1].migs)
+CROSS_SIDE_VALUES = [
+    None,
+    "2,3",
+    " 3 , 1 ",
+    "3,1,",  # trailing comma
+    "+1,02",
+    "1gpu,2ampere",  # read like strtoul
+    "0,x,2",  # an invalid entry stops the list
+    "1,-1,2",
+    "0,0",  # a repeat hides every GPU
+    "",
+    f"{_G[3].uuid},{_G[0].uuid}",
+    f"{_G[3].uuid[:9]},{_G[0].uuid},",  # abbreviated UUID, trailing comma
+    f"{_G[3].uuid},1",  # a number after UUIDs stops the list
+    f"{_G[2].uuid},{_G[2].uuid}",
+    f"{_MIG1},{_MIG0},",
+    f"{_MIG1},{_G[0].uuid}",  # a GPU- entry after MIG- ones stops the list
+]
+
+
+@pytest.mark.parametrize("visible", CROSS_SIDE_VALUES)
+def test_agent_and_server_read_visible_devices_alike(visible: str | None) -> None:
+    """For every CUDA ordinal, the physical device the server's duplicate-GPU rule keys a rank on
+    is the one the agent resolves through NVML (indices in PCI order, UUIDs, MIG instances)."""
+    gpus = _mig_machine()
+    nvml = Nvml(FakePynvml(gpus), environ={"CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    everything = [g for gpu in gpus for g in (gpu, *gpu.migs)]
+
+    def physical(index: int) -> FakeGpu | None:
+        gpu = gpus[index] if index < len(gpus) else None
+        return gpu.migs[0] if gpu is not None and gpu.migs else gpu  # a MIG GPU: its first
+
+    for ordinal in range(6):
+        agent = nvml.handle_for_cuda_ordinal(ordinal, visible)
+        kind, name = device_rules._physical_gpu(f"cuda:{ordinal}", ordinal, visible)
+        if kind == "visible":  # the server maps the ordinal through the list
+            if name.isdigit():
+                expected = physical(int(name))
+            else:
+                [expected] = [g for g in everything if g.uuid.startswith(name)]
+            assert agent is expected, (ordinal, name)
+        elif visible is None:  # unset: cuda:<n> is GPU n on both sides
+            assert (name, agent) == (f"cuda:{ordinal}", physical(ordinal))
+        else:  # past the end of the list as CUDA reads it: no device for the agent either
+            assert agent is None, ordinal
+    listed = sum(
+        device_rules._physical_gpu(f"cuda:{i}", i, visible)[0] == "visible" for i in range(6)
+    )
+    assert nvml.visible_device_count(visible) == (4 if visible is None else listed)
+
+
+def _on_gpu(r: int, visible: str, index: int) -> RankRecord:
+    return RankRecord(
+        rank=r, first_seen=990.0, last_seen=999.8, pid=1000 + r, host="node0", local_rank=index,
+        device=f"cuda:{index}", device_index=index, cuda_visible_devices=visible,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "shared"),
+    [
+        (("1gpu", 0), ("1", 0), True),  # both read as GPU 1
+        (("3,1,", 1), ("+1", 0), True),
+        (("0,1", 1), ("1,0", 1), False),
+        ((f"{_G[2].uuid},", 0), (f"{_G[3].uuid},{_G[2].uuid}", 1), True),
+        (("0,x,1", 0), ("1", 0), False),
+    ],
+)
+def test_duplicate_device_rule_reads_visible_devices_as_cuda_does(
+    first: tuple[str, int], second: tuple[str, int], shared: bool
+) -> None:
+    state = ServerState(started=900.0)
+    state.ranks = {0: _on_gpu(0, *first), 1: _on_gpu(1, *second)}
+    alerts = rule_duplicate_device(state, 1000.0, Thresholds())
+    assert [a.ranks for a in alerts] == ([(0, 1)] if shared else [])
+
+
+class GarbageNvml:
+    """A pynvml whose every function answers ``value``: nothing NVML really returns."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args: self.value
+
+
+@pytest.mark.parametrize("value", [object(), "x", -1, 2, 3.5, True, [object()], [1], b"\xff", ()])
+def test_no_nvml_method_raises_on_a_garbage_answer(value: Any) -> None:
+    """``query`` is the one fail-soft point: what it returns is checked, never trusted."""
+    nvml = Nvml(GarbageNvml(value), environ={})
+    handle = object()
+    nvml.device_count()
+    nvml.handle_by_index(0)
+    nvml.handle_by_uuid("GPU-0000")
+    nvml.handle_by_uuid("1234")
+    nvml.handle_by_pci_bus_id("00000000:18:00.0")
+    nvml.device_by_uuid_or_pci("GPU-0000", "00000000:18:00.0")
+    nvml.handle_for_cuda_ordinal(0, "0")
+    nvml.handle_for_cuda_ordinal(0, "MIG-GPU-0000/1/0")
+    nvml.handle_for_cuda_ordinal(0, "MIG-GPU-0000/1/" + "9" * 5000)
+    nvml.visible_device_count("9" * 5000)
+    nvml.visible_device_count("0,1")
+    nvml.visible_device_count("GPU-0000")
+    nvml.uuid(handle)
+    nvml.name(handle)
+    nvml.index(handle)
+    nvml.pci_bus_id(handle)
+    memory = nvml.memory(handle)
+    pids = nvml.process_pids(handle)
+    assert all(value is None or isinstance(value, int) for value in memory)
+    assert pids is None or all(isinstance(pid, int) for pid in pids)

@@ -19,6 +19,7 @@ import zmq
 from conftest import ROOT, free_port_pair, poll_status
 
 from ddpwatch.cli import main
+from ddpwatch.commands.replay import parse_speed
 from ddpwatch.protocol import ErrorInfo, Event, Sample, encode
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.recording import (
@@ -29,7 +30,7 @@ from ddpwatch.server.recording import (
     encode_record,
     read_records,
 )
-from ddpwatch.server.replay import ReplayServer, parse_speed
+from ddpwatch.server.replay import ReplayServer
 from ddpwatch.server.service import AlertChange, Server
 
 

@@ -29,14 +29,24 @@ def test_bootstrap_decides_now_deferred_or_off(monkeypatch) -> None:
     hooked: list[str] = []
     monkeypatch.setattr("ddpwatch.agent.auto.after_import", lambda name, _: hooked.append(name))
     monkeypatch.setattr("ddpwatch.agent.auto._install_integrations", lambda: None)
-    assert bootstrap({}, parent="torchrun x") == "off"
+    attached: list[str] = []
+
+    def attach() -> None:
+        attached.append("attach")
+
+    assert bootstrap({}, parent="torchrun x", attach=attach) == "off"
     # a rank started by torchrun would attach "now"; here the parent is not a launcher
     assert (
-        bootstrap({"DDPWATCH_AUTO": "1", "RANK": "0", "WORLD_SIZE": "2"}, parent="python x.py")
+        bootstrap(
+            {"DDPWATCH_AUTO": "1", "RANK": "0", "WORLD_SIZE": "2"},
+            parent="python x.py",
+            attach=attach,
+        )
         == "deferred"
     )
-    assert bootstrap({"DDPWATCH_AUTO": "1"}, parent="torchrun x") == "deferred"
+    assert bootstrap({"DDPWATCH_AUTO": "1"}, parent="torchrun x", attach=attach) == "deferred"
     assert hooked == ["torch.distributed", "torch.distributed"]
+    assert attached == []  # deferred: attached by init_process_group, not now
 
 
 def test_job_environment_prepends_the_boot_hook() -> None:

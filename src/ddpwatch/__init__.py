@@ -48,6 +48,7 @@ def attach(model: Any = None, *, addr: str | None = None, interval: float = 0.5)
             if _watcher is None or not _watcher.active:
                 if _in_data_loader_worker():
                     return None  # a data-loader worker, not a rank
+                from ddpwatch import integrations  # noqa: F401  registers the frameworks
                 from ddpwatch.agent.watcher import Watcher
 
                 watcher = Watcher(addr=addr, interval=interval)

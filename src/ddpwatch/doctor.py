@@ -28,7 +28,7 @@ from typing import IO, Any, Literal
 from ddpwatch.agent.identity import identity_from_env
 from ddpwatch.agent.nvml import Nvml, parse_cuda_visible_devices
 from ddpwatch.agent.watcher import resolve_endpoint
-from ddpwatch.cli import fetch_status
+from ddpwatch.client import fetch_status
 from ddpwatch.protocol import DEFAULT_PORT
 from ddpwatch.security import (
     CLIENT_KEY_FILE_ENV,

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,11 +20,13 @@ from typing import IO, Any
 
 from ddpwatch.agent.auto import AUTO_ENV
 from ddpwatch.emphasis import emphasize_for, mark_for
+from ddpwatch.jobs import stop_job
 from ddpwatch.ports import pick_port
 from ddpwatch.protocol import DEFAULT_PORT
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.history import describe
 from ddpwatch.server.notify import Notifier, chain
+from ddpwatch.server.provider import in_background
 from ddpwatch.server.recording import RecordingError
 from ddpwatch.server.service import AlertChange, Server
 from ddpwatch.server.summary import print_summary
@@ -92,15 +93,14 @@ def run_command(
         finally:
             if notify is not None:
                 notify.close()
-    thread = threading.Thread(target=server.run, name="ddpwatch-collector", daemon=True)
-    thread.start()
     try:
-        return _wait(job)
+        with in_background(server, name="ddpwatch-collector"):
+            try:
+                return _wait(job)
+            finally:
+                _settle(server)
+                server.tick()  # report what the job's last messages say
     finally:
-        _settle(server)
-        server.tick()  # report what the job's last messages say
-        server.stop()
-        thread.join(5)
         print_summary(server.status(), sys.stderr)
         if notify is not None:
             notify.close()  # the final alerts still go out (a few seconds at most)
@@ -191,7 +191,6 @@ def _with_dashboard(
     """The dashboard owns the terminal; the job's output goes to a file, which ``o`` follows
     (each rank's own tail also reaches its detail pane through its agent). The header shows
     whether the job still runs; quitting the dashboard stops it, unless the user detaches."""
-    from ddpwatch.demo.runner import stop_job
     from ddpwatch.tui.app import run_dashboard
     from ddpwatch.tui.quit import detached_message
     from ddpwatch.tui.sources import JobSource

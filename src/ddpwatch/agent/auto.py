@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
+from ddpwatch.agent import registry
 from ddpwatch.agent.identity import is_rank_process
 
 log = logging.getLogger("ddpwatch")
@@ -91,33 +92,35 @@ def bootstrap(
     environ: Mapping[str, str] | None = None,
     parent: str | None = None,
     argv: Sequence[str] | None = None,
+    *,
+    attach: Callable[[], object],
 ) -> str:
-    """Attach now, later, or never; returns which ("now", "deferred", "off") for tests and logs."""
+    """Attach now, later, or never; returns which ("now", "deferred", "off") for tests and logs.
+
+    ``attach`` is ``ddpwatch.attach``, handed in by the boot hook: the agent never imports the
+    package above it."""
     env = os.environ if environ is None else environ
     if env.get(AUTO_ENV) != "1" or runs_a_launcher(argv if argv is not None else sys.orig_argv):
         return "off"
     _install_integrations()
     launched = started_by_launcher(parent if parent is not None else parent_command())
     if is_rank_process(env) and launched and "--multiprocessing-fork" not in sys.argv:
-        import ddpwatch
-
-        ddpwatch.attach()
+        attach()
         return "now"
-    after_import("torch.distributed", _attach_at_init)
+    after_import("torch.distributed", functools.partial(_attach_at_init, attach=attach))
     return "deferred"
 
 
 def _install_integrations() -> None:
-    """Hooks that need no watcher yet: every Lightning Trainer gets a DDPWatchCallback."""
+    """Hooks that need no watcher yet (every Lightning Trainer gets a DDPWatchCallback), from
+    the integrations the boot hook registered (it imports ``ddpwatch.integrations``)."""
     try:
-        from ddpwatch.integrations.lightning import install_auto_callback
-
-        install_auto_callback()
+        registry.boot()
     except Exception as exc:
         log.debug("ddpwatch: no framework hooks: %r", exc)
 
 
-def _attach_at_init(dist: ModuleType) -> None:
+def _attach_at_init(dist: Any, attach: Callable[[], object]) -> None:
     """Make the first ``init_process_group`` call attach ddpwatch before it runs."""
     original = dist.init_process_group
 
@@ -125,9 +128,7 @@ def _attach_at_init(dist: ModuleType) -> None:
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         if dist.init_process_group is init_process_group:
             dist.init_process_group = original
-        import ddpwatch
-
-        ddpwatch.attach()  # wraps init_process_group again: rendezvous phase, rank from arguments
+        attach()  # wraps init_process_group again: rendezvous phase, rank from arguments
         return dist.init_process_group(*args, **kwargs)
 
     dist.init_process_group = init_process_group

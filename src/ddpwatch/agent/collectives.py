@@ -119,9 +119,8 @@ class _Recorded:
     def __enter__(self) -> None:
         self._progress.enter_collective(self._op, self._tensor, self._counted)
 
-    def __exit__(self, kind: type[BaseException] | None, *_: object) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         self._progress.exit_collective(failed=kind is not None)
-        return False
 
 
 def ensure_flight_recorder(torch_version: str, environ: dict[str, str] | None = None) -> None:
@@ -170,15 +169,13 @@ class FlightRecorder:
         self._pending: tuple[str, int] | None = None  # (group, seq) pending at the last look
         self._found: tuple[tuple[str, int], str, float] | None = None  # key, op, created (unix s)
         try:
-            from torch._C._distributed_c10d import _dump_fr_trace_json
+            from torch._C._distributed_c10d import (  # type: ignore[attr-defined]
+                _dump_fr_trace_json,  # private: guarded, with a fallback
+            )
 
             self._dump = _dump_fr_trace_json
         except (ImportError, AttributeError):
             log.debug("ddpwatch: flight recorder not available in this torch")
-
-    @property
-    def available(self) -> bool:
-        return self._dump is not None
 
     def read(self) -> tuple[Collective | None, dict[str, int] | None]:
         """One status read per heartbeat: the oldest collective still pending since the last

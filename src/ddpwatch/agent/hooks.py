@@ -22,22 +22,15 @@ from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
+from ddpwatch.agent.loss import find_loss
 from ddpwatch.agent.patches import Patches
 from ddpwatch.agent.progress import Progress
 from ddpwatch.protocol import ErrorInfo
+from ddpwatch.vocabulary import Phase
 
 log = logging.getLogger("ddpwatch")
 
 TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-def find_loss(output: Any) -> Any:
-    """The loss in a model's output: a scalar tensor, or a ``loss`` key or attribute."""
-    if getattr(output, "ndim", None) == 0:
-        return output
-    if isinstance(output, dict):
-        return output.get("loss")
-    return getattr(output, "loss", None)
 
 
 class ModelHooks:
@@ -79,7 +72,7 @@ class ModelHooks:
     def _after_forward(self, module: Any, args: Any, output: Any) -> None:
         try:
             progress = self._progress
-            progress.auto_phase("backward")
+            progress.auto_phase(Phase.BACKWARD)
             loss = find_loss(output)
             if progress.step_mode in (None, "forward"):
                 progress.end_step(loss, mode="forward")
@@ -89,16 +82,14 @@ class ModelHooks:
             pass
 
     def _before_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._progress.auto_phase("optimizer")
+        self._progress.auto_phase(Phase.OPTIMIZER)
 
     def _after_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
             progress = self._progress
-            if progress.step_mode == "forward":
-                progress.step_mode = None  # optimizer steps are the better count
-                progress.step = None if progress.step is None else progress.step - 1
+            progress.prefer_optimizer_steps()
             progress.end_step(mode="optimizer")
-            progress.auto_phase("data")
+            progress.auto_phase(Phase.DATA)
         except Exception:
             pass
 

@@ -23,6 +23,15 @@ up. When it overflows the oldest go (counted in ``dropped``), and a run of non-f
 losses that may have begun among them is reported as unknown rather than at a wrong step."""
 
 
+def find_loss(output: Any) -> Any:
+    """The loss in a model's output: a scalar tensor, or a ``loss`` key or attribute."""
+    if getattr(output, "ndim", None) == 0:
+        return output
+    if isinstance(output, dict):
+        return output.get("loss")
+    return getattr(output, "loss", None)
+
+
 class StepSource(Protocol):
     """What the reader needs of ``Progress`` to tag a loss with its step."""
 

@@ -1,9 +1,11 @@
 """Fail-soft NVML access for the agent, after nvitop's ``libnvml``.
 
-NVML is initialised on first use behind a lock and shut down at exit; every query goes through
-``Nvml.query``, which turns any error (no ``pynvml``, no ``libnvidia-ml``, a lost GPU, a function
-this driver lacks) into a default value. A missing library is logged once. Nothing here touches
-CUDA, so it is safe on the agent thread before (or without) the user's CUDA initialisation.
+NVML is initialised on first use behind a lock and shut down at exit. Every NVML function is
+called through ``Nvml.query``, the one guarded point: it turns any error (no ``pynvml``, no
+``libnvidia-ml``, a lost GPU, a function this driver lacks) into None, and a missing library is
+logged once. The methods around it only check what ``query`` returned, so none of them raises
+either. Nothing here touches CUDA, so it is safe on the agent thread before (or without) the
+user's CUDA initialisation.
 
 ``Nvml`` takes the ``pynvml`` module as a parameter so tests can hand it a fake GPU.
 """
@@ -12,72 +14,26 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+# re-exported: the parser lives where the server can import it without torch or pynvml
+from ddpwatch.devices import parse_cuda_visible_devices
+
+__all__ = ["Handle", "Nvml", "default", "parse_cuda_visible_devices"]
 
 log = logging.getLogger("ddpwatch")
 
 Handle = Any  # an opaque pynvml device handle
 _UNSET: Any = object()
-_LEGACY_MIG = re.compile(r"^MIG-(GPU-[0-9A-Za-z-]+)/(\d+)/(\d+)$")
+# instance ids are small: a longer number matches no device (and never reaches int())
+_LEGACY_MIG = re.compile(r"^MIG-(GPU-[0-9A-Za-z-]+)/([0-9]{1,9})/([0-9]{1,9})$")
 NVML_DEVICE_MIG_ENABLE = 1
 _PROCESS_QUERIES = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses")
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def fail_soft(default: Any) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """Return ``default`` instead of raising: the agent must never break the training process."""
-
-    def wrap(func: Callable[P, R]) -> Callable[P, R]:
-        @functools.wraps(func)
-        def inner(*args: P.args, **kwargs: P.kwargs) -> R:
-            try:
-                return func(*args, **kwargs)
-            except Exception:
-                return default  # type: ignore[no-any-return]
-
-        return inner
-
-    return wrap
-
-
-def parse_cuda_visible_devices(value: str | None) -> list[int] | list[str] | None:
-    """Parse ``CUDA_VISIBLE_DEVICES`` the way the CUDA runtime does; ``None`` means unset (all).
-
-    Integers are read like ``strtoul`` (``"1gpu"`` is 1); a negative or non-numeric entry ends
-    the list; a repeated entry makes the whole list empty (CUDA then sees no device). ``GPU-``
-    and ``MIG-`` lists (possibly abbreviated UUIDs) are returned as strings.
-    """
-    if value is None:
-        return None
-    entries = [item.strip() for item in value.split(",")]
-    if entries and entries[0][:4] in ("GPU-", "MIG-"):
-        prefix = entries[0][:4]
-        names: list[str] = []
-        for item in entries:
-            if not item.startswith(prefix):
-                break
-            if item in names:
-                return []
-            names.append(item)
-        return names
-    indices: list[int] = []
-    for item in entries:
-        digits = re.match(r"^\+?([0-9]+)", item)
-        if digits is None:
-            break
-        index = int(digits.group(1))
-        if index in indices:
-            return []
-        indices.append(index)
-    return indices
 
 
 def _text(value: Any) -> str | None:
@@ -89,7 +45,8 @@ def _text(value: Any) -> str | None:
 
 
 class Nvml:
-    """One lazily initialised NVML session; all methods return ``None`` (or a default) on error."""
+    """One lazily initialised NVML session; every method answers None (or ``(None, None)``)
+    where NVML cannot tell, and none raises."""
 
     def __init__(self, lib: Any = None, environ: Mapping[str, str] | None = None) -> None:
         self._lib = lib  # None: import pynvml on first use
@@ -152,31 +109,30 @@ class Nvml:
         self._lock = threading.Lock()
         self._state = "new"
 
-    def query(self, func: Callable[..., Any] | str, *args: Any, default: Any = None) -> Any:
-        """Call one NVML function; ``default`` on any error, bytes decoded to str."""
+    def query(self, func: str, *args: Any) -> Any:
+        """Call the NVML function named ``func``; None on any error, bytes decoded to str.
+
+        The one guarded point: every NVML call in this module goes through here.
+        """
         if not self.available():
-            return default
-        name = func if isinstance(func, str) else getattr(func, "__name__", repr(func))
+            return None
         try:
-            target = getattr(self._lib, func) if isinstance(func, str) else func
-            value = target(*args)
+            value = getattr(self._lib, func)(*args)
         except Exception as exc:
-            if name not in self._failed_functions and len(self._failed_functions) < 256:
-                self._failed_functions.add(name)
-                log.debug("ddpwatch: NVML %s failed: %s", name, exc)
-            return default
+            if func not in self._failed_functions and len(self._failed_functions) < 256:
+                self._failed_functions.add(func)
+                log.debug("ddpwatch: NVML %s failed: %s", func, exc)
+            return None
         if isinstance(value, bytes):
             return _text(value)
         return value
 
     # handles ---------------------------------------------------------------------------------
-    @fail_soft(None)
     def device_count(self) -> int | None:
         """Physical GPUs NVML sees (all of them, whatever CUDA_VISIBLE_DEVICES says)."""
         count = self.query("nvmlDeviceGetCount")
         return count if isinstance(count, int) and count >= 0 else None
 
-    @fail_soft(None)
     def handle_by_index(self, index: int) -> Handle | None:
         return self.query("nvmlDeviceGetHandleByIndex", index)
 
@@ -200,7 +156,6 @@ class Nvml:
             if mig is not None:
                 yield mig
 
-    @fail_soft(None)
     def handle_by_uuid(self, uuid: str) -> Handle | None:
         """A GPU or MIG device by UUID: full or abbreviated, with or without ``GPU-``/``MIG-``.
 
@@ -224,13 +179,11 @@ class Nvml:
         full = self.uuid(handle)
         return full is not None and full.lower().startswith(prefix.lower())
 
-    @fail_soft(None)
     def handle_by_pci_bus_id(self, bus_id: str) -> Handle | None:
         if not bus_id:
             return None
         return self.query("nvmlDeviceGetHandleByPciBusId", bus_id)
 
-    @fail_soft(None)
     def device_by_uuid_or_pci(
         self, uuid: str | None = None, pci_bus_id: str | None = None
     ) -> Handle | None:
@@ -240,7 +193,6 @@ class Nvml:
             handle = self.handle_by_pci_bus_id(pci_bus_id)
         return handle
 
-    @fail_soft(None)
     def handle_for_cuda_ordinal(
         self, ordinal: int, cuda_visible_devices: Any = _UNSET
     ) -> Handle | None:
@@ -292,7 +244,6 @@ class Nvml:
         names = {self.name(h) for h in handles}
         return len(names) <= 1 and None not in names
 
-    @fail_soft(None)
     def visible_device_count(self, cuda_visible_devices: Any = _UNSET) -> int | None:
         """How many devices CUDA would show, without initialising CUDA (None if unknown)."""
         environ = os.environ if self._environ is None else self._environ
@@ -312,27 +263,23 @@ class Nvml:
                 visible += 1
             return visible
         visible = 0
-        for entry in entries:
-            if not isinstance(entry, int) or entry >= count:
+        for ordinal in entries:
+            if not isinstance(ordinal, int) or ordinal >= count:
                 break
             visible += 1
         return visible
 
     # per-device queries ----------------------------------------------------------------------
-    @fail_soft(None)
     def uuid(self, handle: Handle) -> str | None:
         return _text(self.query("nvmlDeviceGetUUID", handle))
 
-    @fail_soft(None)
     def name(self, handle: Handle) -> str | None:
         return _text(self.query("nvmlDeviceGetName", handle))
 
-    @fail_soft(None)
     def index(self, handle: Handle) -> int | None:
         index = self.query("nvmlDeviceGetIndex", handle)
         return index if isinstance(index, int) else None
 
-    @fail_soft(None)
     def pci_bus_id(self, handle: Handle) -> str | None:
         """``"00000000:3B:00.0"``; a MIG instance reports its parent GPU's."""
         info = self.query("nvmlDeviceGetPciInfo", handle)
@@ -341,7 +288,6 @@ class Nvml:
             info = self.query("nvmlDeviceGetPciInfo", parent) if parent is not None else None
         return _text(getattr(info, "busId", None)) if info is not None else None
 
-    @fail_soft((None, None))
     def memory(self, handle: Handle) -> tuple[int | None, int | None]:
         """Device memory (used, total) in bytes, for every process on the GPU."""
         info = self.query("nvmlDeviceGetMemoryInfo", handle)
@@ -353,7 +299,6 @@ class Nvml:
             total if isinstance(total, int) else None,
         )
 
-    @fail_soft(None)
     def process_pids(self, handle: Handle) -> list[int] | None:
         """PIDs of compute and graphics processes on the device; None if NVML cannot say.
 
@@ -365,6 +310,8 @@ class Nvml:
             processes = self.query(func, handle)
             if processes is None:
                 continue
+            if not isinstance(processes, (list, tuple)):
+                return None  # not an answer NVML gives: it cannot say
             answered = True
             for process in processes:
                 pid = getattr(process, "pid", None)
@@ -381,35 +328,3 @@ if hasattr(os, "register_at_fork"):
 def default() -> Nvml:
     """The process-wide NVML session the probes use."""
     return _default
-
-
-def available() -> bool:
-    return _default.available()
-
-
-def device_by_uuid_or_pci(uuid: str | None = None, pci_bus_id: str | None = None) -> Handle | None:
-    return _default.device_by_uuid_or_pci(uuid, pci_bus_id)
-
-
-def handle_for_cuda_ordinal(ordinal: int, cuda_visible_devices: Any = _UNSET) -> Handle | None:
-    return _default.handle_for_cuda_ordinal(ordinal, cuda_visible_devices)
-
-
-def memory(handle: Handle) -> tuple[int | None, int | None]:
-    return _default.memory(handle)
-
-
-def process_pids(handle: Handle) -> list[int] | None:
-    return _default.process_pids(handle)
-
-
-def uuid(handle: Handle) -> str | None:
-    return _default.uuid(handle)
-
-
-def pci_bus_id(handle: Handle) -> str | None:
-    return _default.pci_bus_id(handle)
-
-
-def name(handle: Handle) -> str | None:
-    return _default.name(handle)

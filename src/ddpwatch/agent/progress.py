@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from ddpwatch.agent.loss import LossReader
 from ddpwatch.protocol import MARK_EVERY, Collective
+from ddpwatch.vocabulary import Phase
 
 EMA_WEIGHT = 0.1
 MARKS_KEPT = 16  # 128 steps of marks between two heartbeats: enough for 4 ms steps
@@ -33,7 +35,7 @@ class Progress:
         self.step_time_s: float | None = None
         self.avg_step_time_s: float | None = None
         self.data_wait_s: float | None = None
-        self.phase: str = "started"
+        self.phase: str = Phase.STARTED
         self.pinned = 0  # depth of user phase() blocks
         self.phase_changed = now
         self.last_progress = now
@@ -50,6 +52,7 @@ class Progress:
         self.waiting_for_data = False
         self.loss = LossReader(self)
         self.on_step: Callable[[], object] | None = None  # e.g. note the CUDA device, now and then
+        self._step_owner: weakref.ref[Any] | None = None  # the integration that counts steps
 
     # training thread -------------------------------------------------------
     def set_phase(self, name: str) -> None:
@@ -95,6 +98,42 @@ class Progress:
             with contextlib.suppress(Exception):
                 self.on_step()
 
+    def count_steps_explicitly(self) -> None:
+        """From now on steps come from ``end_step(mode="explicit")``: the optimizer and
+        forward hooks stop counting (what the first explicit step does, set before it)."""
+        self.step_mode = "explicit"
+
+    def prefer_optimizer_steps(self) -> None:
+        """An optimizer step after steps were counted by forward passes: optimizer steps
+        are the better count, and the step the last forward pass ended is this one."""
+        if self.step_mode == "forward":
+            self.step_mode = None
+            self.step = None if self.step is None else self.step - 1
+
+    def claim_steps(self, owner: Any) -> bool:
+        """Whether ``owner`` counts the steps: the first to ask does, until it is gone or
+        calls ``release_steps``. Not weak-referenceable: it counts."""
+        try:
+            ref = self._step_owner
+            current = ref() if ref is not None else None
+            if current is None:
+                self._step_owner = weakref.ref(owner)
+                return True
+            return current is owner
+        except TypeError:
+            return True
+
+    def release_steps(self, owner: Any) -> None:
+        ref = self._step_owner
+        if ref is not None and ref() is owner:
+            self._step_owner = None
+
+    def note_forward(self) -> None:
+        """Count a forward pass that is no training step (an evaluation batch) as progress:
+        the server's ``stalled`` rule reads it."""
+        self.forwards += 1
+        self.last_progress = time.perf_counter()
+
     def forward_started(self) -> None:
         """Count a forward pass (progress even without steps, as in evaluation) and
         measure the time since the end of the last step: data loading."""
@@ -104,7 +143,7 @@ class Progress:
         if self.waiting_for_data and self.last_step_end is not None:
             self.data_wait_s = now - self.last_step_end
             self.waiting_for_data = False
-        self.auto_phase("forward")
+        self.auto_phase(Phase.FORWARD)
 
     def enter_collective(self, op: str, tensor: Any = None, counted: bool = True) -> None:
         """Enter a Python-level collective. ``tensor``: what this rank contributes (its shape

@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
+from ddpwatch.agent import registry
 from ddpwatch.agent.auto import after_import
 from ddpwatch.agent.collectives import CollectiveWrappers, FlightRecorder, ensure_flight_recorder
 from ddpwatch.agent.hooks import BackwardLoss, ModelHooks, ProcessHooks
@@ -33,6 +34,7 @@ from ddpwatch.protocol import (
     Hello,
     Sample,
 )
+from ddpwatch.vocabulary import Phase
 
 log = logging.getLogger("ddpwatch")
 
@@ -44,6 +46,7 @@ every this many beats (a safety net); the server keeps the last one it was told.
 STACK_AFTER_S = 5.0  # half the server's default stall threshold
 CRASH_FLUSH_S = 1.0  # the most a crash or an exit waits for its report to leave
 FINAL_SAMPLE_WAIT_S = 0.1  # for a heartbeat being built on the publisher thread
+_BEFORE_TRAINING = (Phase.STARTED, Phase.SETUP, Phase.FIRST_STEP)  # "train" once a step ends
 
 
 def resolve_endpoint(addr: str | None = None, environ: dict[str, str] | None = None) -> str:
@@ -79,11 +82,11 @@ class Watcher:
         )
         self._beat_lock = threading.Lock()  # one sample built at a time (heartbeat or exit)
         self._final_sent = False
-        self._patches = Patches()
+        self.patches = Patches()  # undone by detach; integrations wrap through it too
         self._log_tail = LogTail()
         self._next_log = 0.0
         self._detached = False
-        self._phase_before_device = "started"
+        self._phase_before_device: str = Phase.STARTED
         self._main_thread = threading.main_thread().ident
         self._last_stack: str | None = None
         self._stack_step: int | None = None
@@ -99,7 +102,7 @@ class Watcher:
     # lifecycle -------------------------------------------------------------
     def start(self) -> None:
         self._hook_torch()
-        self._process_hooks.install(self._patches)
+        self._process_hooks.install(self.patches)
         if os.environ.get("DDPWATCH_LOG_TAIL", "1") != "0":
             self._log_tail.install()
         self.publisher.start()
@@ -117,7 +120,7 @@ class Watcher:
         self._detached = True
         self._model_hooks.remove()
         self._process_hooks.remove()
-        self._patches.restore()
+        self.patches.restore()
         self._log_tail.remove()
         if self._dist is not None:
             self._wrappers.restore(self._dist)
@@ -126,9 +129,7 @@ class Watcher:
 
     def add_model(self, model: Any) -> None:
         """Hook a module (forward hooks), or a framework object an integration knows."""
-        from ddpwatch.integrations import adapt
-
-        if not adapt(self, model):
+        if not registry.adapt(self, model):
             self._model_hooks.add_model(model)
 
     @property
@@ -156,6 +157,32 @@ class Watcher:
     def set_phase(self, name: str) -> None:
         """Enter phase ``name`` until the next phase change (for integrations and startup)."""
         self._enter_phase(name)
+
+    @property
+    def in_startup(self) -> bool:
+        """No step counted yet."""
+        return self.progress.step is None
+
+    def submit_loss(self, loss: Any) -> None:
+        """Hand over the loss of the step in progress without ending the step."""
+        with contextlib.suppress(Exception):
+            self.progress.loss.submit(loss)
+
+    def note_forward(self) -> None:
+        """Count an evaluation batch as progress (no step)."""
+        with contextlib.suppress(Exception):
+            self.progress.note_forward()
+
+    def count_steps_explicitly(self) -> None:
+        """From now on steps come from ``step()`` alone (for integrations)."""
+        self.progress.count_steps_explicitly()
+
+    def claim_steps(self, owner: Any) -> bool:
+        """Whether integration ``owner`` counts the steps: the first to ask does."""
+        return self.progress.claim_steps(owner)
+
+    def release_steps(self, owner: Any) -> None:
+        self.progress.release_steps(owner)
 
     def checkpoint(self, path: str) -> None:
         """Report that this rank writes a checkpoint to ``path`` (checkpoint_conflict)."""
@@ -191,7 +218,7 @@ class Watcher:
             note_current_device()
         else:
             ensure_flight_recorder(torch.__version__)
-            self._patches.wrap(
+            self.patches.wrap(
                 dist,
                 "init_process_group",
                 before=lambda *a, **k: self._before_init(dist.init_process_group, a, k),
@@ -200,7 +227,7 @@ class Watcher:
 
     def _patch_startup(self, torch: Any) -> None:
         """Startup phases (device, model_wrap) and checkpoint writes, from the calls themselves."""
-        patches = self._patches
+        patches = self.patches
         patches.wrap(
             torch.cuda, "set_device", before=self._before_set_device, after=self._after_set_device
         )
@@ -212,15 +239,13 @@ class Watcher:
             lambda m: self._wrap_model_class(m, "FullyShardedDataParallel"),
         )
         try:
-            from ddpwatch.integrations import install
-
-            install(self)  # deepspeed.initialize phases, Lightning Trainers' callback
+            registry.install(self)  # deepspeed.initialize phases, Lightning Trainers' callback
         except Exception as exc:
             log.debug("ddpwatch: no framework hooks: %r", exc)
 
     def _before_set_device(self, *args: Any, **kwargs: Any) -> None:
         self._phase_before_device = self.progress.phase
-        self.set_phase("device")
+        self.set_phase(Phase.DEVICE)
 
     def _after_set_device(self, *args: Any, **kwargs: Any) -> None:
         """After the rendezvous, "device" lasts until the model is wrapped (the documented
@@ -233,16 +258,16 @@ class Watcher:
         cls = getattr(module, name, None)
         if cls is None or self._detached:
             return
-        self._patches.wrap(
+        self.patches.wrap(
             cls,
             "__init__",
-            before=lambda *_, **__: self.set_phase("model_wrap"),
+            before=lambda *_, **__: self.set_phase(Phase.MODEL_WRAP),
             after=lambda *_, **__: self._after_model_wrap(),
         )
 
     def _after_model_wrap(self) -> None:
-        if self.progress.step is None:
-            self.set_phase("first_step")
+        if self.in_startup:
+            self.set_phase(Phase.FIRST_STEP)
 
     def _before_save(self, obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(f, (str, os.PathLike)):
@@ -250,7 +275,7 @@ class Watcher:
 
     def _before_init(self, init: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._learn_rank(init, args, kwargs)
-        self.set_phase("rendezvous")
+        self.set_phase(Phase.RENDEZVOUS)
 
     def _after_init(self) -> None:
         self._on_group_ready()
@@ -275,8 +300,8 @@ class Watcher:
             self.identity = refresh_from_torch(self.identity)
             self._dist_ready = True
             self._flight_recorder = FlightRecorder()
-            if self.progress.step is None:
-                self._enter_phase("setup")
+            if self.in_startup:
+                self._enter_phase(Phase.SETUP)
         except Exception as exc:
             log.debug("ddpwatch: could not read the process group: %s", exc)
 
@@ -329,8 +354,8 @@ class Watcher:
         if self.identity.rank is None and time.monotonic() - self._started < RANK_WAIT_S:
             return None  # which rank this is comes with init_process_group; lone: rank 0
         progress = self.progress
-        if progress.step is not None and progress.phase in ("started", "setup", "first_step"):
-            progress.set_phase("train")
+        if progress.step is not None and progress.phase in _BEFORE_TRAINING:
+            progress.set_phase(Phase.TRAIN)
         device = device_info()
         recorder = self._flight_recorder
         collective, enqueued = recorder.read() if recorder is not None else (None, None)

@@ -12,9 +12,11 @@ import sys
 
 def _bootstrap() -> None:
     try:
+        import ddpwatch
+        import ddpwatch.integrations  # each framework registers the hooks it boots
         from ddpwatch.agent.auto import bootstrap
 
-        bootstrap()
+        bootstrap(attach=ddpwatch.attach)
     except Exception as exc:  # never break the user's interpreter
         print(f"ddpwatch: automatic attach failed, continuing without it: {exc!r}", file=sys.stderr)
 

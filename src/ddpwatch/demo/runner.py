@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import json
 import os
 import signal
 import subprocess
@@ -16,11 +14,16 @@ from dataclasses import dataclass
 from typing import IO
 
 from ddpwatch.demo.simulate import SimulatedCluster
+from ddpwatch.jobs import descendants, stop_job
 from ddpwatch.ports import pick_port
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.collector import BindError
-from ddpwatch.server.service import AlertChange, Server
+from ddpwatch.server.history import print_json_line
+from ddpwatch.server.provider import in_background
+from ddpwatch.server.service import Server
 from ddpwatch.server.summary import print_summary
+
+__all__ = ["DemoOptions", "descendants", "run_demo", "start_job", "stop_job", "torch_installed"]
 
 NO_TORCH = (
     "ddpwatch demo: the real DDP job needs torch: pip install 'ddpwatch[torch]' "
@@ -60,50 +63,6 @@ def start_job(options: DemoOptions, port: int, log: IO[str]) -> subprocess.Popen
     )
 
 
-def descendants(pid: int) -> list[int]:
-    """All processes below ``pid`` (Linux /proc). torchrun starts each worker in its own
-    session, so killing torchrun's process group alone would orphan the ranks."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def stop_job(
-    job: subprocess.Popen[bytes] | subprocess.Popen[str] | None, grace: float = 5.0
-) -> None:
-    """Stop a launcher and every process under it; leave no child behind.
-
-    SIGTERM first, as a person's Ctrl-C would (torchrun forwards it to its
-    workers), then SIGKILL to whatever is left after ``grace`` seconds.
-    """
-    if job is None:
-        return
-    tree = descendants(job.pid)
-    if job.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            job.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            job.wait(grace)
-    for pid in [job.pid, *tree, *descendants(job.pid)]:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        job.wait(5)
-
-
 def run_demo(options: DemoOptions) -> int:
     real_job = options.ranks > 0
     if real_job and not torch_installed():
@@ -112,14 +71,9 @@ def run_demo(options: DemoOptions) -> int:
             return 1
         real_job = False
     port = options.port or pick_port()
-
-    def print_change(change: AlertChange) -> None:
-        sys.stdout.write(json.dumps(change.to_dict()) + "\n")
-        sys.stdout.flush()
-
     try:
         server = Server(
-            "127.0.0.1", port, Thresholds(), on_change=print_change if options.headless else None
+            "127.0.0.1", port, Thresholds(), on_change=print_json_line if options.headless else None
         )
     except BindError as exc:
         print(f"ddpwatch demo: {exc}", file=sys.stderr)
@@ -157,23 +111,21 @@ def _run_headless(
     server: Server, job: subprocess.Popen[bytes] | None, duration: float | None
 ) -> int:
     """Print alert changes until the job ends (plus a moment for the last alerts) or time is up."""
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    stop = threading.Event()
-    previous = {
-        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
-    }
-    deadline = None if duration is None else time.monotonic() + duration
-    try:
-        while not stop.wait(0.2):
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            if job is not None and job.poll() is not None:
-                stop.wait(3.0)  # the last crash and exit events still arrive
-                break
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        server.stop()
-        thread.join(5)
+    with in_background(server):
+        stop = threading.Event()
+        previous = {
+            sig: signal.signal(sig, lambda *_: stop.set())
+            for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        deadline = None if duration is None else time.monotonic() + duration
+        try:
+            while not stop.wait(0.2):
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                if job is not None and job.poll() is not None:
+                    stop.wait(3.0)  # the last crash and exit events still arrive
+                    break
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     return 0

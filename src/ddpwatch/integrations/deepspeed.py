@@ -8,36 +8,25 @@ The engine is recognised by class name (``DeepSpeedEngine`` and its subclasses, 
   optimizer step, not per micro-batch of gradient accumulation;
 * ``train_batch()`` (pipeline engines) counts a step with the loss it returns.
 
-The engine also gets forward hooks (forward passes, data loading time). With ``install``
-(``ddpwatch.integrations.install``), ``deepspeed.initialize`` runs in the startup phase
-``deepspeed_init``, the ZeRO optimizer's construction (partitioning) in ``zero_partition``,
-and the engine it returns is attached without any call in the training script.
+The engine also gets forward hooks (forward passes, data loading time). When a watcher
+starts (``install``), ``deepspeed.initialize`` runs in the startup phase ``deepspeed_init``,
+the ZeRO optimizer's construction (partitioning) in ``zero_partition``, and the engine it
+returns is attached without any call in the training script.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ddpwatch.agent.patches import Patches
-from ddpwatch.integrations import (
-    claim_steps,
-    count_steps_explicitly,
-    framework_of,
-    note_forward,
-)
-
-if TYPE_CHECKING:
-    from ddpwatch.agent.watcher import Watcher
+from ddpwatch.agent.api import WatcherSurface
+from ddpwatch.agent.auto import after_import
+from ddpwatch.agent.registry import Integration, Kind, framework_of, register
+from ddpwatch.integrations.shared import hand_over, startup_phase
+from ddpwatch.vocabulary import Phase
 
 _engines: weakref.WeakKeyDictionary[Any, EngineHooks] = weakref.WeakKeyDictionary()
-_fallback_patches = Patches()
-
-
-def _patches(watcher: Watcher) -> Any:
-    """The watcher's own patches (undone by ``detach``), else ours."""
-    return getattr(watcher, "_patches", None) or _fallback_patches
 
 
 def _global_steps(engine: Any) -> int | None:
@@ -50,14 +39,14 @@ def _global_steps(engine: Any) -> int | None:
 class EngineHooks:
     """What ddpwatch wraps on one engine instance."""
 
-    def __init__(self, watcher: Watcher, engine: Any) -> None:
+    def __init__(self, watcher: WatcherSurface, engine: Any) -> None:
         self.watcher = watcher
         self._engine = weakref.ref(engine)
         self.loss: Any = None
         self.seen = _global_steps(engine)
 
     def install(self, engine: Any) -> None:
-        patches = _patches(self.watcher)
+        patches = self.watcher.patches
         patches.wrap(engine, "backward", before=self.before_backward)
         patches.wrap(engine, "step", after=self.after_step)
         if hasattr(engine, "train_batch"):
@@ -68,7 +57,7 @@ class EngineHooks:
     def before_backward(self, loss: Any = None, *args: Any, **kwargs: Any) -> None:
         if loss is not None:
             self.loss = loss
-            self.watcher.progress.loss.submit(loss)
+            self.watcher.submit_loss(loss)
 
     def after_step(self, result: Any, *args: Any, **kwargs: Any) -> None:
         self._count(self.loss)
@@ -77,7 +66,7 @@ class EngineHooks:
         self._count(result if hasattr(result, "detach") else self.loss)
 
     def after_eval_batch(self, result: Any, *args: Any, **kwargs: Any) -> None:
-        note_forward(self.watcher.progress)
+        self.watcher.note_forward()
 
     def _count(self, loss: Any) -> None:
         engine = self._engine()
@@ -87,34 +76,36 @@ class EngineHooks:
         if steps == self.seen:
             return  # a micro-batch of gradient accumulation: no optimizer step yet
         self.seen = steps
-        if claim_steps(self.watcher, self):
-            self.watcher.step(loss)
-        elif loss is not None:
-            self.watcher.progress.loss.submit(loss)
+        hand_over(self.watcher, self, True, loss)
 
 
 def is_engine(obj: Any) -> bool:
     return framework_of(obj) == "deepspeed"
 
 
-def attach_engine(watcher: Watcher, engine: Any) -> EngineHooks:
+def attach_engine(watcher: WatcherSurface, engine: Any) -> EngineHooks:
     """Count ``engine``'s steps and read its loss; once per engine."""
     hooks = _engines.get(engine)
     if hooks is None or hooks.watcher is not watcher:
         hooks = EngineHooks(watcher, engine)
         hooks.install(engine)
         _engines[engine] = hooks
-    count_steps_explicitly(watcher.progress)
+    watcher.count_steps_explicitly()
     return hooks
 
 
-def hook_initialize(watcher: Watcher, deepspeed: Any) -> None:
+def _adapt(watcher: WatcherSurface, engine: Any) -> bool:
+    attach_engine(watcher, engine)
+    return False  # an nn.Module: forward hooks as well
+
+
+def hook_initialize(watcher: WatcherSurface, deepspeed: Any) -> None:
     """Phases around ``deepspeed.initialize`` and automatic attach of its engine."""
-    patches = _patches(watcher)
+    patches = watcher.patches
     patches.wrap(
         deepspeed,
         "initialize",
-        before=lambda *_, **__: _startup(watcher, "deepspeed_init"),
+        before=lambda *_, **__: startup_phase(watcher, Phase.DEEPSPEED_INIT),
         after=lambda result, *_, **__: _initialized(watcher, result),
     )
     engine_class = getattr(deepspeed, "DeepSpeedEngine", None)
@@ -122,18 +113,27 @@ def hook_initialize(watcher: Watcher, deepspeed: Any) -> None:
         patches.wrap(
             engine_class,
             "_configure_zero_optimizer",
-            before=lambda *_, **__: _startup(watcher, "zero_partition"),
+            before=lambda *_, **__: startup_phase(watcher, Phase.ZERO_PARTITION),
         )
 
 
-def _startup(watcher: Watcher, name: str) -> None:
-    if watcher.progress.step is None:
-        watcher.set_phase(name)
-
-
-def _initialized(watcher: Watcher, result: Any) -> None:
+def _initialized(watcher: WatcherSurface, result: Any) -> None:
     engine = result[0] if isinstance(result, (tuple, list)) and result else result
     with contextlib.suppress(Exception):
         if is_engine(engine):
             watcher.add_model(engine)
-    _startup(watcher, "first_step")
+    startup_phase(watcher, Phase.FIRST_STEP)
+
+
+def install(watcher: WatcherSurface) -> None:
+    """Hook ``deepspeed.initialize`` once DeepSpeed is imported (at once if it is)."""
+    after_import("deepspeed", lambda module: hook_initialize(watcher, module))
+
+
+register(
+    Integration(
+        "deepspeed",
+        kinds=(Kind("deepspeed", (("deepspeed.", "DeepSpeedEngine"),), _adapt),),
+        install=install,
+    )
+)

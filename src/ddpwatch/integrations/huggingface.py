@@ -19,26 +19,27 @@ Importing this module imports neither transformers nor accelerate.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
+import ddpwatch
+from ddpwatch.agent.api import WatcherSurface
 from ddpwatch.agent.patches import Patches
-from ddpwatch.integrations import (
+from ddpwatch.agent.registry import Integration, Kind, register
+from ddpwatch.integrations.shared import (
+    LazyClass,
     PhaseStack,
-    claim_steps,
-    count_steps_explicitly,
-    note_forward,
-    release_steps,
+    current_watcher,
+    hand_over,
+    module_getattr,
+    training_starts,
 )
+from ddpwatch.vocabulary import Phase
 
 if TYPE_CHECKING:
-    from ddpwatch.agent.watcher import Watcher
-
     DDPWatchTrainerCallback: type  # built lazily by __getattr__
 
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
-_class: type | None = None
 _patches = Patches()  # per-trainer and per-accelerator wrappers live as long as they do
 
 
@@ -49,7 +50,7 @@ class TrainerCallbackLogic:
     ``state.global_step``, ``args.output_dir`` and ``args.should_save`` are read.
     """
 
-    def __init__(self, watcher: Watcher | None = None, attach: bool = True) -> None:
+    def __init__(self, watcher: WatcherSurface | None = None, attach: bool = True) -> None:
         super().__init__()
         self.attach = attach
         self._watcher = watcher
@@ -58,26 +59,18 @@ class TrainerCallbackLogic:
         self._loss: Any = None
 
     @property
-    def watcher(self) -> Watcher | None:
-        watcher = self._watcher
-        if watcher is not None and watcher.active:
-            return watcher
-        import ddpwatch
-
-        return ddpwatch.current()
+    def watcher(self) -> WatcherSurface | None:
+        return current_watcher(self._watcher)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         watcher = self.watcher
         if watcher is None and self.attach:
-            import ddpwatch
-
             watcher = ddpwatch.attach()
         if watcher is None:
             return
-        count_steps_explicitly(watcher.progress)
-        claim_steps(watcher, self)
+        watcher.claim_steps(self)
         self._seen_step = getattr(state, "global_step", None)
-        watcher.set_phase("first_step" if watcher.progress.step is None else "train")
+        training_starts(watcher)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         watcher = self.watcher
@@ -85,11 +78,8 @@ class TrainerCallbackLogic:
             return
         step = getattr(state, "global_step", None)
         loss, self._loss = self._loss, None
-        if step != self._seen_step and claim_steps(watcher, self):
+        if hand_over(watcher, self, step != self._seen_step, loss):
             self._seen_step = step
-            watcher.step(loss)
-        elif loss is not None:
-            watcher.progress.loss.submit(loss)
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
@@ -97,22 +87,22 @@ class TrainerCallbackLogic:
         watcher = self.watcher
         loss = (logs or {}).get("loss")
         if watcher is not None and isinstance(loss, (int, float)):
-            watcher.progress.loss.submit(float(loss))
+            watcher.submit_loss(float(loss))
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         watcher = self.watcher
         if watcher is None:
             return
-        if self._phases.top() != "evaluation":
-            self._phases.push(watcher, "evaluation")
+        if self._phases.top() != Phase.EVALUATION:
+            self._phases.push(watcher, Phase.EVALUATION)
         with contextlib.suppress(Exception):
-            note_forward(watcher.progress)
+            watcher.note_forward()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._phases.pop("evaluation")
+        self._phases.pop(Phase.EVALUATION)
 
     def on_predict(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._phases.pop("evaluation")
+        self._phases.pop(Phase.EVALUATION)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         watcher = self.watcher
@@ -125,7 +115,7 @@ class TrainerCallbackLogic:
         self._phases.close_all()
         watcher = self.watcher
         if watcher is not None:
-            release_steps(watcher, self)
+            watcher.release_steps(self)
 
     def add_loss(self, loss: Any) -> None:
         """A micro-batch's loss (``training_step``'s return, already divided by the
@@ -135,28 +125,24 @@ class TrainerCallbackLogic:
         self._loss = loss if self._loss is None else self._loss + loss
 
 
+_CALLBACK = LazyClass(
+    "DDPWatchTrainerCallback",
+    TrainerCallbackLogic,
+    "transformers:TrainerCallback",
+    __name__,
+    TrainerCallbackLogic.__doc__,
+)
+
+
 def callback_class() -> type:
     """``DDPWatchTrainerCallback``, a ``transformers.TrainerCallback`` (imports transformers)."""
-    global _class
-    if _class is None:
-        base = importlib.import_module("transformers").TrainerCallback
-        cls = type(
-            "DDPWatchTrainerCallback",
-            (TrainerCallbackLogic, base),
-            {"__module__": __name__, "__doc__": TrainerCallbackLogic.__doc__},
-        )
-        cls.__qualname__ = "DDPWatchTrainerCallback"
-        _class = cls
-    return _class
+    return _CALLBACK.get()
 
 
-def __getattr__(name: str) -> Any:
-    if name == "DDPWatchTrainerCallback":
-        return callback_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = module_getattr(__name__, {"DDPWatchTrainerCallback": callback_class})
 
 
-def attach_trainer(watcher: Watcher, trainer: Any) -> Any:
+def attach_trainer(watcher: WatcherSurface, trainer: Any) -> Any:
     """Add the callback to a ``transformers.Trainer`` and read losses from ``training_step``."""
     handler = getattr(trainer, "callback_handler", None)
     callbacks = getattr(handler, "callbacks", [])
@@ -168,11 +154,32 @@ def attach_trainer(watcher: Watcher, trainer: Any) -> Any:
     return callback
 
 
-def attach_accelerator(watcher: Watcher, accelerator: Any) -> None:
+def attach_accelerator(watcher: WatcherSurface, accelerator: Any) -> None:
     """Read the loss from ``accelerator.backward(loss)``; the optimizer hook counts steps."""
 
     def before_backward(loss: Any = None, *args: Any, **kwargs: Any) -> None:
         if loss is not None:
-            watcher.progress.loss.submit(loss)
+            watcher.submit_loss(loss)
 
     _patches.wrap(accelerator, "backward", before=before_backward)
+
+
+def _adapt_trainer(watcher: WatcherSurface, trainer: Any) -> bool:
+    attach_trainer(watcher, trainer)
+    return True
+
+
+def _adapt_accelerator(watcher: WatcherSurface, accelerator: Any) -> bool:
+    attach_accelerator(watcher, accelerator)
+    return True
+
+
+register(
+    Integration(
+        "huggingface",
+        kinds=(
+            Kind("hf_trainer", (("transformers.", "Trainer"),), _adapt_trainer),
+            Kind("accelerator", (("accelerate.", "Accelerator"),), _adapt_accelerator),
+        ),
+    )
+)

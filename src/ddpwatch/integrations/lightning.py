@@ -24,22 +24,26 @@ hooks are done: the barrier after them, ``configure_model``, loading ``ckpt_path
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
+import ddpwatch
+from ddpwatch.agent.api import WatcherSurface
+from ddpwatch.agent.auto import after_import
+from ddpwatch.agent.loss import find_loss
 from ddpwatch.agent.patches import Patches
-from ddpwatch.integrations import (
+from ddpwatch.agent.registry import Integration, Kind, register
+from ddpwatch.integrations.shared import (
+    LazyClass,
     PhaseStack,
-    claim_steps,
-    count_steps_explicitly,
-    note_forward,
-    release_steps,
+    hand_over,
+    module_getattr,
+    startup_phase,
+    training_starts,
 )
+from ddpwatch.vocabulary import Phase
 
 if TYPE_CHECKING:
-    from ddpwatch.agent.watcher import Watcher
-
     DDPWatchCallback: type  # built lazily by __getattr__
 
 _CLASS_NAMES = {"lightning.pytorch": "DDPWatchCallback", "pytorch_lightning": "PLDDPWatchCallback"}
@@ -48,7 +52,6 @@ _TRAINER_MODULES = {
     "pytorch_lightning": "pytorch_lightning.trainer.trainer",
 }
 _ENTRY_POINTS = ("fit", "validate", "test", "predict")
-_classes: dict[str, type] = {}
 _auto_installed = False
 
 
@@ -60,7 +63,7 @@ class CallbackLogic:
     callback a user adds; the automatic one only reports to a watcher that exists).
     """
 
-    def __init__(self, watcher: Watcher | None = None, attach: bool = True) -> None:
+    def __init__(self, watcher: WatcherSurface | None = None, attach: bool = True) -> None:
         super().__init__()
         self.attach = attach
         self._watcher = watcher
@@ -85,22 +88,18 @@ class CallbackLogic:
         self._transient()
 
     @property
-    def watcher(self) -> Watcher | None:
+    def watcher(self) -> WatcherSurface | None:
         """The active watcher this callback reports to, if any."""
         watcher = self._watcher
         if watcher is not None and watcher.active:
             return watcher
         if not self._primary:
             return None
-        import ddpwatch
-
         return ddpwatch.current()
 
-    def _resolve(self) -> Watcher | None:
+    def _resolve(self) -> WatcherSurface | None:
         watcher = self.watcher
         if watcher is None and self.attach and self._primary:
-            import ddpwatch
-
             watcher = ddpwatch.attach()
         return watcher
 
@@ -117,25 +116,26 @@ class CallbackLogic:
             return
         self._watcher = watcher  # the hooks below run per batch: no lookup there
         if _stage(stage) == "fit":
-            count_steps_explicitly(watcher.progress)
-            claim_steps(watcher, self)
+            watcher.count_steps_explicitly()
+            watcher.claim_steps(self)
         self._seen_step = _global_step(trainer)
-        if watcher.progress.step is None:
-            watcher.set_phase("setup")
+        startup_phase(watcher, Phase.SETUP)
         patches = self._patches
         patches.restore()  # a second fit/validate on the same objects
         # Callbacks' setup runs before the LightningModule's: when it returns this rank is
         # done with the setup hooks and waits for the others in Lightning's barrier.
-        patches.wrap(pl_module, "setup", after=lambda *_, **__: self._startup("configure_model"))
+        patches.wrap(
+            pl_module, "setup", after=lambda *_, **__: self._startup(Phase.CONFIGURE_MODEL)
+        )
         strategy = trainer.strategy
         patches.wrap(
             strategy,
             "setup",
-            before=lambda *_, **__: self._startup("strategy_setup"),
+            before=lambda *_, **__: self._startup(Phase.STRATEGY_SETUP),
             after=lambda *_, **__: self._after_strategy_setup(trainer),
         )
         patches.wrap(
-            trainer, "save_checkpoint", around=lambda *_, **__: watcher.phase("checkpoint")
+            trainer, "save_checkpoint", around=lambda *_, **__: watcher.phase(Phase.CHECKPOINT)
         )
         checkpoint_io = getattr(strategy, "checkpoint_io", None)
         if checkpoint_io is not None:
@@ -146,19 +146,19 @@ class CallbackLogic:
         self._patches.restore()
         watcher = self.watcher
         if watcher is not None:
-            release_steps(watcher, self)
+            watcher.release_steps(self)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._phases.close_all()
 
     def _startup(self, name: str) -> None:
         watcher = self.watcher
-        if watcher is not None and watcher.progress.step is None:
-            watcher.set_phase(name)
+        if watcher is not None:
+            startup_phase(watcher, name)
 
     def _after_strategy_setup(self, trainer: Any) -> None:
         if _stage(getattr(trainer.state, "fn", None)) == "fit":
-            self._startup("fit_start")
+            self._startup(Phase.FIT_START)
 
     def _writes_checkpoint(self, checkpoint: Any, path: Any, *args: Any, **kwargs: Any) -> None:
         """The checkpoint IO's save: only ranks that really write get here (rank 0 with DDP)."""
@@ -172,18 +172,17 @@ class CallbackLogic:
     def on_sanity_check_start(self, trainer: Any, pl_module: Any) -> None:
         watcher = self.watcher
         if watcher is not None:
-            self._phases.push(watcher, "sanity_check")
+            self._phases.push(watcher, Phase.SANITY_CHECK)
 
     def on_sanity_check_end(self, trainer: Any, pl_module: Any) -> None:
-        self._phases.pop("sanity_check")
+        self._phases.pop(Phase.SANITY_CHECK)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         watcher = self.watcher
         if watcher is None:
             return
-        count_steps_explicitly(watcher.progress)
         self._seen_step = _global_step(trainer)
-        watcher.set_phase("first_step" if watcher.progress.step is None else "train")
+        training_starts(watcher)
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int, *args: Any
@@ -193,15 +192,10 @@ class CallbackLogic:
         if watcher is None:
             return
         try:
-            from ddpwatch.agent.hooks import find_loss  # not at import: ddpwatch run imports us
-
             loss = _unscaled_loss(trainer, pl_module, find_loss(outputs))
             step = _global_step(trainer)
-            if step != self._seen_step and claim_steps(watcher, self):
+            if hand_over(watcher, self, step != self._seen_step, loss):
                 self._seen_step = step
-                watcher.step(loss)
-            elif loss is not None:
-                watcher.progress.loss.submit(loss)
         except Exception:
             pass
 
@@ -209,26 +203,26 @@ class CallbackLogic:
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         watcher = self.watcher
         if watcher is not None and not getattr(trainer, "sanity_checking", False):
-            self._phases.push(watcher, "validation")
+            self._phases.push(watcher, Phase.VALIDATION)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        self._phases.pop("validation")
+        self._phases.pop(Phase.VALIDATION)
 
     def on_test_start(self, trainer: Any, pl_module: Any) -> None:
         watcher = self.watcher
         if watcher is not None:
-            self._phases.push(watcher, "test")
+            self._phases.push(watcher, Phase.TEST)
 
     def on_test_end(self, trainer: Any, pl_module: Any) -> None:
-        self._phases.pop("test")
+        self._phases.pop(Phase.TEST)
 
     def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
         watcher = self.watcher
         if watcher is not None:
-            self._phases.push(watcher, "predict")
+            self._phases.push(watcher, Phase.PREDICT)
 
     def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
-        self._phases.pop("predict")
+        self._phases.pop(Phase.PREDICT)
 
     def on_validation_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kw: Any) -> None:
         self._evaluated()
@@ -243,7 +237,7 @@ class CallbackLogic:
         watcher = self.watcher
         if watcher is not None:
             with contextlib.suppress(Exception):
-                note_forward(watcher.progress)
+                watcher.note_forward()
 
 
 def _stage(fn: Any) -> str:
@@ -269,34 +263,38 @@ def _unscaled_loss(trainer: Any, pl_module: Any, loss: Any) -> Any:
 # --------------------------------------------------------------------------- the class
 
 
-def callback_class(package: str = "lightning.pytorch") -> type:
-    """``DDPWatchCallback`` built on ``package``'s ``Callback`` (imports Lightning)."""
-    cls = _classes.get(package)
-    if cls is None:
-        base = importlib.import_module(package).Callback
-        name = _CLASS_NAMES[package]
-        cls = type(name, (CallbackLogic, base), {"__module__": __name__, "__doc__": _DOC})
-        cls.__qualname__ = name
-        _classes[package] = cls
-    return cls
-
-
 _DOC = """Reports a Lightning run to ddpwatch: steps, loss, phases, checkpoint writes.
 
 ``DDPWatchCallback(watcher=None, attach=True)``; see ``ddpwatch.integrations.lightning``.
 """
+_CLASSES = {
+    package: LazyClass(name, CallbackLogic, f"{package}:Callback", __name__, _DOC)
+    for package, name in _CLASS_NAMES.items()
+}
 
 
-def __getattr__(name: str) -> Any:
-    if name == "DDPWatchCallback":
-        try:
-            return callback_class("lightning.pytorch")
-        except ImportError:
-            return callback_class("pytorch_lightning")
-    for package, class_name in _CLASS_NAMES.items():
-        if name == class_name:
-            return callback_class(package)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def callback_class(package: str = "lightning.pytorch") -> type:
+    """``DDPWatchCallback`` built on ``package``'s ``Callback`` (imports Lightning)."""
+    return _CLASSES[package].get()
+
+
+def _default_class() -> type:
+    try:
+        return callback_class("lightning.pytorch")
+    except ImportError:
+        return callback_class("pytorch_lightning")
+
+
+__getattr__ = module_getattr(
+    __name__,
+    {
+        "DDPWatchCallback": _default_class,
+        **{
+            name: (lambda package=package: callback_class(package))
+            for package, name in _CLASS_NAMES.items()
+        },
+    },
+)
 
 
 def _package_of(obj: Any) -> str:
@@ -342,8 +340,6 @@ def install_auto_callback() -> None:
     if _auto_installed:
         return
     _auto_installed = True
-    from ddpwatch.agent.auto import after_import
-
     for package, module_name in _TRAINER_MODULES.items():
         after_import(module_name, lambda module, package=package: _hook_trainer(module, package))
 
@@ -362,3 +358,37 @@ def _hook_trainer(module: Any, package: str) -> None:
         _class_patches.wrap(
             trainer_class, name, before=lambda trainer, *a, **k: add_callback(trainer)
         )
+
+
+def _adapt_trainer(watcher: WatcherSurface, trainer: Any) -> bool:
+    add_callback(trainer)
+    return True
+
+
+def _adapt_module(watcher: WatcherSurface, module: Any) -> bool:
+    attach_module(module)
+    return True
+
+
+register(
+    Integration(
+        "lightning",
+        kinds=(
+            Kind(
+                "lightning_trainer",
+                (("lightning.pytorch.", "Trainer"), ("pytorch_lightning.", "Trainer")),
+                _adapt_trainer,
+            ),
+            Kind(
+                "lightning_module",
+                (
+                    ("lightning.pytorch.", "LightningModule"),
+                    ("pytorch_lightning.", "LightningModule"),
+                ),
+                _adapt_module,
+            ),
+        ),
+        install=lambda watcher: install_auto_callback(),
+        boot=install_auto_callback,
+    )
+)

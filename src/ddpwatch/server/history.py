@@ -10,9 +10,11 @@ document, the dashboard's timeline (key ``t``) and the end-of-run summary read t
 from __future__ import annotations
 
 import datetime
+import json
+import sys
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 from ddpwatch.server.alerts import Alert
 
@@ -41,6 +43,14 @@ def describe(change: AlertChange) -> str:
     if change.event == "escalated" and change.previous is not None:
         what += f" (was {change.previous.kind}, {change.previous.severity})"
     return f"ddpwatch: {when} {what}: {alert.message}\nddpwatch:   fix: {alert.hint}"
+
+
+def print_json_line(change: AlertChange, stream: IO[str] | None = None) -> None:
+    """The alert stream of ``serve --headless``, ``demo --headless`` and ``replay --headless``:
+    ``change.to_dict()`` as one JSON line on ``stream`` (default stdout), flushed."""
+    out = sys.stdout if stream is None else stream
+    out.write(json.dumps(change.to_dict()) + "\n")
+    out.flush()
 
 
 @dataclass(frozen=True)

@@ -425,18 +425,6 @@ def explain(text: str) -> Signature | None:
     return None
 
 
-def is_peer_failure(text: str) -> bool:
-    """True for the errors a healthy rank prints when another rank died."""
-    signature = explain(text)
-    return signature is not None and signature.peer_failure
-
-
-def error_text(error: ErrorInfo) -> str:
-    """The text ``explain`` reads: "type: message" and then the traceback."""
-    head = f"{error.type}: {error.message}"
-    return f"{head}\n{error.traceback}" if error.traceback else head
-
-
 # The main process reads a DataLoader worker's batches through a socket; when the worker is
 # killed mid-batch, that read can fail with a bare ConnectionResetError before DataLoader's
 # own check names the worker (seen here in 2 of 6 runs of error_texts.py dataloader_killed).

@@ -181,7 +181,7 @@ class Recorder:
         self._lock = threading.Lock()
         self._dirty = False
         self._last_flush = time.monotonic()
-        self._file = _open_for_append(self.path)
+        self._file: BinaryIO | None = _open_for_append(self.path)
         meta = {"format": FORMAT_VERSION, **session}
         t = float(session.get("started", time.time()))
         self._write(encode_record(KIND_SESSION, t, json.dumps(meta).encode()))
@@ -250,6 +250,7 @@ def _open_for_append(path: Path) -> BinaryIO:
         size = 0
     except OSError as exc:
         raise RecordingError(f"cannot record to {path}: {exc.strerror or exc}") from None
+    file: BinaryIO
     try:
         if size == 0:
             file = path.open("wb")

@@ -1,7 +1,7 @@
 """``ddpwatch replay``: a recording fed through the same state and diagnosis as a live server.
 
-``ReplayServer`` looks like ``Server`` to the views (``status()``, ``run()``,
-``stop()``, ``state``, ``alerts``, ``lock``): frames are applied with their
+``ReplayServer`` is a ``StatusProvider`` like ``Server`` (``status()``, ``run()``,
+``stop()``; also ``state``, ``alerts``, ``lock``): frames are applied with their
 recorded receive times and diagnosis runs at the recorded tick times, on a
 virtual clock that advances ``speed`` times as fast as the recording did (or as
 fast as possible). Diagnosis is a pure function of state and time, so a replay
@@ -10,13 +10,9 @@ raises and clears the same alerts, in the same order, as the live server did.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import logging
 import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -28,7 +24,7 @@ import msgspec
 from ddpwatch.protocol import DEFAULT_PORT, ProtocolError, decode
 from ddpwatch.server.alerts import Alert, Thresholds
 from ddpwatch.server.history import AlertChange, AlertTracker
-from ddpwatch.server.recording import Record, RecordingError, RecordingReader
+from ddpwatch.server.recording import Record, RecordingReader
 from ddpwatch.server.rules import diagnose
 from ddpwatch.server.service import TICK_S, with_port
 from ddpwatch.server.state import ServerState
@@ -39,23 +35,10 @@ log = logging.getLogger("ddpwatch")
 MAX_GAP_S = 60.0  # a longer silence in a recording (clock step, idle file) is skipped, not waited
 
 
-def parse_speed(text: str) -> float | None:
-    """``--speed``: a factor > 0, or ``0``/``max`` for as fast as possible (None)."""
-    if text.strip().lower() in ("max", "0", "0.0", "inf"):
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a speed: {text!r} (a number, or max)") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"speed must be > 0 or max, got {text}")
-    return value
-
-
 def _thresholds(recorded: Any, overrides: Mapping[str, Any]) -> Thresholds:
     """The recorded thresholds (a session's JSON), with ``overrides`` that are not None."""
     names = {f.name for f in dataclasses.fields(Thresholds)}
-    values = {}
+    values: dict[str, Any] = {}
     if isinstance(recorded, dict):
         values.update((k, v) for k, v in recorded.items() if k in names)
     values.update((k, v) for k, v in overrides.items() if k in names and v is not None)
@@ -263,63 +246,3 @@ class ReplayServer:
         delay = (t - self._anchor_t) / self.speed - (time.monotonic() - self._anchor_m)
         if delay > 0:
             self._stop.wait(delay)
-
-
-# -------------------------------------------------------------------- command line
-
-_OVERRIDES = ("interval", "stall_after", "silent_after", "startup_after")
-
-
-def replay_main(args: argparse.Namespace) -> int:
-    """``ddpwatch replay FILE [--speed X] [--headless]``."""
-
-    def print_change(change: AlertChange) -> None:
-        sys.stdout.write(json.dumps(change.to_dict()) + "\n")
-        sys.stdout.flush()
-
-    overrides = {name: getattr(args, name, None) for name in _OVERRIDES}
-    try:
-        server = ReplayServer(
-            args.file,
-            speed=args.speed,
-            on_change=print_change if args.headless else None,
-            overrides=overrides,
-        )
-    except RecordingError as exc:
-        print(f"ddpwatch replay: {exc}", file=sys.stderr)
-        return 1
-    if not args.headless:
-        try:
-            from ddpwatch.tui.app import run_dashboard
-        except ImportError:
-            print(
-                "ddpwatch replay: the dashboard is unavailable in this install; "
-                "use --headless for the alert stream",
-                file=sys.stderr,
-            )
-            return 1
-        code = run_dashboard(server, bell=not getattr(args, "no_bell", False))
-        _report_tail(server)
-        return code
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: server.stop())
-    server.run()
-    log.info(
-        "replayed %d messages from %s: %d alerts raised, %d cleared",
-        server.messages,
-        server.path,
-        server.raised,
-        server.cleared,
-    )
-    _report_tail(server)
-    return 0
-
-
-def _report_tail(server: ReplayServer) -> None:
-    if server.tail_bytes:
-        log.warning(
-            "%s ends in a partial record: its last %d bytes were not read "
-            "(the server stopped mid-write)",
-            server.path,
-            server.tail_bytes,
-        )

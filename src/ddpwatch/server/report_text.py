@@ -440,11 +440,12 @@ def compare_json(runs: list[RunReport]) -> str:
                     "rank": p.rank,
                     "runs": [_stats(p.before), _stats(p.after)],
                     "step_time_ratio": ratio(
-                        p.before and p.before.median_step_time_s,
-                        p.after and p.after.median_step_time_s,
+                        p.before.median_step_time_s if p.before else None,
+                        p.after.median_step_time_s if p.after else None,
                     ),
                     "peak_mem_ratio": ratio(
-                        p.before and p.before.peak_mem_bytes, p.after and p.after.peak_mem_bytes
+                        p.before.peak_mem_bytes if p.before else None,
+                        p.after.peak_mem_bytes if p.after else None,
                     ),
                 }
                 for p in pair_ranks(a, b)

@@ -51,7 +51,8 @@ def with_port(alerts: list[Alert], port: int) -> list[Alert]:
 
 
 class Server:
-    """Owns the state; ``run`` loops until ``stop`` is called (thread-safe).
+    """Owns the state; ``run`` loops until ``stop`` is called (thread-safe). A
+    ``StatusProvider`` (``server/provider.py``), as ``ReplayServer`` is.
 
     ``record``: append every accepted frame and each diagnosis tick to this file
     (``docs/recording.md``); ``curve``: encrypt and authenticate both sockets

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 from typing import Any, ClassVar
 
 from textual.app import App
@@ -17,6 +16,7 @@ from textual.binding import Binding, BindingType
 from textual.logging import TextualHandler
 from textual.screen import Screen
 
+from ddpwatch.server.provider import StatusProvider, in_background
 from ddpwatch.tui.help import HelpScreen
 from ddpwatch.tui.output import OutputScreen
 from ddpwatch.tui.quit import QuitChoice, QuitScreen
@@ -154,17 +154,13 @@ class _QuietLogs:
             root.addHandler(handler)
 
 
-def run_dashboard(server: Any, source: StatusSource | None = None, *, bell: bool = True) -> int:
+def run_dashboard(
+    server: StatusProvider, source: StatusSource | None = None, *, bell: bool = True
+) -> int:
     """Run ``server`` on a daemon thread and the dashboard over it (``source``: a ``LocalSource``
     of it by default); stop the server on exit. ``bell``: ring on a new error (``--no-bell``)."""
-    thread = threading.Thread(target=server.run, name="ddpwatch-server", daemon=True)
-    thread.start()
-    try:
-        with _QuietLogs():
-            DashboardApp(source or local_source(server), bell=bell).run()
-    finally:
-        server.stop()
-        thread.join(timeout=5)
+    with in_background(server), _QuietLogs():
+        DashboardApp(source or local_source(server), bell=bell).run()
     return 0
 
 

@@ -37,19 +37,61 @@ SHORT_STATE = {
     "not_connected": "absent",
 }
 
-_SEVERITY_CULPRIT = {"error": 0, "warning": 2, "info": 7}
-_WAITING_SCORE = 6
-_RUNNING_SCORE = 8
-_STATE_WORST = {
-    "crashed": 1,
-    "silent": 3,
-    "stalled": 4,
-    "not_connected": 5,
-    "waiting": _WAITING_SCORE,
-    "running": _RUNNING_SCORE,
-    "stopped": 9,
-    "exited": 9,
+UNKNOWN_STATE_SCORE = 9
+"""``STATE_SCORE`` of a state it does not list."""
+
+
+def state_score(state: Any) -> int:
+    """The state's place in ``STATE_SCORE`` (worst first; unknown states and None last)."""
+    return STATE_SCORE.get(state, UNKNOWN_STATE_SCORE)
+
+
+# The worst-first score of a rank, or of a host (its worst rank): 0 is the worst. Alerts and
+# states share the scale, so an error alert's culprit comes before a crashed rank, a warning's
+# culprit before a silent one, and so on; ``score_style`` colours it.
+WORST_ERROR_CULPRIT = 0
+"""Named as a culprit by an error alert."""
+WORST_CRASHED = 1
+"""Crashed, or exited with a non-zero code."""
+WORST_WARNING_CULPRIT = 2
+WORST_SILENT = 3
+WORST_STALLED = 4
+WORST_NOT_CONNECTED = 5
+WORST_WAITING = 6
+"""Waiting in a collective, or named by an alert as waiting for its culprits."""
+WORST_INFO_CULPRIT = 7
+WORST_RUNNING = 8
+WORST_DONE = 9
+"""Stopped, or exited cleanly."""
+WORST_NONE = 99
+"""No score yet: above every other."""
+
+CULPRIT_SCORE = {
+    "error": WORST_ERROR_CULPRIT,
+    "warning": WORST_WARNING_CULPRIT,
+    "info": WORST_INFO_CULPRIT,
 }
+"""The score an alert of each severity gives its culprits (unknown severities: info's)."""
+_STATE_WORST = {
+    "crashed": WORST_CRASHED,
+    "silent": WORST_SILENT,
+    "stalled": WORST_STALLED,
+    "not_connected": WORST_NOT_CONNECTED,
+    "waiting": WORST_WAITING,
+    "running": WORST_RUNNING,
+    "stopped": WORST_DONE,
+    "exited": WORST_DONE,
+}
+
+
+def score_style(score: int | None) -> str | None:
+    """How the table colours a worst-first score: "error" (error culprits, crashed),
+    "warning" (warning culprits, silent, stalled, absent), None (the rest, or no score)."""
+    if score is None:
+        return None
+    if score <= WORST_CRASHED:
+        return "error"
+    return "warning" if score <= WORST_NOT_CONNECTED else None
 
 
 @dataclass
@@ -62,19 +104,15 @@ class AlertIndex:
     nan: set[int] = field(default_factory=set)
     counts: Counter[str] = field(default_factory=Counter)
 
-    @property
-    def named(self) -> set[int]:
-        return set(self.culprit) | self.waiting
-
 
 def index_alerts(alerts: Iterable[dict[str, Any]]) -> AlertIndex:
     index = AlertIndex()
     for alert in alerts:
         severity = alert.get("severity", "info")
         index.counts[severity] += 1
-        score = _SEVERITY_CULPRIT.get(severity, 7)
+        score = CULPRIT_SCORE.get(severity, WORST_INFO_CULPRIT)
         for rank in alert.get("ranks") or ():
-            if score < index.culprit.get(rank, 99):
+            if score < index.culprit.get(rank, WORST_NONE):
                 index.culprit[rank] = score
             if alert.get("kind") == "nan_loss":
                 index.nan.add(rank)
@@ -85,14 +123,14 @@ def index_alerts(alerts: Iterable[dict[str, Any]]) -> AlertIndex:
 def worst_score(row: Row, index: AlertIndex) -> int:
     """0 is the worst: culprits of errors, crashed, warnings' culprits, silent, ..., exited."""
     state = row.get("state")
-    score = _STATE_WORST.get(state, _RUNNING_SCORE)
+    score = _STATE_WORST.get(state, WORST_RUNNING)
     if state == "exited" and row.get("exit_code") not in (None, 0):
-        score = 1
+        score = WORST_CRASHED
     culprit = index.culprit.get(row["rank"])
     if culprit is not None and culprit < score:
         score = culprit
-    if score > _WAITING_SCORE and row["rank"] in index.waiting:
-        score = _WAITING_SCORE
+    if score > WORST_WAITING and row["rank"] in index.waiting:
+        score = WORST_WAITING
     return score
 
 
@@ -168,7 +206,7 @@ SORT_VALUES: dict[str, Callable[[Row], Any]] = {
     "host": lambda r: r.get("host"),
     "pid": lambda r: r.get("pid"),
     "device": lambda r: r.get("device"),
-    "state": lambda r: STATE_SCORE.get(r.get("state"), 9),
+    "state": lambda r: state_score(r.get("state")),
     "phase": lambda r: r.get("phase"),
     "step": lambda r: r.get("step"),
     "loss": lambda r: r.get("loss"),
@@ -247,11 +285,9 @@ def worst_first(rows: Sequence[Row], index: AlertIndex) -> list[Row]:
             plain.append(row)
         else:
             special.append(row)
-    special.sort(
-        key=lambda r: (worst_score(r, index), STATE_SCORE.get(r.get("state"), 9), r["rank"])
-    )
+    special.sort(key=lambda r: (worst_score(r, index), state_score(r.get("state")), r["rank"]))
     cut = next(
-        (i for i, row in enumerate(special) if worst_score(row, index) > _RUNNING_SCORE),
+        (i for i, row in enumerate(special) if worst_score(row, index) > WORST_RUNNING),
         len(special),
     )
     return special[:cut] + plain + special[cut:]
@@ -276,7 +312,7 @@ def group_by_host(ranks: Iterable[Row], index: AlertIndex) -> list[Row]:
                 "step_time_max": None,
                 "mem_sum": None,
                 "flagged": 0,
-                "worst": 99,
+                "worst": WORST_NONE,
                 "ranks": [],
             }
         group["count"] += 1
@@ -318,5 +354,5 @@ def state_summary(states: Counter[str]) -> str:
     """Counter({"running": 14, "crashed": 1}) -> "1 crash 14 run" (worst first)."""
     return " ".join(
         f"{n} {SHORT_STATE.get(s, s)}"
-        for s, n in sorted(states.items(), key=lambda kv: STATE_SCORE.get(kv[0], 9))
+        for s, n in sorted(states.items(), key=lambda kv: state_score(kv[0]))
     )

@@ -23,6 +23,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Input, Static
 
 from ddpwatch.tui.alerts_panel import AlertList
+from ddpwatch.tui.columns import GROUP_COLUMNS, RANK_COLUMNS
 from ddpwatch.tui.detail import RankDetail
 from ddpwatch.tui.fmt import TIMES
 from ddpwatch.tui.header import HeaderInfo, StatusHeader, summarize
@@ -37,7 +38,7 @@ from ddpwatch.tui.model import (
     select_rows,
     worst_first,
 )
-from ddpwatch.tui.rank_table import GROUP_COLUMNS, RANK_COLUMNS, RankTable
+from ddpwatch.tui.rank_table import RankTable
 from ddpwatch.tui.sources import StatusSource
 
 MIN_WIDTH, MIN_HEIGHT = 60, 15

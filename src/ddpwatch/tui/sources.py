@@ -1,8 +1,9 @@
 """Where the dashboard's status documents come from.
 
 The TUI reaches the server only through a ``StatusSource``: ``LocalSource``
-reads an in-process ``Server``; ``RemoteSource`` asks a running ``ddpwatch
-serve`` over its ZeroMQ query socket (port + 1). ``fetch`` runs on a worker
+reads an in-process ``StatusProvider`` (a ``Server`` or ``ReplayServer``);
+``RemoteSource`` asks a running ``ddpwatch serve`` over its ZeroMQ query socket
+(port + 1). ``fetch`` runs on a worker
 thread, one call at a time, and returns None when no document could be had.
 """
 
@@ -12,12 +13,13 @@ import logging
 import os
 import signal
 import subprocess
-import threading
-from typing import Any, Protocol, runtime_checkable
-
-import msgspec
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ddpwatch.protocol import DEFAULT_PORT
+from ddpwatch.server.provider import StatusProvider
+
+if TYPE_CHECKING:
+    from ddpwatch.server.replay import ReplayServer
 
 log = logging.getLogger("ddpwatch.tui")
 
@@ -36,7 +38,7 @@ class StatusSource(Protocol):
 class LocalSource:
     """The server runs in this process (``ddpwatch serve``): read its status directly."""
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: StatusProvider) -> None:
         self.server = server
         collector = getattr(server, "collector", None)
         port = getattr(collector, "port", None)
@@ -62,7 +64,9 @@ class JobSource(LocalSource):
     """``ddpwatch run --tui``: the local server plus the job it runs, whose state joins the
     label in the header and whose output file the ``o`` screen follows."""
 
-    def __init__(self, server: Any, job: subprocess.Popen[bytes], output_path: str) -> None:
+    def __init__(
+        self, server: StatusProvider, job: subprocess.Popen[bytes], output_path: str
+    ) -> None:
         super().__init__(server)
         self.job = job
         self.output_path = output_path
@@ -90,8 +94,9 @@ class JobSource(LocalSource):
 class ReplaySource(LocalSource):
     """``ddpwatch replay FILE``: the header names the file and how far the replay has got."""
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: ReplayServer) -> None:
         super().__init__(server)
+        self.replay = server
         self.no_ranks = "no ranks in the recording yet"
         self._update_label()
 
@@ -101,7 +106,7 @@ class ReplaySource(LocalSource):
         return document
 
     def _update_label(self) -> None:
-        self.label = replay_label(self.server.path, self.server.progress)
+        self.label = replay_label(self.replay.path, self.replay.progress)
 
 
 def replay_label(path: str | os.PathLike[str], progress: float) -> str:
@@ -109,7 +114,7 @@ def replay_label(path: str | os.PathLike[str], progress: float) -> str:
     return f"replay {os.path.basename(path)} {int(max(0.0, min(1.0, progress)) * 100)} %"
 
 
-def local_source(server: Any) -> LocalSource:
+def local_source(server: StatusProvider) -> LocalSource:
     """The source for a server in this process; a ``ReplayServer`` (it has ``progress``) gets
     a ``ReplaySource``."""
     return ReplaySource(server) if hasattr(server, "progress") else LocalSource(server)
@@ -133,85 +138,28 @@ def exit_description(code: int | None) -> str:
     return f"exited {code}"
 
 
-_decoder = msgspec.json.Decoder()
-
-
 class RemoteSource:
-    """A ``ddpwatch serve`` elsewhere: ZeroMQ REQ to ``port + 1``, send ``b"status"``, read JSON.
-
-    A REQ socket that timed out is stuck waiting for its reply, so it is closed
-    and a fresh one is made for the next fetch (the "lazy pirate" pattern).
-    """
+    """A ``ddpwatch serve`` elsewhere, through a ``StatusClient`` (``ddpwatch/client.py``):
+    ZeroMQ REQ to ``port + 1``, send ``b"status"``, read JSON."""
 
     def __init__(
         self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, timeout: float = 1.0
     ) -> None:
-        import zmq
+        from ddpwatch.client import StatusClient
 
-        self._zmq = zmq
         self.host, self.port, self.timeout = host, port, timeout
         self.label = f"{host}:{port}"
         self.no_ranks = waiting_for_ranks(self.label)
         self.started: float | None = None
-        self._context = zmq.Context()
-        self._sock: Any = None
-        self._lock = threading.Lock()  # fetch (worker thread) against close (UI thread)
-        self._closed = False
+        self.client = StatusClient(host, port, timeout)
 
     @property
     def endpoint(self) -> str:
-        return f"tcp://{self.host}:{self.port + 1}"
-
-    def _socket(self) -> Any:
-        if self._sock is None:
-            zmq = self._zmq
-            from ddpwatch.security import apply_client_curve
-
-            sock = self._context.socket(zmq.REQ)
-            sock.setsockopt(zmq.LINGER, 0)
-            apply_client_curve(sock)  # DDPWATCH_SERVER_KEY set: CurveZMQ, as the ranks use
-            sock.connect(self.endpoint)
-            self._sock = sock
-        return self._sock
-
-    def _reset(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        return self.client.endpoint
 
     def fetch(self) -> dict[str, Any] | None:
-        with self._lock:
-            if self._closed:
-                return None
-            reply = self._request()
-        if reply is None:
-            return None
-        try:
-            document = _decoder.decode(reply)
-        except msgspec.DecodeError:
-            return None
-        if not isinstance(document, dict) or "ranks" not in document:
-            return None
-        return document
-
-    def _request(self) -> bytes | None:
-        zmq = self._zmq
-        try:
-            sock = self._socket()
-            sock.send(b"status", zmq.NOBLOCK)
-            if not sock.poll(int(self.timeout * 1000), zmq.POLLIN):
-                self._reset()
-                return None
-            return sock.recv()
-        except zmq.ZMQError:
-            self._reset()
-            return None
+        return self.client.fetch()
 
     def close(self) -> None:
         """Close the socket (after a fetch in flight, at most ``timeout`` away) and the context."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._reset()
-        self._context.term()
+        self.client.close()

@@ -13,6 +13,9 @@ rule is one or two linear passes plus a sort; ``Facts`` does shared work once pe
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+
 from ddpwatch.server.alerts import Alert, Thresholds
 from ddpwatch.server.rules.cascade import rule_cascade, rule_clean_exit
 from ddpwatch.server.rules.collectives import rule_collective_mismatch, rule_straggler
@@ -82,6 +85,9 @@ RULES: tuple[Rule, ...] = (
 
 
 _SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
+RULE_FAILURES: Counter[str] = Counter()
+"""Ticks each rule raised on, by rule name, since the server started."""
+log = logging.getLogger("ddpwatch")
 
 
 def _sort_key(alert: Alert) -> tuple[int, str, tuple[int, ...]]:
@@ -89,9 +95,22 @@ def _sort_key(alert: Alert) -> tuple[int, str, tuple[int, ...]]:
 
 
 def diagnose(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
-    """Every rule's alerts, one per (kind, culprits), most severe first."""
+    """Every rule's alerts, one per (kind, culprits), most severe first.
+
+    A rule that raises (a bug, or data no test foresaw) loses its alerts for this tick, is
+    logged once and counted in ``RULE_FAILURES``; the other rules and the server go on.
+    """
     facts = Facts(state, now, th)
-    alerts = sorted((a for rule in RULES for a in rule(state, now, th, facts)), key=_sort_key)
+    found: list[Alert] = []
+    for rule in RULES:
+        try:
+            found.extend(rule(state, now, th, facts))
+        except Exception:
+            name = getattr(rule, "__name__", repr(rule))
+            if not RULE_FAILURES[name]:
+                log.exception("diagnosis rule %s failed; its alerts are skipped", name)
+            RULE_FAILURES[name] += 1
+    alerts = sorted(found, key=_sort_key)
     seen: set[tuple[str, tuple[int, ...]]] = set()
     unique = []
     for alert in alerts:

@@ -9,6 +9,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from functools import lru_cache
 
+from ddpwatch.devices import parse_cuda_visible_devices
 from ddpwatch.server.alerts import Alert
 from ddpwatch.server.rules.facts import Facts
 from ddpwatch.server.rules.registry import alert, rule
@@ -35,10 +36,10 @@ def _physical_gpu(device: str, index: int | None, visible_devices: str | None) -
     """Map a CUDA ordinal through CUDA_VISIBLE_DEVICES (cuda:0 under "1" is physical GPU 1)."""
     if index is None and ":" in device:
         tail = device.split(":", 1)[1]
-        index = int(tail) if tail.isdigit() else None
-    visible = [v.strip() for v in (visible_devices or "").split(",") if v.strip()]
+        index = int(tail) if tail.isdecimal() and len(tail) <= 9 else None  # "cuda:²", huge
+    visible = parse_cuda_visible_devices(visible_devices) or []  # as the rank's CUDA reads it
     if index is not None and index < len(visible):
-        return ("visible", visible[index])
+        return ("visible", str(visible[index]))
     return ("device", device if index is None else f"cuda:{index}")
 
 

@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from ddpwatch.protocol import Collective, ErrorInfo
 from ddpwatch.server.alerts import Thresholds
@@ -159,7 +159,7 @@ class Facts:
         """Work one rule family shares between its rules, done once per ``diagnose`` call."""
         if key not in self._memo:
             self._memo[key] = compute()
-        return self._memo[key]  # type: ignore[no-any-return]
+        return cast(T, self._memo[key])
 
     def crashes_of_kind(self, kind: str) -> list[RankRecord]:
         """Crashed ranks whose error the knowledge base ties to alert ``kind``, by rank."""
@@ -280,8 +280,13 @@ def find_cascade(facts: Facts) -> Cascade:
             if is_term_exit(record):
                 stopped.append(record)
             elif not is_clean_exit(record):
-                key = ("exit", record.exit_code, record.exit_signal)
-                _group(primary, key, "exited", record, record.exit_time)
+                _group(
+                    primary,
+                    ("exit", record.exit_code, record.exit_signal),
+                    "exited",
+                    record,
+                    record.exit_time,
+                )
             else:
                 clean.append(record)
         elif now - record.last_seen > silent_after:

@@ -10,23 +10,7 @@ from ddpwatch.server.rules.facts import Facts, missing_ranks
 from ddpwatch.server.rules.registry import alert, rule
 from ddpwatch.server.rules.text import format_ranks, record_location, seconds, verb
 from ddpwatch.server.state import RankRecord
-
-STARTUP_PHASES = (
-    "started",
-    "rendezvous",
-    "setup",
-    "configure_model",  # Lightning: this rank's setup hooks are done
-    "device",
-    "strategy_setup",  # Lightning: strategy.setup (to device, wrap, optimizers)
-    "model_wrap",
-    "deepspeed_init",  # inside deepspeed.initialize
-    "zero_partition",  # deepspeed.initialize builds the ZeRO optimizer
-    "fit_start",  # Lightning: on_fit_start hooks, restoring the training state
-    "sanity_check",  # Lightning: validation sanity check
-    "first_step",
-    "train",
-)
-
+from ddpwatch.vocabulary import STARTUP_PHASES
 
 _PHASE_ORDER = {name: index for index, name in enumerate(STARTUP_PHASES)}
 

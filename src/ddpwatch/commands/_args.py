@@ -1,0 +1,175 @@
+"""Argument types and flag groups shared by several subcommands.
+
+The types keep their ``_`` names: argparse shows a type's name when it raises
+``ValueError`` (``invalid _positive value: 'x'``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from ddpwatch.protocol import DEFAULT_PORT
+from ddpwatch.server.alerts import Thresholds
+
+Subparsers = Any  # what ``ArgumentParser.add_subparsers`` returns (a private argparse type)
+
+# ---------------------------------------------------------------------------- argument types
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _port(text: str, highest: int = 65535, why: str = "") -> int:
+    """A TCP port, checked here: the OS would take 99999 modulo 65536, and 0 as "any"."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 1 <= value <= highest:
+        raise argparse.ArgumentTypeError(f"must be 1-{highest}{why}, got {text}")
+    return value
+
+
+def _rank_port(text: str) -> int:
+    """The ranks' port: the status queries use the next one, which must exist too."""
+    return _port(text, 65534, " (queries use port+1)")
+
+
+def _addr(text: str) -> str:
+    """``run --addr``: HOST, HOST:PORT or tcp://HOST:PORT, read as the ranks will read it
+    (``agent/watcher.py``: a bare host, IPv6 ones included, means port 5599)."""
+    host, sep, number = text.removeprefix("tcp://").rpartition(":")
+    if sep and not host.endswith(":") and "]" not in number:
+        try:
+            _rank_port(number)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{text}: the port {exc}") from None
+    return text
+
+
+def _webhook_url(text: str) -> str:
+    from ddpwatch.server.notify import check_webhook_url
+
+    try:
+        return check_webhook_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# ---------------------------------------------------------------------------- flag groups
+
+
+def add_address(parser: argparse.ArgumentParser) -> None:
+    """``--host`` and ``--port`` of a server: ``serve`` binds them, the clients ask them."""
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address of the server (default 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--port",
+        type=_rank_port,
+        default=DEFAULT_PORT,
+        help=f"rank port (default {DEFAULT_PORT}); queries use port+1",
+    )
+
+
+# The ``Thresholds`` fields that are flags: what each is, and how ``serve`` shows its
+# default (``{}``: the field's default). ``connect_after`` is not a flag.
+THRESHOLD_FLAGS: dict[str, tuple[str, str]] = {
+    "interval": ("the ranks' heartbeat interval", "{:g} s"),
+    "stall_after": ("seconds without progress", "{:g}, or 5x the median step time"),
+    "silent_after": ("seconds without a heartbeat", "3 x interval + 1"),
+    "startup_after": ("seconds in one startup phase", "{:g}"),
+}
+
+
+def add_thresholds(parser: argparse.ArgumentParser, *, recorded: bool = False) -> None:
+    """``--interval``, ``--stall-after``, ``--silent-after``, ``--startup-after``, with the
+    defaults of ``Thresholds``; ``recorded``: default None, "the recording's" (``replay``)."""
+    for field in dataclasses.fields(Thresholds):
+        if field.name not in THRESHOLD_FLAGS:
+            continue
+        what, shown = THRESHOLD_FLAGS[field.name]
+        flag = "--" + field.name.replace("_", "-")
+        if recorded:
+            parser.add_argument(
+                flag, type=_positive, default=None, help=f"{what} (default: recorded)"
+            )
+        else:
+            parser.add_argument(
+                flag,
+                type=_positive,
+                default=field.default,
+                help=f"{what} (default {shown.format(field.default)})",
+            )
+
+
+def threshold_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The threshold flags' values by ``Thresholds`` field name (None where not given)."""
+    return {name: getattr(args, name, None) for name in THRESHOLD_FLAGS}
+
+
+def thresholds(args: argparse.Namespace) -> Thresholds:
+    """The ``Thresholds`` the threshold flags ask for (``serve``)."""
+    return Thresholds(**threshold_values(args))
+
+
+def add_notify(parser: argparse.ArgumentParser) -> None:
+    """Alert notifications (``server/notify.py``): ``serve`` and ``run``."""
+    parser.add_argument(
+        "--notify-cmd",
+        metavar="CMD",
+        default=None,
+        help="run this shell command for each raised alert, its JSON on stdin",
+    )
+    parser.add_argument(
+        "--webhook",
+        metavar="URL",
+        type=_webhook_url,
+        default=None,
+        help="POST each raised alert's JSON here (with a Slack-compatible text field)",
+    )
+    parser.add_argument(
+        "--notify-level",
+        choices=("error", "warning", "info"),
+        default="warning",
+        help="notify of alerts this severe or worse (default warning)",
+    )
+    parser.add_argument(
+        "--notify-interval",
+        type=_positive,
+        default=60.0,
+        metavar="S",
+        help="notify of the same alert at most once per S seconds (default 60)",
+    )
+
+
+def notifier(args: argparse.Namespace) -> Any:
+    """The ``Notifier`` the notify flags ask for, or None."""
+    if args.notify_cmd is None and args.webhook is None:
+        return None
+    from ddpwatch.server.notify import Notifier
+
+    return Notifier(
+        args.notify_cmd, args.webhook, level=args.notify_level, interval=args.notify_interval
+    )
+
+
+def add_bell(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-bell", action="store_true", help="dashboard: no terminal bell on a new error"
+    )

@@ -1,0 +1,65 @@
+"""``ddpwatch report FILE [FILE2]``: a post-mortem of a recording, or two side by side
+(``server/report.py`` renders them)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from ddpwatch.commands._args import Subparsers
+
+NAME = "report"
+
+log = logging.getLogger("ddpwatch")
+
+
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
+    report = subparsers.add_parser(
+        NAME, help="a post-mortem of a serve --record file; two files: compare them"
+    )
+    report.add_argument("file", help="a recording made by ddpwatch serve --record")
+    report.add_argument(
+        "other", nargs="?", default=None, help="a second recording: the two runs side by side"
+    )
+    report.add_argument(
+        "--format", choices=("md", "html", "json"), default="md", help="output format (default md)"
+    )
+    report.add_argument(
+        "-o", "--output", metavar="PATH", default=None, help="write here (default: stdout)"
+    )
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    """``ddpwatch report FILE [FILE2] [--format md|html|json] [-o PATH]``."""
+    from ddpwatch.server.recording import RecordingError
+    from ddpwatch.server.report import load_run, render
+
+    paths = [args.file] + ([args.other] if args.other else [])
+    try:
+        runs = [load_run(path) for path in paths]
+    except RecordingError as exc:
+        print(f"ddpwatch report: {exc}", file=sys.stderr)
+        return 1
+    for one in runs:
+        if one.tail_bytes:
+            log.warning(
+                "%s ends in a partial record: its last %d bytes were not read",
+                one.path,
+                one.tail_bytes,
+            )
+    text = render(runs, args.format)
+    if args.output is None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return 0
+    output = Path(args.output)
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        print(f"ddpwatch report: cannot write {output}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(output)
+    return 0

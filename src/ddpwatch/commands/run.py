@@ -1,0 +1,67 @@
+"""``ddpwatch run -- COMMAND``: a launch command with ddpwatch in every rank (``launch.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ddpwatch.commands._args import Subparsers, _addr, add_bell, add_notify, notifier
+
+NAME = "run"
+
+
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        NAME,
+        help="run a launch command with ddpwatch in every rank, no code change",
+        usage="ddpwatch run [--addr HOST:PORT] [--tui] [--notify-cmd CMD] [--webhook URL] "
+        "-- COMMAND ...",
+    )
+    parser.add_argument(
+        "--addr",
+        type=_addr,
+        default=None,
+        help="a running ddpwatch serve (default: collect here and print alerts)",
+    )
+    parser.add_argument(
+        "--tui",
+        action="store_true",
+        help="show the dashboard here; the job's output goes to a file",
+    )
+    recording = parser.add_mutually_exclusive_group()
+    recording.add_argument(
+        "--record",
+        metavar="FILE",
+        default=None,
+        help="record the run here (default: ddpwatch-<script>-<time>.ddpw in the working "
+        "directory; ddpwatch report FILE reads it)",
+    )
+    recording.add_argument("--no-record", action="store_true", help="do not record the run")
+    add_notify(parser)
+    add_bell(parser)
+    parser.add_argument("job", nargs=argparse.REMAINDER, help="the launch command, after --")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddpwatch.launch import default_recording, run_command
+
+    job = args.job[1:] if args.job[:1] == ["--"] else args.job
+    if args.addr is not None and (args.notify_cmd or args.webhook):
+        print(
+            "ddpwatch run: with --addr the alerts are that serve's: give it --notify-cmd/--webhook",
+            file=sys.stderr,
+        )
+        return 2
+    if args.addr is not None and args.record:
+        print(
+            "ddpwatch run: with --addr the run is that serve's: give it --record",
+            file=sys.stderr,
+        )
+        return 2
+    record = None
+    if args.addr is None and not args.no_record:
+        record = args.record or default_recording(job)
+    return run_command(
+        job, args.addr, args.tui, notify=notifier(args), bell=not args.no_bell, record=record
+    )

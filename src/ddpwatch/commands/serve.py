@@ -1,0 +1,158 @@
+"""``ddpwatch serve``: collect every rank and flag problems (dashboard, or ``--headless``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import TYPE_CHECKING
+
+from ddpwatch.commands._args import (
+    Subparsers,
+    _port,
+    _positive_int,
+    add_address,
+    add_bell,
+    add_notify,
+    add_thresholds,
+    notifier,
+    thresholds,
+)
+
+if TYPE_CHECKING:
+    from ddpwatch.server.service import Server
+
+NAME = "serve"
+
+log = logging.getLogger("ddpwatch")
+
+
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
+    serve = subparsers.add_parser(NAME, help="collect every rank and flag problems")
+    add_address(serve)
+    serve.add_argument(
+        "--prometheus-port",
+        type=_port,
+        default=None,
+        metavar="P",
+        help="serve Prometheus metrics on this port (docs/prometheus.md)",
+    )
+    serve.add_argument(
+        "--headless",
+        action="store_true",
+        help="no dashboard: one JSON line per alert raised or cleared",
+    )
+    add_thresholds(serve)
+    serve.add_argument(
+        "--record",
+        metavar="FILE",
+        default=None,
+        help="append every accepted message to FILE, for ddpwatch replay (docs/recording.md)",
+    )
+    serve.add_argument(
+        "--curve-secret-file",
+        metavar="F",
+        default=None,
+        help="encrypt and authenticate with this CurveZMQ secret key (ddpwatch keygen); "
+        "ranks and clients then need DDPWATCH_SERVER_KEY",
+    )
+    serve.add_argument(
+        "--curve-clients",
+        metavar="DIR",
+        default=None,
+        help="with --curve-secret-file: allow only the client public keys (*.key) in DIR",
+    )
+    serve.add_argument(
+        "--max-ranks",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="track at most N ranks (default: world size + 64, or 1024 while unknown)",
+    )
+    add_notify(serve)
+    add_bell(serve)
+    return serve
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddpwatch.commands._signals import stop_on_signals
+    from ddpwatch.security import CurveKeyError, ServerCurve, is_loopback
+    from ddpwatch.server.collector import BindError
+    from ddpwatch.server.history import print_json_line
+    from ddpwatch.server.notify import chain
+    from ddpwatch.server.recording import RecordingError
+    from ddpwatch.server.service import Server
+
+    if args.curve_clients and not args.curve_secret_file:
+        print("ddpwatch: --curve-clients needs --curve-secret-file", file=sys.stderr)
+        return 2
+    notify = notifier(args)  # its thread starts with the first alert it sends
+    try:
+        curve = (
+            ServerCurve.from_files(args.curve_secret_file, args.curve_clients)
+            if args.curve_secret_file
+            else None
+        )
+        server = Server(
+            args.host,
+            args.port,
+            thresholds(args),
+            on_change=chain(print_json_line, notify),
+            record=args.record,
+            curve=curve,
+            max_ranks=args.max_ranks,
+        )
+    except (BindError, CurveKeyError, RecordingError) as exc:
+        print(f"ddpwatch: {exc}", file=sys.stderr)
+        return 1
+    if curve is None and not is_loopback(args.host):
+        print(
+            f"ddpwatch: warning: listening on {args.host} without authentication: anyone who "
+            f"can reach ports {args.port}-{args.port + 1} can send data and read the status "
+            "(see ddpwatch keygen and --curve-secret-file)",
+            file=sys.stderr,
+        )
+    if args.record:
+        log.info("recording to %s", args.record)
+    if notify is not None:
+        log.info("notifying of each raised alert of severity %s or worse", args.notify_level)
+    if args.prometheus_port is not None:
+        from ddpwatch.server.prometheus import serve_metrics
+
+        try:
+            serve_metrics(server.status, args.prometheus_port, args.host)
+        except OSError as exc:
+            print(
+                f"ddpwatch: cannot serve metrics on port {args.prometheus_port}: {exc.strerror}",
+                file=sys.stderr,
+            )
+            server.collector.close()
+            return 1
+        log.info("Prometheus metrics on http://%s:%d/metrics", args.host, args.prometheus_port)
+    if not args.headless:
+        from ddpwatch.tui.app import run_dashboard
+
+        try:
+            return run_dashboard(server, bell=not args.no_bell)
+        finally:
+            if notify is not None:
+                notify.close()
+            _summarize(server)
+    stop_on_signals(server)
+    log.info(
+        "listening for ranks on tcp://%s:%d, status on port %d", args.host, args.port, args.port + 1
+    )
+    server.run()
+    if notify is not None:
+        notify.close()
+    log.info("stopped")
+    _summarize(server)
+    return 0
+
+
+def _summarize(server: Server) -> None:
+    """What happened, once the server stops: only when some rank ever reported."""
+    from ddpwatch.server.summary import print_summary
+
+    if server.state.ranks:
+        print_summary(server.status(), sys.stderr)

@@ -1,0 +1,313 @@
+"""The rank table's columns: cell formatters, what each reads, and the layout by width.
+
+Each ``Column`` declares the row keys its cell reads (``fields``) and the per-rank alert
+lookups it makes (``alerts``). The table caches each drawn row under ``row_signature``,
+built from the visible columns' declarations, so a cell can only show stale text if it
+reads something it does not declare; ``tests/test_tui_columns.py`` checks that none does.
+
+Columns collapse by priority when the terminal is narrow: rank, state, phase, step and
+collective always stay; the rest appear as width allows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rich.cells import cell_len
+
+from ddpwatch.tui.fmt import DASH, NA, bar, human_bytes, loss_text, seconds
+from ddpwatch.tui.model import AlertIndex, Row, score_style, state_score, state_summary
+
+Span = tuple[str, str | None]
+Cell = tuple[str | list[Span], str | None]
+"""Text and the name of its style (a ``rank-table--<name>`` component class, or None);
+the text may be a list of (text, style name) spans instead, for cells of several colours."""
+
+ALERT_LOOKUPS: dict[str, Callable[[AlertIndex, Any], Hashable]] = {
+    "culprit": lambda index, rank: index.culprit.get(rank),
+    "waiting": lambda index, rank: rank in index.waiting,
+    "nan": lambda index, rank: rank in index.nan,
+}
+"""What a cell may ask the ``AlertIndex`` about its row's rank, by name (``Column.alerts``)."""
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    """Also the sort key (see ``model.SORT_VALUES`` / ``GROUP_SORT_VALUES``)."""
+    title: str
+    width: int
+    priority: int
+    """Lower stays longer when the table is narrow; 0 never collapses."""
+    cell: Callable[[Row, AlertIndex, int], Cell]
+    """Formats the row's cell for a given width."""
+    fields: tuple[str, ...]
+    """Every row key ``cell`` reads: the row's cache key is made of these."""
+    alerts: tuple[str, ...] = ()
+    """The ``ALERT_LOOKUPS`` ``cell`` makes for the row's rank."""
+    right: bool = False
+    grow: int = 0
+    """How many extra cells this column may take when there is room."""
+
+
+# ----------------------------------------------------------------------------- rank cells
+
+
+def _rank(row: Row, index: AlertIndex, width: int) -> Cell:
+    return str(row["rank"]), score_style(index.culprit.get(row["rank"]))
+
+
+def _sim(row: Row, index: AlertIndex, width: int) -> Cell:
+    return ("sim", "sim") if row.get("simulated") else ("", None)
+
+
+def _plain(field: str) -> Callable[[Row, AlertIndex, int], Cell]:
+    def cell(row: Row, index: AlertIndex, width: int) -> Cell:
+        value = row.get(field)
+        return (NA, "dim") if value is None else (str(value), None)
+
+    return cell
+
+
+_STATE_TEXT = {"not_connected": "absent"}
+
+
+def _state(row: Row, index: AlertIndex, width: int) -> Cell:
+    state = row.get("state") or "not_connected"
+    text = _STATE_TEXT.get(state, state)
+    if state == "exited" and row.get("exit_code") not in (None, 0):
+        return f"exit {row['exit_code']}", "crashed"
+    return text, state.replace("_", "-")
+
+
+def _loss(row: Row, index: AlertIndex, width: int) -> Cell:
+    loss = row.get("loss")
+    if loss is None:
+        return ("nan", "error") if row["rank"] in index.nan else (NA, "dim")
+    return loss_text(loss), None
+
+
+def _secs(field: str) -> Callable[[Row, AlertIndex, int], Cell]:
+    def cell(row: Row, index: AlertIndex, width: int) -> Cell:
+        value = row.get(field)
+        return (NA, "dim") if value is None else (seconds(value), None)
+
+    return cell
+
+
+def _collective(row: Row, index: AlertIndex, width: int) -> Cell:
+    coll = row.get("collective")
+    if not coll:
+        return "", None
+    name = coll.get("op") or "?"
+    if coll.get("seq") is not None:
+        name += f" #{coll['seq']}"
+    since = coll.get("since_s") or 0.0
+    age = seconds(since)
+    room = width - len(age) - 1
+    if len(name) > room:
+        name = name[: max(0, room - 1)] + "…"
+    style = "error" if since >= 30 else "warning" if since >= 5 else None
+    return f"{name} {age}".strip(), style
+
+
+def _mem(row: Row, index: AlertIndex, width: int) -> Cell:
+    alloc, reserved = row.get("mem_allocated_bytes"), row.get("mem_reserved_bytes")
+    if alloc is None and reserved is None:
+        return NA, "dim"
+    return f"{human_bytes(alloc)}/{human_bytes(reserved)}", None
+
+
+def _gpu(row: Row, index: AlertIndex, width: int) -> Cell:
+    used, total = row.get("gpu_mem_used_bytes"), row.get("gpu_mem_total_bytes")
+    if used is None or not total:
+        return NA, "dim"
+    fraction = used / total
+    pct = f"{min(fraction, 9.99) * 100:3.0f}%"
+    style = "error" if fraction >= 0.95 else "warning" if fraction >= 0.85 else "bar"
+    cells = max(1, width - 5)
+    filled = bar(fraction, cells).rstrip("·")
+    track = "·" * (cells - cell_len(filled))
+    return [(filled, style), (track, "dim"), (f" {pct}", None)], style
+
+
+def _seen(row: Row, index: AlertIndex, width: int) -> Cell:
+    value = row.get("last_seen_s")
+    if value is None:
+        return NA, "dim"
+    return seconds(value), "error" if row.get("state") == "silent" else None
+
+
+def _plain_column(key: str, title: str, width: int, priority: int, **options: Any) -> Column:
+    """A column showing the row's ``key`` as it is."""
+    return Column(key, title, width, priority, _plain(key), (key,), **options)
+
+
+RANK_COLUMNS: tuple[Column, ...] = (
+    Column("rank", "rank", 4, 0, _rank, ("rank",), alerts=("culprit",), right=True),
+    Column("sim", "", 3, 1, _sim, ("simulated",)),
+    _plain_column("local_rank", "lr", 3, 6, right=True),
+    _plain_column("host", "host", 6, 1),
+    _plain_column("pid", "pid", 7, 7, right=True),
+    _plain_column("device", "device", 7, 4, grow=2),
+    Column("state", "state", 7, 0, _state, ("state", "exit_code")),
+    _plain_column("phase", "phase", 9, 0, grow=3),
+    _plain_column("step", "step", 7, 0, right=True),
+    Column("loss", "loss", 7, 3, _loss, ("loss", "rank"), alerts=("nan",), right=True),
+    Column("step_time", "step t", 6, 1, _secs("step_time_s"), ("step_time_s",), right=True),
+    Column("data_wait", "data", 6, 6, _secs("data_wait_s"), ("data_wait_s",), right=True),
+    Column("collective", "collective", 21, 0, _collective, ("collective",), grow=9),
+    Column(
+        "mem",
+        "alloc/rsvd",
+        11,
+        4,
+        _mem,
+        ("mem_allocated_bytes", "mem_reserved_bytes"),
+        right=True,
+    ),
+    Column("gpu", "gpu mem", 10, 5, _gpu, ("gpu_mem_used_bytes", "gpu_mem_total_bytes"), grow=6),
+    Column("seen", "seen", 5, 1, _seen, ("last_seen_s", "state"), right=True),
+)
+
+FINISHED_FIELDS = ("state", "exit_code")
+"""What ``finished`` reads: the table draws a finished rank's whole row dimmed."""
+
+
+def finished(row: Row) -> bool:
+    """A rank that exited cleanly (or with no code known)."""
+    return row.get("state") == "exited" and row.get("exit_code") in (None, 0)
+
+
+# ----------------------------------------------------------------------------- host cells
+
+
+def _group_host(row: Row, index: AlertIndex, width: int) -> Cell:
+    return row["host"], score_style(row["worst"])
+
+
+def _group_states(row: Row, index: AlertIndex, width: int) -> Cell:
+    worst = min(row["states"], key=state_score, default="running")
+    return state_summary(row["states"]), worst.replace("_", "-")
+
+
+def _group_steps(row: Row, index: AlertIndex, width: int) -> Cell:
+    low, high = row["step_min"], row["step_max"]
+    if low is None:
+        return NA, "dim"
+    return (str(low), None) if low == high else (f"{low}{DASH}{high}", "warning")
+
+
+def _group_ranks(row: Row, index: AlertIndex, width: int) -> Cell:
+    return str(row["count"]), None
+
+
+def _group_flagged(row: Row, index: AlertIndex, width: int) -> Cell:
+    return str(row["flagged"]) if row["flagged"] else "", "warning"
+
+
+def _group_step_time(row: Row, index: AlertIndex, width: int) -> Cell:
+    return seconds(row["step_time_max"]), None
+
+
+def _group_mem(row: Row, index: AlertIndex, width: int) -> Cell:
+    return human_bytes(row["mem_sum"]), None
+
+
+GROUP_COLUMNS: tuple[Column, ...] = (
+    Column("host", "host", 10, 0, _group_host, ("host", "worst")),
+    Column("ranks", "ranks", 5, 0, _group_ranks, ("count",), right=True),
+    Column("flagged", "flagged", 7, 1, _group_flagged, ("flagged",), right=True),
+    Column("states", "states", 18, 0, _group_states, ("states",), grow=20),
+    Column("steps", f"step min{DASH}max", 13, 0, _group_steps, ("step_min", "step_max")),
+    Column("step_time", "max step t", 10, 1, _group_step_time, ("step_time_max",), right=True),
+    Column("mem", "alloc sum", 9, 2, _group_mem, ("mem_sum",), right=True),
+)
+
+
+# ----------------------------------------------------------------------------- cache keys
+
+
+_ATOMS = frozenset({type(None), bool, int, float, str})
+
+
+def _frozen(value: Any) -> Hashable:
+    """``value`` as a hashable key that tells apart what draws differently: 1, 1.0 and True
+    (equal in Python), and dicts in another order (a cell may show them in order)."""
+    cls = value.__class__
+    if cls in _ATOMS:
+        return cls, value
+    if isinstance(value, dict):
+        values = tuple(value.values())
+        kinds = tuple(map(type, values))
+        if _ATOMS.issuperset(kinds):  # the usual dict: {"op": ..., "seq": ..., "since_s": ...}
+            return dict, tuple(value), values, kinds
+        return dict, tuple((k, _frozen(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return list, tuple(map(_frozen, value))
+    if isinstance(value, (set, frozenset)):
+        return set, frozenset(map(_frozen, value))
+    return cls, value
+
+
+def row_signature(
+    columns: Iterable[Column], extra: Iterable[str] = ()
+) -> Callable[[Row, AlertIndex], Hashable]:
+    """The cache key of a row drawn with ``columns``: every field and alert lookup their
+    cells declare (and the ``extra`` fields the table itself reads), nothing by hand."""
+    columns = list(columns)
+    fields = tuple(sorted({f for c in columns for f in c.fields} | set(extra)))
+    lookups = tuple(ALERT_LOOKUPS[name] for name in sorted({a for c in columns for a in c.alerts}))
+
+    def signature(row: Row, index: AlertIndex) -> Hashable:
+        values = tuple(map(row.get, fields))
+        kinds = tuple(map(type, values))
+        if not _ATOMS.issuperset(kinds):  # a dict or list: the types inside count too
+            values = tuple([v if v.__class__ in _ATOMS else _frozen(v) for v in values])
+        if not lookups:
+            return values, kinds
+        rank = row["rank"]
+        return values, kinds, tuple([_frozen(lookup(index, rank)) for lookup in lookups])
+
+    return signature
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def text_width(texts: Iterable[str], low: int = 4, high: int = 24) -> int:
+    """The widest of ``texts`` in cells, kept within ``low`` and ``high``."""
+    return max(low, min(high, max(map(cell_len, texts), default=low)))
+
+
+def fit_columns(
+    columns: Sequence[Column],
+    width: int,
+    skip: frozenset[str] = frozenset(),
+    widths: dict[str, int] | None = None,
+) -> list[tuple[Column, int]]:
+    """Columns that fit in ``width`` (by priority), in display order, with their widths.
+
+    Each column takes its width (or ``widths[key]``) plus one separator; leftover
+    room widens the columns that may grow, in display order.
+    """
+    widths = widths or {}
+    candidates = [c for c in columns if c.key not in skip]
+    chosen: set[str] = set()
+    used = 0
+    for column in sorted(candidates, key=lambda c: c.priority):
+        need = widths.get(column.key, column.width) + (1 if chosen else 0)
+        if used + need <= width or column.priority == 0:
+            chosen.add(column.key)
+            used += need
+    layout = [[c, widths.get(c.key, c.width)] for c in candidates if c.key in chosen]
+    spare = width - used
+    for item in layout:
+        if spare <= 0:
+            break
+        extra = min(item[0].grow, spare)
+        item[1] += extra
+        spare -= extra
+    return [(c, w) for c, w in layout]
