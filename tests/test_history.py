@@ -47,9 +47,12 @@ def test_a_straggler_that_becomes_stalled_is_one_escalation() -> None:
     changes = tracker.update([STALLED, NAN], T0 + 9, T0)
     assert [(c.event, c.alert.kind) for c in changes] == [("escalated", "stalled")]
     assert changes[0].previous == STRAGGLER
+    (cleared,) = [c for c in tracker.update([NAN], T0 + 15, T0) if c.event == "cleared"]
+    assert cleared.duration_s == 13.0  # up since the straggler was raised, at T0 + 2
+    tracker.update([STALLED, NAN], T0 + 16, T0)
     # a different rank's alert going away while another is raised stays two events
     other = Alert("silent", "error", (3,), (), "rank 3 fell silent", "look")
-    changes = tracker.update([other], T0 + 12, T0)
+    changes = tracker.update([other], T0 + 20, T0)
     assert sorted(c.event for c in changes) == ["cleared", "cleared", "raised"]
 
 

@@ -33,8 +33,8 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         "--record",
         metavar="FILE",
         default=None,
-        help="record the run here (default: ddpwatch-<script>-<time>.ddpw in the working "
-        "directory; ddpwatch report FILE reads it)",
+        help="record the run here (default: ddpwatch-<script>-<time>.ddpw in "
+        "$DDPWATCH_RECORD_DIR or the working directory; ddpwatch report FILE reads it)",
     )
     recording.add_argument("--no-record", action="store_true", help="do not record the run")
     add_notify(parser)

@@ -139,7 +139,8 @@ class AlertTracker:
                 stamped.append(_stamp(change, now, started, duration))
                 continue
             if change.previous is not None and change.previous.key != key:
-                self.since.pop(change.previous.key, None)
+                # straggler → stalled: one problem, up since the straggler was raised
+                self.since.setdefault(key, self.since.pop(change.previous.key, now))
             self.since.setdefault(key, now)
             stamped.append(_stamp(change, now, started, None))
         self.active = {alert.key: alert for alert in alerts}
