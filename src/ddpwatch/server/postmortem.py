@@ -19,7 +19,7 @@ from typing import Any
 from ddpwatch.protocol import ProtocolError, Sample, decode
 from ddpwatch.server.recording import RecordingError, RecordingReader
 from ddpwatch.server.replay import ReplayServer
-from ddpwatch.server.summary import summary_lines, verdict
+from ddpwatch.server.summary import run_duration, summary_lines, verdict
 
 SERIES_POINTS = 400  # per rank and metric: enough for a chart, small in JSON
 _COMPACT_AT = 8 * SERIES_POINTS  # series are thinned while read, so memory stays bounded
@@ -416,15 +416,8 @@ def fmt_seconds(value: float | None) -> str:
 
 
 def fmt_duration(value: float | None) -> str:
-    """``2.3 s``, ``4 min 12 s``, ``3 h 5 min``: how long a run took."""
-    if value is None:
-        return "—"
-    if value < 60:
-        return f"{value:.1f} s"
-    minutes, seconds = divmod(int(value), 60)
-    if minutes < 60:
-        return f"{minutes} min {seconds} s"
-    return f"{minutes // 60} h {minutes % 60} min"
+    """How long a run took, as the summary writes it; "—" when not known."""
+    return "—" if value is None else run_duration(value)
 
 
 def fmt_bytes(value: float | None) -> str:

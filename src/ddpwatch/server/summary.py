@@ -82,7 +82,7 @@ def _overview(document: dict[str, Any], ranks: list[dict[str, Any]]) -> str:
     now = document.get("server_time")
     parts = []
     if isinstance(started, (int, float)) and isinstance(now, (int, float)):
-        parts.append(f"ran {_duration(now - started)}")
+        parts.append(f"ran {run_duration(now - started)}")
     host_text = f" on {len(hosts)} host{'s' if len(hosts) != 1 else ''}" if hosts else ""
     parts.append(f"{len(seen)} rank{'s' if len(seen) != 1 else ''} seen{host_text}")
     world = document.get("world_size")
@@ -102,7 +102,7 @@ def _alert_line(entry: dict[str, Any], cleared: dict[tuple[str, tuple[int, ...]]
         line += f" (was {entry['from'].get('kind')})"
     up = cleared.get(key)
     if up is not None:
-        line += f", cleared after {_duration(up)}"
+        line += f", cleared after {run_duration(up)}"
     return line + f": {alert.get('message')}"
 
 
@@ -161,7 +161,8 @@ def _what(alert: dict[str, Any], rank: dict[str, Any]) -> str:
     return text + (f" at step {step}" if isinstance(step, int) else "")
 
 
-def _duration(seconds: float) -> str:
+def run_duration(seconds: float) -> str:
+    """How long a run took or an alert was up: "2.3 s", "4 min 12 s", "3 h 5 min"."""
     seconds = max(0.0, seconds)
     if seconds < 60:
         return f"{seconds:.1f} s"
