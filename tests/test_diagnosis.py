@@ -1021,3 +1021,13 @@ def test_a_rule_that_raises_loses_only_its_own_alerts(monkeypatch: pytest.Monkey
     assert kinds(rules.diagnose(state, NOW, TH)) == ["slow_rank"]
     assert kinds(rules.diagnose(state, NOW, TH)) == ["slow_rank"]
     assert rules.RULE_FAILURES == {"broken": 2}
+
+
+def test_step_skew_after_a_long_barrier_reads_the_fastest_rank() -> None:
+    """Benchmark rank0-checkpoint: rank 0 left a 25 s barrier first and ran 5 steps before
+    rank 2's next heartbeat; rank 2's last step time is the wait itself. Not a skew."""
+    state = job(3, step=21, step_time_s=25.0, avg_step_time_s=1.2)
+    state.ranks[0] = rank(0, 3, step=26, step_time_s=0.03, avg_step_time_s=1.2)
+    assert rule_step_skew(state, NOW, TH) == []
+    state.ranks[2] = rank(2, 3, step=21 - 60, step_time_s=0.03, avg_step_time_s=0.03)
+    assert kinds(rule_step_skew(state, NOW, TH)) == ["step_skew"]  # a real gap still shows

@@ -8,7 +8,7 @@ import statistics
 from collections import defaultdict
 
 from ddpwatch.server.alerts import Alert
-from ddpwatch.server.rules.facts import Facts, median
+from ddpwatch.server.rules.facts import Facts
 from ddpwatch.server.rules.registry import alert, rule
 from ddpwatch.server.rules.text import format_ranks, record_location, seconds, verb
 from ddpwatch.server.state import RankRecord
@@ -62,14 +62,17 @@ def rule_step_skew(f: Facts) -> list[Alert]:
         return []
     # Heartbeats sample steps at different moments: allow what the fastest plausible step
     # rate covers in one interval. The latest step time, not only the average, because an
-    # average still includes a pause the job has just recovered from.
+    # average still includes a pause the job has just recovered from; the fastest rank's, not
+    # the median, because right after a long barrier most ranks' last step is the wait itself
+    # while the first one out already runs at full speed (seen: rank 2, last heard at step
+    # 21, named 5 steps behind a rank 0 that had left a 25 s barrier first).
     times = [
-        t
-        for t in (
-            median(r.step_time_s for r in ranks),
-            median(r.avg_step_time_s for r in ranks),
+        min(values)
+        for values in (
+            [r.step_time_s for r in ranks if r.step_time_s],
+            [r.avg_step_time_s for r in ranks if r.avg_step_time_s],
         )
-        if t is not None
+        if values
     ]
     if not times:
         return []
