@@ -162,7 +162,7 @@ def decode(frame: bytes) -> AnyMessage:
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes is over {MAX_FRAME_BYTES}")
     try:
-        message = _decoder.decode(frame)
+        message: AnyMessage = _decoder.decode(frame)
     except _DECODE_ERRORS as exc:
         raise ProtocolError(f"{type(exc).__name__}: {exc}") from None
     if message.v != PROTOCOL_VERSION:

@@ -159,7 +159,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 class _CallbackLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any, callback: Callable[[ModuleType], None]) -> None:
+    def __init__(self, inner: importlib.abc.Loader, callback: Callable[[ModuleType], None]) -> None:
         self.inner = inner
         self.callback = callback
 

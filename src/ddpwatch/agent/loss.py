@@ -192,7 +192,7 @@ def _start_copy(device: Any, tensors: list[Any], indices: list[int]) -> tuple[li
     with torch.cuda.device(device):
         stacked = torch.stack([t.reshape(()) for t in tensors])
         host = stacked.to("cpu", non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record()
     return indices, host, event
 

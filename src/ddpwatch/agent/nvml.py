@@ -69,7 +69,7 @@ class Nvml:
         lib = self._lib
         if lib is None:
             try:
-                import pynvml as lib  # type: ignore[import-not-found,no-redef]
+                import pynvml as lib  # type: ignore[no-redef,unused-ignore]
             except Exception as exc:
                 log.debug("ddpwatch: NVML unavailable (nvidia-ml-py not importable: %s)", exc)
                 return "failed"

@@ -92,7 +92,7 @@ class Publisher:
         socket.setsockopt(zmq.IMMEDIATE, 1)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
-        monitor: zmq.Socket | None = None
+        monitor: zmq.Socket[bytes] | None = None
         try:
             # DDPWATCH_SERVER_KEY set: CurveZMQ; a bad key is logged once by _fault and the
             # agent publishes nothing (never in the clear, never raising into training)
@@ -114,7 +114,7 @@ class Publisher:
                 self._pending = 0
                 self._drained.notify_all()
 
-    def _loop(self, socket: zmq.Socket, monitor: zmq.Socket) -> None:
+    def _loop(self, socket: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
         next_beat = time.monotonic()
         while True:
             stopping = self._stop.is_set()
@@ -133,7 +133,7 @@ class Publisher:
             self._wake.wait(max(0.0, next_beat - time.monotonic()))
             self._wake.clear()
 
-    def _count_connections(self, monitor: zmq.Socket) -> None:
+    def _count_connections(self, monitor: zmq.Socket[bytes]) -> None:
         """Count the handshakes the socket monitor reported (one two-frame event each)."""
         while True:
             try:
@@ -142,7 +142,7 @@ class Publisher:
                 return
             self.connections += 1
 
-    def _drain(self, socket: zmq.Socket) -> None:
+    def _drain(self, socket: zmq.Socket[bytes]) -> None:
         """Send queued events; keep those no server took yet (they happen once, unlike beats)."""
         unsent: list[AnyMessage] = []
         while self._queue:
@@ -169,7 +169,7 @@ class Publisher:
             self._fault(exc)
             return []
 
-    def _send(self, socket: zmq.Socket, message: AnyMessage) -> bool:
+    def _send(self, socket: zmq.Socket[bytes], message: AnyMessage) -> bool:
         """One non-blocking send; False when no server is connected or it is not reading."""
         try:
             socket.send(encode(message), zmq.NOBLOCK, copy=True)

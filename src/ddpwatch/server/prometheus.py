@@ -94,6 +94,6 @@ class StatusCollector:
 def serve_metrics(status: Callable[[], dict[str, Any]], port: int, host: str = "127.0.0.1") -> Any:
     """Start the ``/metrics`` HTTP endpoint on a daemon thread; returns the HTTP server."""
     registry = CollectorRegistry()
-    registry.register(StatusCollector(status))  # type: ignore[arg-type]
+    registry.register(StatusCollector(status))
     server, _thread = start_http_server(port, addr=host, registry=registry)
     return server

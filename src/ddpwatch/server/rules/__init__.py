@@ -35,8 +35,9 @@ from ddpwatch.server.rules.progress import (
     rule_step_skew,
 )
 from ddpwatch.server.rules.registry import Rule
-from ddpwatch.server.rules.startup import STARTUP_PHASES, rule_not_connected, rule_startup_hang
+from ddpwatch.server.rules.startup import rule_not_connected, rule_startup_hang
 from ddpwatch.server.state import ServerState
+from ddpwatch.vocabulary import STARTUP_PHASES
 
 __all__ = [
     "RULES",

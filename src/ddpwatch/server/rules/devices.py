@@ -19,7 +19,7 @@ from ddpwatch.server.state import RankRecord
 _DUPLICATE_PAIR = re.compile(r"rank (\d+) and rank (\d+) both on CUDA device", re.IGNORECASE)
 
 
-def _device_key(record: RankRecord) -> tuple | None:
+def _device_key(record: RankRecord) -> tuple[object, ...] | None:
     """The physical GPU a rank uses, as far as can be told, or None for CPU ranks."""
     if not record.host:
         return None
@@ -44,7 +44,7 @@ def _physical_gpu(device: str, index: int | None, visible_devices: str | None) -
 
 
 def _duplicate_groups(live: Sequence[RankRecord]) -> list[list[RankRecord]]:
-    groups: dict[tuple, list[RankRecord]] = defaultdict(list)
+    groups: dict[tuple[object, ...], list[RankRecord]] = defaultdict(list)
     for r in live:
         if r.device_uuid or (r.device and r.device.startswith("cuda")):
             key = _device_key(r)

@@ -206,8 +206,8 @@ def _crash_key(error: ErrorInfo, signature: Signature | None) -> tuple[str, str]
 
 
 def _group(
-    roots: dict[tuple, Root],
-    key: tuple,
+    roots: dict[tuple[object, ...], Root],
+    key: tuple[object, ...],
     kind: str,
     record: RankRecord,
     t: float,
@@ -250,8 +250,8 @@ def find_cascade(facts: Facts) -> Cascade:
     ranks stopped by a signal from outside (the launcher's SIGTERM).
     """
     now, silent_after = facts.now, facts.th.silent
-    primary: dict[tuple, Root] = {}
-    timeouts: dict[tuple, Root] = {}
+    primary: dict[tuple[object, ...], Root] = {}
+    timeouts: dict[tuple[object, ...], Root] = {}
     silent: list[RankRecord] = []
     symptoms: list[RankRecord] = []
     stopped: list[RankRecord] = []
@@ -521,8 +521,8 @@ def find_mismatch(records: Sequence[RankRecord], now: float, settle: float) -> M
         sized = all(c.shape is not None for _, c in members) and not any(
             normal_op(c.op) in _SIZE_FREE_OPS for _, c in members
         )
-        calls: dict[tuple, list[RankRecord]] = defaultdict(list)
-        texts: dict[tuple, str] = {}
+        calls: dict[tuple[object, ...], list[RankRecord]] = defaultdict(list)
+        texts: dict[tuple[object, ...], str] = {}
         for r, c in members:
             numel = math.prod(c.shape) if sized and c.shape is not None else None
             signature = (normal_op(c.op), numel, c.dtype if sized else None)
