@@ -7,20 +7,42 @@
   integrations use only the agent's small public surface.
 * Every module of both packages imports on its own in a fresh interpreter (no import cycle
   held together by import order), without importing torch or any framework.
+* Rank states, severities, event kinds and alert kinds are defined once, in the vocabulary:
+  they match the documented contract, the agent and the rules name them through the
+  vocabulary, and every table keyed by one of them covers all of them.
+* Every CSS class the dashboard's code gives is styled, and every class styled is given.
+* ``RankRecord`` declares every protocol field the server keeps, and refuses any other.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
+from typing import Any, get_args
 
 import pytest
 from conftest import ROOT
 
 from ddpwatch.server.rules import STARTUP_PHASES
-from ddpwatch.vocabulary import PHASES, RUN_PHASES, Phase
+from ddpwatch.vocabulary import (
+    ALERT_KINDS,
+    EVENT_KINDS,
+    PHASES,
+    RANK_STATES,
+    RUN_PHASES,
+    SEVERITIES,
+    AlertKind,
+    EventKind,
+    Phase,
+    RankState,
+    Severity,
+    SeverityName,
+)
 
 SRC = ROOT / "src" / "ddpwatch"
 AGENT = sorted((SRC / "agent").glob("*.py"))
@@ -126,7 +148,7 @@ def test_integrations_use_only_the_agents_public_surface() -> None:
 @pytest.mark.parametrize(
     "module",
     [_module_name(path) for path in AGENT + INTEGRATIONS]
-    + ["ddpwatch.vocabulary", "ddpwatch.boot.sitecustomize"],
+    + ["ddpwatch.vocabulary", "ddpwatch.ranges", "ddpwatch.boot.sitecustomize"],
 )
 def test_each_module_imports_alone_without_a_framework(module: str) -> None:
     code = (
@@ -149,3 +171,367 @@ def test_the_vocabulary_imports_nothing_of_the_agent() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- contract names
+
+DOCS = ROOT / "docs"
+
+
+def _names(cls: type) -> list[str]:
+    """The values of a vocabulary class's constants, in the order it defines them."""
+    return [value for name, value in vars(cls).items() if name.isupper()]
+
+
+def _doc_table_keys(path: Path, heading: str) -> list[str]:
+    """The first column's backticked names of the table under ``heading`` in ``path``."""
+    text = path.read_text()
+    section = text[text.index(heading) :]
+    section = section[: section.find("\n#", 1) if "\n#" in section[1:] else len(section)]
+    return re.findall(r"^\| `([a-z_]+)` \|", section, re.M)
+
+
+def _doc_field_row(path: Path, field: str) -> list[str]:
+    """The backticked names in the row of ``field`` in a table of ``path``."""
+    row = next(line for line in path.read_text().splitlines() if line.startswith(f"| `{field}` |"))
+    return re.findall(r"`([a-z_]+)`", row)[1:]
+
+
+def test_each_vocabulary_tuple_lists_its_class_once() -> None:
+    for cls, every in [
+        (RankState, RANK_STATES),
+        (Severity, SEVERITIES),
+        (EventKind, EVENT_KINDS),
+        (AlertKind, ALERT_KINDS),
+    ]:
+        assert len(set(every)) == len(every), cls
+        assert set(every) == set(_names(cls)), cls
+        assert all(isinstance(n, str) and re.fullmatch(r"[a-z_]+", n) for n in every), cls
+    assert list(get_args(SeverityName)) == list(SEVERITIES)
+
+
+def test_the_vocabulary_matches_the_documented_contract() -> None:
+    """The wire and status strings are a contract (docs/status.md, docs/protocol.md): the
+    vocabulary spells each exactly as documented, in the documented order."""
+    status, protocol = DOCS / "status.md", DOCS / "protocol.md"
+    assert _doc_table_keys(status, "## Alert kinds") == list(ALERT_KINDS)
+    assert _doc_table_keys(protocol, "## `event`")[1:] == list(EVENT_KINDS)  # after the header
+    assert _doc_field_row(status, "severity") == list(SEVERITIES)
+    documented = _doc_field_row(status, "state")
+    assert set(RANK_STATES) <= set(documented)
+    assert set(documented) - set(RANK_STATES) <= {"exit_code"}  # "`exit_code` says how"
+    # byte-identical on the wire: what older agents send and older servers read
+    assert EVENT_KINDS == ("phase", "crash", "exit", "stack", "checkpoint", "log")
+
+
+def test_the_server_gives_every_rank_state_of_the_vocabulary() -> None:
+    from ddpwatch.protocol import Collective, ErrorInfo
+    from ddpwatch.server.alerts import Thresholds
+    from ddpwatch.server.rules import rank_state
+    from ddpwatch.server.state import RankRecord, ServerState
+    from ddpwatch.server.status import status_document
+
+    assert RANK_STATES[0] == RankState.CRASHED and RANK_STATES[-1] == RankState.EXITED
+    th = Thresholds()
+    seen = set()
+    for changes in [
+        {},
+        {"collective": Collective(op="all_reduce")},
+        {"step": 1, "last_progress": -100.0},
+        {"last_seen": -100.0},
+        {"error": ErrorInfo(type="RuntimeError")},
+        {"exit_time": 1.0, "exit_signal": "SIGTERM"},
+        {"exit_time": 1.0, "exit_code": 0},
+    ]:
+        record = RankRecord(**{"rank": 0, "first_seen": 0.0, "last_seen": 0.0, **changes})
+        seen.add(rank_state(record, 1.0, th, 10.0))
+    state = ServerState(started=0.0)
+    state.ranks[0] = RankRecord(rank=0, first_seen=0.0, last_seen=0.0, world_size=2)
+    document = status_document(state, [], 1.0, th)
+    seen.update(rank["state"] for rank in document["ranks"])
+    assert seen == set(RANK_STATES)
+
+
+def test_every_table_keyed_by_rank_state_covers_every_state() -> None:
+    from ddpwatch.server import prometheus
+    from ddpwatch.tui import detail, help, model
+
+    tables: dict[str, Any] = {
+        "model.STATE_SCORE": model.STATE_SCORE,
+        "model.SHORT_STATE": model.SHORT_STATE,
+        "model.STATE_WORST": model.STATE_WORST,
+        "detail.STATE_STYLE": detail.STATE_STYLE,
+        "help.STATES": [state for state, _, _ in help.STATES],
+        "prometheus.STATES": prometheus.STATES,
+    }
+    for name, table in tables.items():
+        assert len(table) == len(set(table)), name
+        assert set(table) == set(RANK_STATES), name
+    assert list(model.STATE_SCORE) == list(RANK_STATES)  # worst first
+    worst = [model.STATE_WORST[state] for state in RANK_STATES]
+    assert worst == sorted(worst)  # the culprit-and-state scale orders states the same way
+    assert set(model.STATE_TEXT) <= set(RANK_STATES)
+
+
+def test_the_help_names_the_states_worst_first() -> None:
+    from ddpwatch.tui import help
+    from ddpwatch.tui.model import state_text
+
+    words = re.findall(r"[a-z_]+", help.WORST_FIRST)
+    named = [w for w in words if w in {state_text(s) for s in RANK_STATES}]
+    assert named == [state_text(s) for s in RANK_STATES]
+
+
+def test_every_table_keyed_by_severity_covers_every_severity() -> None:
+    from ddpwatch.server import history, notify, rules
+    from ddpwatch.tui import header, model
+
+    for name, table in {
+        "model.CULPRIT_SCORE": model.CULPRIT_SCORE,
+        "header.SEVERITY_STYLE": header.SEVERITY_STYLE,
+        "header.SEVERITY_GLYPH": header.SEVERITY_GLYPH,
+        "history.SEVERITY_RANK": history.SEVERITY_RANK,
+        "notify.LEVELS": notify.LEVELS,
+        "rules._SEVERITY_ORDER": rules._SEVERITY_ORDER,
+    }.items():
+        assert set(table) == set(SEVERITIES), name
+    # one order everywhere: most severe first, or least severe first where it counts up
+    assert sorted(SEVERITIES, key=model.CULPRIT_SCORE.__getitem__) == list(SEVERITIES)
+    assert sorted(SEVERITIES, key=rules._SEVERITY_ORDER.__getitem__) == list(SEVERITIES)
+    assert sorted(SEVERITIES, key=history.SEVERITY_RANK.__getitem__) == list(SEVERITIES)[::-1]
+    assert list(notify.LEVELS) == list(SEVERITIES)[::-1]
+
+
+def _literal_args(path: Path, calls: dict[str, int | None]) -> Iterator[str]:
+    """``file:line: call(...)`` for each string literal given to one of ``calls`` as one of its
+    first N positional arguments (N: ``calls[name]``, None for all) or as ``event=``/``kind=``."""
+    for node in ast.walk(_tree(path)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if called not in calls:
+            continue
+        args = node.args[: calls[called]]
+        args += [k.value for k in node.keywords if k.arg in ("event", "kind", "severity")]
+        for arg in args:
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                yield f"{path.name}:{node.lineno}: {called}({arg.value!r})"
+
+
+def _vocabulary_names(path: Path, cls: type) -> set[str]:
+    """The values ``path`` names as ``cls.NAME``."""
+    return {
+        getattr(cls, node.attr)
+        for node in ast.walk(_tree(path))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == cls.__name__
+    }
+
+
+def test_rules_name_their_kinds_and_severities_through_the_vocabulary() -> None:
+    from ddpwatch.server.alerts import KINDS
+    from ddpwatch.server.rules import RULES
+
+    rules = sorted((SRC / "server" / "rules").glob("*.py"))
+    literals = [hit for path in rules for hit in _literal_args(path, {"rule": None, "alert": 2})]
+    assert literals == [], "name alert kinds and severities with AlertKind and Severity"
+    assert KINDS is ALERT_KINDS
+    declared = {kind for rule in RULES for kind in rule.kinds}
+    assert declared == set(ALERT_KINDS)  # every kind has a rule that may raise it
+    raised = set().union(*(_vocabulary_names(path, AlertKind) for path in rules))
+    assert raised == set(ALERT_KINDS)
+
+
+def test_the_agent_sends_only_event_kinds_of_the_vocabulary() -> None:
+    senders = [*AGENT, SRC / "demo" / "simulate.py"]
+    literals = [hit for path in senders for hit in _literal_args(path, {"_event": 1, "Event": 0})]
+    assert literals == [], "name event kinds with ddpwatch.vocabulary.EventKind"
+    sent = set().union(*(_vocabulary_names(path, EventKind) for path in AGENT))
+    assert sent == set(EVENT_KINDS)  # the agent sends every kind the protocol documents
+    read = _vocabulary_names(SRC / "server" / "state.py", EventKind)
+    assert read and read <= set(EVENT_KINDS)
+    # the server compares kinds only with the vocabulary's names
+    compared = [
+        node.lineno
+        for node in ast.walk(_tree(SRC / "server" / "state.py"))
+        if isinstance(node, ast.Compare)
+        and isinstance(node.left, ast.Name)
+        and node.left.id == "kind"
+        and any(isinstance(c, ast.Constant) for c in node.comparators)
+    ]
+    assert compared == []
+
+
+# ----------------------------------------------------------------------------- CSS classes
+
+
+def _classes_styled(css: str, prefix: str) -> set[str]:
+    """Every class starting with ``prefix`` that the CSS text styles (comments removed)."""
+    css = re.sub(r"/\*.*?\*/", "", css, flags=re.S)
+    return set(re.findall(rf"\.({re.escape(prefix)}[A-Za-z0-9_-]*)", css))
+
+
+def _status_rows() -> Iterator[dict[str, Any]]:
+    """Rank rows in every state, with and without exit codes, from the fixture documents."""
+    from tui_fixtures import document
+
+    for tick in (0, 6, 40):
+        yield from document(tick)["ranks"]
+    base = document(0)["ranks"][0]
+    for state in [*RANK_STATES, None]:
+        for code in (None, 0, 3):
+            yield {**base, "state": state, "exit_code": code}
+
+
+def test_every_css_class_the_rank_table_gives_is_styled() -> None:
+    from ddpwatch.tui.columns import (
+        CELL_STYLES,
+        GROUP_COLUMNS,
+        RANK_COLUMNS,
+        state_style,
+        style_class,
+    )
+    from ddpwatch.tui.model import group_by_host, index_alerts
+    from ddpwatch.tui.rank_table import RankTable
+
+    styled = _classes_styled(RankTable.DEFAULT_CSS, "rank-table--")
+    assert styled == RankTable.COMPONENT_CLASSES  # each class declared is styled, and back
+    assert {style_class(state_style(s)) for s in RANK_STATES} <= RankTable.COMPONENT_CLASSES
+    assert {style_class(name) for name in CELL_STYLES} <= RankTable.COMPONENT_CLASSES
+    # every style a cell gives, over rows in every state, is one of CELL_STYLES
+    from tui_fixtures import document
+
+    index = index_alerts(document(6)["alerts"])
+    rows = list(_status_rows())
+    given: set[str] = set()
+    for columns, table in [(RANK_COLUMNS, rows), (GROUP_COLUMNS, group_by_host(rows, index))]:
+        for row in table:
+            for column in columns:
+                text, style = column.cell(row, index, column.width)
+                if isinstance(text, list):  # spans of several styles
+                    given.update(name for _, name in text if name is not None)
+                if style is not None:
+                    given.add(style)
+    assert given <= CELL_STYLES
+    assert {state_style(s) for s in RANK_STATES} <= given  # the scan saw every state's style
+
+
+def test_every_screen_class_the_code_sets_is_styled() -> None:
+    """The dashboard's screen classes (``-detail``, ``-narrow``...) set in code and styled in
+    ``dashboard.tcss`` are the same set."""
+    given: set[str] = set()
+    for path in sorted((SRC / "tui").glob("*.py")):
+        for node in ast.walk(_tree(path)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in {"set_class", "add_class", "remove_class", "toggle_class"}
+            ):
+                given.update(
+                    arg.value
+                    for arg in node.args
+                    if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+                )
+    assert given, "the scan found no class the screen sets"
+    styled = _classes_styled((SRC / "tui" / "dashboard.tcss").read_text(), "-")
+    assert given == styled
+
+
+# ----------------------------------------------------------------------------- the rank record
+
+
+def test_the_rank_record_declares_every_protocol_field_it_keeps() -> None:
+    from ddpwatch.protocol import Hello, Sample
+    from ddpwatch.server.state import STORED_FIELDS, RankRecord
+
+    declared = {f.name for f in fields(RankRecord)}
+    wire = set(Hello.__struct_fields__) | set(Sample.__struct_fields__)
+    assert set(STORED_FIELDS) == wire - {"v", "t"}
+    assert set(STORED_FIELDS) <= declared
+
+
+def test_the_rank_record_refuses_a_field_it_does_not_declare() -> None:
+    from ddpwatch.server.state import RankRecord
+
+    with pytest.raises(TypeError):
+        RankRecord(rank=0, first_seen=0.0, last_seen=0.0, bogus=1)  # type: ignore[call-arg]
+    record = RankRecord(rank=0, first_seen=0.0, last_seen=0.0)
+    with pytest.raises(AttributeError):
+        record.bogus = 1  # type: ignore[attr-defined]
+    assert not hasattr(record, "__dict__")
+
+
+def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
+    from ddpwatch.protocol import Collective, CollectiveCounts, Hello, Sample
+    from ddpwatch.server.state import STORED_FIELDS, ServerState
+
+    identity: dict[str, Any] = {
+        "local_rank": 1,
+        "world_size": 4,
+        "local_world_size": 2,
+        "node_rank": 0,
+        "host": "node-a",
+        "pid": 4242,
+        "launcher": "torchrun",
+        "job_id": "j1",
+        "backend": "nccl",
+        "torch_version": "2.4.0",
+        "cuda_visible_devices": "0,1",
+        "device": "cuda:1",
+        "device_index": 1,
+        "device_name": "H100",
+        "device_uuid": "GPU-1",
+        "device_pci_bus_id": "0000:01:00.0",
+        "device_count": 2,
+        "pg_timeout_s": 600.0,
+        "simulated": True,
+    }
+    measured: dict[str, Any] = {
+        "phase": "forward",
+        "step": 7,
+        "loss": 1.5,
+        "step_time_s": 0.2,
+        "avg_step_time_s": 0.25,
+        "data_wait_s": 0.01,
+        "collective_time_s": 0.03,
+        "collective": Collective(op="all_reduce", seq=3, since_s=0.5, source="py"),
+        "collectives": CollectiveCounts(py=3),
+        "nan_step": 6,
+        "forwards": 8,
+        "mem_allocated_bytes": 1,
+        "mem_reserved_bytes": 2,
+        "mem_peak_bytes": 3,
+        "gpu_mem_used_bytes": 4,
+        "gpu_mem_total_bytes": 5,
+        "gpu_pids": [4242],
+    }
+    # a new wire field fails here until this test (and the record) know it
+    assert set(identity) | set(measured) | {"rank"} == set(STORED_FIELDS)
+    state = ServerState(started=0.0)
+    state.apply(Hello(v=1, rank=1, t=0.0, **identity), 1.0)
+    record = state.ranks[1]
+    assert {name: getattr(record, name) for name in identity} == identity
+    state.apply(Sample(v=1, rank=1, t=0.0, **identity, **measured), 2.0)
+    record = state.ranks[1]
+    expected = {**identity, **measured, "rank": 1}
+    assert {name: getattr(record, name) for name in STORED_FIELDS} == expected
+
+
+# ----------------------------------------------------------------------------- rank lists
+
+
+def test_rank_lists_are_written_by_one_algorithm() -> None:
+    from ddpwatch import ranges
+    from ddpwatch.server.rules.text import format_ranks
+    from ddpwatch.tui import fmt
+
+    assert fmt.rank_ranges is ranges.rank_ranges
+    assert _imports(SRC / "ranges.py") == set()  # shared: the server and the views use it
+    assert format_ranks([0, 1, 2, 3, 7, 9, 10]) == "ranks 0-3, 7, 9, 10"
+    assert fmt.rank_ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3,7,9-10"
+    assert format_ranks(range(0, 40, 2), limit=3) == "ranks 0, 2, 4 and 17 more"
+    assert fmt.rank_ranges(range(0, 40, 2), limit=3) == "0,2,4 +17"
+    with pytest.raises(ValueError):
+        ranges.rank_ranges([1], min_run=1)

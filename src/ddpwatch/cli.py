@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Protocol
 
 from ddpwatch import __version__
 from ddpwatch.client import fetch_status
@@ -17,6 +18,7 @@ from ddpwatch.commands import (
     demo,
     doctor,
     keygen,
+    relay,
     replay,
     report,
     run,
@@ -25,12 +27,36 @@ from ddpwatch.commands import (
     top,
     web,
 )
+from ddpwatch.commands._args import Subparsers
 from ddpwatch.commands.status import format_status
 
 __all__ = ["COMMANDS", "build_parser", "fetch_status", "format_status", "main"]
 
+
+class Command(Protocol):
+    """What each module of ``ddpwatch/commands/`` provides."""
+
+    NAME: str
+
+    def add_parser(self, subparsers: Subparsers) -> argparse.ArgumentParser: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
 # in the order ``ddpwatch --help`` lists them
-COMMANDS = (serve, status, top, web, run, demo, keygen, replay, report, doctor)
+COMMANDS: tuple[Command, ...] = (
+    serve,
+    status,
+    top,
+    web,
+    run,
+    relay,
+    demo,
+    keygen,
+    replay,
+    report,
+    doctor,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from ddpwatch.protocol import DEFAULT_PORT
+
+if TYPE_CHECKING:
+    import zmq
 
 _decoder = msgspec.json.Decoder()
 
@@ -42,7 +45,7 @@ class StatusClient:
         self.host, self.port, self.timeout = host, port, timeout
         self._environ = environ
         self._context = zmq.Context()
-        self._sock: Any = None
+        self._sock: zmq.Socket[bytes] | None = None
         self._lock = threading.Lock()  # a request (worker thread) against close (UI thread)
         self._closed = False
 
@@ -50,7 +53,7 @@ class StatusClient:
     def endpoint(self) -> str:
         return f"tcp://{self.host}:{self.port + 1}"
 
-    def _socket(self) -> Any:
+    def _socket(self) -> zmq.Socket[bytes]:
         if self._sock is None:
             zmq = self._zmq
             from ddpwatch.security import apply_client_curve

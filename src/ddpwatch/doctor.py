@@ -38,6 +38,7 @@ from ddpwatch.security import (
     is_loopback,
     load_key_file,
 )
+from ddpwatch.vocabulary import RankState
 
 Status = Literal["ok", "warn", "fail", "skip"]
 MARKS: dict[str, str] = {"ok": "✔", "fail": "✖", "warn": "⚠", "skip": "\u2013"}  # en dash
@@ -122,7 +123,7 @@ def probe_torch() -> TorchInfo:
         gpus = int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
         distributed = bool(dist.is_available())
         nccl = distributed and bool(dist.is_nccl_available())
-        raw = torch.cuda.nccl.version() if nccl and gpus else None
+        raw = torch.cuda.nccl.version() if nccl and gpus else None  # type: ignore[no-untyped-call]
         nccl_version = ".".join(map(str, raw)) if isinstance(raw, tuple) else raw
         return TorchInfo(
             version=version,
@@ -362,9 +363,9 @@ def _gpu_job(s: Setup) -> bool:
 
 def check_nvml(s: Setup) -> Check:
     """NVML answers: what the agent reads device UUIDs, memory and processes from."""
-    missing = "warn" if _gpu_job(s) else "skip"
+    missing: Status = "warn" if _gpu_job(s) else "skip"
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
     except Exception as exc:
         return Check(
             "NVML",
@@ -479,7 +480,7 @@ def check_cuda_visible_devices(s: Setup) -> Check:
         )
     count = len(parsed)
     listed = f"{raw!r} hides every GPU" if count == 0 else f"{raw} lists {_plural(count, 'GPU')}"
-    too_few = "fail" if s.backend == "nccl" else "warn"
+    too_few: Status = "fail" if s.backend == "nccl" else "warn"
     if s.nproc is not None and count < s.nproc and (count or s.backend == "nccl"):
         example = ",".join(str(i) for i in range(s.nproc)) if s.nproc <= 8 else "0,1,...,N-1"
         ranks = _plural(s.nproc, "rank")
@@ -525,7 +526,7 @@ def check_local_rank(s: Setup) -> Check:
             "not set here: the launcher sets it in each rank",
             "to check a rank's view, run doctor as one (srun ddpwatch doctor, or under mpirun)",
         )
-    bad = "fail" if s.backend == "nccl" else "warn"
+    bad: Status = "fail" if s.backend == "nccl" else "warn"
     if s.nproc is not None and local >= s.nproc:
         return Check(
             "LOCAL_RANK",
@@ -659,7 +660,7 @@ def check_curve(s: Setup) -> Check:
 
 def _ranks_seen(document: Mapping[str, Any]) -> str:
     ranks = document.get("ranks") or []
-    connected = sum(1 for r in ranks if r.get("state") != "not_connected")
+    connected = sum(1 for r in ranks if r.get("state") != RankState.NOT_CONNECTED)
     world = document.get("world_size")
     if world is not None:
         return f"{connected} of {_plural(world, 'rank')} connected"
@@ -683,7 +684,7 @@ def _server_fix(s: Setup, host: str, port: int) -> str:
 def check_server(s: Setup) -> Check:
     """The ddpwatch server the ranks will report to answers its status query (port + 1)."""
     host, port = _host_port(s.server)
-    bad = "fail" if s.server_explicit else "warn"
+    bad: Status = "fail" if s.server_explicit else "warn"
     if port is None or not 0 < port < 65535:
         return Check(
             "server",

@@ -12,9 +12,11 @@ import os
 from collections.abc import Mapping
 from typing import TextIO
 
+from ddpwatch.vocabulary import Severity
+
 MARK = "▶"
 ASCII_MARK = ">>"  # where the stream cannot encode the mark (LANG=C with an ASCII stderr)
-SGR = {"error": "1;31", "warning": "1;33"}  # bold red, bold yellow; anything else: bold
+SGR = {Severity.ERROR: "1;31", Severity.WARNING: "1;33"}  # bold red, bold yellow; else bold
 RESET = "\x1b[0m"
 
 

@@ -2,7 +2,9 @@
 
 The ranks load ``ddpwatch/boot/sitecustomize.py`` through ``PYTHONPATH`` (see
 ``agent/auto.py`` for which processes count as ranks). Without ``--addr`` a
-collector runs here and prints each alert as it is raised and cleared.
+collector runs here and prints each alert as it is raised and cleared. With ``--addr`` (a
+server elsewhere, one ``run`` per node) a relay runs here and batches this node's ranks
+(``relay.py``), unless the node already has one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ddpwatch.emphasis import emphasize_for, mark_for
 from ddpwatch.jobs import stop_job
 from ddpwatch.ports import pick_port
 from ddpwatch.protocol import DEFAULT_PORT
+from ddpwatch.relay import RELAY_ENV, Relay, RelayError, find_relay
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.history import describe
 from ddpwatch.server.notify import Notifier, chain
@@ -54,38 +57,32 @@ def run_command(
     bell: bool = True,
     preferred_port: int = DEFAULT_PORT,
     record: str | None = None,
+    relay: bool = True,
 ) -> int:
     """Run ``command`` watched; returns its exit code. ``notify`` gets the local collector's
     alerts (closed at the end, after the final diagnosis); ``bell``: the dashboard's, on errors.
     ``preferred_port``: the local collector's, when it and the next are free. ``record``: the
-    local collector records the run there (``ddpwatch report`` reads it)."""
+    local collector records the run there (``ddpwatch report`` reads it). ``relay``: with
+    ``addr``, batch this node's ranks through a relay (``relay.py``)."""
     if not command:
         print(
             "ddpwatch run: give the command after --, e.g. ddpwatch run -- torchrun train.py",
             file=sys.stderr,
         )
         return 2
-    server = None
-    if addr is None:
-        port = pick_port(preferred_port)
-        addr = f"127.0.0.1:{port}"
-        on_change = chain(None if tui else _print_change, notify)
-        server = _local_server(port, on_change, record)
+    if addr is not None:
+        if not tui:
+            print(_banner(command, addr, False, preferred_port), file=sys.stderr)
+        return _run_with_remote_server(command, addr, relay)
+    port = pick_port(preferred_port)
+    addr = f"127.0.0.1:{port}"
+    server = _local_server(port, chain(None if tui else _print_change, notify), record)
     if not tui:
-        print(_banner(command, addr, server is not None, preferred_port), file=sys.stderr)
-    output, log_path = _job_log() if tui and server is not None else (None, "")
-    try:
-        job = subprocess.Popen(
-            list(command),
-            env=job_environment(addr),
-            stdout=output,
-            stderr=subprocess.STDOUT if output else None,
-        )
-    except OSError as exc:
-        print(f"ddpwatch run: cannot start {command[0]}: {exc.strerror}", file=sys.stderr)
+        print(_banner(command, addr, True, preferred_port), file=sys.stderr)
+    output, log_path = _job_log() if tui else (None, "")
+    job = _start(command, job_environment(addr), output)
+    if job is None:
         return 127
-    if server is None:
-        return _wait(job)
     if output is not None:
         output.close()  # the job holds its own copy
         try:
@@ -104,6 +101,34 @@ def run_command(
         print_summary(server.status(), sys.stderr)
         if notify is not None:
             notify.close()  # the final alerts still go out (a few seconds at most)
+
+
+def _run_with_remote_server(command: Sequence[str], addr: str, relay: bool) -> int:
+    """The job's ranks report to the server at ``addr``, through this node's relay."""
+    env = job_environment(addr)
+    node_relay = _start_relay(addr, env) if relay else None
+    try:
+        job = _start(command, env, None)
+        return 127 if job is None else _wait(job)
+    finally:
+        if node_relay is not None:
+            node_relay.stop()  # what the ranks sent last still goes out
+
+
+def _start(
+    command: Sequence[str], env: dict[str, str], output: IO[bytes] | None
+) -> subprocess.Popen[bytes] | None:
+    """The job's process, or None (said in one line) when it cannot start."""
+    try:
+        return subprocess.Popen(
+            list(command),
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT if output else None,
+        )
+    except OSError as exc:
+        print(f"ddpwatch run: cannot start {command[0]}: {exc.strerror}", file=sys.stderr)
+        return None
 
 
 def default_recording(command: Sequence[str], now: float | None = None) -> str:
@@ -165,6 +190,26 @@ def _banner(command: Sequence[str], addr: str, local: bool, preferred_port: int)
 def _print_change(change: AlertChange) -> None:
     severity = None if change.event == "cleared" else change.alert.severity
     print(emphasize_for(sys.stderr, describe(change), severity), file=sys.stderr, flush=True)
+
+
+def _start_relay(addr: str, env: dict[str, str]) -> Relay | None:
+    """This node's relay to the server at ``addr``, on a thread, unless the node already has
+    one (the job's ranks find that one) or ``$DDPWATCH_RELAY`` says otherwise. A relay that
+    cannot start is one line: the ranks then send to the server directly."""
+    from ddpwatch.agent.watcher import resolve_endpoint
+
+    if env.get(RELAY_ENV):
+        return None  # the user chose: a relay of their own, or "off"
+    upstream = resolve_endpoint(addr)
+    if find_relay(upstream, env) is not None:
+        return None
+    try:
+        node_relay = Relay(upstream).start()
+    except RelayError as exc:
+        print(f"ddpwatch run: no relay ({exc}); ranks send to {addr} directly", file=sys.stderr)
+        return None
+    env[RELAY_ENV] = node_relay.listen
+    return node_relay
 
 
 def _wait(job: subprocess.Popen[bytes]) -> int:

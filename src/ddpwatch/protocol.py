@@ -142,6 +142,32 @@ class Event(Message, tag="event"):
 
 AnyMessage = Hello | Sample | Event
 
+MAX_BATCH_FRAMES = 65_536
+
+
+class Batch(msgspec.Struct, tag="batch", tag_field="type", kw_only=True, omit_defaults=True):
+    """A per-node relay's frame: its ranks' frames since its last beat, in arrival order.
+
+    ``frames`` are whole version-1 messages, each validated (and counted, and recorded) by
+    the server as if it had come alone; a batch inside a batch is rejected. The relay sends
+    one every beat, empty or not: it is also the relay's heartbeat.
+    """
+
+    v: int
+    relay: str  # "host:pid" of the relay process: the same relay across its batches
+    t: float
+    host: str | None = None
+    seq: NonNegInt = 0  # batches sent by this relay so far (a gap: batches lost on the way)
+    frames: Annotated[list[bytes], msgspec.Meta(max_length=MAX_BATCH_FRAMES)] = []
+    ages_us: Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_BATCH_FRAMES)] = []
+    """How long each frame waited in the relay, in microseconds (the server dates each frame
+    by its arrival at the relay, so ranks' messages of one batch keep their order in time)."""
+    rejected: NonNegInt = 0  # frames the relay took in that were not valid messages
+    dropped: NonNegInt = 0  # frames the relay could not forward (the server away too long)
+
+
+WireMessage = Hello | Sample | Event | Batch
+
 
 class ProtocolError(ValueError):
     """A frame that is not a valid version-1 message."""
@@ -150,9 +176,10 @@ class ProtocolError(ValueError):
 _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)
+_wire_decoder = msgspec.msgpack.Decoder(WireMessage)
 
 
-def encode(message: AnyMessage) -> bytes:
+def encode(message: AnyMessage | Batch) -> bytes:
     """Encode one message as a single MessagePack frame."""
     return _encoder.encode(message)
 
@@ -163,6 +190,19 @@ def decode(frame: bytes) -> AnyMessage:
         raise ProtocolError(f"frame of {len(frame)} bytes is over {MAX_FRAME_BYTES}")
     try:
         message: AnyMessage = _decoder.decode(frame)
+    except _DECODE_ERRORS as exc:
+        raise ProtocolError(f"{type(exc).__name__}: {exc}") from None
+    if message.v != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {message.v} is not {PROTOCOL_VERSION}")
+    return message
+
+
+def decode_wire(frame: bytes) -> WireMessage:
+    """Decode a frame off the server's socket: a rank's message or a relay's batch."""
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes is over {MAX_FRAME_BYTES}")
+    try:
+        message: WireMessage = _wire_decoder.decode(frame)
     except _DECODE_ERRORS as exc:
         raise ProtocolError(f"{type(exc).__name__}: {exc}") from None
     if message.v != PROTOCOL_VERSION:

@@ -1,13 +1,22 @@
-"""Names the agent, the integrations and the server share: the phases a rank reports.
+"""Names the agent, the integrations, the server and the views share: strings that are
+contracts between modules, defined once here and imported everywhere they are used.
+
+* ``Phase``: the phases a rank reports (``STARTUP_PHASES`` in order, ``RUN_PHASES``).
+* ``RankState``: the one word the server gives a rank, ``RANK_STATES`` worst first.
+* ``Severity``: an alert's severity, ``SEVERITIES`` most severe first.
+* ``EventKind``: the kinds of protocol events the agent sends and the server reads.
+* ``AlertKind``: the kinds of alerts diagnosis may raise.
 
 Importable anywhere (the server included): no torch, no third-party package. The agent and
 the integrations set only these phases (a user's ``ddpwatch.phase(name)`` may set any);
-``tests/test_vocabulary.py`` checks that each one they can set is known to the server.
+``tests/test_vocabulary.py`` checks that each one they can set is known to the server, that
+the agent sends only these event kinds, and that each table keyed by one of these names
+covers every name.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Literal
 
 
 class Phase:
@@ -72,3 +81,117 @@ RUN_PHASES: Final = (
 
 PHASES: Final = frozenset(STARTUP_PHASES + RUN_PHASES)
 """Every phase the agent and the integrations may set."""
+
+
+class RankState:
+    """The one word the server gives each rank (the status document's ``state``).
+
+    Diagnosis works it out (``server.rules.facts.rank_state``; ``not_connected`` for a rank
+    below the world size that never reported); the views, the summary and Prometheus read it.
+    """
+
+    RUNNING: Final = "running"
+    WAITING: Final = "waiting"  # inside a collective
+    STALLED: Final = "stalled"  # no progress for the stall threshold
+    SILENT: Final = "silent"  # no heartbeat
+    CRASHED: Final = "crashed"  # raised an exception
+    STOPPED: Final = "stopped"  # ended by SIGTERM/SIGINT/SIGHUP from outside
+    EXITED: Final = "exited"  # ended on its own (``exit_code`` says how)
+    NOT_CONNECTED: Final = "not_connected"  # below the world size, never reported
+
+
+RANK_STATES: Final = (
+    RankState.CRASHED,
+    RankState.SILENT,
+    RankState.STALLED,
+    RankState.NOT_CONNECTED,
+    RankState.WAITING,
+    RankState.RUNNING,
+    RankState.STOPPED,
+    RankState.EXITED,
+)
+"""Every rank state, worst first: the dashboard's order (``tui.model.STATE_SCORE``)."""
+
+SeverityName = Literal["error", "warning", "info"]
+"""The type of an alert's ``severity``: one of ``SEVERITIES``."""
+
+
+class Severity:
+    """An alert's severity. No rule raises ``info`` today; the contract and the views allow it."""
+
+    ERROR: Final = "error"
+    WARNING: Final = "warning"
+    INFO: Final = "info"
+
+
+SEVERITIES: Final[tuple[SeverityName, ...]] = (Severity.ERROR, Severity.WARNING, Severity.INFO)
+"""Every severity, most severe first (how ``diagnose`` orders alerts)."""
+
+
+class EventKind:
+    """The ``event`` of a protocol ``Event`` (``docs/protocol.md``): what the agent sends, what
+    the server reads. The wire leaves kinds open: the server ignores a kind it does not know."""
+
+    PHASE: Final = "phase"  # entered a new phase
+    CRASH: Final = "crash"  # dying of an exception
+    EXIT: Final = "exit"  # the process is ending
+    STACK: Final = "stack"  # the current Python stack, captured when it stalls
+    CHECKPOINT: Final = "checkpoint"  # wrote a checkpoint to ``path``
+    LOG: Final = "log"  # lines the rank printed
+
+
+EVENT_KINDS: Final = (
+    EventKind.PHASE,
+    EventKind.CRASH,
+    EventKind.EXIT,
+    EventKind.STACK,
+    EventKind.CHECKPOINT,
+    EventKind.LOG,
+)
+"""Every event kind the agent sends, in ``docs/protocol.md``'s order."""
+
+
+class AlertKind:
+    """An alert's ``kind`` (``docs/status.md``, "Alert kinds"): what diagnosis may raise."""
+
+    STRAGGLER: Final = "straggler"
+    STALLED: Final = "stalled"
+    SILENT: Final = "silent"
+    CRASHED: Final = "crashed"
+    EXITED: Final = "exited"
+    NOT_CONNECTED: Final = "not_connected"
+    STARTUP_HANG: Final = "startup_hang"
+    DUPLICATE_DEVICE: Final = "duplicate_device"
+    DEVICE_ORDINAL: Final = "device_ordinal"
+    LOCAL_RANK_MISMATCH: Final = "local_rank_mismatch"
+    UNEVEN_MEMORY: Final = "uneven_memory"
+    FOREIGN_MEMORY: Final = "foreign_memory"
+    STEP_SKEW: Final = "step_skew"
+    COLLECTIVE_MISMATCH: Final = "collective_mismatch"
+    NAN_LOSS: Final = "nan_loss"
+    CHECKPOINT_CONFLICT: Final = "checkpoint_conflict"
+    SLOW_RANK: Final = "slow_rank"
+    RELAY_LOST: Final = "relay_lost"
+
+
+ALERT_KINDS: Final = (
+    AlertKind.STRAGGLER,
+    AlertKind.STALLED,
+    AlertKind.SILENT,
+    AlertKind.CRASHED,
+    AlertKind.EXITED,
+    AlertKind.NOT_CONNECTED,
+    AlertKind.STARTUP_HANG,
+    AlertKind.DUPLICATE_DEVICE,
+    AlertKind.DEVICE_ORDINAL,
+    AlertKind.LOCAL_RANK_MISMATCH,
+    AlertKind.UNEVEN_MEMORY,
+    AlertKind.FOREIGN_MEMORY,
+    AlertKind.STEP_SKEW,
+    AlertKind.COLLECTIVE_MISMATCH,
+    AlertKind.NAN_LOSS,
+    AlertKind.CHECKPOINT_CONFLICT,
+    AlertKind.SLOW_RANK,
+    AlertKind.RELAY_LOST,
+)
+"""Every alert kind, in ``docs/status.md``'s order: a rule declaring another fails at import."""

@@ -134,13 +134,7 @@ class LossReader:
 
     def _take(self) -> _Batch | None:
         """Empty the ring: read what is on the host, start the copies of what is not."""
-        pending = self._pending
-        entries: list[tuple[int | None, Any]] = []
-        while True:
-            try:
-                entries.append(pending.popleft())
-            except IndexError:
-                break
+        entries = _drain(self._pending)
         if not entries:
             return None  # a drop seen now still marks the next batch
         dropped = self.dropped
@@ -183,6 +177,17 @@ class LossReader:
                 else:
                     self.nan_step = step
             gap = False
+
+
+def _drain(pending: deque[tuple[int | None, Any]]) -> list[tuple[int | None, Any]]:
+    """Pop every entry of ``pending``, oldest first, one at a time: the training thread may
+    append meanwhile (``popleft`` is atomic; copying then clearing could lose an entry)."""
+    entries = []
+    while True:
+        try:
+            entries.append(pending.popleft())
+        except IndexError:
+            return entries
 
 
 def _start_copy(device: Any, tensors: list[Any], indices: list[int]) -> tuple[list[int], Any, Any]:

@@ -5,6 +5,9 @@ when full). Sends are non-blocking; with ``IMMEDIATE`` set nothing queues in
 ZeroMQ while no server is connected: heartbeats are dropped (the next one
 repeats them), events wait in the deque for a server, and a rank with no
 server exits without waiting on the network.
+
+Where this node runs a relay (``ddpwatch/relay.py``), the rank sends to it instead; a relay
+that is not connected for ``FALLBACK_S`` (it died, or never came) is left for the server.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from collections import deque
 from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from ddpwatch.protocol import AnyMessage, Event, encode
+from ddpwatch.relay import find_relay
 from ddpwatch.security import apply_client_curve
 
 log = logging.getLogger("ddpwatch")
@@ -27,6 +32,8 @@ QUEUE_LEN = 1000
 SEND_HWM = 1000
 LINGER_MS = 1000
 RECONNECT_MAX_MS = 500  # a restarted server has every rank back within a heartbeat or two
+FALLBACK_S = 1.0  # a relay not connected this long: send to the server directly
+_WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 class Publisher:
@@ -37,8 +44,13 @@ class Publisher:
         endpoint: str,
         interval: float,
         heartbeat: Callable[[], list[AnyMessage]],
+        *,
+        use_relay: bool = True,
     ) -> None:
         self.endpoint = endpoint
+        self.use_relay = use_relay
+        self.relay: str | None = None
+        """The node's relay this rank sends to; None once it sends to the server directly."""
         self.interval = interval
         self.sent = 0
         self.dropped = 0
@@ -51,6 +63,10 @@ class Publisher:
         self._drained = threading.Condition()
         self._pending = 0
         self._faulted = False
+        self._socket: zmq.Socket[bytes] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._connected = False
+        self._unconnected_since = 0.0
         self._thread = threading.Thread(target=self._run, name="ddpwatch-publisher", daemon=True)
 
     def start(self) -> None:
@@ -87,45 +103,65 @@ class Publisher:
 
     def _run(self) -> None:
         context = zmq.Context()
-        socket = context.socket(zmq.PUSH)
-        socket.setsockopt(zmq.SNDHWM, SEND_HWM)
-        socket.setsockopt(zmq.IMMEDIATE, 1)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
-        monitor: zmq.Socket[bytes] | None = None
         try:
-            # DDPWATCH_SERVER_KEY set: CurveZMQ; a bad key is logged once by _fault and the
-            # agent publishes nothing (never in the clear, never raising into training)
-            apply_client_curve(socket)
-            monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-            socket.connect(self.endpoint)
-            self._loop(socket, monitor)
+            self.relay = find_relay(self.endpoint) if self.use_relay else None
+            self._open(context, self.relay or self.endpoint)
+            self._loop(context)
         except Exception as exc:
             self._fault(exc)
         finally:
-            if monitor is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    socket.disable_monitor()
-                monitor.close(linger=0)
-            socket.setsockopt(zmq.LINGER, LINGER_MS)
-            socket.close()
+            self._close(LINGER_MS)
             context.term()
             with self._drained:
                 self._pending = 0
                 self._drained.notify_all()
 
-    def _loop(self, socket: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
+    def _open(self, context: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> None:
+        socket = context.socket(zmq.PUSH)
+        self._socket = socket
+        socket.setsockopt(zmq.SNDHWM, SEND_HWM)
+        socket.setsockopt(zmq.IMMEDIATE, 1)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
+        if endpoint != self.relay:
+            # DDPWATCH_SERVER_KEY set: CurveZMQ; a bad key is logged once by _fault and the
+            # agent publishes nothing (never in the clear, never raising into training).
+            # A relay is local (a per-user socket) and speaks CURVE to the server itself.
+            apply_client_curve(socket)
+        self._monitor = socket.get_monitor_socket(_WATCHED)
+        self._connected = False
+        self._unconnected_since = time.monotonic()
+        socket.connect(endpoint)
+
+    def _close(self, linger_ms: int) -> None:
+        if self._monitor is not None:
+            if self._socket is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._socket.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+        if self._socket is not None:
+            self._socket.setsockopt(zmq.LINGER, linger_ms)
+            self._socket.close()
+            self._socket = None
+
+    def _loop(self, context: zmq.Context[zmq.Socket[bytes]]) -> None:
         next_beat = time.monotonic()
         while True:
             stopping = self._stop.is_set()
-            self._drain(socket)
+            self._watch_connection()
+            if self._relay_lost():
+                log.info("ddpwatch: no relay at %s; sending to %s", self.relay, self.endpoint)
+                self._close(0)
+                self.relay = None
+                self._open(context, self.endpoint)
+            self._drain()
             now = time.monotonic()
             if now >= next_beat and not stopping:
-                self._count_connections(monitor)
                 for message in self._safe_heartbeat():
                     if isinstance(message, Event):
                         self.publish(message)  # a log or stack event happens once: keep it
-                    elif not self._send(socket, message):
+                    elif not self._send(message):
                         self.dropped += 1  # the next beat repeats it
                 next_beat = max(next_beat + self.interval, now)
             if stopping:
@@ -133,16 +169,29 @@ class Publisher:
             self._wake.wait(max(0.0, next_beat - time.monotonic()))
             self._wake.clear()
 
-    def _count_connections(self, monitor: zmq.Socket[bytes]) -> None:
-        """Count the handshakes the socket monitor reported (one two-frame event each)."""
-        while True:
+    def _watch_connection(self) -> None:
+        """Count handshakes (a new peer must hear the identity again) and note when the
+        last connection went away, from the socket monitor's events."""
+        while self._monitor is not None:
             try:
-                monitor.recv_multipart(zmq.NOBLOCK)
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.ZMQError:  # Again: none left
                 return
-            self.connections += 1
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connections += 1
+                self._connected = True
+            elif self._connected:
+                self._connected = False
+                self._unconnected_since = time.monotonic()
 
-    def _drain(self, socket: zmq.Socket[bytes]) -> None:
+    def _relay_lost(self) -> bool:
+        return (
+            self.relay is not None
+            and not self._connected
+            and time.monotonic() - self._unconnected_since >= FALLBACK_S
+        )
+
+    def _drain(self) -> None:
         """Send queued events; keep those no server took yet (they happen once, unlike beats)."""
         unsent: list[AnyMessage] = []
         while self._queue:
@@ -150,7 +199,7 @@ class Publisher:
                 message = self._queue.popleft()
             except IndexError:
                 break
-            if not self._send(socket, message):
+            if not self._send(message):
                 unsent.append(message)
             with self._drained:
                 self._pending -= 1
@@ -169,10 +218,12 @@ class Publisher:
             self._fault(exc)
             return []
 
-    def _send(self, socket: zmq.Socket[bytes], message: AnyMessage) -> bool:
+    def _send(self, message: AnyMessage) -> bool:
         """One non-blocking send; False when no server is connected or it is not reading."""
+        if self._socket is None:
+            return False
         try:
-            socket.send(encode(message), zmq.NOBLOCK, copy=True)
+            self._socket.send(encode(message), zmq.NOBLOCK, copy=True)
         except zmq.Again:
             return False
         except Exception as exc:

@@ -34,7 +34,7 @@ from ddpwatch.protocol import (
     Hello,
     Sample,
 )
-from ddpwatch.vocabulary import Phase
+from ddpwatch.vocabulary import EventKind, Phase
 
 log = logging.getLogger("ddpwatch")
 
@@ -189,14 +189,16 @@ class Watcher:
         with contextlib.suppress(Exception):
             if self.active:
                 self.publisher.publish(
-                    self._event("checkpoint", path=str(path), step=self.progress.step)
+                    self._event(EventKind.CHECKPOINT, path=str(path), step=self.progress.step)
                 )
 
     def _enter_phase(self, name: str) -> None:
         try:
             self.progress.set_phase(name)
             if self.active:
-                self.publisher.publish(self._event("phase", phase=name, step=self.progress.step))
+                self.publisher.publish(
+                    self._event(EventKind.PHASE, phase=name, step=self.progress.step)
+                )
         except Exception:
             pass
 
@@ -343,7 +345,7 @@ class Watcher:
         stack = self._stack_if_stuck()
         if stack is not None:
             messages.append(
-                self._event("stack", stack=stack, phase=progress.phase, step=progress.step)
+                self._event(EventKind.STACK, stack=stack, phase=progress.phase, step=progress.step)
             )
         return messages
 
@@ -405,7 +407,7 @@ class Watcher:
     def _new_output(self) -> list[Event]:
         """The output lines printed since the last call, as a log event (none if no lines)."""
         lines = self._log_tail.buffer.take()
-        return [self._event("log", text="\n".join(lines))] if lines else []
+        return [self._event(EventKind.LOG, text="\n".join(lines))] if lines else []
 
     def _event(self, kind: str, **fields: Any) -> Event:
         return Event(v=PROTOCOL_VERSION, rank=self.rank, t=time.time(), event=kind, **fields)
@@ -443,7 +445,7 @@ class Watcher:
             self._publish_final_sample()
             self.publisher.publish(
                 self._event(
-                    "crash",
+                    EventKind.CRASH,
                     error=error,
                     phase=self.progress.phase,
                     step=self.progress.step,
@@ -452,7 +454,7 @@ class Watcher:
             )
         else:
             text = f"exception in thread {thread_name}: {error.type}: {error.message}"
-            self.publisher.publish(self._event("log", error=error, text=text))
+            self.publisher.publish(self._event(EventKind.LOG, error=error, text=text))
         self.publisher.flush(CRASH_FLUSH_S)
 
     def _report_exit(self, signal_name: str | None, exit_code: int | None) -> None:
@@ -466,7 +468,7 @@ class Watcher:
         self._publish_final_sample()
         self.publisher.publish(
             self._event(
-                "exit",
+                EventKind.EXIT,
                 signal=signal_name,
                 exit_code=exit_code,
                 step=self.progress.step,

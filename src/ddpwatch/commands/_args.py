@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ddpwatch.protocol import DEFAULT_PORT
 from ddpwatch.server.alerts import Thresholds
+from ddpwatch.vocabulary import SEVERITIES, Severity
 
-Subparsers = Any  # what ``ArgumentParser.add_subparsers`` returns (a private argparse type)
+if TYPE_CHECKING:
+    from ddpwatch.server.notify import Notifier
+
+# what ``ArgumentParser.add_subparsers`` returns; a string, as the class is generic only in typeshed
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 # ---------------------------------------------------------------------------- argument types
 
@@ -145,8 +150,8 @@ def add_notify(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--notify-level",
-        choices=("error", "warning", "info"),
-        default="warning",
+        choices=SEVERITIES,
+        default=Severity.WARNING,
         help="notify of alerts this severe or worse (default warning)",
     )
     parser.add_argument(
@@ -158,7 +163,7 @@ def add_notify(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def notifier(args: argparse.Namespace) -> Any:
+def notifier(args: argparse.Namespace) -> Notifier | None:
     """The ``Notifier`` the notify flags ask for, or None."""
     if args.notify_cmd is None and args.webhook is None:
         return None

@@ -37,6 +37,11 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         "$DDPWATCH_RECORD_DIR or the working directory; ddpwatch report FILE reads it)",
     )
     recording.add_argument("--no-record", action="store_true", help="do not record the run")
+    parser.add_argument(
+        "--no-relay",
+        action="store_true",
+        help="with --addr: ranks send to the server directly, not through a relay on this node",
+    )
     add_notify(parser)
     add_bell(parser)
     parser.add_argument("job", nargs=argparse.REMAINDER, help="the launch command, after --")
@@ -63,5 +68,11 @@ def run(args: argparse.Namespace) -> int:
     if args.addr is None and not args.no_record:
         record = args.record or default_recording(job)
     return run_command(
-        job, args.addr, args.tui, notify=notifier(args), bell=not args.no_bell, record=record
+        job,
+        args.addr,
+        args.tui,
+        notify=notifier(args),
+        bell=not args.no_bell,
+        record=record,
+        relay=not args.no_relay,
     )

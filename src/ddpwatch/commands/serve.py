@@ -20,6 +20,7 @@ from ddpwatch.commands._args import (
 )
 
 if TYPE_CHECKING:
+    from ddpwatch.server.notify import Notifier
     from ddpwatch.server.service import Server
 
 NAME = "serve"
@@ -76,59 +77,17 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ddpwatch.commands._signals import stop_on_signals
-    from ddpwatch.security import CurveKeyError, ServerCurve, is_loopback
-    from ddpwatch.server.collector import BindError
-    from ddpwatch.server.history import print_json_line
-    from ddpwatch.server.notify import chain
-    from ddpwatch.server.recording import RecordingError
-    from ddpwatch.server.service import Server
 
     if args.curve_clients and not args.curve_secret_file:
         print("ddpwatch: --curve-clients needs --curve-secret-file", file=sys.stderr)
         return 2
     notify = notifier(args)  # its thread starts with the first alert it sends
-    try:
-        curve = (
-            ServerCurve.from_files(args.curve_secret_file, args.curve_clients)
-            if args.curve_secret_file
-            else None
-        )
-        server = Server(
-            args.host,
-            args.port,
-            thresholds(args),
-            on_change=chain(print_json_line, notify),
-            record=args.record,
-            curve=curve,
-            max_ranks=args.max_ranks,
-        )
-    except (BindError, CurveKeyError, RecordingError) as exc:
-        print(f"ddpwatch: {exc}", file=sys.stderr)
+    server = _make_server(args, notify)
+    if server is None:
         return 1
-    if curve is None and not is_loopback(args.host):
-        print(
-            f"ddpwatch: warning: listening on {args.host} without authentication: anyone who "
-            f"can reach ports {args.port}-{args.port + 1} can send data and read the status "
-            "(see ddpwatch keygen and --curve-secret-file)",
-            file=sys.stderr,
-        )
-    if args.record:
-        log.info("recording to %s", args.record)
-    if notify is not None:
-        log.info("notifying of each raised alert of severity %s or worse", args.notify_level)
-    if args.prometheus_port is not None:
-        from ddpwatch.server.prometheus import serve_metrics
-
-        try:
-            serve_metrics(server.status, args.prometheus_port, args.host)
-        except OSError as exc:
-            print(
-                f"ddpwatch: cannot serve metrics on port {args.prometheus_port}: {exc.strerror}",
-                file=sys.stderr,
-            )
-            server.collector.close()
-            return 1
-        log.info("Prometheus metrics on http://%s:%d/metrics", args.host, args.prometheus_port)
+    _announce(args, notify)
+    if args.prometheus_port is not None and not _serve_metrics(args, server):
+        return 1
     if not args.headless:
         from ddpwatch.tui.app import run_dashboard
 
@@ -148,6 +107,71 @@ def run(args: argparse.Namespace) -> int:
     log.info("stopped")
     _summarize(server)
     return 0
+
+
+def _make_server(args: argparse.Namespace, notify: Notifier | None) -> Server | None:
+    """The server the flags ask for, its sockets bound; None once told why there is none (a
+    port in use, an unusable CURVE key, a recording that cannot be written)."""
+    from ddpwatch.security import CurveKeyError, ServerCurve
+    from ddpwatch.server.collector import BindError
+    from ddpwatch.server.history import print_json_line
+    from ddpwatch.server.notify import chain
+    from ddpwatch.server.recording import RecordingError
+    from ddpwatch.server.service import Server
+
+    try:
+        curve = (
+            ServerCurve.from_files(args.curve_secret_file, args.curve_clients)
+            if args.curve_secret_file
+            else None
+        )
+        return Server(
+            args.host,
+            args.port,
+            thresholds(args),
+            on_change=chain(print_json_line, notify),
+            record=args.record,
+            curve=curve,
+            max_ranks=args.max_ranks,
+        )
+    except (BindError, CurveKeyError, RecordingError) as exc:
+        print(f"ddpwatch: {exc}", file=sys.stderr)
+        return None
+
+
+def _announce(args: argparse.Namespace, notify: Notifier | None) -> None:
+    """Say what the server does besides listening: warn when anyone who can reach it may
+    use it (no CURVE key, not on loopback), name the recording and the notifications."""
+    from ddpwatch.security import is_loopback
+
+    if not args.curve_secret_file and not is_loopback(args.host):
+        print(
+            f"ddpwatch: warning: listening on {args.host} without authentication: anyone who "
+            f"can reach ports {args.port}-{args.port + 1} can send data and read the status "
+            "(see ddpwatch keygen and --curve-secret-file)",
+            file=sys.stderr,
+        )
+    if args.record:
+        log.info("recording to %s", args.record)
+    if notify is not None:
+        log.info("notifying of each raised alert of severity %s or worse", args.notify_level)
+
+
+def _serve_metrics(args: argparse.Namespace, server: Server) -> bool:
+    """Serve ``--prometheus-port``; False (the server closed) when the port cannot be had."""
+    from ddpwatch.server.prometheus import serve_metrics
+
+    try:
+        serve_metrics(server.status, args.prometheus_port, args.host)
+    except OSError as exc:
+        print(
+            f"ddpwatch: cannot serve metrics on port {args.prometheus_port}: {exc.strerror}",
+            file=sys.stderr,
+        )
+        server.collector.close()
+        return False
+    log.info("Prometheus metrics on http://%s:%d/metrics", args.host, args.prometheus_port)
+    return True
 
 
 def _summarize(server: Server) -> None:

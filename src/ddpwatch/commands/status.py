@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpwatch.commands._args import Subparsers, _positive, add_address
+from ddpwatch.vocabulary import RankState
 
 NAME = "status"
 
@@ -92,7 +93,7 @@ def format_status(document: dict[str, Any]) -> str:
     """A plain-text table of the status document, for people."""
     lines = [_row([title for title, *_ in COLUMNS])]
     lines += [_row([cell(rank) for *_, cell in COLUMNS]) for rank in document["ranks"]]
-    connected = sum(1 for r in document["ranks"] if r["state"] != "not_connected")
+    connected = sum(1 for r in document["ranks"] if r["state"] != RankState.NOT_CONNECTED)
     stats = document["stats"]
     lines.append(
         f"\n{connected}/{_fmt(document['world_size'])} ranks, "

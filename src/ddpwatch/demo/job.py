@@ -23,12 +23,13 @@ from torch.nn.parallel import DistributedDataParallel
 import ddpwatch
 
 # step -> (fault, rank (the last rank if the job is smaller), argument)
-SCRIPT = {
+SCRIPT: dict[int, tuple[str, int, float | str]] = {
     20: ("straggler", 1, 7.0),
     32: ("nan", 2, 6),
     45: ("stop", 3, 6.0),
     62: ("crash", 3, "CUDA error: invalid device ordinal"),
 }
+NO_FAULT: tuple[None, int, float] = (None, -1, 0.0)  # a step without one
 
 
 class Model(nn.Module):
@@ -41,7 +42,8 @@ class Model(nn.Module):
         if self.sleep_once:
             time.sleep(self.sleep_once)  # a straggler: the others wait in DDP's all-reduce
             self.sleep_once = 0.0
-        return self.net(x)
+        out: torch.Tensor = self.net(x)
+        return out
 
 
 def stop_for(seconds: float) -> None:
@@ -69,7 +71,7 @@ def main() -> None:
     torch.manual_seed(rank)
     nan_until = 0
     for step in range(1, args.steps + 1):
-        fault, target, arg = SCRIPT.get(step, (None, -1, None)) if args.faults else (None, -1, None)
+        fault, target, arg = SCRIPT.get(step, NO_FAULT) if args.faults else NO_FAULT
         mine = fault is not None and rank == min(target, world - 1)
         if mine and fault == "straggler":
             model.sleep_once = float(arg)

@@ -17,6 +17,7 @@ from typing import Any
 import zmq
 
 from ddpwatch.protocol import PROTOCOL_VERSION, ErrorInfo, Event, Hello, Sample, encode
+from ddpwatch.vocabulary import EventKind
 
 GIB = 1 << 30
 GPUS_PER_HOST = 8
@@ -157,14 +158,14 @@ class SimulatedCluster:
             v=PROTOCOL_VERSION,
             rank=rank,
             t=now,
-            event="crash",
+            event=EventKind.CRASH,
             phase="device",
             error=ErrorInfo(type="RuntimeError", message=message, traceback=trace),
         )
         return [hello, crash]
 
     def _run(self) -> None:
-        context = zmq.Context.instance()
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         sock = context.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100_000)

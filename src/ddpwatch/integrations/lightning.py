@@ -24,6 +24,7 @@ hooks are done: the barrier after them, ``configure_model``, loading ``ckpt_path
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -290,7 +291,7 @@ __getattr__ = module_getattr(
     {
         "DDPWatchCallback": _default_class,
         **{
-            name: (lambda package=package: callback_class(package))
+            name: functools.partial(callback_class, package)
             for package, name in _CLASS_NAMES.items()
         },
     },
@@ -341,7 +342,7 @@ def install_auto_callback() -> None:
         return
     _auto_installed = True
     for package, module_name in _TRAINER_MODULES.items():
-        after_import(module_name, lambda module, package=package: _hook_trainer(module, package))
+        after_import(module_name, functools.partial(_hook_trainer, package=package))
 
 
 _class_patches = Patches()  # process-wide, never undone: the callback idles without a watcher

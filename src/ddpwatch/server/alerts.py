@@ -4,29 +4,11 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Literal
 
-Severity = Literal["error", "warning", "info"]
+from ddpwatch.vocabulary import ALERT_KINDS, SeverityName
 
-KINDS = (
-    "straggler",
-    "stalled",
-    "silent",
-    "crashed",
-    "exited",
-    "not_connected",
-    "startup_hang",
-    "duplicate_device",
-    "device_ordinal",
-    "local_rank_mismatch",
-    "uneven_memory",
-    "foreign_memory",
-    "step_skew",
-    "collective_mismatch",
-    "nan_loss",
-    "checkpoint_conflict",
-    "slow_rank",
-)
+KINDS = ALERT_KINDS
+"""Every alert kind (``ddpwatch.vocabulary.AlertKind``): ``@rule`` checks its kinds against it."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +16,7 @@ class Alert:
     """One problem: ``ranks`` are the culprits, ``waiting`` the ranks blocked because of them."""
 
     kind: str
-    severity: Severity
+    severity: SeverityName
     ranks: tuple[int, ...]
     waiting: tuple[int, ...]
     message: str

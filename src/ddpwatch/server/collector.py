@@ -7,6 +7,9 @@ whatever arrives). Failed handshakes are counted in ``refused``: with CURVE on, 
 client with no key, the wrong server key or a key not allowed; always, a peer that
 is not ZeroMQ. Accepted frames go to the optional ``recorder`` with their receive
 time.
+
+A relay's ``Batch`` (``ddpwatch/relay.py``) is opened here: each frame in it is validated,
+admitted, recorded and counted as if it had come alone, in the order the relay took them.
 """
 
 from __future__ import annotations
@@ -22,7 +25,16 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ddpwatch.protocol import MAX_FRAME_BYTES, AnyMessage, ProtocolError, Sample, decode
+from ddpwatch.protocol import (
+    MAX_FRAME_BYTES,
+    AnyMessage,
+    Batch,
+    ProtocolError,
+    Sample,
+    decode,
+    decode_wire,
+)
+from ddpwatch.server.relays import note_batch
 from ddpwatch.server.state import ServerState
 
 if TYPE_CHECKING:
@@ -37,6 +49,7 @@ RANK_MARGIN = 64  # ranks tracked beyond the known world size (elastic jobs, res
 UNKNOWN_WORLD_RANKS = 1024  # ranks tracked while no rank has reported a world size
 RANK_CEILING = 65_536  # without --max-ranks: the most ranks, and the largest world size, taken
 REFUSED_LOG_S = 10.0
+MAX_RELAY_AGE_US = 60_000_000  # a frame a relay held longer is dated a minute back, no more
 
 
 class BindError(RuntimeError):
@@ -164,12 +177,12 @@ class Collector:
     def _receive(self) -> int:
         """Take in up to ``RECV_BATCH`` frames. Under backlog a known rank's heartbeats are
         coalesced: only its newest ``Sample`` of the batch is applied, plus any that
-        ``_must_apply`` (all share one arrival time, so only intermediate history points are
-        lost); its events keep their order."""
+        ``_must_apply`` (only intermediate history points are lost); its events keep their
+        order."""
         now = self._clock()
         state = self.state
         recv, option = self._pull.recv, self._pull.getsockopt  # bound once: per-frame cost
-        pending: dict[int, Sample] = {}
+        pending: dict[int, tuple[Sample, float]] = {}
         count = 0
         while count < RECV_BATCH:
             try:
@@ -181,31 +194,65 @@ class Collector:
                 self._drop_multipart()
                 continue
             try:
+                message = decode_wire(frame)
+            except ProtocolError:
+                state.rejected += 1
+                continue
+            if type(message) is Batch:
+                self._open_batch(message, now, pending)
+            else:
+                self._take(frame, message, now, pending)  # type: ignore[arg-type]
+        for sample, at in pending.values():
+            state.apply(sample, at)
+        return count
+
+    def _open_batch(
+        self, batch: Batch, now: float, pending: dict[int, tuple[Sample, float]]
+    ) -> None:
+        """Take a relay's frames, each dated by its arrival at the relay."""
+        state = self.state
+        state.rejected += batch.rejected  # frames the relay refused count as ours would
+        relay = note_batch(state.relays, batch, now)
+        ages = batch.ages_us if len(batch.ages_us) == len(batch.frames) else None
+        for i, frame in enumerate(batch.frames):
+            try:
                 message = decode(frame)
             except ProtocolError:
                 state.rejected += 1
                 continue
-            if not self._admit(message):
-                state.rejected += 1
-                continue
-            if self.recorder is not None:
-                self.recorder.frame(now, frame)
-            if type(message) is Sample and message.rank in state.ranks:
-                superseded = pending.get(message.rank)
-                if superseded is not None:
-                    if _must_apply(superseded, message):
-                        state.apply(superseded, now)
-                    else:
-                        state.received += 1  # counted, not applied
-                pending[message.rank] = message
-                continue
-            earlier = pending.pop(message.rank, None)
-            if earlier is not None:
-                state.apply(earlier, now)
-            state.apply(message, now)
-        for sample in pending.values():
-            state.apply(sample, now)
-        return count
+            at = now if ages is None else now - min(ages[i], MAX_RELAY_AGE_US) / 1e6
+            if self._take(frame, message, at, pending) and relay is not None:
+                relay.ranks.add(message.rank)
+
+    def _take(
+        self,
+        frame: bytes,
+        message: AnyMessage,
+        at: float,
+        pending: dict[int, tuple[Sample, float]],
+    ) -> bool:
+        """Admit, record and apply one rank message that arrived ``at`` (a heartbeat may wait
+        in ``pending`` for a newer one); False when it is not admitted."""
+        state = self.state
+        if not self._admit(message):
+            state.rejected += 1
+            return False
+        if self.recorder is not None:
+            self.recorder.frame(at, frame)
+        if type(message) is Sample and message.rank in state.ranks:
+            superseded = pending.get(message.rank)
+            if superseded is not None:
+                if _must_apply(superseded[0], message):
+                    state.apply(*superseded)
+                else:
+                    state.received += 1  # counted, not applied
+            pending[message.rank] = (message, at)
+            return True
+        earlier = pending.pop(message.rank, None)
+        if earlier is not None:
+            state.apply(*earlier)
+        state.apply(message, at)
+        return True
 
     def _drop_multipart(self) -> None:
         """The protocol is one frame per message: a multipart message is one reject."""

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Literal
 
 from ddpwatch.server.alerts import Alert
+from ddpwatch.vocabulary import SEVERITIES
 
 HISTORY_KEPT = 1000
-SEVERITY_RANK = {"info": 0, "warning": 1, "error": 2}
+SEVERITY_RANK = {severity: n for n, severity in enumerate(reversed(SEVERITIES))}
+"""0 for info, up to the most severe (``vocabulary.SEVERITIES`` is most severe first)."""
 
 Event = Literal["raised", "escalated", "cleared"]
 

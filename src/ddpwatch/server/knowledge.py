@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ddpwatch.protocol import ErrorInfo
+from ddpwatch.vocabulary import AlertKind
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ ROOT_CAUSES = (
         "use torch.cuda.set_device(local_rank) with LOCAL_RANK, not the global rank "
         "(torch.device(f'cuda:{local_rank}'))",
         family="device_setup",
-        kind="device_ordinal",
+        kind=AlertKind.DEVICE_ORDINAL,
     ),
     _sig(
         "duplicate_gpu",
@@ -243,7 +244,7 @@ ROOT_CAUSES = (
         "two ranks use the same GPU; NCCL needs one GPU per rank",
         _SET_DEVICE + ", and check CUDA_VISIBLE_DEVICES (one GPU per rank, not the same one)",
         family="device_setup",
-        kind="duplicate_device",
+        kind=AlertKind.DUPLICATE_DEVICE,
     ),
     _sig(
         "address_in_use",
@@ -270,7 +271,7 @@ ROOT_CAUSES = (
         "the ranks called different collectives, or the same one with different tensor sizes",
         _MISMATCH_HINT,
         family="collective_mismatch",
-        kind="collective_mismatch",
+        kind=AlertKind.COLLECTIVE_MISMATCH,
     ),
     _sig(
         "collective_size_mismatch",
@@ -282,7 +283,7 @@ ROOT_CAUSES = (
         "gave it another size than the other ranks",
         _MISMATCH_HINT,
         family="collective_mismatch",
-        kind="collective_mismatch",
+        kind=AlertKind.COLLECTIVE_MISMATCH,
     ),
     _sig(
         "nccl_net_size_mismatch",
@@ -293,7 +294,7 @@ ROOT_CAUSES = (
         _MISMATCH_HINT + "; if every rank makes the same calls, retry with NCCL_IB_DISABLE=1 "
         "to rule out the InfiniBand setup (PCI relaxed ordering, GPUDirect RDMA)",
         family="collective_mismatch",
-        kind="collective_mismatch",
+        kind=AlertKind.COLLECTIVE_MISMATCH,
     ),
     _sig(
         "ddp_unused_parameters",

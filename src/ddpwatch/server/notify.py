@@ -26,10 +26,11 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ddpwatch.server.alerts import Alert
+from ddpwatch.vocabulary import SEVERITIES, Severity
 
 log = logging.getLogger("ddpwatch.notify")
 
-LEVELS = ("info", "warning", "error")
+LEVELS = tuple(reversed(SEVERITIES))
 """Severities from least to most severe (``--notify-level``)."""
 _RANK = {level: n for n, level in enumerate(LEVELS)}
 NOTIFY_EVENTS = frozenset({"raised", "escalated"})
@@ -99,7 +100,7 @@ class Notifier:
         command: str | None = None,
         webhook: str | None = None,
         *,
-        level: str = "warning",
+        level: str = Severity.WARNING,
         interval: float = 60.0,
         per_minute: int = 20,
         timeout: float = 10.0,

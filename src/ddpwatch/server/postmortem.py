@@ -20,12 +20,13 @@ from ddpwatch.protocol import ProtocolError, Sample, decode
 from ddpwatch.server.recording import RecordingError, RecordingReader
 from ddpwatch.server.replay import ReplayServer
 from ddpwatch.server.summary import run_duration, summary_lines, verdict
+from ddpwatch.vocabulary import Severity
 
 SERIES_POINTS = 400  # per rank and metric: enough for a chart, small in JSON
 _COMPACT_AT = 8 * SERIES_POINTS  # series are thinned while read, so memory stays bounded
 STEP_TIMES_KEPT = 8192  # step times kept per rank for its median (halved evenly when full)
 METRICS = ("step", "step_time_s", "loss", "mem_allocated_bytes", "gpu_mem_used_bytes")
-ALERTING = ("error", "warning")
+ALERTING = (Severity.ERROR, Severity.WARNING)
 
 Point = tuple[float, float]
 TIMES = "\N{MULTIPLICATION SIGN}"

@@ -14,17 +14,20 @@ from typing import Any
 from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ddpwatch.vocabulary import RankState
+
 RANK_LABELS = ["rank", "local_rank", "host"]
 STATES = (
-    "running",
-    "waiting",
-    "stalled",
-    "silent",
-    "crashed",
-    "stopped",
-    "exited",
-    "not_connected",
+    RankState.RUNNING,
+    RankState.WAITING,
+    RankState.STALLED,
+    RankState.SILENT,
+    RankState.CRASHED,
+    RankState.STOPPED,
+    RankState.EXITED,
+    RankState.NOT_CONNECTED,
 )
+"""Every ``RankState``, in the order ``docs/prometheus.md`` shows them (a label per state)."""
 # (metric name, status field, help)
 RANK_GAUGES = (
     ("ddpwatch_rank_step", "step", "Last training step reached."),

@@ -17,6 +17,7 @@ from ddpwatch.server.report_text import (
     ranks_text,
     shown_ranks,
 )
+from ddpwatch.vocabulary import Severity
 
 CHART_RANKS = len(PALETTE)  # more lines than colours cannot be told apart
 
@@ -80,7 +81,7 @@ def _pre(text: str, css: str = "") -> str:
 
 def _verdict(report: RunReport) -> str:
     bad = any(
-        (e.get("alert") or {}).get("severity") == "error"
+        (e.get("alert") or {}).get("severity") == Severity.ERROR
         for e in report.history
         if e.get("event") != "cleared"
     )

@@ -20,6 +20,7 @@ from ddpwatch.server.postmortem import (
     pair_ranks,
     ratio,
 )
+from ddpwatch.vocabulary import RankState
 
 REPORT_SCHEMA = 1
 TABLE_ROWS = 256  # ranks listed in a table; the JSON has them all
@@ -36,7 +37,7 @@ def header_line(report: RunReport) -> str:
     """When the job ran, for how long, how big: the line under every title."""
     doc = report.document
     started = doc.get("job_started")
-    seen = [r for r in report.ranks if r.state != "not_connected"]
+    seen = [r for r in report.ranks if r.state != RankState.NOT_CONNECTED]
     parts = []
     if isinstance(started, (int, float)) and report.frames:
         parts.append(f"started {iso_time(started, 'seconds')}")
@@ -290,7 +291,7 @@ def overview_rows(a: RunReport, b: RunReport) -> list[tuple[str, str, str, str]]
     """(label, A, B, change) for the run-level comparison."""
 
     def seen(run: RunReport) -> str:
-        return str(sum(1 for r in run.ranks if r.state != "not_connected"))
+        return str(sum(1 for r in run.ranks if r.state != RankState.NOT_CONNECTED))
 
     return [
         ("verdict", a.verdict, b.verdict, ""),

@@ -7,9 +7,8 @@ never the sender's, so ranks on hosts with skewed clocks compare fairly.
 from __future__ import annotations
 
 import math
-import operator
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 from msgspec.structs import astuple
@@ -23,6 +22,8 @@ from ddpwatch.protocol import (
     Identity,
     Sample,
 )
+from ddpwatch.server.relays import RelayRecord
+from ddpwatch.vocabulary import EventKind
 
 HISTORY_LEN = 120
 LOG_LINES = 50
@@ -44,11 +45,11 @@ SAMPLE_FIELDS = tuple(
     for name in Sample.__struct_fields__
     if name not in Identity.__struct_fields__ and name != "collective"
 )
-# the measurements a Sample overwrites, read in one call (a record is a plain dataclass)
 _MEASURED_FIELDS = tuple(name for name in SAMPLE_FIELDS if name not in ("phase", "nan_step"))
-_measured_values = operator.itemgetter(
-    *(Sample.__struct_fields__.index(name) for name in _MEASURED_FIELDS)
-)
+STORED_FIELDS = tuple(name for name in Sample.__struct_fields__ if name not in ("v", "t"))
+"""Every field of a ``Hello`` or a ``Sample`` the server keeps on the rank's record (all but
+the protocol version and the sender's clock): ``RankRecord`` declares each one."""
+"""The measurements a sample overwrites as they come (``_store_measured``)."""
 
 
 class HistoryPoint(NamedTuple):
@@ -61,9 +62,13 @@ class HistoryPoint(NamedTuple):
     mem_allocated_bytes: int | None
 
 
-@dataclass
+@dataclass(slots=True)
 class RankRecord:
-    """Everything known about one rank. Unknown values stay ``None``."""
+    """Everything known about one rank. Unknown values stay ``None``.
+
+    Declares every field of ``Hello`` and ``Sample`` the server keeps (checked below, at
+    import); slotted, so a field it does not declare is refused, never silently added.
+    """
 
     rank: int
     first_seen: float
@@ -147,6 +152,11 @@ class RankRecord:
         return self.collective.since_s + max(0.0, now - self.collective_seen)
 
 
+_UNDECLARED = sorted(set(STORED_FIELDS) - {f.name for f in fields(RankRecord)})
+if _UNDECLARED:  # a wire field added to the protocol but not to the record: fail at import
+    raise TypeError(f"RankRecord does not declare the protocol fields {_UNDECLARED}")
+
+
 @dataclass
 class ServerState:
     """All ranks, plus counters. Mutated only by ``apply``; read by diagnosis and views."""
@@ -157,6 +167,8 @@ class ServerState:
     rejected: int = 0
     first_report: float | None = None
     """When the first rank reported: the job's start, as far as the server can tell."""
+    relays: dict[str, RelayRecord] = field(default_factory=dict)
+    """Per-node relays heard from, by name (``server/relays.py``)."""
 
     @property
     def job_started(self) -> float:
@@ -180,13 +192,12 @@ class ServerState:
                 self.first_report = now
         record.last_seen = now
         if isinstance(message, Identity):
-            values = astuple(message)  # read once for the identity and the measurements
-            key = values[_IDENTITY_SLICE]
+            key = astuple(message)[_IDENTITY_SLICE]
             if key != record.identity_key and key != _NO_IDENTITY:
                 _apply_identity(record, message)
                 record.identity_key = key
             if isinstance(message, Sample):
-                _apply_sample(record, message, now, values)
+                _apply_sample(record, message, now)
         elif isinstance(message, Event):
             _apply_event(record, message, now)
 
@@ -212,10 +223,7 @@ def _set_phase(record: RankRecord, phase: str | None, now: float) -> None:
         del record.phases[:-32]
 
 
-def _apply_sample(
-    record: RankRecord, sample: Sample, now: float, values: tuple[object, ...]
-) -> None:
-    """``values``: ``msgspec.structs.astuple(sample)``."""
+def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # noqa: C901 -- hot path: every heartbeat of every rank, kept flat
     moved = sample.step is not None and sample.step != record.step
     if (
         moved
@@ -231,8 +239,7 @@ def _apply_sample(
         if not record.finished:
             record.stack = None  # it moved on: the captured stack is stale
     _set_phase(record, sample.phase, now)
-    measured = _measured_values(values)
-    record.__dict__.update(zip(_MEASURED_FIELDS, measured, strict=True))
+    _store_measured(record, sample)
     record.collective = sample.collective
     record.collective_seen = now if sample.collective is not None else None
     record.sample_seen = now
@@ -263,6 +270,26 @@ def _apply_sample(
         )
 
 
+def _store_measured(record: RankRecord, sample: Sample) -> None:
+    """Copy ``_MEASURED_FIELDS`` from the sample as they came (plain stores on a slotted
+    record: the hot path's fastest, and typed; ``tests/test_vocabulary.py`` checks that every
+    one of them lands)."""
+    record.step = sample.step
+    record.loss = sample.loss
+    record.step_time_s = sample.step_time_s
+    record.avg_step_time_s = sample.avg_step_time_s
+    record.data_wait_s = sample.data_wait_s
+    record.collective_time_s = sample.collective_time_s
+    record.collectives = sample.collectives
+    record.forwards = sample.forwards
+    record.mem_allocated_bytes = sample.mem_allocated_bytes
+    record.mem_reserved_bytes = sample.mem_reserved_bytes
+    record.mem_peak_bytes = sample.mem_peak_bytes
+    record.gpu_mem_used_bytes = sample.gpu_mem_used_bytes
+    record.gpu_mem_total_bytes = sample.gpu_mem_total_bytes
+    record.gpu_pids = sample.gpu_pids
+
+
 def _left_collective(before: Collective | None, now: Collective | None) -> bool:
     """The rank was in a collective at its last sample and is out of it, or in another."""
     if before is None:
@@ -282,23 +309,23 @@ def _apply_event(record: RankRecord, event: Event, now: float) -> None:
         record.step = event.step  # an exit or crash carries the last step the rank reached
     if event.phase:
         _set_phase(record, event.phase, now)
-    if kind == "stack":
+    if kind == EventKind.STACK:
         record.stack = event.stack
-    elif kind == "crash" and event.error is not None:
+    elif kind == EventKind.CRASH and event.error is not None:
         if record.error is None:
             record.error = event.error
             record.error_time = now
             _stop_timing(record, event.collective)
         if event.stack:
             record.stack = event.stack
-    elif kind == "exit":
+    elif kind == EventKind.EXIT:
         record.exit_time = now
         record.exit_code = event.exit_code
         record.exit_signal = event.signal
         _stop_timing(record, event.collective)
-    elif kind == "log" and event.text:
+    elif kind == EventKind.LOG and event.text:
         record.log_tail.extend(event.text.splitlines()[-LOG_LINES:])
-    elif kind == "checkpoint" and event.path:
+    elif kind == EventKind.CHECKPOINT and event.path:
         record.checkpoint_paths.append(event.path)
         del record.checkpoint_paths[:-16]
 

@@ -7,8 +7,10 @@ from typing import Any
 
 from ddpwatch.protocol import Collective
 from ddpwatch.server.alerts import Alert, Thresholds
+from ddpwatch.server.relays import relay_entry
 from ddpwatch.server.rules import effective_stall_after, rank_state
 from ddpwatch.server.state import RankRecord, ServerState
+from ddpwatch.vocabulary import RankState
 
 SCHEMA = 1
 LOG_TAIL_IN_STATUS = 20
@@ -93,7 +95,7 @@ def _collective(c: Collective | None) -> dict[str, Any] | None:
 def missing_entry(rank: int, world_size: int) -> dict[str, Any]:
     """A rank below the known world size that has never reported."""
     entry: dict[str, Any] = dict.fromkeys(_FIELDS)
-    entry.update(rank=rank, world_size=world_size, state="not_connected", simulated=False)
+    entry.update(rank=rank, world_size=world_size, state=RankState.NOT_CONNECTED, simulated=False)
     return entry
 
 
@@ -123,6 +125,7 @@ def status_document(
         "stats": {"received": state.received, "rejected": state.rejected},
         "history": history or [],
         "job_started": state.job_started,
+        "relays": [relay_entry(relay, now) for relay in state.relays.values()],
     }
 
 

@@ -11,9 +11,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from ddpwatch.server.rules.text import format_ranks
+from ddpwatch.vocabulary import AlertKind, RankState, Severity
 
 ALERTS_LISTED = 20
-DEAD_STATES = frozenset({"crashed", "exited", "stopped", "silent"})
+DEAD_STATES = frozenset({RankState.CRASHED, RankState.EXITED, RankState.STOPPED, RankState.SILENT})
 
 
 def summary_lines(document: dict[str, Any]) -> list[str]:
@@ -46,7 +47,9 @@ def verdict(document: dict[str, Any]) -> str:
     latest = {_key(e["alert"]): e["alert"] for e in history}  # an alert's numbers update
     latest.update((_key(a), a) for a in document.get("alerts") or [])  # (who waits, for how
     raised = [e for e in history if e.get("event") != "cleared"]  # long) after it is raised
-    errors = [latest[_key(e["alert"])] for e in raised if e["alert"].get("severity") == "error"]
+    errors = [
+        latest[_key(e["alert"])] for e in raised if e["alert"].get("severity") == Severity.ERROR
+    ]
     named = [a for a in errors if a.get("ranks")]
     if named:
         alert = named[0]
@@ -75,7 +78,7 @@ def _key(alert: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
 
 
 def _overview(document: dict[str, Any], ranks: list[dict[str, Any]]) -> str:
-    seen = [r for r in ranks if r.get("state") != "not_connected"]
+    seen = [r for r in ranks if r.get("state") != RankState.NOT_CONNECTED]
     hosts = {r.get("host") for r in seen if r.get("host")}
     steps = [r["step"] for r in seen if isinstance(r.get("step"), int)]
     started = document.get("job_started")
@@ -120,11 +123,11 @@ def _ending(rank: dict[str, Any]) -> str:
     state = rank.get("state")
     code, signal = rank.get("exit_code"), rank.get("exit_signal")
     how = signal if signal else (f"exit {code}" if code is not None else "")
-    if state == "crashed":
+    if state == RankState.CRASHED:
         error = rank.get("error") or {}
         kind = f"crashed ({error.get('type')})" if error.get("type") else "crashed"
         return f"{kind}, {how}" if how else kind
-    if state in ("stopped", "silent", "not_connected"):
+    if state in (RankState.STOPPED, RankState.SILENT, RankState.NOT_CONNECTED):
         return f"{state}, {how}" if how else str(state)
     return how
 
@@ -133,7 +136,7 @@ def _what(alert: dict[str, Any], rank: dict[str, Any]) -> str:
     """What the culprit did, in words, with the step where it is known."""
     kind = alert.get("kind")
     step = rank.get("step")
-    if kind == "exited":
+    if kind == AlertKind.EXITED:
         code, signal = rank.get("exit_code"), rank.get("exit_signal")
         text = (
             f"was ended by {signal}"
@@ -142,19 +145,19 @@ def _what(alert: dict[str, Any], rank: dict[str, Any]) -> str:
             if code is not None
             else "exited"
         )
-    elif kind == "crashed":
+    elif kind == AlertKind.CRASHED:
         error = rank.get("error") or {}
         text = f"crashed with {error['type']}" if error.get("type") else "crashed"
-    elif kind == "nan_loss":
+    elif kind == AlertKind.NAN_LOSS:
         text = "produced the first non-finite loss"
         step = rank.get("nan_step", step)
-    elif kind in ("straggler", "stalled"):
+    elif kind in (AlertKind.STRAGGLER, AlertKind.STALLED):
         text = "held the others up (stopped making progress)"
-    elif kind == "silent":
+    elif kind == AlertKind.SILENT:
         text = "fell silent"
-    elif kind == "collective_mismatch":
+    elif kind == AlertKind.COLLECTIVE_MISMATCH:
         text = "made a collective call the others did not"
-    elif kind == "not_connected":
+    elif kind == AlertKind.NOT_CONNECTED:
         return "never connected"
     else:
         text = f"raised {kind}"

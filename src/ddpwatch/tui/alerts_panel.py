@@ -18,10 +18,11 @@ from textual.widgets.option_list import Option
 
 from ddpwatch.tui.fmt import rank_ranges
 from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
+from ddpwatch.vocabulary import Severity
 
 
 def alert_prompt(alert: dict[str, Any]) -> Group:
-    severity = alert.get("severity", "info")
+    severity = alert.get("severity", Severity.INFO)
     style = SEVERITY_STYLE.get(severity, "bold")
     head = Text.assemble(
         (f"{SEVERITY_GLYPH.get(severity, '●')} {alert.get('kind', '?')}", style),

@@ -18,12 +18,36 @@ from typing import Any
 from rich.cells import cell_len
 
 from ddpwatch.tui.fmt import DASH, NA, bar, human_bytes, loss_text, seconds
-from ddpwatch.tui.model import AlertIndex, Row, score_style, state_score, state_summary
+from ddpwatch.tui.model import (
+    AlertIndex,
+    Row,
+    score_style,
+    state_score,
+    state_summary,
+    state_text,
+)
+from ddpwatch.vocabulary import RANK_STATES, RankState
 
 Span = tuple[str, str | None]
 Cell = tuple[str | list[Span], str | None]
 """Text and the name of its style (a ``rank-table--<name>`` component class, or None);
 the text may be a list of (text, style name) spans instead, for cells of several colours."""
+
+
+def style_class(name: str) -> str:
+    """The component class the rank table styles a cell style ``name`` with."""
+    return f"rank-table--{name}"
+
+
+def state_style(state: str) -> str:
+    """The style name of a rank state ("not_connected" -> "not-connected")."""
+    return state.replace("_", "-")
+
+
+CELL_STYLES = frozenset(
+    {*(state_style(state) for state in RANK_STATES), "error", "warning", "dim", "sim", "bar"}
+)
+"""Every style name a cell may give: ``RankTable`` has a component class for each."""
 
 ALERT_LOOKUPS: dict[str, Callable[[AlertIndex, Any], Hashable]] = {
     "culprit": lambda index, rank: index.culprit.get(rank),
@@ -71,15 +95,11 @@ def _plain(field: str) -> Callable[[Row, AlertIndex, int], Cell]:
     return cell
 
 
-_STATE_TEXT = {"not_connected": "absent"}
-
-
 def _state(row: Row, index: AlertIndex, width: int) -> Cell:
-    state = row.get("state") or "not_connected"
-    text = _STATE_TEXT.get(state, state)
-    if state == "exited" and row.get("exit_code") not in (None, 0):
-        return f"exit {row['exit_code']}", "crashed"
-    return text, state.replace("_", "-")
+    state = row.get("state") or RankState.NOT_CONNECTED
+    if state == RankState.EXITED and row.get("exit_code") not in (None, 0):
+        return f"exit {row['exit_code']}", state_style(RankState.CRASHED)
+    return state_text(state), state_style(state)
 
 
 def _loss(row: Row, index: AlertIndex, width: int) -> Cell:
@@ -137,7 +157,7 @@ def _seen(row: Row, index: AlertIndex, width: int) -> Cell:
     value = row.get("last_seen_s")
     if value is None:
         return NA, "dim"
-    return seconds(value), "error" if row.get("state") == "silent" else None
+    return seconds(value), "error" if row.get("state") == RankState.SILENT else None
 
 
 def _plain_column(key: str, title: str, width: int, priority: int, **options: Any) -> Column:
@@ -178,7 +198,7 @@ FINISHED_FIELDS = ("state", "exit_code")
 
 def finished(row: Row) -> bool:
     """A rank that exited cleanly (or with no code known)."""
-    return row.get("state") == "exited" and row.get("exit_code") in (None, 0)
+    return row.get("state") == RankState.EXITED and row.get("exit_code") in (None, 0)
 
 
 # ----------------------------------------------------------------------------- host cells
@@ -189,8 +209,8 @@ def _group_host(row: Row, index: AlertIndex, width: int) -> Cell:
 
 
 def _group_states(row: Row, index: AlertIndex, width: int) -> Cell:
-    worst = min(row["states"], key=state_score, default="running")
-    return state_summary(row["states"]), worst.replace("_", "-")
+    worst = min(row["states"], key=state_score, default=RankState.RUNNING)
+    return state_summary(row["states"]), state_style(worst)
 
 
 def _group_steps(row: Row, index: AlertIndex, width: int) -> Cell:
@@ -302,12 +322,12 @@ def fit_columns(
         if used + need <= width or column.priority == 0:
             chosen.add(column.key)
             used += need
-    layout = [[c, widths.get(c.key, c.width)] for c in candidates if c.key in chosen]
+    layout = [(c, widths.get(c.key, c.width)) for c in candidates if c.key in chosen]
     spare = width - used
-    for item in layout:
+    for i, (column, column_width) in enumerate(layout):
         if spare <= 0:
             break
-        extra = min(item[0].grow, spare)
-        item[1] += extra
+        extra = min(column.grow, spare)
+        layout[i] = (column, column_width + extra)
         spare -= extra
-    return [(c, w) for c, w in layout]
+    return layout

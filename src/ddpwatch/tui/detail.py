@@ -14,16 +14,17 @@ from textual.widgets import Static
 from ddpwatch.tui.fmt import NA, human_bytes, loss_text, seconds, sparkline
 from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
 from ddpwatch.tui.packed import Packed
+from ddpwatch.vocabulary import AlertKind, RankState, Severity
 
 STATE_STYLE = {
-    "running": "bold green",
-    "waiting": "bold yellow",
-    "stalled": "bold yellow",
-    "silent": "bold red",
-    "crashed": "bold red",
-    "not_connected": "bold red",
-    "exited": "dim",
-    "stopped": "dim italic",
+    RankState.RUNNING: "bold green",
+    RankState.WAITING: "bold yellow",
+    RankState.STALLED: "bold yellow",
+    RankState.SILENT: "bold red",
+    RankState.CRASHED: "bold red",
+    RankState.NOT_CONNECTED: "bold red",
+    RankState.EXITED: "dim",
+    RankState.STOPPED: "dim italic",
 }
 
 
@@ -40,13 +41,13 @@ def identity_paragraphs(row: dict[str, Any], alerts: list[dict[str, Any]]) -> li
     rank = row["rank"]
     loss = loss_text(row.get("loss"))
     if row.get("loss") is None and any(
-        a.get("kind") == "nan_loss" and rank in (a.get("ranks") or ()) for a in alerts
+        a.get("kind") == AlertKind.NAN_LOSS and rank in (a.get("ranks") or ()) for a in alerts
     ):
         loss = "nan"
     local = _v(row.get("local_rank"))
     if row.get("local_world_size") is not None:
         local += f"/{row['local_world_size']}"
-    state = row.get("state") or "not_connected"
+    state = row.get("state") or RankState.NOT_CONNECTED
     state_text = Text.assemble(("state ", "dim"), (state, STATE_STYLE.get(state, "bold")))
     if row.get("exit_code") is not None or row.get("exit_signal"):
         how = f"code {row['exit_code']}" if row.get("exit_code") is not None else ""
@@ -122,7 +123,7 @@ def trouble_paragraphs(row: dict[str, Any], alerts: list[dict[str, Any]]) -> lis
             ]
         )
     for alert in alerts:
-        severity = alert.get("severity", "info")
+        severity = alert.get("severity", Severity.INFO)
         role = "culprit" if rank in (alert.get("ranks") or ()) else "waiting"
         paragraphs.append(
             [

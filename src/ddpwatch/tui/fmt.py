@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from ddpwatch.ranges import rank_ranges as rank_ranges  # the dashboard writes "0-3,7,9-10"
+
 NA = "—"
 DASH = "\u2013"
 """En dash, for ranges of steps."""
@@ -92,26 +94,6 @@ def loss_text(value: float | None) -> str:
     if abs(value) < 10000:
         return f"{value:.1f}"
     return f"{value:.1e}"
-
-
-def rank_ranges(ranks: Iterable[int], limit: int = 8) -> str:
-    """[0, 1, 2, 3, 7, 9, 10] -> "0-3,7,9-10"; more than ``limit`` pieces end with "+N"."""
-    ordered = sorted(set(ranks))
-    if not ordered:
-        return ""
-    pieces: list[tuple[str, int]] = []
-    start = prev = ordered[0]
-    for rank in [*ordered[1:], None]:
-        if rank is not None and rank == prev + 1:
-            prev = rank
-            continue
-        pieces.append((str(start) if start == prev else f"{start}-{prev}", prev - start + 1))
-        if rank is not None:
-            start = prev = rank
-    text = ",".join(piece for piece, _ in pieces[:limit])
-    if len(pieces) > limit:
-        text += f" +{sum(n for _, n in pieces[limit:])}"
-    return text
 
 
 def bar(fraction: float | None, width: int) -> str:

@@ -12,9 +12,14 @@ from textual.widget import Widget
 from ddpwatch.tui.fmt import DASH, NA, uptime
 from ddpwatch.tui.model import Query
 from ddpwatch.tui.packed import pack
+from ddpwatch.vocabulary import SEVERITIES, RankState, Severity
 
-SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "bold cyan"}
-SEVERITY_GLYPH = {"error": "✖", "warning": "▲", "info": "●"}
+SEVERITY_STYLE = {
+    Severity.ERROR: "bold red",
+    Severity.WARNING: "bold yellow",
+    Severity.INFO: "bold cyan",
+}
+SEVERITY_GLYPH = {Severity.ERROR: "✖", Severity.WARNING: "▲", Severity.INFO: "●"}
 
 
 @dataclass
@@ -48,7 +53,7 @@ def summarize(document: dict[str, Any]) -> dict[str, Any]:
     connected = 0
     low = high = None
     for row in ranks:
-        if row.get("state") != "not_connected":
+        if row.get("state") != RankState.NOT_CONNECTED:
             connected += 1
         host = row.get("host")
         if host is not None:
@@ -68,40 +73,59 @@ def summarize(document: dict[str, Any]) -> dict[str, Any]:
 
 
 def header_lines(info: HeaderInfo, width: int) -> list[Text]:
-    """The header's lines for a terminal ``width`` cells wide."""
-    top: list[Text] = [Text("ddpwatch", style="bold magenta")]
+    """The header's lines for a terminal ``width`` cells wide: the job on top; below, the
+    connection, the alerts, the table's view and where the data comes from."""
+    bottom = [*_connection_parts(info), *_alert_parts(info), *_view_parts(info)]
+    if info.paused:
+        bottom.append(Text(" PAUSED ", style="bold black on yellow"))
+    if info.connected:
+        bottom.append(Text(info.source, style="dim"))
+    return pack(_job_parts(info), width) + pack(bottom, width)
 
-    def kv(label: str, value: str, style: str = "bold") -> Text:
-        return Text.assemble((label + " ", "dim"), (value, style))
 
+def _kv(label: str, value: str, style: str = "bold") -> Text:
+    return Text.assemble((label + " ", "dim"), (value, style))
+
+
+def _job_parts(info: HeaderInfo) -> list[Text]:
+    """The top line: world size, connected ranks (red while some are missing), hosts, the
+    step range, messages per second and uptime."""
     expected = info.world_size if info.world_size is not None else NA
-    top.append(kv("world", str(expected)))
     ranks_style = (
         "bold" if info.world_size is None or info.connected_ranks >= info.world_size else "bold red"
     )
-    top.append(kv("ranks", f"{info.connected_ranks}/{expected}", ranks_style))
-    top.append(kv("hosts", str(info.hosts)))
     if info.step_min is None:
         steps = NA
     elif info.step_min == info.step_max:
         steps = str(info.step_min)
     else:
         steps = f"{info.step_min}{DASH}{info.step_max}"
-    top.append(kv("step", steps))
     rate = NA if info.msg_rate is None else f"{info.msg_rate:.0f}"
-    top.append(kv("msg/s", rate))
-    top.append(kv("up", uptime(info.uptime_s)))
-    bottom: list[Text] = []
+    return [
+        Text("ddpwatch", style="bold magenta"),
+        _kv("world", str(expected)),
+        _kv("ranks", f"{info.connected_ranks}/{expected}", ranks_style),
+        _kv("hosts", str(info.hosts)),
+        _kv("step", steps),
+        _kv("msg/s", rate),
+        _kv("up", uptime(info.uptime_s)),
+    ]
+
+
+def _connection_parts(info: HeaderInfo) -> list[Text]:
+    """The source, marked disconnected or connecting; nothing once connected."""
     if info.connected is False:
-        bottom.append(
-            Text.assemble((info.source + " ", "dim"), (" DISCONNECTED ", "bold white on red"))
-        )
-    elif info.connected is None:
-        bottom.append(Text.assemble((info.source + " ", "dim"), ("connecting…", "italic yellow")))
-    total = sum(info.alerts.values())
-    if total:
+        return [Text.assemble((info.source + " ", "dim"), (" DISCONNECTED ", "bold white on red"))]
+    if info.connected is None:
+        return [Text.assemble((info.source + " ", "dim"), ("connecting…", "italic yellow"))]
+    return []
+
+
+def _alert_parts(info: HeaderInfo) -> list[Text]:
+    """The alert counts by severity, "no alerts" once a document says so, else nothing."""
+    if sum(info.alerts.values()):
         parts = [Text("alerts", style="dim")]
-        for severity in ("error", "warning", "info"):
+        for severity in SEVERITIES:
             count = info.alerts.get(severity, 0)
             if count:
                 parts.append(
@@ -110,25 +134,25 @@ def header_lines(info: HeaderInfo, width: int) -> list[Text]:
                         style=SEVERITY_STYLE[severity],
                     )
                 )
-        bottom.append(Text(" ").join(parts))
-    elif info.has_document:
-        bottom.append(Text("✔ no alerts", style="bold green"))
+        return [Text(" ").join(parts)]
+    if info.has_document:
+        return [Text("✔ no alerts", style="bold green")]
+    return []
+
+
+def _view_parts(info: HeaderInfo) -> list[Text]:
+    """How the table is sorted and filtered, and how many rows it shows when filtered."""
     query = info.query
-    view = [kv("sort", info.sort_title + (" ▲" if query.reverse else ""), "bold")]
+    view = [_kv("sort", info.sort_title + (" ▲" if query.reverse else ""), "bold")]
     if query.filter:
-        view.append(kv("filter", query.filter, "bold yellow"))
+        view.append(_kv("filter", query.filter, "bold yellow"))
     if query.flagged:
         view.append(Text("flagged only", style="bold yellow"))
     if query.grouped:
         view.append(Text("by host", style="bold yellow"))
     if query.filter or query.flagged or query.grouped:
-        view.append(kv("shown", str(info.shown)))
-    bottom.extend(view)
-    if info.paused:
-        bottom.append(Text(" PAUSED ", style="bold black on yellow"))
-    if info.connected:
-        bottom.append(Text(info.source, style="dim"))
-    return pack(top, width) + pack(bottom, width)
+        view.append(_kv("shown", str(info.shown)))
+    return view
 
 
 class StatusHeader(Widget):

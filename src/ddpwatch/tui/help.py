@@ -12,6 +12,9 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+from ddpwatch.tui.model import state_text
+from ddpwatch.vocabulary import RankState
+
 KEYS = (
     (
         "q",
@@ -44,15 +47,22 @@ KEYS = (
 )
 
 STATES = (
-    ("running", "green", "making progress"),
-    ("waiting", "yellow", "inside a collective, waiting for peers"),
-    ("stalled", "yellow", "no progress for longer than the stall threshold"),
-    ("silent", "red", "no heartbeat: the process is gone or frozen"),
-    ("crashed", "red", "raised an exception or died on a signal"),
-    ("absent", "red", "not_connected: never reported"),
-    ("stopped", "dim italic", "ended by SIGTERM/SIGINT: stopped, often after a failure"),
-    ("exited", "dim", "finished on its own (a code other than 0 shows as exit N)"),
+    (RankState.RUNNING, "green", "making progress"),
+    (RankState.WAITING, "yellow", "inside a collective, waiting for peers"),
+    (RankState.STALLED, "yellow", "no progress for longer than the stall threshold"),
+    (RankState.SILENT, "red", "no heartbeat: the process is gone or frozen"),
+    (RankState.CRASHED, "red", "raised an exception or died on a signal"),
+    (RankState.NOT_CONNECTED, "red", "not_connected: never reported"),
+    (RankState.STOPPED, "dim italic", "ended by SIGTERM/SIGINT: stopped, often after a failure"),
+    (RankState.EXITED, "dim", "finished on its own (a code other than 0 shows as exit N)"),
 )
+"""The legend: every rank state (as the views write it), its colour and its meaning."""
+
+WORST_FIRST = (
+    "culprits of errors, crashed, culprits of warnings, "
+    "silent, stalled, absent, waiting, then running, stopped and exited; ties by rank"
+)
+"""The table's default order: the states in ``vocabulary.RANK_STATES``'s order."""
 
 
 def help_text() -> Table:
@@ -63,13 +73,9 @@ def help_text() -> Table:
         table.add_row(key, what)
     table.add_row("", "")
     for state, colour, meaning in STATES:
-        table.add_row(Text(state, style=f"bold {colour}"), meaning)
+        table.add_row(Text(state_text(state), style=f"bold {colour}"), meaning)
     table.add_row("", "")
-    table.add_row(
-        Text("worst first", style="bold"),
-        "culprits of errors, crashed, culprits of warnings, "
-        "silent, stalled, absent, waiting, then running, stopped and exited; ties by rank",
-    )
+    table.add_row(Text("worst first", style="bold"), WORST_FIRST)
     table.add_row(Text("sim", style="italic magenta"), "a simulated rank (ddpwatch demo)")
     return table
 

@@ -12,29 +12,31 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpwatch.vocabulary import RANK_STATES, AlertKind, RankState, Severity
+
 Row = dict[str, Any]
 
-STATE_SCORE = {
-    "crashed": 0,
-    "silent": 1,
-    "stalled": 2,
-    "not_connected": 3,
-    "waiting": 4,
-    "running": 5,
-    "stopped": 6,
-    "exited": 7,
-}
-"""Worst first: a lower score is a worse state."""
+STATE_SCORE = {state: n for n, state in enumerate(RANK_STATES)}
+"""Worst first (``vocabulary.RANK_STATES``): a lower score is a worse state."""
+
+STATE_TEXT = {RankState.NOT_CONNECTED: "absent"}
+"""How the views write a state where it differs from its name."""
+
+
+def state_text(state: str) -> str:
+    """The word the views show for ``state``: its name, or "absent" for ``not_connected``."""
+    return STATE_TEXT.get(state, state)
+
 
 SHORT_STATE = {
-    "running": "run",
-    "waiting": "wait",
-    "stalled": "stall",
-    "silent": "silent",
-    "crashed": "crash",
-    "exited": "exit",
-    "stopped": "stop",
-    "not_connected": "absent",
+    RankState.RUNNING: "run",
+    RankState.WAITING: "wait",
+    RankState.STALLED: "stall",
+    RankState.SILENT: "silent",
+    RankState.CRASHED: "crash",
+    RankState.EXITED: "exit",
+    RankState.STOPPED: "stop",
+    RankState.NOT_CONNECTED: "absent",
 }
 
 UNKNOWN_STATE_SCORE = 9
@@ -67,21 +69,22 @@ WORST_NONE = 99
 """No score yet: above every other."""
 
 CULPRIT_SCORE = {
-    "error": WORST_ERROR_CULPRIT,
-    "warning": WORST_WARNING_CULPRIT,
-    "info": WORST_INFO_CULPRIT,
+    Severity.ERROR: WORST_ERROR_CULPRIT,
+    Severity.WARNING: WORST_WARNING_CULPRIT,
+    Severity.INFO: WORST_INFO_CULPRIT,
 }
 """The score an alert of each severity gives its culprits (unknown severities: info's)."""
-_STATE_WORST = {
-    "crashed": WORST_CRASHED,
-    "silent": WORST_SILENT,
-    "stalled": WORST_STALLED,
-    "not_connected": WORST_NOT_CONNECTED,
-    "waiting": WORST_WAITING,
-    "running": WORST_RUNNING,
-    "stopped": WORST_DONE,
-    "exited": WORST_DONE,
+STATE_WORST = {
+    RankState.CRASHED: WORST_CRASHED,
+    RankState.SILENT: WORST_SILENT,
+    RankState.STALLED: WORST_STALLED,
+    RankState.NOT_CONNECTED: WORST_NOT_CONNECTED,
+    RankState.WAITING: WORST_WAITING,
+    RankState.RUNNING: WORST_RUNNING,
+    RankState.STOPPED: WORST_DONE,
+    RankState.EXITED: WORST_DONE,
 }
+"""The worst-first score of a rank in each state (before the alerts naming it count)."""
 
 
 def score_style(score: int | None) -> str | None:
@@ -108,13 +111,13 @@ class AlertIndex:
 def index_alerts(alerts: Iterable[dict[str, Any]]) -> AlertIndex:
     index = AlertIndex()
     for alert in alerts:
-        severity = alert.get("severity", "info")
+        severity = alert.get("severity", Severity.INFO)
         index.counts[severity] += 1
         score = CULPRIT_SCORE.get(severity, WORST_INFO_CULPRIT)
         for rank in alert.get("ranks") or ():
             if score < index.culprit.get(rank, WORST_NONE):
                 index.culprit[rank] = score
-            if alert.get("kind") == "nan_loss":
+            if alert.get("kind") == AlertKind.NAN_LOSS:
                 index.nan.add(rank)
         index.waiting.update(alert.get("waiting") or ())
     return index
@@ -122,9 +125,9 @@ def index_alerts(alerts: Iterable[dict[str, Any]]) -> AlertIndex:
 
 def worst_score(row: Row, index: AlertIndex) -> int:
     """0 is the worst: culprits of errors, crashed, warnings' culprits, silent, ..., exited."""
-    state = row.get("state")
-    score = _STATE_WORST.get(state, WORST_RUNNING)
-    if state == "exited" and row.get("exit_code") not in (None, 0):
+    state: str = row.get("state") or ""  # "": a row without one, which scores as running
+    score = STATE_WORST.get(state, WORST_RUNNING)
+    if state == RankState.EXITED and row.get("exit_code") not in (None, 0):
         score = WORST_CRASHED
     culprit = index.culprit.get(row["rank"])
     if culprit is not None and culprit < score:
@@ -140,7 +143,7 @@ def is_flagged(row: Row, index: AlertIndex) -> bool:
     return (
         rank in index.culprit
         or rank in index.waiting
-        or row.get("state") not in ("running", "exited", "stopped")
+        or row.get("state") not in (RankState.RUNNING, RankState.EXITED, RankState.STOPPED)
     )
 
 
@@ -281,7 +284,7 @@ def worst_first(rows: Sequence[Row], index: AlertIndex) -> list[Row]:
     plain: list[Row] = []
     special: list[Row] = []
     for row in rows:
-        if row.get("state") == "running" and row["rank"] not in named:
+        if row.get("state") == RankState.RUNNING and row["rank"] not in named:
             plain.append(row)
         else:
             special.append(row)
@@ -316,7 +319,7 @@ def group_by_host(ranks: Iterable[Row], index: AlertIndex) -> list[Row]:
                 "ranks": [],
             }
         group["count"] += 1
-        state = row.get("state") or "not_connected"
+        state = row.get("state") or RankState.NOT_CONNECTED
         group["states"][state] += 1
         group["ranks"].append(row["rank"])
         step = row.get("step")

@@ -27,6 +27,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from ddpwatch.tui.columns import (
+    CELL_STYLES,
     FINISHED_FIELDS,
     GROUP_COLUMNS,
     RANK_COLUMNS,
@@ -34,9 +35,12 @@ from ddpwatch.tui.columns import (
     finished,
     fit_columns,
     row_signature,
+    state_style,
+    style_class,
     text_width,
 )
 from ddpwatch.tui.model import AlertIndex, Row
+from ddpwatch.vocabulary import RankState
 
 
 class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
@@ -53,23 +57,10 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
     ]
 
     COMPONENT_CLASSES: ClassVar[set[str]] = {
-        "rank-table--header",
-        "rank-table--sorted",
-        "rank-table--cursor",
-        "rank-table--running",
-        "rank-table--waiting",
-        "rank-table--stalled",
-        "rank-table--silent",
-        "rank-table--crashed",
-        "rank-table--exited",
-        "rank-table--stopped",
-        "rank-table--not-connected",
-        "rank-table--error",
-        "rank-table--warning",
-        "rank-table--dim",
-        "rank-table--sim",
-        "rank-table--bar",
+        style_class(name) for name in ("header", "sorted", "cursor", *sorted(CELL_STYLES))
     }
+    """The header's, the cursor's and every cell style's (``columns.CELL_STYLES``): each is
+    styled in ``DEFAULT_CSS`` (``tests/test_vocabulary.py`` checks both ways)."""
 
     DEFAULT_CSS = """
     RankTable {
@@ -298,7 +289,7 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
             if name is None:
                 style = Style()
             else:
-                style = self.get_component_rich_style(f"rank-table--{name}", partial=True)
+                style = self.get_component_rich_style(style_class(name), partial=True)
             self._styles[name] = style
         return style
 
@@ -374,7 +365,7 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
             Segment(">" if is_cursor else " ", self._style("warning") if is_cursor else None)
         ]
         dim = not self.grouped and finished(row)
-        exited = self._style("exited")
+        exited = self._style(state_style(RankState.EXITED))
         last = len(self._layout) - 1
         for i, (column, cw) in enumerate(self._layout):
             text, style_name = column.cell(row, index, cw)
@@ -397,5 +388,5 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
         strip = Strip(segments).adjust_cell_length(width)
         base = self.rich_style
         if is_cursor:
-            base = base + self.get_component_rich_style("rank-table--cursor", partial=True)
+            base = base + self.get_component_rich_style(style_class("cursor"), partial=True)
         return strip.apply_style(base)

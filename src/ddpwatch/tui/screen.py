@@ -7,6 +7,7 @@ source is; while paused nothing is fetched or redrawn.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ from ddpwatch.tui.model import (
 )
 from ddpwatch.tui.rank_table import RankTable
 from ddpwatch.tui.sources import StatusSource
+from ddpwatch.vocabulary import Severity
 
 MIN_WIDTH, MIN_HEIGHT = 60, 15
 """Below this the dashboard shows "terminal too small" instead of a cramped view."""
@@ -248,7 +250,7 @@ class DashboardScreen(Screen[None]):
         errors = {
             (alert.get("kind"), tuple(alert.get("ranks") or ()))
             for alert in alerts
-            if alert.get("severity") == "error"
+            if alert.get("severity") == Severity.ERROR
         }
         if self.bell and self._errors is not None and not errors <= self._errors:
             self.app.bell()
@@ -303,7 +305,7 @@ class DashboardScreen(Screen[None]):
         """The selected rank's entry in the current document."""
         if self.document is None:
             return None
-        ranks = self.document.get("ranks") or []
+        ranks: list[Row] = self.document.get("ranks") or []
         if 0 <= rank < len(ranks) and ranks[rank].get("rank") == rank:
             return ranks[rank]
         if not self._rank_pos:
@@ -372,15 +374,7 @@ class DashboardScreen(Screen[None]):
     # ------------------------------------------------------------------ actions
 
     def _set_query(self, **changes: Any) -> None:
-        values = {
-            "sort": self.query_state.sort,
-            "reverse": self.query_state.reverse,
-            "filter": self.query_state.filter,
-            "flagged": self.query_state.flagged,
-            "grouped": self.query_state.grouped,
-        }
-        values.update(changes)
-        self.query_state = Query(**values)
+        self.query_state = dataclasses.replace(self.query_state, **changes)
         self.refresh_view()
 
     def sort_keys(self) -> list[str]:

@@ -13,13 +13,10 @@ import logging
 import os
 import signal
 import subprocess
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ddpwatch.protocol import DEFAULT_PORT
 from ddpwatch.server.provider import StatusProvider
-
-if TYPE_CHECKING:
-    from ddpwatch.server.replay import ReplayServer
 
 log = logging.getLogger("ddpwatch.tui")
 
@@ -91,10 +88,26 @@ class JobSource(LocalSource):
         self.label = f"{self._server_label}  job {exit_description(code)}"
 
 
+@runtime_checkable
+class ReplayProvider(StatusProvider, Protocol):
+    """A ``StatusProvider`` that replays a recording (``ReplayServer``): what ``ReplaySource``
+    reads besides the status. A protocol, so that this module imports no server."""
+
+    @property
+    def path(self) -> str | os.PathLike[str]:
+        """The recording."""
+        ...
+
+    @property
+    def progress(self) -> float:
+        """How far through it the replay is, 0 to 1."""
+        ...
+
+
 class ReplaySource(LocalSource):
     """``ddpwatch replay FILE``: the header names the file and how far the replay has got."""
 
-    def __init__(self, server: ReplayServer) -> None:
+    def __init__(self, server: ReplayProvider) -> None:
         super().__init__(server)
         self.replay = server
         self.no_ranks = "no ranks in the recording yet"
@@ -115,9 +128,9 @@ def replay_label(path: str | os.PathLike[str], progress: float) -> str:
 
 
 def local_source(server: StatusProvider) -> LocalSource:
-    """The source for a server in this process; a ``ReplayServer`` (it has ``progress``) gets
-    a ``ReplaySource``."""
-    return ReplaySource(server) if hasattr(server, "progress") else LocalSource(server)
+    """The source for a server in this process; a ``ReplayServer`` (it has ``path`` and
+    ``progress``) gets a ``ReplaySource``."""
+    return ReplaySource(server) if isinstance(server, ReplayProvider) else LocalSource(server)
 
 
 def waiting_for_ranks(addr: str | None) -> str:

@@ -22,7 +22,7 @@ MESSAGE_WIDTH = 120
 
 def timeline_rows(history: list[dict[str, Any]]) -> list[tuple[str, ...]]:
     """One row per change, newest first: what the table shows (pure, for tests and exports)."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for entry in reversed(history):
         alert = entry.get("alert") or {}
         event = str(entry.get("event", ""))

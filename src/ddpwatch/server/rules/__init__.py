@@ -35,9 +35,10 @@ from ddpwatch.server.rules.progress import (
     rule_step_skew,
 )
 from ddpwatch.server.rules.registry import Rule
+from ddpwatch.server.rules.relays import rule_relay_lost
 from ddpwatch.server.rules.startup import rule_not_connected, rule_startup_hang
 from ddpwatch.server.state import ServerState
-from ddpwatch.vocabulary import STARTUP_PHASES
+from ddpwatch.vocabulary import SEVERITIES, STARTUP_PHASES
 
 __all__ = [
     "RULES",
@@ -57,6 +58,7 @@ __all__ = [
     "rule_local_rank_mismatch",
     "rule_nan_loss",
     "rule_not_connected",
+    "rule_relay_lost",
     "rule_slow_rank",
     "rule_stalled",
     "rule_startup_hang",
@@ -68,6 +70,7 @@ __all__ = [
 RULES: tuple[Rule, ...] = (
     rule_cascade,
     rule_clean_exit,
+    rule_relay_lost,
     rule_straggler,
     rule_collective_mismatch,
     rule_stalled,
@@ -85,14 +88,14 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-_SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
+_SEVERITY_ORDER = {severity: n for n, severity in enumerate(SEVERITIES)}  # error first
 RULE_FAILURES: Counter[str] = Counter()
 """Ticks each rule raised on, by rule name, since the server started."""
 log = logging.getLogger("ddpwatch")
 
 
 def _sort_key(alert: Alert) -> tuple[int, str, tuple[int, ...]]:
-    return (_SEVERITY_ORDER.get(alert.severity, 3), alert.kind, alert.ranks)
+    return (_SEVERITY_ORDER.get(alert.severity, len(SEVERITIES)), alert.kind, alert.ranks)
 
 
 def diagnose(state: ServerState, now: float, th: Thresholds) -> list[Alert]:

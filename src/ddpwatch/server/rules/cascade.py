@@ -3,7 +3,7 @@ ranks that failed or wait because of it (listed as ``waiting``, never as culprit
 
 from __future__ import annotations
 
-from ddpwatch.server.alerts import Alert, Severity, Thresholds
+from ddpwatch.server.alerts import Alert, Thresholds
 from ddpwatch.server.rules.facts import Cascade, Facts, Root, is_clean_exit
 from ddpwatch.server.rules.registry import alert, rule
 from ddpwatch.server.rules.text import (
@@ -15,6 +15,7 @@ from ddpwatch.server.rules.text import (
     where,
 )
 from ddpwatch.server.state import RankRecord
+from ddpwatch.vocabulary import AlertKind, Severity, SeverityName
 
 
 def _root_alert(root: Root, cascade: Cascade | None, now: float) -> Alert:
@@ -25,9 +26,9 @@ def _root_alert(root: Root, cascade: Cascade | None, now: float) -> Alert:
     waiting, after = _consequences(cascade, ranks)
     if root.named:  # the ranks that raised the error only reported it
         waiting = sorted(set(waiting) | {r.rank for r in root.records})
-    if root.kind == "silent":
+    if root.kind == AlertKind.SILENT:
         return _silent_alert(root, ranks, waiting, after, now)
-    if root.kind == "exited":
+    if root.kind == AlertKind.EXITED:
         return _exit_alert(first, ranks, waiting, after)
     assert first.error is not None
     signature = root.signature
@@ -46,7 +47,7 @@ def _root_alert(root: Root, cascade: Cascade | None, now: float) -> Alert:
         else f"read the traceback of {format_ranks(ranks[:1])} (ddpwatch status --json shows "
         "it); the other ranks only failed because it died"
     )
-    return alert("crashed", "error", ranks, waiting, message, hint)
+    return alert(AlertKind.CRASHED, Severity.ERROR, ranks, waiting, message, hint)
 
 
 def _consequences(cascade: Cascade | None, roots: list[int]) -> tuple[list[int], str]:
@@ -94,7 +95,7 @@ def _exit_alert(first: RankRecord, ranks: list[int], waiting: list[int], after: 
             "rank decide together (all_reduce a stop flag) and give every rank the same number "
             "of batches"
         )
-    return alert("exited", "error", ranks, waiting, message, hint)
+    return alert(AlertKind.EXITED, Severity.ERROR, ranks, waiting, message, hint)
 
 
 def _silent_alert(
@@ -116,7 +117,7 @@ def _silent_alert(
         f"check the launcher's log and dmesg (OOM killer){on_host}; if the process still runs, "
         f"{pid} shows where it hangs"
     )
-    return alert("silent", "error", ranks, waiting, message, hint)
+    return alert(AlertKind.SILENT, Severity.ERROR, ranks, waiting, message, hint)
 
 
 def _no_root_alerts(cascade: Cascade, now: float, th: Thresholds) -> list[Alert]:
@@ -145,7 +146,7 @@ def _no_root_alerts(cascade: Cascade, now: float, th: Thresholds) -> list[Alert]
             "something outside the job stopped it: the launcher (its log names the first "
             "failure), the scheduler (time limit, preemption) or Ctrl-C"
         )
-        return [alert("exited", "warning", [], affected, message, hint)]
+        return [alert(AlertKind.EXITED, Severity.WARNING, [], affected, message, hint)]
     failed = sorted(r.rank for _, _, r in events)
     _, _, example = min(events, key=lambda e: (e[0], e[1]))
     assert example.error is not None
@@ -158,7 +159,7 @@ def _no_root_alerts(cascade: Cascade, now: float, th: Thresholds) -> list[Alert]
         "a process died without reporting (kill -9, the OOM killer, a segfault) or the network "
         "between hosts failed: check dmesg and the launcher's log on every host"
     )
-    return [alert("crashed", "error", [], affected, message, hint)]
+    return [alert(AlertKind.CRASHED, Severity.ERROR, [], affected, message, hint)]
 
 
 def _together_alert(records: list[RankRecord], now: float) -> Alert:
@@ -176,10 +177,10 @@ def _together_alert(records: list[RankRecord], now: float) -> Alert:
         "kill -9, a node going down) or the network between the job and ddpwatch failed; "
         "check the launcher's log"
     )
-    return alert("silent", "warning", [], ranks, message, hint)
+    return alert(AlertKind.SILENT, Severity.WARNING, [], ranks, message, hint)
 
 
-@rule("crashed", "exited", "silent")
+@rule(AlertKind.CRASHED, AlertKind.EXITED, AlertKind.SILENT)
 def rule_cascade(f: Facts) -> list[Alert]:
     """Name the ranks that failed first; list everything that failed because of them."""
     now, th = f.now, f.th
@@ -192,7 +193,7 @@ def rule_cascade(f: Facts) -> list[Alert]:
     return [_root_alert(first, cascade, now)] + [_root_alert(root, None, now) for root in others]
 
 
-@rule("exited")
+@rule(AlertKind.EXITED)
 def rule_clean_exit(f: Facts) -> list[Alert]:
     """A rank that finished while others still train: they hang in their next collective."""
     now = f.now
@@ -234,5 +235,5 @@ def rule_clean_exit(f: Facts) -> list[Alert]:
         "the ranks ran different numbers of steps: give every rank the same number of "
         "batches (DistributedSampler with drop_last=True, or the DDP join() context manager)"
     )
-    severity: Severity = "error" if stuck else "warning"
-    return [alert("exited", severity, ranks, [r.rank for r in stuck], message, hint)]
+    severity: SeverityName = Severity.ERROR if stuck else Severity.WARNING
+    return [alert(AlertKind.EXITED, severity, ranks, [r.rank for r in stuck], message, hint)]

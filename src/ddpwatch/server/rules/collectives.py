@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from ddpwatch.server.alerts import Alert, Severity
+from ddpwatch.server.alerts import Alert
 from ddpwatch.server.knowledge import named_ranks
 from ddpwatch.server.rules.facts import Facts, Mismatch, Straggle, normal_op, world_complete
 from ddpwatch.server.rules.registry import alert, rule
@@ -20,9 +20,10 @@ from ddpwatch.server.rules.text import (
     where,
 )
 from ddpwatch.server.state import RankRecord
+from ddpwatch.vocabulary import AlertKind, Severity, SeverityName
 
 
-@rule("straggler", "stalled")
+@rule(AlertKind.STRAGGLER, AlertKind.STALLED)
 def rule_straggler(f: Facts) -> list[Alert]:
     """Ranks wait in a collective that a live rank has not entered: name that rank."""
     found = f.straggle
@@ -70,8 +71,10 @@ def rule_straggler(f: Facts) -> list[Alert]:
             "; if that rank's work is legitimate (saving, evaluating on one rank), raise "
             "timeout= in init_process_group or let the other ranks do it too"
         )
-    severity: Severity = "error" if found.age >= f.stall_after else "warning"
-    return [alert("straggler", severity, [r.rank for r in culprits], waiting, message, hint)]
+    severity: SeverityName = Severity.ERROR if found.age >= f.stall_after else Severity.WARNING
+    return [
+        alert(AlertKind.STRAGGLER, severity, [r.rank for r in culprits], waiting, message, hint)
+    ]
 
 
 def _all_waiting(facts: Facts, found: Straggle) -> list[Alert]:
@@ -95,10 +98,10 @@ def _all_waiting(facts: Facts, found: Straggle) -> list[Alert]:
         "NCCL_SOCKET_IFNAME / InfiniBand settings, and whether its process group includes "
         "a process that ddpwatch does not see"
     )
-    return [alert("stalled", "error", ranks, [], message, hint)]
+    return [alert(AlertKind.STALLED, Severity.ERROR, ranks, [], message, hint)]
 
 
-@rule("collective_mismatch")
+@rule(AlertKind.COLLECTIVE_MISMATCH)
 def rule_collective_mismatch(f: Facts) -> list[Alert]:
     """Ranks that made different calls at the same collective number: another op, or the same
     op with another size or dtype (live, or from what the ranks died in); else a mismatch
@@ -152,8 +155,8 @@ def _desync(f: Facts) -> list[Alert]:
     )
     return [
         alert(
-            "collective_mismatch",
-            "error",
+            AlertKind.COLLECTIVE_MISMATCH,
+            Severity.ERROR,
             [r.rank for r in odd],
             [r.rank for r in majority],
             message,
@@ -199,7 +202,7 @@ def _mismatch_alert(f: Facts, found: Mismatch) -> Alert:
         "logging or metrics code) or a size that depends on the rank's data (pad it, or "
         "all_gather the sizes first); TORCH_DISTRIBUTED_DEBUG=DETAIL checks every call"
     )
-    return alert("collective_mismatch", "error", culprits, affected, message, hint)
+    return alert(AlertKind.COLLECTIVE_MISMATCH, Severity.ERROR, culprits, affected, message, hint)
 
 
 def _calls(calls: list[tuple[str, list[RankRecord]]], limit: int = 3) -> str:
@@ -220,7 +223,7 @@ def _dead_or_blocked(f: Facts) -> set[int]:
 def _mismatch_from_crashes(facts: Facts) -> list[Alert]:
     """A mismatch error with no calls to compare: name the ranks the error text names, if
     any; the ranks that raised it may only have received the odd rank's data."""
-    crashed = facts.crashes_of_kind("collective_mismatch")
+    crashed = facts.crashes_of_kind(AlertKind.COLLECTIVE_MISMATCH)
     if not crashed:
         return []
     first = crashed[0]
@@ -236,4 +239,13 @@ def _mismatch_from_crashes(facts: Facts) -> list[Alert]:
         message += "; which rank made the odd call is not known yet"
     signature = facts.signatures.get(first.rank)
     hint = signature.hint if signature else ""
-    return [alert("collective_mismatch", "error", named, _dead_or_blocked(facts), message, hint)]
+    return [
+        alert(
+            AlertKind.COLLECTIVE_MISMATCH,
+            Severity.ERROR,
+            named,
+            _dead_or_blocked(facts),
+            message,
+            hint,
+        )
+    ]

@@ -15,6 +15,7 @@ from ddpwatch.server.rules.facts import Facts
 from ddpwatch.server.rules.registry import alert, rule
 from ddpwatch.server.rules.text import GIB, MAX_LISTED, first_line, format_ranks, gib, verb
 from ddpwatch.server.state import RankRecord
+from ddpwatch.vocabulary import AlertKind, Severity
 
 _DUPLICATE_PAIR = re.compile(r"rank (\d+) and rank (\d+) both on CUDA device", re.IGNORECASE)
 
@@ -67,7 +68,7 @@ def _duplicate_culprits(group: list[RankRecord]) -> list[RankRecord]:
     return odd if 0 < len(odd) < len(group) else group
 
 
-@rule("duplicate_device")
+@rule(AlertKind.DUPLICATE_DEVICE)
 def rule_duplicate_device(f: Facts) -> list[Alert]:
     """Two or more ranks on one GPU (NCCL refuses it; with gloo it silently halves speed)."""
     alerts = []
@@ -79,8 +80,10 @@ def rule_duplicate_device(f: Facts) -> list[Alert]:
         message = f"{format_ranks(r.rank for r in first)} share GPU {gpu} on host {first[0].host}"
         if len(groups) > 1:
             message += f", and {len(groups) - 1} more GPUs are shared by several ranks"
-        alerts.append(alert("duplicate_device", "error", culprits, [], message, _DUP_HINT))
-    crashed = f.crashes_of_kind("duplicate_device")
+        alerts.append(
+            alert(AlertKind.DUPLICATE_DEVICE, Severity.ERROR, culprits, [], message, _DUP_HINT)
+        )
+    crashed = f.crashes_of_kind(AlertKind.DUPLICATE_DEVICE)
     if crashed:
         ranks = {r.rank for r in crashed}
         for r in crashed:
@@ -93,7 +96,9 @@ def rule_duplicate_device(f: Facts) -> list[Alert]:
         message = f"{format_ranks(ranks)} use the same GPU: NCCL reported " + (
             f"'{pair.group(0)}'" if pair else f"'{first_line(error.message)}'"
         )
-        alerts.append(alert("duplicate_device", "error", sorted(ranks), [], message, _DUP_HINT))
+        alerts.append(
+            alert(AlertKind.DUPLICATE_DEVICE, Severity.ERROR, sorted(ranks), [], message, _DUP_HINT)
+        )
     return alerts
 
 
@@ -127,10 +132,10 @@ def _local_rank_clause(records: list[RankRecord]) -> str:
     return f"LOCAL_RANK is {listed}" + (", …" if len(known) > 3 else "")
 
 
-@rule("device_ordinal")
+@rule(AlertKind.DEVICE_ORDINAL)
 def rule_device_ordinal(f: Facts) -> list[Alert]:
     """The global rank used as a CUDA device index: crashes on the second node."""
-    crashed = f.crashes_of_kind("device_ordinal")
+    crashed = f.crashes_of_kind(AlertKind.DEVICE_ORDINAL)
     suspects = _suspects(f)
     records = sorted({r.rank: r for r in crashed + suspects}.values(), key=lambda r: r.rank)
     if not records:
@@ -157,7 +162,11 @@ def rule_device_ordinal(f: Facts) -> list[Alert]:
         f"use torch.cuda.set_device(local_rank) — {_local_rank_clause(records)} — "
         "not the global rank"
     )
-    return [alert("device_ordinal", "error", [r.rank for r in records], [], message, hint)]
+    return [
+        alert(
+            AlertKind.DEVICE_ORDINAL, Severity.ERROR, [r.rank for r in records], [], message, hint
+        )
+    ]
 
 
 def _gpus_on(record: RankRecord) -> str:
@@ -166,7 +175,7 @@ def _gpus_on(record: RankRecord) -> str:
     return f"; host {record.host or '?'} has {record.device_count} GPUs"
 
 
-@rule("local_rank_mismatch")
+@rule(AlertKind.LOCAL_RANK_MISMATCH)
 def rule_local_rank_mismatch(f: Facts) -> list[Alert]:
     """A rank on a GPU other than cuda:<local rank> (often all ranks on cuda:0)."""
     flagged = {r.rank for g in _duplicates(f) for r in _duplicate_culprits(g)}
@@ -196,10 +205,19 @@ def rule_local_rank_mismatch(f: Facts) -> list[Alert]:
         "call torch.cuda.set_device(local_rank) before creating tensors or the model; if the "
         "mapping is intended, ignore this"
     )
-    return [alert("local_rank_mismatch", "warning", [r.rank for r in odd], [], message, hint)]
+    return [
+        alert(
+            AlertKind.LOCAL_RANK_MISMATCH,
+            Severity.WARNING,
+            [r.rank for r in odd],
+            [],
+            message,
+            hint,
+        )
+    ]
 
 
-@rule("uneven_memory")
+@rule(AlertKind.UNEVEN_MEMORY)
 def rule_uneven_memory(f: Facts) -> list[Alert]:
     """A rank that uses far more GPU memory than the others (often rank 0)."""
     live = f.live
@@ -232,10 +250,14 @@ def rule_uneven_memory(f: Facts) -> list[Alert]:
         "state) or other ranks create a CUDA context on its GPU: call "
         "torch.cuda.set_device(local_rank) early and use map_location when loading checkpoints"
     )
-    return [alert("uneven_memory", "warning", [r.rank for r, _ in heavy], [], message, hint)]
+    return [
+        alert(
+            AlertKind.UNEVEN_MEMORY, Severity.WARNING, [r.rank for r, _ in heavy], [], message, hint
+        )
+    ]
 
 
-@rule("foreign_memory")
+@rule(AlertKind.FOREIGN_MEMORY)
 def rule_foreign_memory(f: Facts) -> list[Alert]:
     """Processes that are not ranks of this job hold memory on a rank's GPU."""
     pids: dict[str, set[int]] = defaultdict(set)
@@ -275,4 +297,13 @@ def rule_foreign_memory(f: Facts) -> list[Alert]:
         "GPU: check nvidia-smi and stop it or use other GPUs; note that pids inside "
         "containers differ from the host's"
     )
-    return [alert("foreign_memory", "warning", [r.rank for r in culprits], [], message, hint)]
+    return [
+        alert(
+            AlertKind.FOREIGN_MEMORY,
+            Severity.WARNING,
+            [r.rank for r in culprits],
+            [],
+            message,
+            hint,
+        )
+    ]

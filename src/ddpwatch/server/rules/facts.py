@@ -20,8 +20,10 @@ from typing import TypeVar, cast
 from ddpwatch.protocol import Collective, ErrorInfo
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.knowledge import WAIT_NAMES, Signature, explain_error, named_ranks
+from ddpwatch.server.relays import LostRelay, lost_relays
 from ddpwatch.server.rules.text import first_line
 from ddpwatch.server.state import RankRecord, ServerState
+from ddpwatch.vocabulary import AlertKind, RankState
 
 T = TypeVar("T")
 MAX_WORLD = 1 << 20  # never iterate a bogus world size further than this
@@ -35,22 +37,23 @@ _TERM_CODES = frozenset({-15, -2, -1, 143, 130, 129})
 
 
 def rank_state(record: RankRecord, now: float, th: Thresholds, stall_after: float) -> str:
-    """One word for a rank: running, waiting, stalled, silent, crashed, stopped or exited.
+    """One word for a rank (a ``RankState``): running, waiting, stalled, silent, crashed,
+    stopped or exited.
 
     ``stopped``: ended by a signal from outside (SIGTERM, SIGINT, SIGHUP), usually the
     launcher stopping the rest after one rank failed; ``exited``: ended on its own.
     """
     if record.error is not None:
-        return "crashed"
+        return RankState.CRASHED
     if record.exit_time is not None:
-        return "stopped" if is_term_exit(record) else "exited"
+        return RankState.STOPPED if is_term_exit(record) else RankState.EXITED
     if now - record.last_seen > th.silent:
-        return "silent"
+        return RankState.SILENT
     if record.collective is not None:
-        return "waiting"
+        return RankState.WAITING
     if record.step is not None and now - record.last_progress > stall_after:
-        return "stalled"
-    return "running"
+        return RankState.STALLED
+    return RankState.RUNNING
 
 
 def median(values: Iterable[float | None]) -> float | None:
@@ -129,6 +132,17 @@ class Facts:
             for r in self.records
             if r.error is None and r.exit_time is None and now - r.last_seen <= silent
         ]
+
+    @cached_property
+    def lost_relays(self) -> list[LostRelay]:
+        """Per-node relays gone quiet while ranks still ran (``server/relays.py``)."""
+        state = self.state
+        return lost_relays(state.relays, state.ranks, self.live, self.now, self.th.silent)
+
+    @cached_property
+    def relay_silent(self) -> frozenset[int]:
+        """Ranks that went silent with their relay: the relay is named, not each of them."""
+        return frozenset(r.rank for lost in self.lost_relays for r in lost.silent)
 
     @cached_property
     def stall_after(self) -> float:
@@ -249,92 +263,169 @@ def find_cascade(facts: Facts) -> Cascade:
     failures (a lost connection is never a cause), timeouts when a real root exists, and
     ranks stopped by a signal from outside (the launcher's SIGTERM).
     """
+    buckets = _classify_ranks(facts)
+    _blame_clean_exits(buckets, facts.now)
+    together: list[RankRecord] = []
+    if _silent_together(facts, buckets):
+        together = buckets.silent  # nobody to tell apart: no culprit
+    elif buckets.silent:
+        _place_silent(facts, buckets)
+    roots = _pick_roots(facts, buckets)
+    missing = missing_ranks(facts.state)
+    return Cascade(
+        roots,
+        buckets.symptoms,
+        buckets.stopped,
+        buckets.blocked,
+        buckets.mismatched,
+        missing,
+        together,
+    )
+
+
+@dataclass
+class _Buckets:
+    """``find_cascade``'s buckets: what its pass over the ranks buckets, then where the later
+    stages put the clean exits and the silent ranks."""
+
+    primary: dict[tuple[object, ...], Root] = field(default_factory=dict)
+    """Failures of their own, grouped by cause: the roots."""
+    timeouts: dict[tuple[object, ...], Root] = field(default_factory=dict)
+    """Crashes that only waited too long: roots only when nothing else failed."""
+    silent: list[RankRecord] = field(default_factory=list)
+    symptoms: list[RankRecord] = field(default_factory=list)
+    stopped: list[RankRecord] = field(default_factory=list)
+    clean: list[RankRecord] = field(default_factory=list)
+    mismatched: list[RankRecord] = field(default_factory=list)
+    blocked: list[int] = field(default_factory=list)
+
+
+def _classify_ranks(facts: Facts) -> _Buckets:
+    """The linear pass: each crashed, exited, silent or blocked rank into its bucket."""
     now, silent_after = facts.now, facts.th.silent
-    primary: dict[tuple[object, ...], Root] = {}
-    timeouts: dict[tuple[object, ...], Root] = {}
-    silent: list[RankRecord] = []
-    symptoms: list[RankRecord] = []
-    stopped: list[RankRecord] = []
-    clean: list[RankRecord] = []
-    mismatched: list[RankRecord] = []
-    blocked: list[int] = []
-    found = facts.mismatch  # a crash inside a mismatched collective is that mismatch's doing
-    in_mismatch = {r.rank for r in found.culprits + found.others} if found else set()
+    buckets = _Buckets()
+    mismatch = facts.mismatch  # a crash inside a mismatched collective is that mismatch's doing
+    in_mismatch = {r.rank for r in mismatch.culprits + mismatch.others} if mismatch else set()
+    relay_silent = facts.relay_silent  # their relay's alert names them
     for record in facts.records:
         if record.error is not None:
-            signature = facts.signatures[record.rank]
-            t = record.error_time if record.error_time is not None else record.last_seen
-            if signature is not None and signature.peer_failure:
-                symptoms.append(record)
-            elif record.rank in in_mismatch or (
-                signature is not None and signature.kind == "collective_mismatch"
-            ):
-                mismatched.append(record)
-            elif signature is not None and signature.name in WAIT_NAMES and not _blamed_by(record):
-                key = _crash_key(record.error, signature)
-                _group(timeouts, key, "crashed", record, t, signature)
-            else:
-                key = _crash_key(record.error, signature)
-                _group(primary, key, "crashed", record, t, signature)
+            _classify_crash(facts, buckets, record, record.error, record.rank in in_mismatch)
         elif record.exit_time is not None:
             if is_term_exit(record):
-                stopped.append(record)
+                buckets.stopped.append(record)
             elif not is_clean_exit(record):
                 _group(
-                    primary,
+                    buckets.primary,
                     ("exit", record.exit_code, record.exit_signal),
-                    "exited",
+                    AlertKind.EXITED,
                     record,
                     record.exit_time,
                 )
             else:
-                clean.append(record)
+                buckets.clean.append(record)
         elif now - record.last_seen > silent_after:
-            silent.append(record)
+            if record.rank not in relay_silent:
+                buckets.silent.append(record)
         elif record.collective is not None:
-            blocked.append(record.rank)
-    if clean and (symptoms or stopped) and not primary and not mismatched:
-        # nothing else failed of its own accord: the ranks that left early broke the others
-        for record in clean:
-            _group(primary, ("exit", "clean"), "exited", record, record.exit_time or now)
-    together: list[RankRecord] = []
-    failed = primary or symptoms or stopped or mismatched or timeouts
-    if len(silent) >= 2 and not failed and not facts.live:
-        seen = [r.last_seen for r in silent]
-        if max(seen) - min(seen) <= 2 * facts.th.interval + 0.5:
-            together, silent = silent, []  # nobody to tell apart: no culprit
-    if silent:
-        # A rank that still sent heartbeats after another one failed was alive when the
-        # cascade began (the launcher killed it later): a victim, not a second root.
-        cutoff = min(
-            [root.time for root in primary.values()]
-            + [r.error_time or r.last_seen for r in symptoms]
-            + [r.exit_time or r.last_seen for r in stopped],
-            default=math.inf,
+            buckets.blocked.append(record.rank)
+    return buckets
+
+
+def _classify_crash(
+    facts: Facts, buckets: _Buckets, record: RankRecord, error: ErrorInfo, in_mismatch: bool
+) -> None:
+    """A crashed rank (``error`` is its error): the symptom of a peer's failure, a victim of
+    a collective mismatch, a timeout, or a root of its own."""
+    signature = facts.signatures[record.rank]
+    t = record.error_time if record.error_time is not None else record.last_seen
+    if signature is not None and signature.peer_failure:
+        buckets.symptoms.append(record)
+    elif in_mismatch or (signature is not None and signature.kind == AlertKind.COLLECTIVE_MISMATCH):
+        buckets.mismatched.append(record)
+    elif signature is not None and signature.name in WAIT_NAMES and not _blamed_by(record):
+        _group(
+            buckets.timeouts, _crash_key(error, signature), AlertKind.CRASHED, record, t, signature
         )
-        if mismatched or found is not None:
-            # gloo aborts (SIGABRT, no report) whichever rank receives the odd rank's data:
-            # a rank that fell silent as the mismatch broke is one of its victims
-            involved = mismatched + (found.culprits + found.others if found else [])
-            begun = min((r.error_time or r.last_seen for r in involved), default=now)
-            lost = [r for r in silent if r.last_seen >= begun - silent_after]
-            mismatched.extend(lost)
-            silent = [r for r in silent if r not in lost]
-        early = [r for r in silent if r.last_seen < cutoff]
-        stopped.extend(r for r in silent if r.last_seen >= cutoff)
-        if early:
-            root = Root("silent", [r.rank for r in early], min(r.last_seen for r in early), early)
-            primary[("silent",)] = root
-    if primary or missing_ranks(facts.state):
-        # a timeout waited for someone: the rank that failed, or one that never came
-        for root in timeouts.values():
-            symptoms.extend(root.records)
-        roots = list(primary.values())
     else:
-        roots = list(timeouts.values())
+        _group(
+            buckets.primary, _crash_key(error, signature), AlertKind.CRASHED, record, t, signature
+        )
+
+
+def _blame_clean_exits(buckets: _Buckets, now: float) -> None:
+    """When peers failed or were stopped but nothing failed of its own accord, the ranks
+    that left early (exited cleanly) broke the others: they become the roots."""
+    others_failed = buckets.symptoms or buckets.stopped
+    if buckets.clean and others_failed and not buckets.primary and not buckets.mismatched:
+        for record in buckets.clean:
+            _group(
+                buckets.primary,
+                ("exit", "clean"),
+                AlertKind.EXITED,
+                record,
+                record.exit_time or now,
+            )
+
+
+def _silent_together(facts: Facts, buckets: _Buckets) -> bool:
+    """Two or more ranks fell silent within about one report interval of each other, with
+    no failure and no rank still live: the job or the path to us is gone."""
+    silent = buckets.silent
+    failed = (
+        buckets.primary
+        or buckets.symptoms
+        or buckets.stopped
+        or buckets.mismatched
+        or buckets.timeouts
+    )
+    if len(silent) < 2 or failed or facts.live:
+        return False
+    seen = [r.last_seen for r in silent]
+    return max(seen) - min(seen) <= 2 * facts.th.interval + 0.5
+
+
+def _place_silent(facts: Facts, buckets: _Buckets) -> None:
+    """The silent ranks: victims of a collective mismatch when they fell silent as it broke;
+    else a root if silent before anything else failed, stopped (a victim) if after."""
+    silent = buckets.silent
+    # A rank that still sent heartbeats after another one failed was alive when the
+    # cascade began (the launcher killed it later): a victim, not a second root.
+    cutoff = min(
+        [root.time for root in buckets.primary.values()]
+        + [r.error_time or r.last_seen for r in buckets.symptoms]
+        + [r.exit_time or r.last_seen for r in buckets.stopped],
+        default=math.inf,
+    )
+    mismatch = facts.mismatch
+    if buckets.mismatched or mismatch is not None:
+        # gloo aborts (SIGABRT, no report) whichever rank receives the odd rank's data:
+        # a rank that fell silent as the mismatch broke is one of its victims
+        involved = buckets.mismatched + (mismatch.culprits + mismatch.others if mismatch else [])
+        begun = min((r.error_time or r.last_seen for r in involved), default=facts.now)
+        lost = [r for r in silent if r.last_seen >= begun - facts.th.silent]
+        buckets.mismatched.extend(lost)
+        silent = [r for r in silent if r not in lost]
+    early = [r for r in silent if r.last_seen < cutoff]
+    buckets.stopped.extend(r for r in silent if r.last_seen >= cutoff)
+    if early:
+        root = Root(
+            AlertKind.SILENT, [r.rank for r in early], min(r.last_seen for r in early), early
+        )
+        buckets.primary[("silent",)] = root
+
+
+def _pick_roots(facts: Facts, buckets: _Buckets) -> list[Root]:
+    """The roots, earliest first: the failures of their own, the timeouts then being
+    symptoms; only when there are none (and no rank is missing), the timeouts."""
+    if buckets.primary or missing_ranks(facts.state):
+        # a timeout waited for someone: the rank that failed, or one that never came
+        for root in buckets.timeouts.values():
+            buckets.symptoms.extend(root.records)
+        roots = list(buckets.primary.values())
+    else:
+        roots = list(buckets.timeouts.values())
     roots.sort(key=lambda root: (root.time, min(root.ranks)))
-    missing = missing_ranks(facts.state)
-    return Cascade(roots, symptoms, stopped, blocked, mismatched, missing, together)
+    return roots
 
 
 @lru_cache(maxsize=1024)
@@ -397,19 +488,10 @@ def find_straggle(
     Publishers that send no counts fall back to what their in-flight collective and
     their steps suggest.
     """
-    groups: dict[WaitKey, list[RankRecord]] = defaultdict(list)
-    for r in live:
-        if r.collective is not None:
-            groups[wait_key(r.collective)].append(r)
-    best: tuple[int, float, WaitKey] | None = None
-    for key, members in groups.items():
-        age = max(r.collective_age(now) or 0.0 for r in members)
-        if age > limit and (best is None or (len(members), age) > best[:2]):
-            best = (len(members), age, key)
-    if best is None:
+    most_waited = _most_waited(live, now, limit)
+    if most_waited is None:
         return None
-    _, age, key = best
-    waiting = groups[key]
+    key, age, waiting = most_waited
     seq = waiting[0].collective.seq if waiting[0].collective else None
     op = Counter(r.collective.op for r in waiting if r.collective).most_common(1)[0][0]
     began = min(
@@ -432,6 +514,26 @@ def find_straggle(
     timeouts = [r.pg_timeout_s for r in waiting if r.pg_timeout_s]
     left = min(timeouts) - age if timeouts else None
     return Straggle(op, seq, age, waiting, culprits, left)
+
+
+def _most_waited(
+    live: Sequence[RankRecord], now: float, limit: float
+) -> tuple[WaitKey, float, list[RankRecord]] | None:
+    """The collective the most live ranks wait in (the longest-waited of those tied) among
+    those older than ``limit``: its key, its age and its waiters; None when there is none."""
+    groups: dict[WaitKey, list[RankRecord]] = defaultdict(list)
+    for r in live:
+        if r.collective is not None:
+            groups[wait_key(r.collective)].append(r)
+    best: tuple[int, float, WaitKey] | None = None
+    for key, members in groups.items():
+        age = max(r.collective_age(now) or 0.0 for r in members)
+        if age > limit and (best is None or (len(members), age) > best[:2]):
+            best = (len(members), age, key)
+    if best is None:
+        return None
+    _, age, key = best
+    return key, age, groups[key]
 
 
 def _legacy_culprits(

@@ -12,9 +12,10 @@ from ddpwatch.server.rules.facts import Facts
 from ddpwatch.server.rules.registry import alert, rule
 from ddpwatch.server.rules.text import format_ranks, record_location, seconds, verb
 from ddpwatch.server.state import RankRecord
+from ddpwatch.vocabulary import AlertKind, Severity
 
 
-@rule("stalled")
+@rule(AlertKind.STALLED)
 def rule_stalled(f: Facts) -> list[Alert]:
     """A training rank that stopped making progress outside any collective."""
     now = f.now
@@ -49,10 +50,10 @@ def rule_stalled(f: Facts) -> list[Alert]:
         f"look at rank {worst.rank}'s stack (ddpwatch status --json) or run {pid}: it may "
         "wait on data loading, I/O, a lock or a GPU kernel"
     )
-    return [alert("stalled", "error", ranks, [], message, hint)]
+    return [alert(AlertKind.STALLED, Severity.ERROR, ranks, [], message, hint)]
 
 
-@rule("step_skew")
+@rule(AlertKind.STEP_SKEW)
 def rule_step_skew(f: Facts) -> list[Alert]:
     """Training ranks far apart in step count: they are not really in lockstep."""
     now, th = f.now, f.th
@@ -94,7 +95,9 @@ def rule_step_skew(f: Facts) -> list[Alert]:
         "that the model is wrapped in DistributedDataParallel on every rank and that all "
         "ranks use the same process group"
     )
-    return [alert("step_skew", "warning", [r.rank for r in behind], [], message, hint)]
+    return [
+        alert(AlertKind.STEP_SKEW, Severity.WARNING, [r.rank for r in behind], [], message, hint)
+    ]
 
 
 SETTLED_SAMPLES = 10
@@ -102,7 +105,7 @@ SETTLED_SAMPLES = 10
 warm-up's weight in the average is 0.8**10, about a tenth, after 10 (5 s at 2 Hz)."""
 
 
-@rule("slow_rank")
+@rule(AlertKind.SLOW_RANK)
 def rule_slow_rank(f: Facts) -> list[Alert]:
     """The rank the others wait for every step: its own collective wait is far shorter.
 
@@ -149,10 +152,10 @@ def rule_slow_rank(f: Facts) -> list[Alert]:
             f"rank {slowest.rank} waits {slowest.data_wait_s * 1000:.0f} ms per step for data: "
             "give its DataLoader more workers or faster storage"
         )
-    return [alert("slow_rank", "warning", [r.rank for r in slow], [], message, hint)]
+    return [alert(AlertKind.SLOW_RANK, Severity.WARNING, [r.rank for r in slow], [], message, hint)]
 
 
-@rule("nan_loss")
+@rule(AlertKind.NAN_LOSS)
 def rule_nan_loss(f: Facts) -> list[Alert]:
     """A loss that became nan or inf: the rank whose first bad step is earliest.
 
@@ -216,10 +219,12 @@ def _nan_alert(
             "or use torch.autograd.set_detect_anomaly(True) to find the first bad operation"
         )
     waiting = [r.rank for r in later] if first else [r.rank for r in bad]
-    return alert("nan_loss", "error", [r.rank for r in first], waiting, message, hint)
+    return alert(
+        AlertKind.NAN_LOSS, Severity.ERROR, [r.rank for r in first], waiting, message, hint
+    )
 
 
-@rule("checkpoint_conflict")
+@rule(AlertKind.CHECKPOINT_CONFLICT)
 def rule_checkpoint_conflict(f: Facts) -> list[Alert]:
     """Several ranks writing the same checkpoint file overwrite each other."""
     writers: dict[str, set[int]] = defaultdict(set)
@@ -238,4 +243,4 @@ def rule_checkpoint_conflict(f: Facts) -> list[Alert]:
         "save from one rank only (if dist.get_rank() == 0) or put the rank in the file name; "
         "ignore this for a sharded torch.distributed.checkpoint directory"
     )
-    return [alert("checkpoint_conflict", "warning", culprits, [], message, hint)]
+    return [alert(AlertKind.CHECKPOINT_CONFLICT, Severity.WARNING, culprits, [], message, hint)]

@@ -7,9 +7,10 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from ddpwatch.server.alerts import KINDS, Alert, Severity, Thresholds
+from ddpwatch.server.alerts import KINDS, Alert, Thresholds
 from ddpwatch.server.rules.facts import Facts
 from ddpwatch.server.state import ServerState
+from ddpwatch.vocabulary import SeverityName
 
 
 class Rule(Protocol):
@@ -44,7 +45,7 @@ def rule(*kinds: str) -> Callable[[Callable[[Facts], list[Alert]]], Rule]:
 
 def alert(
     kind: str,
-    severity: Severity,
+    severity: SeverityName,
     ranks: Iterable[int],
     waiting: Iterable[int],
     message: str,

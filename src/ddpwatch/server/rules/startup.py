@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ddpwatch.server.alerts import Alert, Severity
+from ddpwatch.server.alerts import Alert
 from ddpwatch.server.rules.facts import Facts, missing_ranks
 from ddpwatch.server.rules.registry import alert, rule
 from ddpwatch.server.rules.text import format_ranks, record_location, seconds, verb
 from ddpwatch.server.state import RankRecord
-from ddpwatch.vocabulary import STARTUP_PHASES
+from ddpwatch.vocabulary import STARTUP_PHASES, AlertKind, Severity, SeverityName
 
 _PHASE_ORDER = {name: index for index, name in enumerate(STARTUP_PHASES)}
 
@@ -52,7 +52,7 @@ _PHASE_HINTS = {
 }
 
 
-@rule("startup_hang")
+@rule(AlertKind.STARTUP_HANG)
 def rule_startup_hang(f: Facts) -> list[Alert]:
     """Ranks stuck before their first step: name the ones furthest behind.
 
@@ -95,8 +95,8 @@ def rule_startup_hang(f: Facts) -> list[Alert]:
             f" while {format_ranks(ahead)} {verb(len(ahead), 'waits', 'wait')} in '{ahead_phase}'"
         )
     hint = _PHASE_HINTS.get(phase, "look at the stacks of the ranks furthest behind")
-    severity: Severity = "error" if longest > 2 * th.startup_after else "warning"
-    return [alert("startup_hang", severity, culprits, ahead, message, hint)]
+    severity: SeverityName = Severity.ERROR if longest > 2 * th.startup_after else Severity.WARNING
+    return [alert(AlertKind.STARTUP_HANG, severity, culprits, ahead, message, hint)]
 
 
 def _waiting_for_missing(missing: list[int], behind: list[RankRecord], longest: float) -> Alert:
@@ -109,10 +109,12 @@ def _waiting_for_missing(missing: list[int], behind: list[RankRecord], longest: 
         "start the missing ranks or fix their launch (nnodes x nproc_per_node must equal "
         "WORLD_SIZE); their own logs say why they did not come up"
     )
-    return alert("startup_hang", "error", missing, [r.rank for r in behind], message, hint)
+    return alert(
+        AlertKind.STARTUP_HANG, Severity.ERROR, missing, [r.rank for r in behind], message, hint
+    )
 
 
-@rule("not_connected")
+@rule(AlertKind.NOT_CONNECTED)
 def rule_not_connected(f: Facts) -> list[Alert]:
     """Ranks of the world that never reported, some time after the first one did."""
     state, now, th = f.state, f.now, f.th
@@ -133,10 +135,10 @@ def rule_not_connected(f: Facts) -> list[Alert]:
         "check that those ranks started (launcher log; nnodes x nproc_per_node = WORLD_SIZE), "
         "that they call ddpwatch.attach(), and that they can reach the ddpwatch server"
     )
-    severity: Severity = "error" if elapsed > th.startup_after else "warning"
+    severity: SeverityName = Severity.ERROR if elapsed > th.startup_after else Severity.WARNING
     waiting = [r.rank for r in f.live if r.step is None]
     waiting += [r.rank for r in f.records if r.finished]  # died waiting for them (store timeout)
-    return [alert("not_connected", severity, missing, waiting, message, hint)]
+    return [alert(AlertKind.NOT_CONNECTED, severity, missing, waiting, message, hint)]
 
 
 def _expected_where(records: list[RankRecord], missing: list[int]) -> str:

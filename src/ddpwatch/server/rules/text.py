@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from ddpwatch.ranges import rank_ranges
 from ddpwatch.server.state import RankRecord
 
 GIB = float(1 << 30)
@@ -30,22 +31,7 @@ def format_ranks(ranks: Iterable[int], limit: int = MAX_LISTED) -> str:
         return "no rank"
     if len(ordered) == 1:
         return f"rank {ordered[0]}"
-    pieces: list[tuple[str, int]] = []  # (text, how many ranks it stands for)
-    start = prev = ordered[0]
-    for rank in [*ordered[1:], None]:
-        if rank is not None and rank == prev + 1:
-            prev = rank
-            continue
-        if prev - start >= 2:
-            pieces.append((f"{start}-{prev}", prev - start + 1))
-        else:
-            pieces.extend((str(r), 1) for r in range(start, prev + 1))
-        if rank is not None:
-            start = prev = rank
-    text = ", ".join(piece for piece, _ in pieces[:limit])
-    if len(pieces) > limit:
-        text += f" and {sum(n for _, n in pieces[limit:])} more"
-    return f"ranks {text}"
+    return "ranks " + rank_ranges(ordered, limit, sep=", ", min_run=3, more=" and {} more")
 
 
 def verb(count: int, one: str, many: str) -> str:

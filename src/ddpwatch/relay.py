@@ -1,0 +1,351 @@
+"""A per-node relay: one process batches its node's ranks' frames into one frame per beat.
+
+At 8 GPUs per node the server sees 8 times fewer frames, which is what lets one server take a
+65,536-rank job. Ranks find the relay on a local socket (``relay_endpoint``) and fall back
+to the server directly when it is not there or goes away (``agent/publisher.py``).
+
+What the relay keeps, and why:
+
+- **Every frame, in order.** One PULL socket keeps each rank's order; frames leave in
+  arrival order, in one ``Batch`` per beat, sooner when an event (a crash, an exit) is in.
+- **Frames while the server is away**, up to ``BACKLOG_FRAMES`` (the oldest go first,
+  counted in the next batch's ``dropped``).
+- **Each rank's identity**: a restarted server hears it again as soon as it is back (the
+  ranks' own connection, to the relay, did not change, so they would not resend it soon).
+
+The relay validates every frame (an invalid one is counted in ``rejected`` and dropped) so
+the server's counts stay per inner message; the server validates them again anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import re
+import socket as pysocket
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from ddpwatch.protocol import (
+    MAX_BATCH_FRAMES,
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Batch,
+    Event,
+    Hello,
+    Identity,
+    ProtocolError,
+    decode,
+    encode,
+)
+from ddpwatch.security import apply_client_curve
+
+log = logging.getLogger("ddpwatch.relay")
+
+RELAY_ENV = "DDPWATCH_RELAY"
+"""A relay's endpoint for the ranks (``ipc://…`` or ``tcp://…``), or ``off``: no relay."""
+BEAT_S = 0.5  # the agent's heartbeat interval: one batch per beat carries every rank's beat
+EVENT_FLUSH_S = 0.02  # an event (crash, exit, stack) waits at most this for its batch
+BACKLOG_FRAMES = 200_000
+BATCH_BYTES = MAX_FRAME_BYTES - 64 * 1024  # room for the batch's own fields
+RECV_BATCH = 10_000
+UPSTREAM_HWM = 1000  # batches queued in ZeroMQ for the server
+
+_IDENTITY_FIELDS = tuple(n for n in Identity.__struct_fields__ if n not in ("v", "rank", "t"))
+
+
+def relay_endpoint(server: str, uid: int | None = None) -> str:
+    """The local address of the relay for ``server`` (``tcp://HOST:PORT``) on this node.
+
+    A per-user directory (mode 0700) keeps other users from injecting frames."""
+    uid = os.getuid() if uid is None and hasattr(os, "getuid") else (uid or 0)
+    name = re.sub(r"[^A-Za-z0-9.-]+", "_", server.removeprefix("tcp://"))
+    return f"ipc://{tempfile.gettempdir()}/ddpwatch-{uid}/relay-{name}.sock"
+
+
+def find_relay(server: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The relay a rank should send to: ``$DDPWATCH_RELAY`` (``off``: none), else the local
+    relay for ``server`` if one is listening, else None (send to the server directly)."""
+    env = os.environ if environ is None else environ
+    value = env.get(RELAY_ENV, "").strip()
+    if value.lower() in ("off", "0", "none", "no"):
+        return None
+    if value:
+        return value
+    endpoint = relay_endpoint(server)
+    return endpoint if _listening(endpoint) else None
+
+
+def _ipc_path(endpoint: str) -> str | None:
+    return endpoint.removeprefix("ipc://") if endpoint.startswith("ipc://") else None
+
+
+def _listening(endpoint: str) -> bool:
+    """Whether a process accepts connections on an ``ipc://`` endpoint (False for others)."""
+    path = _ipc_path(endpoint)
+    if path is None or not hasattr(pysocket, "AF_UNIX") or not os.path.exists(path):
+        return False
+    probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.2)
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+class RelayError(RuntimeError):
+    """The relay could not start (another relay has the address, bad address, bad key)."""
+
+
+@dataclass
+class RelayStats:
+    """What the relay has done so far (``ddpwatch relay`` prints it when it stops)."""
+
+    received: int = 0
+    forwarded: int = 0
+    rejected: int = 0
+    dropped: int = 0
+    batches: int = 0
+    reconnects: int = 0
+
+
+class Relay:
+    """Forwards the frames arriving on ``listen`` to the server at ``upstream``, batched.
+
+    ``run(stop)`` loops until ``stop`` is set; ``start()`` runs it on a daemon thread.
+    """
+
+    def __init__(
+        self,
+        upstream: str,
+        listen: str | None = None,
+        *,
+        beat_s: float = BEAT_S,
+        host: str | None = None,
+    ) -> None:
+        self.upstream = upstream
+        self.listen = listen or relay_endpoint(upstream)
+        self.beat_s = beat_s
+        self.host = host or pysocket.gethostname()
+        self.name = f"{self.host}:{os.getpid()}"
+        self.stats = RelayStats()
+        self._pending: deque[bytes] = deque()
+        self._arrived: deque[float] = deque()  # when each pending frame came (monotonic)
+        self._identities: dict[int, Hello] = {}
+        self._dropped_unsent = 0  # dropped since the last batch that left
+        self._rejected_unsent = 0
+        self._handshakes = 0
+        self._context = zmq.Context()
+        self._pull = self._context.socket(zmq.PULL)
+        self._push = self._context.socket(zmq.PUSH)
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        try:
+            self._setup()
+        except Exception:
+            self.close()
+            raise
+
+    def _setup(self) -> None:
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._pull.setsockopt(zmq.RCVHWM, 100_000)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._push.setsockopt(zmq.SNDHWM, UPSTREAM_HWM)
+        self._push.setsockopt(zmq.IMMEDIATE, 1)  # no pipe to a server that is not there
+        self._push.setsockopt(zmq.LINGER, 1000)
+        self._push.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+        try:
+            apply_client_curve(self._push)
+        except ValueError as exc:
+            raise RelayError(f"bad server key: {exc}") from None
+        self._bind()
+        self._monitor = self._push.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            self._push.connect(self.upstream)
+        except zmq.ZMQError as exc:
+            raise RelayError(f"cannot connect to {self.upstream}: {exc.strerror}") from None
+
+    def _bind(self) -> None:
+        path = _ipc_path(self.listen)
+        if path is not None:
+            if _listening(self.listen):
+                raise RelayError(f"a relay already listens on {self.listen}")
+            directory = Path(path).parent
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a dead relay's socket file
+        try:
+            self._pull.bind(self.listen)
+        except zmq.ZMQError as exc:
+            reason = "in use" if exc.errno == zmq.EADDRINUSE else exc.strerror
+            raise RelayError(f"cannot listen on {self.listen}: {reason}") from None
+
+    def start(self) -> Relay:
+        """Run on a daemon thread (``ddpwatch run`` does); ``stop()`` ends it."""
+        self._thread = threading.Thread(
+            target=self.run, args=(self._stop,), name="ddpwatch-relay", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """End the thread started by ``start()`` (what is pending is sent first) and close."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.close()
+
+    def run(self, stop: threading.Event) -> None:
+        """Relay until ``stop`` is set; on the way out, send what is pending."""
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        next_beat = time.monotonic()
+        send_at = next_beat
+        while not stop.is_set():
+            timeout = max(0.0, min(send_at, next_beat) - time.monotonic())
+            if poller.poll(min(100, int(timeout * 1000))) and self._take():
+                send_at = min(send_at, time.monotonic() + EVENT_FLUSH_S)
+            self._note_handshakes()
+            now = time.monotonic()
+            if now >= next_beat or now >= send_at:
+                self._send(beat=now >= next_beat)
+                if now >= next_beat:
+                    next_beat = max(next_beat + self.beat_s, now)
+                send_at = next_beat
+        self._take()
+        self._send(beat=True)
+
+    def _take(self) -> bool:
+        """Take in what has arrived; True if an event is among it (send it soon)."""
+        event = False
+        for _ in range(RECV_BATCH):
+            try:
+                frame = self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.stats.received += 1
+            try:
+                message = decode(frame)
+            except ProtocolError:
+                self.stats.rejected += 1
+                self._rejected_unsent += 1
+                continue
+            if isinstance(message, Event):
+                event = True
+            elif message.pid is not None:  # it tells the identity: keep the latest
+                self._remember(message)
+            self._queue(frame)
+        return event
+
+    def _remember(self, message: Identity) -> None:
+        known = self._identities.get(message.rank)
+        fields = {n: getattr(message, n) for n in _IDENTITY_FIELDS}
+        if known is not None:
+            fields = {n: v if v is not None else getattr(known, n) for n, v in fields.items()}
+        self._identities[message.rank] = Hello(
+            v=PROTOCOL_VERSION, rank=message.rank, t=message.t, **fields
+        )
+
+    def _queue(self, frame: bytes, front: bool = False) -> None:
+        if len(self._pending) >= BACKLOG_FRAMES:
+            self._pending.popleft()
+            self._arrived.popleft()
+            self.stats.dropped += 1
+            self._dropped_unsent += 1
+        now = time.monotonic()
+        if front:
+            self._pending.appendleft(frame)
+            self._arrived.appendleft(now)
+        else:
+            self._pending.append(frame)
+            self._arrived.append(now)
+
+    def _note_handshakes(self) -> None:
+        """A new connection after the first is a restarted server: it hears every identity."""
+        if self._monitor is None:
+            return
+        while True:
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            self._handshakes += 1
+            if self._handshakes > 1:
+                self.stats.reconnects += 1
+                now = time.time()
+                for hello in reversed(list(self._identities.values())):
+                    self._queue(encode(msgspec.structs.replace(hello, t=now)), front=True)
+
+    def _send(self, beat: bool) -> None:
+        """Send pending frames in batches under the frame limit; on a beat, send even an
+        empty one (the relay's heartbeat). Frames the server cannot take now stay pending."""
+        while self._pending or beat:
+            frames = self._next_frames()
+            sent = time.monotonic()
+            ages = [int((sent - at) * 1e6) for at in itertools.islice(self._arrived, len(frames))]
+            batch = Batch(
+                v=PROTOCOL_VERSION,
+                relay=self.name,
+                t=time.time(),
+                host=self.host,
+                seq=self.stats.batches,
+                frames=frames,
+                ages_us=ages,
+                rejected=self._rejected_unsent,
+                dropped=self._dropped_unsent,
+            )
+            try:
+                self._push.send(encode(batch), zmq.NOBLOCK)
+            except zmq.Again:
+                return  # no server, or it is not reading: keep the frames
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EINTR:
+                    log.warning("ddpwatch relay: send failed: %s", exc)
+                return
+            for _ in frames:
+                self._pending.popleft()
+                self._arrived.popleft()
+            self.stats.batches += 1
+            self.stats.forwarded += len(frames)
+            self._rejected_unsent = self._dropped_unsent = 0
+            beat = False
+
+    def _next_frames(self) -> list[bytes]:
+        """The oldest pending frames that fit in one batch (they stay pending until sent)."""
+        frames: list[bytes] = []
+        size = 0
+        for frame in self._pending:
+            if len(frames) == MAX_BATCH_FRAMES or (frames and size + len(frame) > BATCH_BYTES):
+                break
+            frames.append(frame)
+            size += len(frame) + 5  # MessagePack's bin header
+        return frames
+
+    def close(self) -> None:
+        if self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._push.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+        self._pull.close(linger=0)
+        self._push.close()
+        self._context.term()
+        path = _ipc_path(self.listen)
+        if path is not None and not _listening(self.listen):
+            with contextlib.suppress(OSError):
+                os.unlink(path)

@@ -1,0 +1,114 @@
+"""What the server knows about per-node relays (``ddpwatch/relay.py``): one record each.
+
+A relay's batch is its heartbeat, so a relay not heard from is as visible as a silent rank;
+``ranks`` says whose frames it carried, which is what lets diagnosis say "the relay on host X
+was lost" instead of naming each of its ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ddpwatch.protocol import Batch
+
+if TYPE_CHECKING:
+    from ddpwatch.server.state import RankRecord
+
+MAX_RELAYS = 65_536  # one per node; more are not tracked (and their batches not noted)
+RELAY_QUIET_S = 1.0
+"""At least this quiet (two of its 0.5 s beats) for a relay to count as lost."""
+HELD_S = 0.75
+"""How much later than its ranks' last frames a relay's last batch may come (a beat, and
+slack): a relay lost with its ranks is known by the time they count as silent."""
+TOGETHER_S = 1.5
+"""A rank whose last frame came within this of its relay's last batch went silent with it
+(a relay beats every 0.5 s; frames it held go out in its last batch)."""
+
+
+@dataclass
+class RelayRecord:
+    """One relay process, by its ``host:pid`` name."""
+
+    name: str
+    host: str | None
+    first_seen: float
+    last_seen: float
+    batches: int = 0
+    frames: int = 0
+    dropped: int = 0  # frames the relay could not forward (it said so)
+    lost_batches: int = 0  # gaps in its batch sequence numbers: batches lost on the way
+    next_seq: int = 0
+    ranks: set[int] = field(default_factory=set)
+
+
+def note_batch(relays: dict[str, RelayRecord], batch: Batch, now: float) -> RelayRecord | None:
+    """Record a batch's arrival; None when the table is full and the relay is new."""
+    record = relays.get(batch.relay)
+    if record is None:
+        if len(relays) >= MAX_RELAYS:
+            return None
+        record = RelayRecord(batch.relay, batch.host, first_seen=now, last_seen=now)
+        relays[batch.relay] = record
+    record.last_seen = now
+    if batch.seq > record.next_seq and record.batches:
+        record.lost_batches += batch.seq - record.next_seq
+    record.next_seq = batch.seq + 1
+    record.batches += 1
+    record.frames += len(batch.frames)
+    record.dropped += batch.dropped
+    return record
+
+
+def relay_entry(record: RelayRecord, now: float) -> dict[str, Any]:
+    """One relay as the status JSON shows it."""
+    return {
+        "relay": record.name,
+        "host": record.host,
+        "last_seen_s": round(max(0.0, now - record.last_seen), 3),
+        "ranks": sorted(record.ranks),
+        "batches": record.batches,
+        "frames": record.frames,
+        "dropped": record.dropped,
+        "lost_batches": record.lost_batches,
+    }
+
+
+@dataclass(frozen=True)
+class LostRelay:
+    """A relay not heard from for the silent threshold, and what became of its ranks."""
+
+    relay: RelayRecord
+    silent: tuple[RankRecord, ...]  # went silent with it
+    moved: tuple[RankRecord, ...]  # heard from since, directly
+
+
+def lost_relays(
+    relays: Mapping[str, RelayRecord],
+    ranks: Mapping[int, RankRecord],
+    live: Sequence[RankRecord],
+    now: float,
+    silent_after: float,
+) -> list[LostRelay]:
+    """Relays gone quiet while some of their ranks still ran: ranks silent with it, or heard
+    directly since. None when no rank is ``live`` at all: then the job, or the server's own
+    network, is gone, which no relay explains."""
+    if not relays or not live:
+        return []
+    quiet_after = max(RELAY_QUIET_S, silent_after - HELD_S)
+    lost: list[LostRelay] = []
+    for relay in relays.values():
+        if now - relay.last_seen <= quiet_after:
+            continue
+        carried = [ranks[r] for r in sorted(relay.ranks) if r in ranks]
+        unfinished = [r for r in carried if not r.finished]
+        silent = tuple(
+            r
+            for r in unfinished
+            if now - r.last_seen > silent_after and r.last_seen >= relay.last_seen - TOGETHER_S
+        )
+        moved = tuple(r for r in unfinished if r.last_seen > relay.last_seen + TOGETHER_S)
+        if silent or moved:
+            lost.append(LostRelay(relay, silent, moved))
+    return lost
