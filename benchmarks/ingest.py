@@ -201,7 +201,6 @@ def run_once(
 def breakdown(count: int, ranks: int, reps: int = 5) -> dict[str, float]:
     """Microseconds per message of each ingest stage on frames already in memory, in steady
     state (every rank already known, histories full); median of ``reps`` interleaved runs."""
-    from msgspec.structs import astuple
 
     from ddpwatch.protocol import decode
     from ddpwatch.server import state as state_module
@@ -224,7 +223,7 @@ def breakdown(count: int, ranks: int, reps: int = 5) -> dict[str, float]:
             state_module._apply_identity(r, m) for r, m in pairs
         ],
         "  _apply_sample (13 fields, phase, history)": lambda: [
-            state_module._apply_sample(r, m, 3.0, astuple(m)) for r, m in pairs
+            state_module._apply_sample(r, m, 3.0) for r, m in pairs
         ],
     }
     times: dict[str, list[float]] = {name: [] for name in stages}
