@@ -76,3 +76,9 @@ def test_diagnosis_tiny() -> None:
     out = run_benchmark("diagnosis.py", "--reps", "1", "--modes", "raise")
     assert "RATIO diagnosis right_culprit=" in out
     assert "raise" in out
+
+
+def test_scale_tiny() -> None:
+    out = run_benchmark("scale.py", "--quick")
+    assert "RATIO scale 512 relay" in out
+    assert "RATIO scale 512 direct" in out

@@ -1,0 +1,1190 @@
+"""A real server under a 2 Hz heartbeat load of thousands of ranks, with and without relays.
+
+    python benchmarks/scale.py [--sizes 8192,32768,65536] [--modes relay,direct] [--seconds 20]
+                               [--warmup 10] [--procs 4] [--ranks-per-relay N] [--quick]
+
+For each size and mode, fresh processes (multiprocessing, spawn):
+
+* **server host**: a real ``Server`` (``server/service.py``) on a free port pair, ``run()`` on a
+  thread, as ``ddpwatch serve`` runs it. ``tick()`` is timed (wall and the thread's CPU), and so
+  is the status reply built on the server thread (``Collector._answer``). The host's main
+  thread samples the process's CPU time (the Python server thread plus libzmq's I/O thread),
+  the server thread's own (``/proc/self/task/TID/stat``), VmRSS/VmHWM against the baseline
+  taken before the server started, and how stale the server's view is (now - ``last_seen``
+  over the ranks).
+* **publishers** (``--procs``): each simulates ``size / procs`` ranks and sends every rank's
+  ``Sample`` at 2 Hz, beats spread uniformly over the 0.5 s period, built and encoded once
+  per rank per beat (the fields of ``ingest.make_frames``' GPU heartbeat: identity on the
+  first and every ``IDENTITY_EVERY``-th beat, then step, loss, timings, memory, collective
+  counts with the agent's step marks). Sends are non-blocking like the agent's (``Again``:
+  the beat is dropped at the sender). ``direct``: one PUSH socket per process to the
+  server's TCP port (the server sees ``procs`` connections, not one per rank). ``relay``:
+  the process runs one ``ddpwatch.relay.Relay`` per ``--ranks-per-relay`` ranks on threads
+  (default: one relay per process, carrying all its ranks), its ranks PUSH to them over
+  ``ipc://`` and the relays send ``Batch`` frames to the server once per beat.
+* **status prober**: a ``StatusClient`` REQ (``b"status"``, as ``ddpwatch status``) every
+  ``--status-every`` s, timed; on a few replies, the dashboard's model build on the document
+  (decode, header summary, alert index, history rings, worst-first rows: ``tui/model.py``,
+  no Textual rendering; rendering costs the visible rows only, see ``tui_tick.py``).
+
+Ranks train in lockstep (0.25 s steps, one all_reduce per step). After ``--warmup`` s one
+random rank stops before its next all_reduce while it keeps sending heartbeats; every other
+rank blocks in that all_reduce (``Sample.collective`` with ``since_s``, ``collectives.py``
+one ahead of the culprit's). Culprit latency = first tick whose alerts name exactly that rank,
+minus the onset; any alert naming another rank during the run is a wrong blame.
+
+One row per (size, mode). Offered = frames the publishers handed to ZeroMQ (their achieved
+rate: on a small machine they cannot always offer 2 x ranks per second, which the output
+says); accepted = ``state.received`` (inner frames of batches count one each); drops =
+offered - received after the server drained its queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import itertools
+import json
+import math
+import multiprocessing as mp
+import os
+import pstats
+import random
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+BEAT_S = 0.5  # the agent's heartbeat interval
+STEP_S = 0.25  # the simulated job's step time
+RANKS_PER_NODE = 8
+MAX_RELAYS_PER_PROC = 64  # each Relay has its own ZeroMQ context (an I/O thread) and thread
+START_MARGIN_S = 1.0  # between "every process is ready" and the first beat
+DRAIN_MAX_S = 15.0  # after the run: how long the server may take to empty its queue
+HISTORY_LEN = 120  # server/state.py: points kept per rank
+
+
+# ------------------------------------------------------------------------------ publishers
+
+
+@dataclass
+class PublisherSpec:
+    proc: int
+    lo: int
+    hi: int
+    world: int
+    mode: str
+    upstream: str
+    ranks_per_relay: int
+    culprit: int
+    nice: int = 0
+
+
+@dataclass
+class PublisherResult:
+    offered: int = 0
+    sender_drops: int = 0  # zmq.Again on a non-blocking send: the beat is lost at the sender
+    skipped: int = 0  # beats never offered because the process ran more than a beat behind
+    intended: int = 0  # beats the schedule asked for
+    cpu_s: float = 0.0  # the whole process (publisher loop, relays, ZeroMQ threads)
+    relay_cpu_s: float = 0.0  # the relays' Python threads
+    relays: int = 0
+    relay_received: int = 0
+    relay_forwarded: int = 0
+    relay_dropped: int = 0
+    relay_batches: int = 0
+    relay_pending_at_stop: int = 0
+    relay_reconnects: int = 0
+    relay_detail: list[tuple[str, int, int]] = field(default_factory=list)  # name, batches, fwd
+
+
+def _step_at(t: float, t0: float) -> int:
+    return int((t - t0) / STEP_S) + 1
+
+
+def _marks(step: int) -> list[tuple[int, int]] | None:
+    """The agent's step marks: (step, collectives entered) every MARK_EVERY steps, last 16."""
+    from ddpwatch.protocol import MARK_EVERY
+
+    last = step // MARK_EVERY
+    marks = [(m * MARK_EVERY, m * MARK_EVERY) for m in range(max(1, last - 15), last + 1)]
+    return marks or None
+
+
+class Beats:
+    """Builds each rank's heartbeat once per beat: a MessagePack map assembled from pieces,
+    the fields all ranks share at a step (encoded once per step), each rank's own and its
+    identity (once per rank; the identity goes in every ``IDENTITY_EVERY``-th beat), and the
+    send time (and a waiting rank's ``since_s``) packed per frame.
+    ``__init__`` checks that each kind decodes to the same message as the ``Sample`` built
+    and encoded by msgspec (``sample``)."""
+
+    def __init__(self, spec: PublisherSpec, t0: float, onset: float) -> None:
+        import struct
+
+        import msgspec
+
+        from ddpwatch.agent.watcher import IDENTITY_EVERY
+        from ddpwatch.protocol import PROTOCOL_VERSION, Collective, CollectiveCounts, Sample
+
+        self.spec = spec
+        self.t0, self.onset = t0, onset
+        self.identity_every = IDENTITY_EVERY
+        self.v = PROTOCOL_VERSION
+        self.Sample, self.Collective, self.Counts = Sample, Collective, CollectiveCounts
+        self.onset_step = _step_at(onset, t0)
+        self._counts: dict[int, Any] = {}
+        self._enc = msgspec.msgpack.encode
+        self._double = struct.Struct(">d").pack
+        self._bodies: dict[tuple[int, int], bytes] = {}
+        self._tails: dict[int, bytes] = {}
+        self._identities: dict[int, tuple[int, bytes]] = {}
+        enc = self._enc
+        self._head = enc("type") + enc("sample") + enc("v") + enc(self.v) + enc("t") + b"\xcb"
+        self._since_key = enc("collective") + b"\x84" + enc("op") + enc("all_reduce")
+        self._since_mid = enc("since_s") + b"\xcb"
+        self._since_end = enc("source") + enc("py")
+        self._check(msgspec.msgpack.decode)
+
+    def _check(self, decode: Any) -> None:
+        from ddpwatch.protocol import decode as decode_message
+
+        ranks = {self.spec.lo, self.spec.hi - 1, self.spec.culprit}
+        for now in (self.t0 + 1.3, self.onset + 1.7):
+            for rank, cycle in itertools.product(ranks, (0, 1)):
+                fast = decode_message(self.frame(rank, cycle, now))
+                slow = decode_message(self._enc(self.sample(rank, cycle, now)))
+                if fast != slow:
+                    raise AssertionError(f"pre-encoded beat differs: {fast} != {slow}")
+
+    def counts(self, py: int, step: int) -> Any:
+        found = self._counts.get(py)
+        if found is None:
+            found = self._counts[py] = self.Counts(py=py, marks=_marks(step))
+        return found
+
+    def identity(self, rank: int) -> dict[str, Any]:
+        local = rank % RANKS_PER_NODE
+        return dict(
+            local_rank=local,
+            world_size=self.spec.world,
+            local_world_size=RANKS_PER_NODE,
+            node_rank=rank // RANKS_PER_NODE,
+            host=f"node-{rank // RANKS_PER_NODE}",
+            pid=100_000 + rank,
+            launcher="torchrun",
+            job_id="bench-scale",
+            backend="nccl",
+            torch_version="2.13.0+cu128",
+            cuda_visible_devices="0,1,2,3,4,5,6,7",
+            device=f"cuda:{local}",
+            device_index=local,
+            device_name="NVIDIA H100 80GB HBM3",
+            device_count=RANKS_PER_NODE,
+        )
+
+    def where(self, rank: int, now: float) -> tuple[int, int, bool]:
+        """(step, collectives entered, waiting in all_reduce #step+1) of ``rank`` at ``now``."""
+        if now < self.onset:
+            step = _step_at(now, self.t0)
+            return step, step, False
+        step = self.onset_step  # nobody finishes another step
+        if rank == self.spec.culprit:  # stopped before its next all_reduce
+            return step, step, False
+        return step, step + 1, True  # blocked in that all_reduce since the onset
+
+    def shared(self, step: int, py: int) -> dict[str, Any]:
+        """The fields every rank at this step sends alike (in ``Sample``'s order)."""
+        return dict(
+            phase="train",
+            step=step,
+            loss=2.5 / (1 + step * 1e-3),
+            step_time_s=STEP_S,
+            avg_step_time_s=STEP_S,
+            data_wait_s=0.002,
+            collective_time_s=0.03,
+            collectives=self.counts(py, step),
+            forwards=step,
+            mem_reserved_bytes=48_000_000_000,
+            mem_peak_bytes=45_000_000_000,
+            gpu_mem_used_bytes=50_000_000_000,
+            gpu_mem_total_bytes=85_000_000_000,
+        )
+
+    @staticmethod
+    def own(rank: int) -> dict[str, Any]:
+        return dict(mem_allocated_bytes=40_000_000_000 + rank, gpu_pids=[100_000 + rank])
+
+    def sample(self, rank: int, cycle: int, now: float) -> Any:
+        """Rank ``rank``'s ``cycle``-th heartbeat, sent at ``now``, as a ``Sample``."""
+        identity = self.identity(rank) if cycle % self.identity_every == 0 else {}
+        step, py, waiting = self.where(rank, now)
+        collective = (
+            self.Collective(op="all_reduce", seq=step + 1, since_s=now - self.onset, source="py")
+            if waiting
+            else None
+        )
+        return self.Sample(
+            v=self.v,
+            rank=rank,
+            t=now,
+            **identity,
+            collective=collective,
+            **self.shared(step, py),
+            **self.own(rank),
+        )
+
+    def frame(self, rank: int, cycle: int, now: float) -> bytes:
+        """The same heartbeat, assembled from pieces encoded once."""
+        step, py, waiting = self.where(rank, now)
+        enc = self._enc
+        body = self._bodies.get((step, py))
+        if body is None:
+            body = b"".join(enc(k) + enc(v) for k, v in self.shared(step, py).items())
+            self._bodies[(step, py)] = body
+        tail = self._tails.get(rank)
+        if tail is None:
+            own = {"rank": rank, **self.own(rank)}
+            tail = self._tails[rank] = b"".join(enc(k) + enc(v) for k, v in own.items())
+        pairs = 3 + 13 + 3  # type, v, t; shared; rank and its own
+        parts = [b"", self._head, self._double(now), body, tail]
+        if cycle % self.identity_every == 0:
+            found = self._identities.get(rank)
+            if found is None:
+                identity = self.identity(rank)
+                encoded = b"".join(enc(k) + enc(v) for k, v in identity.items())
+                found = self._identities[rank] = (len(identity), encoded)
+            pairs += found[0]
+            parts.append(found[1])
+        if waiting:
+            pairs += 1
+            parts += (
+                self._since_key,
+                enc("seq") + enc(step + 1),
+                self._since_mid,
+                self._double(now - self.onset),
+                self._since_end,
+            )
+        parts[0] = b"\xde" + pairs.to_bytes(2, "big")  # a map16 header
+        return b"".join(parts)
+
+
+def publisher(conn: Connection, spec: PublisherSpec) -> None:
+    """Child process: ready its sockets (and relays), then beat every rank until told times."""
+    import zmq
+
+    from ddpwatch.relay import Relay
+
+    os.nice(spec.nice)
+    result = PublisherResult()
+    context = zmq.Context()
+    n = spec.hi - spec.lo
+    sockets: list[Any] = []
+    relays: list[tuple[Any, threading.Thread, list[float]]] = []
+    stop = threading.Event()
+    directory = tempfile.mkdtemp(prefix="ddpwatch-scale-")
+    try:
+        if spec.mode == "relay":
+            for k, first in enumerate(range(spec.lo, spec.hi, spec.ranks_per_relay)):
+                listen = f"ipc://{directory}/relay-{k}.sock"
+                relay = Relay(spec.upstream, listen, beat_s=BEAT_S, host=f"node-{first // 8}")
+                cpu: list[float] = []
+                thread = threading.Thread(target=_run_relay, args=(relay, stop, cpu), daemon=True)
+                thread.start()
+                relays.append((relay, thread, cpu))
+                sockets.append(_push(context, listen, spec.ranks_per_relay))
+            per_socket = spec.ranks_per_relay
+        else:
+            sockets.append(_push(context, spec.upstream, n))
+            per_socket = n
+        conn.send("ready")
+        t0, onset, end = conn.recv()
+        beats = Beats(spec, t0, onset)
+        cpu0 = time.process_time()
+        sent = _beat_loop(spec, beats, sockets, per_socket, t0, end, result, zmq.NOBLOCK)
+        deadline = time.time() + 5.0  # let frames in flight reach their relay and leave it
+        while relays and time.time() < deadline:
+            taken = all(r.stats.received >= s for (r, _, _), s in zip(relays, sent, strict=True))
+            if taken and not any(r._pending for r, _, _ in relays):
+                break
+            time.sleep(0.05)
+        result.cpu_s = time.process_time() - cpu0
+        conn.send("flushed")
+        conn.recv()  # the server has drained its queue: the relays may stop
+        stop.set()
+        for relay, thread, cpu in relays:
+            thread.join(10)
+            result.relays += 1
+            result.relay_cpu_s += cpu[0] if cpu else math.nan
+            result.relay_received += relay.stats.received
+            result.relay_forwarded += relay.stats.forwarded
+            result.relay_dropped += relay.stats.dropped
+            result.relay_batches += relay.stats.batches
+            result.relay_pending_at_stop += len(relay._pending)
+            result.relay_reconnects += relay.stats.reconnects
+            result.relay_detail.append((relay.name, relay.stats.batches, relay.stats.forwarded))
+    finally:
+        for sock in sockets:
+            sock.close(linger=2000)
+        for relay, _, _ in relays:
+            relay.close()
+        context.term()
+        shutil.rmtree(directory, ignore_errors=True)
+    conn.send(asdict(result))
+
+
+def _push(context: Any, endpoint: str, ranks: int) -> Any:
+    import zmq
+
+    sock = context.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, max(1000, 2 * ranks))  # a second of its ranks' beats
+    sock.connect(endpoint)
+    return sock
+
+
+def _run_relay(relay: Any, stop: threading.Event, cpu: list[float]) -> None:
+    """``Relay.run`` on this thread, then note the thread's CPU time (for the relay's cost)."""
+    try:
+        relay.run(stop)
+    finally:
+        cpu.append(time.thread_time())
+
+
+def _beat_loop(
+    spec: PublisherSpec,
+    beats: Beats,
+    sockets: list[Any],
+    per_socket: int,
+    t0: float,
+    end: float,
+    result: PublisherResult,
+    noblock: int,
+) -> list[int]:
+    """Send beat g = cycle * n + i (rank lo + i) at t0 + g * BEAT_S / n: every rank once per
+    beat, uniformly spread; more than one beat behind, skip ahead (counted in ``skipped``).
+    Returns the frames each socket took."""
+    import zmq
+
+    n = spec.hi - spec.lo
+    sent = [0] * len(sockets)
+    g = 0
+    while True:
+        now = time.time()
+        if now >= end:
+            break
+        due = int((now - t0) / BEAT_S * n) + 1 if now >= t0 else 0
+        if due - g > n:
+            result.skipped += due - n - g
+            g = due - n
+        chunk_end = min(due, g + 2000)  # look at the clock again every 2,000 frames
+        while g < chunk_end:
+            cycle, i = divmod(g, n)
+            frame = beats.frame(spec.lo + i, cycle, now)
+            k = i // per_socket
+            try:
+                sockets[k].send(frame, noblock)
+                sent[k] += 1
+            except zmq.Again:
+                result.sender_drops += 1
+            result.offered += 1
+            g += 1
+        if g >= due:
+            time.sleep(min(0.005, max(0.0, t0 + (g + 1) * BEAT_S / n - time.time())))
+    result.intended = int((end - t0) / BEAT_S * n)
+    return sent
+
+
+# ------------------------------------------------------------------------------ server host
+
+
+def _proc_status(key: str) -> int:
+    """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _thread_cpu(tid: int) -> float:
+    """utime + stime of one thread of this process, in seconds (clock ticks)."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def server_host(conn: Connection, profile: bool = False) -> None:
+    """Child process: a real Server on a thread, instrumented; answers the orchestrator.
+    ``profile``: run the server thread under cProfile and send back its top functions."""
+    from ddpwatch.ports import free_port_pair
+    from ddpwatch.server.service import Server
+
+    class TimedServer(Server):
+        """Times each diagnosis tick and notes every alert when it first appears."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.ticks: list[tuple[float, float, float, int]] = []  # (end, wall, cpu, ranks)
+            self.first_alerts: dict[tuple[str, tuple[int, ...]], tuple[float, str]] = {}
+            self.answers: list[tuple[float, float, float]] = []  # (end, wall, cpu)
+            answer = self.collector._answer
+
+            def timed_answer() -> None:
+                c0, w0 = time.thread_time(), time.perf_counter()
+                answer()
+                self.answers.append(
+                    (time.time(), time.perf_counter() - w0, time.thread_time() - c0)
+                )
+
+            self.collector._answer = timed_answer  # type: ignore[method-assign]
+
+        def tick(self) -> Any:
+            c0, w0 = time.thread_time(), time.perf_counter()
+            changes = super().tick()
+            wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
+            now = time.time()
+            self.ticks.append((now, wall, cpu, len(self.state.ranks)))
+            for alert in self.alerts:
+                if alert.key not in self.first_alerts:
+                    self.first_alerts[alert.key] = (now, alert.severity)
+            return changes
+
+    baseline = _proc_status("VmRSS")
+    port = free_port_pair()
+    server = TimedServer(port=port)
+    profiler = cProfile.Profile() if profile else None
+    target = server.run if profiler is None else lambda: profiler.runcall(server.run)
+    thread = threading.Thread(target=target, name="ddpwatch-server", daemon=True)
+    thread.start()
+    conn.send(("ready", port))
+    t0, end = conn.recv()
+    view_age: list[tuple[float, float, float]] = []  # (time, median, max) of now - last_seen
+    marks: dict[str, tuple[float, float, float, int]] = {}
+    tid = thread.native_id or 0
+
+    def mark(name: str) -> None:
+        marks[name] = (time.time(), _process_cpu(), _thread_cpu(tid), server.state.received)
+
+    next_age = t0 + 2.0
+    while time.time() < t0:
+        time.sleep(min(0.05, max(0.0, t0 - time.time())))
+    mark("start")
+    while time.time() < end:
+        time.sleep(min(0.2, max(0.0, end - time.time())))
+        now = time.time()
+        if now >= next_age and now < end - 0.5:
+            next_age = now + 2.0
+            with contextlib.suppress(RuntimeError):  # the dict grew meanwhile: next time
+                ages = [now - r.last_seen for r in list(server.state.ranks.values())]
+                if ages:
+                    view_age.append((now, statistics.median(ages), max(ages)))
+    mark("end")
+    conn.recv()  # the publishers are done: wait for the server to empty its queue
+    settled = time.time()
+    last = server.state.received
+    while time.time() - settled < DRAIN_MAX_S:
+        time.sleep(0.5)
+        received = server.state.received
+        if received == last:
+            break
+        last = received
+    drained_s = time.time() - marks["end"][0]
+    server.stop()
+    thread.join(10)
+    state = server.state
+    rss, hwm = _proc_status("VmRSS"), _proc_status("VmHWM")
+    alerts = [
+        (kind, list(ranks), first, severity)
+        for (kind, ranks), (first, severity) in server.first_alerts.items()
+    ]
+    ticks, answers = list(server.ticks), list(server.answers)
+    offline = _offline_costs(server, marks["end"][0])
+    profiled = ""
+    if profiler is not None:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+        profiled = text.getvalue()
+    conn.send(
+        {
+            "port": port,
+            "baseline_rss": baseline,
+            "rss": rss,
+            "hwm": hwm,
+            "offline": offline,
+            "profile": profiled,
+            "point_bytes": _history_point_bytes(state),
+            "marks": marks,
+            "received": state.received,
+            "rejected": state.rejected,
+            "ranks_known": len(state.ranks),
+            "relays_known": len(state.relays),
+            "relay_lost_batches": sum(r.lost_batches for r in state.relays.values()),
+            "relay_dropped": sum(r.dropped for r in state.relays.values()),
+            "relay_detail": [
+                (r.name, r.batches, r.frames, r.next_seq, r.lost_batches)
+                for r in state.relays.values()
+            ],
+            "ticks": ticks,
+            "answers": answers,
+            "alerts": alerts,
+            "view_age": view_age,
+            "drained_s": drained_s,
+            "history_points": statistics.median(len(r.history) for r in state.ranks.values())
+            if state.ranks
+            else 0,
+        }
+    )
+
+
+def _offline_costs(server: Any, frozen: float, reps: int = 3) -> dict[str, float]:
+    """CPU time of a diagnosis tick and of a status reply on the final state, with the
+    server stopped (nothing else on its thread) and its clock frozen at the end of the run
+    (diagnosis sees the state as it was then); medians of ``reps``."""
+    server.clock = lambda: frozen
+    tick, status = [], []
+    for _ in range(reps):
+        c0 = time.thread_time()
+        server.tick()
+        tick.append(time.thread_time() - c0)
+        c0 = time.thread_time()
+        server.status_json()
+        status.append(time.thread_time() - c0)
+    return {"tick_cpu_s": statistics.median(tick), "status_cpu_s": statistics.median(status)}
+
+
+def _history_point_bytes(state: Any) -> float:
+    """Bytes one history point holds (the tuple, its boxed values, the deque's slot), from
+    a sample of ranks: what each rank grows by until its ring holds ``HISTORY_LEN``."""
+    sizes = []
+    for record in itertools.islice(state.ranks.values(), 0, None, max(1, len(state.ranks) // 64)):
+        for point in itertools.islice(record.history, 8):
+            boxed = [v for v in point if v is not None and not (type(v) is int and v < 257)]
+            sizes.append(sys.getsizeof(point) + sum(map(sys.getsizeof, boxed)) + 8)
+    return statistics.median(sizes) if sizes else 0.0
+
+
+# ------------------------------------------------------------------------------ status prober
+
+
+def prober(conn: Connection, port: int, every: float, models: int, nice: int) -> None:
+    """Child process: time status requests; build the dashboard's model on a few replies."""
+    os.nice(nice)
+    from ddpwatch.client import StatusClient
+
+    client = StatusClient("127.0.0.1", port, timeout=60.0)
+    history = _new_history()
+    t0, end = conn.recv()
+    latencies: list[tuple[float, float, int]] = []  # (time, seconds, reply bytes)
+    model: list[float] = []
+    failed = 0
+    next_at = t0 + min(2.0, every)
+    n = 0
+    while True:
+        now = time.time()
+        if now < next_at:
+            time.sleep(next_at - now)
+        if time.time() >= end:
+            break
+        started = time.perf_counter()
+        reply = client.request()
+        elapsed = time.perf_counter() - started
+        next_at = max(next_at + every, time.time() + 0.1)
+        if reply is None:
+            failed += 1
+            continue
+        latencies.append((time.time(), elapsed, len(reply)))
+        n += 1
+        if len(model) < models and n % 2 == 0:
+            model.append(_model_build(reply, history))
+    client.close()
+    conn.send({"latencies": latencies, "model": model, "failed": failed})
+
+
+# ------------------------------------------------------------------------------ one run
+
+
+@dataclass
+class Row:
+    ranks: int
+    mode: str
+    relays: int
+    ranks_per_relay: int | None
+    seconds: float
+    target_rate: float
+    offered_rate: float
+    accepted_rate: float
+    offered: int
+    received: int
+    drops: int
+    sender_drops: int
+    skipped: int
+    rejected: int
+    server_cores: float
+    thread_cores: float
+    ingest_cores: float
+    tick_median_ms: float
+    tick_p99_ms: float
+    tick_cpu_median_ms: float
+    tick_gap_s: float  # the longest time without a diagnosis tick
+    ticks_in_window: int
+    ticks: int
+    tick_cores: float
+    status_ms: float | None
+    status_build_ms: float | None
+    status_mb: float | None
+    status_failed: int
+    model_ms: float | None
+    rss_mib: float
+    baseline_mib: float
+    hwm_mib: float
+    history_points: float
+    rss_full_history_mib: float  # projected: every rank's ring full (HISTORY_LEN points)
+    offline_tick_ms: float
+    offline_status_ms: float
+    us_per_frame: float | None  # server-thread CPU per accepted frame, ticks and status aside
+    view_age_median_s: float | None
+    view_age_max_s: float | None
+    publisher_cores: float
+    relay_cores: float
+    relay_dropped: int
+    relay_lost_batches: int
+    relay_received: int
+    relay_forwarded: int
+    relay_pending_at_stop: int
+    relay_reconnects: int
+    relay_short: list[str]
+    drained_s: float
+    culprit: int
+    culprit_latency_s: float | None
+    culprit_kind: str | None
+    wrong: dict[str, list[int]] = field(default_factory=dict)
+    wrong_at: dict[str, float] = field(default_factory=dict)
+    view_ages: list[tuple[float, float, float]] = field(default_factory=list)
+    load: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    profile: str = ""
+
+
+def _percentile(values: list[float], q: float) -> float:
+    data = sorted(values)
+    if not data:
+        return math.nan
+    return data[min(len(data) - 1, max(0, math.ceil(q * len(data)) - 1))]
+
+
+def pick_culprit(size: int, seed: int) -> int:
+    return random.Random(seed * 1_000_003 + size).randrange(size)
+
+
+def run_one(
+    size: int,
+    mode: str,
+    args: argparse.Namespace,
+    ctx: Any,
+) -> Row:
+    procs = max(1, min(args.procs, size))
+    per_proc = math.ceil(size / procs)
+    rpr = args.ranks_per_relay or per_proc
+    culprit = pick_culprit(size, args.seed)
+
+    host_end, host_child = ctx.Pipe()
+    host = ctx.Process(target=server_host, args=(host_child, args.profile), daemon=True)
+    host.start()
+    _, port = host_end.recv()
+    upstream = f"tcp://127.0.0.1:{port}"
+
+    pubs = []
+    for p in range(procs):
+        lo, hi = p * per_proc, min(size, (p + 1) * per_proc)
+        if lo >= hi:
+            break
+        spec = PublisherSpec(p, lo, hi, size, mode, upstream, rpr, culprit, args.publisher_nice)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=publisher, args=(child, spec), daemon=True)
+        proc.start()
+        pubs.append((proc, parent))
+    probe_end, probe_child = ctx.Pipe()
+    probe = ctx.Process(
+        target=prober,
+        args=(probe_child, port, args.status_every, args.models, args.publisher_nice),
+        daemon=True,
+    )
+    probe.start()
+    try:
+        for _, parent in pubs:
+            if parent.recv() != "ready":
+                raise RuntimeError("a publisher failed to start")
+        t0 = time.time() + START_MARGIN_S
+        onset, end = t0 + args.warmup, t0 + args.seconds
+        host_end.send((t0, end))
+        probe_end.send((t0, end))
+        for _, parent in pubs:
+            parent.send((t0, onset, end))
+        for _, parent in pubs:
+            if parent.recv() != "flushed":
+                raise RuntimeError("a publisher failed")
+        load = os.getloadavg()
+        host_end.send("drain")
+        server = host_end.recv()
+        for _, parent in pubs:
+            parent.send("stop")
+        results = [PublisherResult(**parent.recv()) for _, parent in pubs]
+        probed = probe_end.recv()
+    finally:
+        for proc, _ in pubs:
+            proc.join(10)
+        host.join(10)
+        probe.join(10)
+        for proc in [p for p, _ in pubs] + [host, probe]:
+            if proc.is_alive():
+                proc.kill()
+    return summarize_run(size, mode, args, rpr, culprit, onset, results, server, probed, load)
+
+
+def summarize_run(
+    size: int,
+    mode: str,
+    args: argparse.Namespace,
+    rpr: int,
+    culprit: int,
+    onset: float,
+    results: list[PublisherResult],
+    server: dict[str, Any],
+    probed: dict[str, Any],
+    load: tuple[float, float, float],
+) -> Row:
+    (t_start, cpu_start, thread_start, recv_start) = server["marks"]["start"]
+    (t_end, cpu_end, thread_end, recv_end) = server["marks"]["end"]
+    wall = t_end - t_start
+    offered = sum(r.offered for r in results)
+    window = [t for t in server["ticks"] if t_start <= t[0] <= t_end]
+    stamps = [t_start, *(t[0] for t in window), t_end]
+    tick_gap = max(b - a for a, b in itertools.pairwise(stamps))
+    full = [t for t in window if t[3] >= 0.99 * size] or window
+    tick_ms = [t[1] * 1e3 for t in full]
+    tick_cpu = sum(t[2] for t in window)
+    answers = [a for a in server["answers"] if t_start <= a[0] <= t_end]
+    answer_cpu = sum(a[2] for a in answers)
+    thread_cpu = thread_end - thread_start
+    latencies = [x for x in probed["latencies"] if x[0] >= t_start + 2.0] or probed["latencies"]
+    ages = server["view_age"]
+    right = [
+        first
+        for kind, ranks, first, _ in server["alerts"]
+        if ranks == [culprit] and first >= onset and first <= t_end
+    ]
+    culprit_kind = next(
+        (
+            kind
+            for kind, ranks, first, _ in server["alerts"]
+            if ranks == [culprit] and first >= onset
+        ),
+        None,
+    )
+    wrong: dict[str, list[int]] = {}
+    wrong_at: dict[str, float] = {}  # the first such alert of each kind, seconds into the run
+    for kind, ranks, first, _ in server["alerts"]:
+        others = [r for r in ranks if r != culprit]
+        if others and first <= t_end:
+            wrong.setdefault(kind, []).extend(others)
+            wrong_at[kind] = min(wrong_at.get(kind, math.inf), first - t_start)
+    mib = 1 / (1 << 20)
+    return Row(
+        ranks=size,
+        mode=mode,
+        relays=sum(r.relays for r in results),
+        ranks_per_relay=rpr if mode == "relay" else None,
+        seconds=wall,
+        target_rate=2.0 * size,
+        offered_rate=offered / wall,
+        accepted_rate=(recv_end - recv_start) / wall,
+        offered=offered,
+        received=server["received"],
+        drops=offered - server["received"],
+        sender_drops=sum(r.sender_drops for r in results),
+        skipped=sum(r.skipped for r in results),
+        rejected=server["rejected"],
+        server_cores=(cpu_end - cpu_start) / wall,
+        thread_cores=thread_cpu / wall,
+        ingest_cores=max(0.0, thread_cpu - tick_cpu - answer_cpu) / wall,
+        tick_median_ms=statistics.median(tick_ms) if tick_ms else math.nan,
+        tick_p99_ms=_percentile(tick_ms, 0.99),
+        tick_cpu_median_ms=statistics.median(t[2] * 1e3 for t in full) if full else math.nan,
+        tick_gap_s=tick_gap,
+        ticks_in_window=len(window),
+        ticks=len(tick_ms),
+        tick_cores=tick_cpu / wall,
+        status_ms=statistics.median(x[1] for x in latencies) * 1e3 if latencies else None,
+        status_build_ms=statistics.median(a[1] for a in answers) * 1e3 if answers else None,
+        status_mb=statistics.median(x[2] for x in latencies) / 1e6 if latencies else None,
+        status_failed=probed["failed"],
+        model_ms=statistics.median(probed["model"]) * 1e3 if probed["model"] else None,
+        rss_mib=(server["hwm"] - server["baseline_rss"]) * mib,
+        baseline_mib=server["baseline_rss"] * mib,
+        hwm_mib=server["hwm"] * mib,
+        history_points=server["history_points"],
+        rss_full_history_mib=(
+            server["hwm"]
+            - server["baseline_rss"]
+            + server["ranks_known"]
+            * max(0.0, HISTORY_LEN - server["history_points"])
+            * server["point_bytes"]
+        )
+        * mib,
+        offline_tick_ms=server["offline"]["tick_cpu_s"] * 1e3,
+        offline_status_ms=server["offline"]["status_cpu_s"] * 1e3,
+        us_per_frame=(thread_cpu - tick_cpu - answer_cpu) / (recv_end - recv_start) * 1e6
+        if recv_end > recv_start
+        else None,
+        view_age_median_s=statistics.median(a[1] for a in ages) if ages else None,
+        view_age_max_s=max(a[2] for a in ages) if ages else None,
+        publisher_cores=sum(r.cpu_s - (r.relay_cpu_s or 0.0) for r in results) / wall,
+        relay_cores=sum(r.relay_cpu_s for r in results) / wall,
+        relay_dropped=sum(r.relay_dropped for r in results),
+        relay_received=sum(r.relay_received for r in results),
+        relay_forwarded=sum(r.relay_forwarded for r in results),
+        relay_pending_at_stop=sum(r.relay_pending_at_stop for r in results),
+        relay_reconnects=sum(r.relay_reconnects for r in results),
+        relay_short=_relay_short(results, server["relay_detail"]),
+        relay_lost_batches=server["relay_lost_batches"],
+        drained_s=server["drained_s"],
+        culprit=culprit,
+        culprit_latency_s=min(right) - onset if right else None,
+        culprit_kind=culprit_kind,
+        wrong={k: sorted(set(v)) for k, v in wrong.items()},
+        wrong_at=wrong_at,
+        view_ages=[(round(t - t_start, 2), round(a, 2), round(m, 2)) for t, a, m in ages],
+        load=load,
+        profile=server["profile"],
+    )
+
+
+def _relay_short(results: list[PublisherResult], seen: list[tuple[Any, ...]]) -> list[str]:
+    """Relays whose forwarded frames the server did not all count: how many batches and
+    frames it is short, and the sequence number it expected next."""
+    server = {name: (batches, frames, next_seq) for name, batches, frames, next_seq, _ in seen}
+    short = []
+    for result in results:
+        for name, batches, forwarded in result.relay_detail:
+            got_batches, got_frames, next_seq = server.get(name, (0, 0, 0))
+            if got_frames != forwarded:
+                short.append(
+                    f"{name}: sent {batches} batches/{forwarded} frames, the server counted "
+                    f"{got_batches}/{got_frames} (next seq {next_seq})"
+                )
+    return short
+
+
+# ------------------------------------------------------------------------------ in memory
+
+
+@dataclass
+class Offline:
+    """Diagnosis and status on a state built in memory: no sockets, nothing else running."""
+
+    ranks: int
+    build_us_per_frame: float
+    tick_ms: float
+    status_ms: float
+    status_mb: float
+    model_ms: float
+    culprit: int
+    alerts: list[tuple[str, int]]  # (kind, how many ranks it names)
+    right: bool
+
+
+def offline(size: int, culprit: int, reps: int = 3) -> Offline:
+    """Feed every rank's heartbeats straight into a ``ServerState`` (decode + apply, as the
+    collector does, without sockets) for 4 s of training and 3 s of the straggler, then time
+    (CPU) ``diagnose``, the status document (built and JSON-encoded, as a reply is) and the
+    dashboard's model build on it; medians of ``reps``."""
+    import msgspec
+
+    from ddpwatch.protocol import decode
+    from ddpwatch.server.alerts import Thresholds
+    from ddpwatch.server.rules import diagnose
+    from ddpwatch.server.state import ServerState
+    from ddpwatch.server.status import status_document
+
+    t0 = 1.7e9
+    onset, now = t0 + 4.0, t0 + 7.0
+    beats = Beats(PublisherSpec(0, 0, size, size, "direct", "", size, culprit), t0, onset)
+    state = ServerState(started=t0 - 1.0)
+    apply = state.apply
+    frames = 0
+    c0 = time.process_time()
+    for cycle in range(int((now - t0) / BEAT_S)):
+        for i in range(size):
+            at = t0 + (cycle + i / size) * BEAT_S
+            apply(decode(beats.frame(i, cycle, at)), at)
+            frames += 1
+    build = (time.process_time() - c0) / frames * 1e6
+    th = Thresholds()
+    ticks, docs, models = [], [], []
+    history = _new_history()
+    alerts: list[Any] = []
+    payload = b""
+    for _ in range(reps):
+        c0 = time.process_time()
+        alerts = diagnose(state, now, th)
+        ticks.append(time.process_time() - c0)
+        c0 = time.process_time()
+        payload = msgspec.json.encode(status_document(state, alerts, now, th, []))
+        docs.append(time.process_time() - c0)
+        models.append(_model_build(payload, history))
+    return Offline(
+        ranks=size,
+        build_us_per_frame=build,
+        tick_ms=statistics.median(ticks) * 1e3,
+        status_ms=statistics.median(docs) * 1e3,
+        status_mb=len(payload) / 1e6,
+        model_ms=statistics.median(models) * 1e3,
+        culprit=culprit,
+        alerts=[(a.kind, len(a.ranks)) for a in alerts],
+        right=[a.ranks for a in alerts] == [(culprit,)],
+    )
+
+
+def _model_build(payload: bytes, history: Any = None) -> float:
+    """CPU seconds the dashboard spends turning a status reply into its table's rows:
+    decode, header summary, alert index, history rings, worst-first order (``tui/model.py``;
+    drawing the visible rows is not included: ``tui_tick.py`` measures it)."""
+    import msgspec
+
+    from ddpwatch.tui.header import summarize
+    from ddpwatch.tui.history import History
+    from ddpwatch.tui.model import Query, index_alerts, select_rows
+
+    history = History() if history is None else history
+    c0 = time.process_time()
+    document = msgspec.json.decode(payload)
+    summarize(document)
+    index = index_alerts(document.get("alerts") or [])
+    history.update(document.get("ranks") or [])
+    select_rows(document.get("ranks") or [], Query(), index)
+    return time.process_time() - c0
+
+
+def _new_history() -> Any:
+    from ddpwatch.tui.history import History
+
+    return History()
+
+
+OFFLINE_HEADER = (
+    f"{'ranks':>6} {'tick ms':>8} {'status ms':>9} {'status MB':>9} {'dashboard ms':>12}"
+    f" {'apply us/frame':>14}  alerts"
+)
+
+
+def offline_line(o: Offline) -> str:
+    alerts = ", ".join(f"{kind} ({n} rank{'s' if n != 1 else ''})" for kind, n in o.alerts)
+    verdict = "names exactly the culprit" if o.right else "NOT exactly the culprit"
+    return (
+        f"{o.ranks:>6} {o.tick_ms:>8.0f} {o.status_ms:>9.0f} {o.status_mb:>9.1f}"
+        f" {o.model_ms:>12.0f} {o.build_us_per_frame:>14.1f}  {alerts or 'none'}: {verdict}"
+    )
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def _fmt(value: float | None, spec: str, none: str = "-") -> str:
+    return (
+        none
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else (format(value, spec))
+    )
+
+
+def culprit_text(row: Row) -> str:
+    text = f"{row.culprit_latency_s:.2f} s" if row.culprit_latency_s is not None else "missed"
+    if row.wrong:
+        named = sum(len(v) for v in row.wrong.values())
+        kinds = ",".join(sorted(row.wrong))
+        text += f"; wrong: {named} ranks ({kinds})"
+    return text
+
+
+HEADER = (
+    f"{'ranks':>6} {'mode':<6} {'relays':>6} {'offered/s':>10} {'(target)':>9}"
+    f" {'accepted/s':>10} {'drops':>8} {'srv cores':>9} {'ingest':>6}"
+    f" {'tick med/p99 ms':>16} {'(cpu)':>6} {'status ms':>9} {'RSS MiB':>8}  culprit"
+)
+
+
+def table_line(row: Row) -> str:
+    return (
+        f"{row.ranks:>6} {row.mode:<6} {row.relays if row.mode == 'relay' else '-':>6}"
+        f" {row.offered_rate:>10.0f} {row.target_rate:>9.0f} {row.accepted_rate:>10.0f}"
+        f" {row.drops:>8} {row.server_cores:>9.2f} {row.ingest_cores:>6.2f}"
+        f" {_fmt(row.tick_median_ms, '.0f'):>7}/{_fmt(row.tick_p99_ms, '.0f'):<8}"
+        f" {_fmt(row.tick_cpu_median_ms, '.0f'):>6}"
+        f" {_fmt(row.status_ms, '.0f'):>9} {row.rss_mib:>8.0f}  {culprit_text(row)}"
+    )
+
+
+def detail_line(row: Row) -> str:
+    short = row.offered_rate < 0.95 * row.target_rate
+    parts = [
+        f"  {row.ranks} {row.mode}:",
+        f"offered {row.offered_rate / row.target_rate:.0%} of the target"
+        + (" (PUBLISHERS SHORT)" if short else ""),
+        f"sender drops {row.sender_drops}, beats skipped {row.skipped}, rejected {row.rejected}",
+        f"server thread {row.thread_cores:.2f} cores (ticks {row.tick_cores:.2f},"
+        f" ingest {row.ingest_cores:.2f}); {row.ticks_in_window} ticks, {row.ticks} of them with"
+        f" every rank known; longest time without a tick {row.tick_gap_s:.1f} s",
+        f"status reply {_fmt(row.status_mb, '.1f')} MB, built in"
+        f" {_fmt(row.status_build_ms, '.0f')} ms on the server thread,"
+        f" {row.status_failed} unanswered; dashboard model {_fmt(row.model_ms, '.0f')} ms",
+        f"RSS peak {row.hwm_mib:.0f} MiB (baseline {row.baseline_mib:.0f}),"
+        f" history {row.history_points:.0f}/{HISTORY_LEN} points per rank; with every ring"
+        f" full: ~{row.rss_full_history_mib:.0f} MiB (projected)",
+        f"on the final state, server stopped: tick {row.offline_tick_ms:.0f} ms CPU,"
+        f" status reply {row.offline_status_ms:.0f} ms CPU;"
+        f" ingest {_fmt(row.us_per_frame, '.1f')} us CPU per accepted frame",
+        f"server view age median {_fmt(row.view_age_median_s, '.2f')} s,"
+        f" max {_fmt(row.view_age_max_s, '.2f')} s; drained {row.drained_s:.1f} s after the end",
+        f"publishers {row.publisher_cores:.2f} cores",
+    ]
+    if row.mode == "relay":
+        parts.append(
+            f"relays {row.relay_cores:.2f} cores ({row.ranks_per_relay} ranks per relay),"
+            f" relays took {row.relay_received}, forwarded {row.relay_forwarded}, dropped"
+            f" {row.relay_dropped}, {row.relay_pending_at_stop} pending at stop; the server"
+            f" counted {row.relay_lost_batches} lost batches; {row.relay_reconnects} reconnects"
+        )
+        parts.extend(f"SHORT {text}" for text in row.relay_short)
+    parts.append(
+        f"culprit rank {row.culprit} ({row.culprit_kind or 'not named'}); load {row.load[0]:.1f}"
+    )
+    if row.wrong:
+        parts.append(
+            "wrong blames: "
+            + "; ".join(
+                f"{k} from {row.wrong_at[k]:.1f} s: {_ranks_text(v)}"
+                for k, v in sorted(row.wrong.items())
+            )
+        )
+    return "\n    ".join([parts[0] + " " + parts[1], *parts[2:]])
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:6])) + (f" ... ({len(ranks)} ranks)" if len(ranks) > 6 else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="8192,32768,65536", help="comma-separated rank counts")
+    parser.add_argument("--modes", default="relay,direct", help="relay, direct or both")
+    parser.add_argument("--seconds", type=float, default=20.0, help="run length per row (20)")
+    parser.add_argument("--warmup", type=float, default=10.0, help="straggler onset (10 s)")
+    parser.add_argument("--procs", type=int, default=4, help="publisher processes (4)")
+    parser.add_argument(
+        "--ranks-per-relay", type=int, default=None, help="default: one relay per publisher"
+    )
+    parser.add_argument("--status-every", type=float, default=5.0, help="status REQ period (5)")
+    parser.add_argument("--models", type=int, default=3, help="dashboard model builds per row")
+    parser.add_argument(
+        "--publisher-nice",
+        type=int,
+        default=5,
+        help="niceness added to publishers, relays and the prober (5): they stand for other "
+        "machines, so the server gets the CPU first",
+    )
+    parser.add_argument(
+        "--no-offline",
+        dest="offline",
+        action="store_false",
+        help="skip the in-memory diagnosis/status measurement per size",
+    )
+    parser.add_argument("--profile", action="store_true", help="cProfile the server thread")
+    parser.add_argument("--seed", type=int, default=13)
+    parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--quick", action="store_true", help="512 ranks, 6 s, 2 processes")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.seconds, args.warmup, args.procs = "512", 6.0, 2.0, 2
+        args.status_every = 1.0
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if any(m not in ("relay", "direct") for m in modes):
+        parser.error("--modes takes relay and/or direct")
+    if args.warmup + 2.5 > args.seconds:
+        parser.error("--seconds must leave at least 2.5 s after --warmup (the collective limit)")
+    for size in sizes:
+        per_proc = math.ceil(size / max(1, min(args.procs, size)))
+        rpr = args.ranks_per_relay or per_proc
+        if "relay" in modes and math.ceil(per_proc / rpr) > MAX_RELAYS_PER_PROC:
+            parser.error(
+                f"{size} ranks: {math.ceil(per_proc / rpr)} relays per process, over"
+                f" {MAX_RELAYS_PER_PROC}; raise --ranks-per-relay or --procs"
+            )
+
+    ctx = mp.get_context("spawn")
+    print(
+        f"scale: {BEAT_S:g} s heartbeats per rank, {args.procs} publisher processes, "
+        f"{args.seconds:g} s per row, straggler at {args.warmup:g} s, status every "
+        f"{args.status_every:g} s; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    rows: list[Row] = []
+    offlines: list[Offline] = []
+    for size in sizes:
+        if args.offline:
+            offlines.append(offline(size, pick_culprit(size, args.seed)))
+            print(f"  {size} in memory: {offline_line(offlines[-1]).strip()}", flush=True)
+        for mode in modes:
+            row = run_one(size, mode, args, ctx)
+            rows.append(row)
+            print(detail_line(row), flush=True)
+            if row.profile:
+                print(row.profile, flush=True)
+    print("live: a real server, publisher processes, the straggler injected")
+    print(HEADER)
+    for row in rows:
+        print(table_line(row))
+    if offlines:
+        print("in memory: diagnosis, status reply and dashboard model alone (CPU, median of 3)")
+        print(OFFLINE_HEADER)
+        for o in offlines:
+            print(offline_line(o))
+    for row in rows:
+        short = "publishers short" if row.offered_rate < 0.95 * row.target_rate else "full rate"
+        print(
+            f"RATIO scale {row.ranks} {row.mode}: accepted/offered = "
+            f"{row.received / max(1, row.offered):.4f} ({short}), drops={row.drops}, "
+            f"server_cores={row.server_cores:.2f}, tick_p99_ms={row.tick_p99_ms:.0f}, "
+            f"rss_mib={row.rss_mib:.0f}, culprit={culprit_text(row)}"
+        )
+    for o in offlines:
+        print(
+            f"RATIO scale {o.ranks} in memory: tick_ms={o.tick_ms:.0f}, "
+            f"status_ms={o.status_ms:.0f}, culprit={'right' if o.right else 'WRONG'}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"live": [asdict(r) for r in rows], "in_memory": [asdict(o) for o in offlines]},
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
