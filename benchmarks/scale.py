@@ -1,31 +1,39 @@
 """A real server under a 2 Hz heartbeat load of thousands of ranks, with and without relays.
 
     python benchmarks/scale.py [--sizes 8192,32768,65536] [--modes relay,direct] [--seconds 20]
-                               [--warmup 10] [--procs 4] [--ranks-per-relay N] [--quick]
+        [--warmup 10] [--procs 4] [--ranks-per-relay N] [--status-every 5] [--publisher-nice 5]
+        [--no-offline] [--profile] [--json FILE] [--quick]
 
-For each size and mode, fresh processes (multiprocessing, spawn):
+For each size, first **in memory**: every rank's heartbeats decoded and applied straight into a
+``ServerState`` (no sockets) for 4 s of training and 3 s of a straggler, then ``diagnose``, the
+status reply (document + JSON) and the dashboard's model build, timed in CPU time with nothing
+else running. Then, for each mode, fresh processes (multiprocessing, spawn):
 
 * **server host**: a real ``Server`` (``server/service.py``) on a free port pair, ``run()`` on a
   thread, as ``ddpwatch serve`` runs it. ``tick()`` is timed (wall and the thread's CPU), and so
   is the status reply built on the server thread (``Collector._answer``). The host's main
   thread samples the process's CPU time (the Python server thread plus libzmq's I/O thread),
-  the server thread's own (``/proc/self/task/TID/stat``), VmRSS/VmHWM against the baseline
+  the server thread's own (``/proc/self/task/TID/stat``), VmHWM against the VmRSS baseline
   taken before the server started, and how stale the server's view is (now - ``last_seen``
-  over the ranks).
+  over the ranks). "ingest" = the server thread's CPU minus ticks and status replies.
 * **publishers** (``--procs``): each simulates ``size / procs`` ranks and sends every rank's
-  ``Sample`` at 2 Hz, beats spread uniformly over the 0.5 s period, built and encoded once
-  per rank per beat (the fields of ``ingest.make_frames``' GPU heartbeat: identity on the
-  first and every ``IDENTITY_EVERY``-th beat, then step, loss, timings, memory, collective
-  counts with the agent's step marks). Sends are non-blocking like the agent's (``Again``:
-  the beat is dropped at the sender). ``direct``: one PUSH socket per process to the
-  server's TCP port (the server sees ``procs`` connections, not one per rank). ``relay``:
-  the process runs one ``ddpwatch.relay.Relay`` per ``--ranks-per-relay`` ranks on threads
-  (default: one relay per process, carrying all its ranks), its ranks PUSH to them over
-  ``ipc://`` and the relays send ``Batch`` frames to the server once per beat.
+  ``Sample`` at 2 Hz, beats spread uniformly over the 0.5 s period, once per rank per beat
+  (the fields of ``ingest.make_frames``' GPU heartbeat: the identity on the first and every
+  ``IDENTITY_EVERY``-th beat, step, loss, timings, memory, collective counts with the
+  agent's step marks; assembled from pieces encoded once, see ``Beats``). Sends are
+  non-blocking like the agent's (``Again``: the beat is dropped at the sender). ``direct``:
+  one PUSH socket per process to the server's TCP port (the server sees ``procs``
+  connections, not one per rank). ``relay``: the process runs one ``ddpwatch.relay.Relay``
+  per ``--ranks-per-relay`` ranks on threads (default: one relay per process, carrying all
+  its ranks), its ranks PUSH to them over ``ipc://`` and the relays send ``Batch`` frames to
+  the server every beat. Relays stop only once the server has drained its queue.
 * **status prober**: a ``StatusClient`` REQ (``b"status"``, as ``ddpwatch status``) every
-  ``--status-every`` s, timed; on a few replies, the dashboard's model build on the document
-  (decode, header summary, alert index, history rings, worst-first rows: ``tui/model.py``,
-  no Textual rendering; rendering costs the visible rows only, see ``tui_tick.py``).
+  ``--status-every`` s, timed; on a few replies, the dashboard's model build (decode, header
+  summary, alert index, history rings, worst-first rows: ``tui/model.py``; drawing the
+  visible rows is not included, ``tui_tick.py`` measures it).
+
+Publishers, relays and the prober run ``--publisher-nice`` steps nicer than the server: they
+stand for other machines, so on a small machine the server gets the CPU first.
 
 Ranks train in lockstep (0.25 s steps, one all_reduce per step). After ``--warmup`` s one
 random rank stops before its next all_reduce while it keeps sending heartbeats; every other
@@ -35,8 +43,8 @@ minus the onset; any alert naming another rank during the run is a wrong blame.
 
 One row per (size, mode). Offered = frames the publishers handed to ZeroMQ (their achieved
 rate: on a small machine they cannot always offer 2 x ranks per second, which the output
-says); accepted = ``state.received`` (inner frames of batches count one each); drops =
-offered - received after the server drained its queue.
+says); accepted/s = ``state.received`` (inner frames of batches count one each) over the
+run; drops = offered - received once the server drained its queue.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import io
 import itertools
 import json
@@ -68,7 +77,8 @@ STEP_S = 0.25  # the simulated job's step time
 RANKS_PER_NODE = 8
 MAX_RELAYS_PER_PROC = 64  # each Relay has its own ZeroMQ context (an I/O thread) and thread
 START_MARGIN_S = 1.0  # between "every process is ready" and the first beat
-DRAIN_MAX_S = 15.0  # after the run: how long the server may take to empty its queue
+DRAIN_MAX_S = 30.0  # after the run: how long the server may take to empty its queue
+DRAIN_QUIET_S = 3.0  # drained: nothing new for this long (longer than a tick or a status reply)
 HISTORY_LEN = 120  # server/state.py: points kept per rank
 
 
@@ -493,15 +503,13 @@ def server_host(conn: Connection, profile: bool = False) -> None:
                     view_age.append((now, statistics.median(ages), max(ages)))
     mark("end")
     conn.recv()  # the publishers are done: wait for the server to empty its queue
-    settled = time.time()
+    started, changed = time.time(), time.time()
     last = server.state.received
-    while time.time() - settled < DRAIN_MAX_S:
-        time.sleep(0.5)
-        received = server.state.received
-        if received == last:
-            break
-        last = received
-    drained_s = time.time() - marks["end"][0]
+    while time.time() - started < DRAIN_MAX_S and time.time() - changed < DRAIN_QUIET_S:
+        time.sleep(0.25)
+        if server.state.received != last:
+            last, changed = server.state.received, time.time()
+    drained_s = changed - marks["end"][0]
     server.stop()
     thread.join(10)
     state = server.state
@@ -669,6 +677,7 @@ class Row:
     drained_s: float
     culprit: int
     culprit_latency_s: float | None
+    culprit_late_s: float | None  # named only after the run ended: this long after the onset
     culprit_kind: str | None
     wrong: dict[str, list[int]] = field(default_factory=dict)
     wrong_at: dict[str, float] = field(default_factory=dict)
@@ -772,7 +781,7 @@ def summarize_run(
     window = [t for t in server["ticks"] if t_start <= t[0] <= t_end]
     stamps = [t_start, *(t[0] for t in window), t_end]
     tick_gap = max(b - a for a, b in itertools.pairwise(stamps))
-    full = [t for t in window if t[3] >= 0.99 * size] or window
+    full = [t for t in window if t[3] >= 0.99 * size]  # ticks after (almost) every rank reported
     tick_ms = [t[1] * 1e3 for t in full]
     tick_cpu = sum(t[2] for t in window)
     answers = [a for a in server["answers"] if t_start <= a[0] <= t_end]
@@ -780,11 +789,9 @@ def summarize_run(
     thread_cpu = thread_end - thread_start
     latencies = [x for x in probed["latencies"] if x[0] >= t_start + 2.0] or probed["latencies"]
     ages = server["view_age"]
-    right = [
-        first
-        for kind, ranks, first, _ in server["alerts"]
-        if ranks == [culprit] and first >= onset and first <= t_end
-    ]
+    named = [first for _, ranks, first, _ in server["alerts"] if ranks == [culprit]]
+    right = [first for first in named if onset <= first <= t_end]
+    late = [first for first in named if first > t_end]  # while the server drained, after the run
     culprit_kind = next(
         (
             kind
@@ -862,6 +869,7 @@ def summarize_run(
         drained_s=server["drained_s"],
         culprit=culprit,
         culprit_latency_s=min(right) - onset if right else None,
+        culprit_late_s=min(late) - onset if late and not right else None,
         culprit_kind=culprit_kind,
         wrong={k: sorted(set(v)) for k, v in wrong.items()},
         wrong_at=wrong_at,
@@ -903,6 +911,7 @@ class Offline:
     culprit: int
     alerts: list[tuple[str, int]]  # (kind, how many ranks it names)
     right: bool
+    rules: list[tuple[str, float]] = field(default_factory=list)  # ms each, in diagnose's order
 
 
 def offline(size: int, culprit: int, reps: int = 3) -> Offline:
@@ -914,7 +923,7 @@ def offline(size: int, culprit: int, reps: int = 3) -> Offline:
 
     from ddpwatch.protocol import decode
     from ddpwatch.server.alerts import Thresholds
-    from ddpwatch.server.rules import diagnose
+    from ddpwatch.server.rules import RULES, Facts, diagnose
     from ddpwatch.server.state import ServerState
     from ddpwatch.server.status import status_document
 
@@ -944,6 +953,20 @@ def offline(size: int, culprit: int, reps: int = 3) -> Offline:
         payload = msgspec.json.encode(status_document(state, alerts, now, th, []))
         docs.append(time.process_time() - c0)
         models.append(_model_build(payload, history))
+    per_rule: dict[str, list[float]] = {}
+    gc.collect()
+    gc.disable()  # a collection would land on whichever rule allocates when it is due
+    try:
+        for _ in range(reps):
+            facts = Facts(state, now, th)  # shared as in diagnose: the first asker pays
+            for rule in RULES:
+                c0 = time.process_time()
+                rule(state, now, th, facts)
+                name = getattr(rule, "__name__", "?")
+                per_rule.setdefault(name, []).append((time.process_time() - c0) * 1e3)
+    finally:
+        gc.enable()
+    rules = [(name, statistics.median(ms)) for name, ms in per_rule.items()]
     return Offline(
         ranks=size,
         build_us_per_frame=build,
@@ -954,6 +977,7 @@ def offline(size: int, culprit: int, reps: int = 3) -> Offline:
         culprit=culprit,
         alerts=[(a.kind, len(a.ranks)) for a in alerts],
         right=[a.ranks for a in alerts] == [(culprit,)],
+        rules=rules,
     )
 
 
@@ -1011,6 +1035,8 @@ def _fmt(value: float | None, spec: str, none: str = "-") -> str:
 
 def culprit_text(row: Row) -> str:
     text = f"{row.culprit_latency_s:.2f} s" if row.culprit_latency_s is not None else "missed"
+    if row.culprit_late_s is not None:
+        text += f" (named {row.culprit_late_s:.0f} s after the onset, after the run)"
     if row.wrong:
         named = sum(len(v) for v in row.wrong.values())
         kinds = ",".join(sorted(row.wrong))
@@ -1146,8 +1172,14 @@ def main(argv: list[str] | None = None) -> int:
     offlines: list[Offline] = []
     for size in sizes:
         if args.offline:
-            offlines.append(offline(size, pick_culprit(size, args.seed)))
-            print(f"  {size} in memory: {offline_line(offlines[-1]).strip()}", flush=True)
+            o = offline(size, pick_culprit(size, args.seed))
+            offlines.append(o)
+            top = sorted(o.rules, key=lambda r: -r[1])[:5]
+            print(
+                f"  {size} in memory: {offline_line(o).strip()}\n    costliest rules: "
+                + ", ".join(f"{name.removeprefix('rule_')} {ms:.0f} ms" for name, ms in top),
+                flush=True,
+            )
         for mode in modes:
             row = run_one(size, mode, args, ctx)
             rows.append(row)
@@ -1168,7 +1200,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"RATIO scale {row.ranks} {row.mode}: accepted/offered = "
             f"{row.received / max(1, row.offered):.4f} ({short}), drops={row.drops}, "
-            f"server_cores={row.server_cores:.2f}, tick_p99_ms={row.tick_p99_ms:.0f}, "
+            f"server_cores={row.server_cores:.2f}, tick_p99_ms={_fmt(row.tick_p99_ms, '.0f')}, "
             f"rss_mib={row.rss_mib:.0f}, culprit={culprit_text(row)}"
         )
     for o in offlines:

@@ -175,10 +175,10 @@ class Collector:
                 )
 
     def _receive(self) -> int:
-        """Take in up to ``RECV_BATCH`` frames. Under backlog a known rank's heartbeats are
-        coalesced: only its newest ``Sample`` of the batch is applied, plus any that
-        ``_must_apply`` (only intermediate history points are lost); its events keep their
-        order."""
+        """Take in up to ``RECV_BATCH`` messages (a batch counts each one in it). Under
+        backlog a known rank's heartbeats are coalesced: only its newest ``Sample`` of the
+        batch is applied, plus any that ``_must_apply`` (only intermediate history points are
+        lost); its events keep their order."""
         now = self._clock()
         state = self.state
         recv, option = self._pull.recv, self._pull.getsockopt  # bound once: per-frame cost
@@ -200,6 +200,7 @@ class Collector:
                 continue
             if type(message) is Batch:
                 self._open_batch(message, now, pending)
+                count += len(message.frames)  # the limit counts heartbeats, not frames
             else:
                 self._take(frame, message, now, pending)  # type: ignore[arg-type]
         for sample, at in pending.values():
