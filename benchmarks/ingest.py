@@ -41,6 +41,28 @@ TARGET_RATE = 2e5
 ARMS = ("raw", "decode", "collector")
 
 
+def gpu_identity(rank: int, world: int, *, host: str, pid: int) -> dict[str, Any]:
+    """The identity an agent on an 8-GPU H100 node sends (``scale.py`` sends it too)."""
+    local = rank % 8
+    return dict(
+        local_rank=local,
+        world_size=world,
+        local_world_size=8,
+        node_rank=rank // 8,
+        host=host,
+        pid=pid,
+        launcher="torchrun",
+        job_id="bench",
+        backend="nccl",
+        torch_version="2.13.0+cu128",
+        cuda_visible_devices="0,1,2,3,4,5,6,7",
+        device=f"cuda:{local}",
+        device_index=local,
+        device_name="NVIDIA H100 80GB HBM3",
+        device_count=8,
+    )
+
+
 def make_frames(count: int, ranks: int) -> list[bytes]:
     """Valid, realistic heartbeat frames: 8 GPUs per host, every frame a new step, the identity
     in every ``IDENTITY_EVERY``-th frame of a rank, as the agent sends it."""
@@ -52,24 +74,11 @@ def make_frames(count: int, ranks: int) -> list[bytes]:
     for i in range(count):
         rank, step = i % ranks, i // ranks + 1
         local = rank % 8
-        identity = dict(
-            local_rank=local,
-            world_size=ranks,
-            local_world_size=8,
-            node_rank=rank // 8,
-            host=f"gpu-node-{rank // 8:04d}",
-            pid=20000 + rank,
-            launcher="torchrun",
+        identity = gpu_identity(rank, ranks, host=f"gpu-node-{rank // 8:04d}", pid=20000 + rank)
+        identity.update(
             job_id="bench-ingest",
-            backend="nccl",
-            torch_version="2.13.0+cu128",
-            cuda_visible_devices="0,1,2,3,4,5,6,7",
-            device=f"cuda:{local}",
-            device_index=local,
-            device_name="NVIDIA H100 80GB HBM3",
             device_uuid=f"GPU-{rank:08x}-1b2c-3d4e-5f60-{local:012x}",
             device_pci_bus_id=f"00000000:{0x18 + local:02X}:00.0",
-            device_count=8,
         )
         sample = Sample(
             v=PROTOCOL_VERSION,

@@ -72,6 +72,8 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ingest import gpu_identity  # benchmarks/ is on the path: these run as scripts
+
 BEAT_S = 0.5  # the agent's heartbeat interval
 STEP_S = 0.25  # the simulated job's step time
 RANKS_PER_NODE = 8
@@ -182,24 +184,11 @@ class Beats:
         return found
 
     def identity(self, rank: int) -> dict[str, Any]:
-        local = rank % RANKS_PER_NODE
-        return dict(
-            local_rank=local,
-            world_size=self.spec.world,
-            local_world_size=RANKS_PER_NODE,
-            node_rank=rank // RANKS_PER_NODE,
-            host=f"node-{rank // RANKS_PER_NODE}",
-            pid=100_000 + rank,
-            launcher="torchrun",
-            job_id="bench-scale",
-            backend="nccl",
-            torch_version="2.13.0+cu128",
-            cuda_visible_devices="0,1,2,3,4,5,6,7",
-            device=f"cuda:{local}",
-            device_index=local,
-            device_name="NVIDIA H100 80GB HBM3",
-            device_count=RANKS_PER_NODE,
+        identity = gpu_identity(
+            rank, self.spec.world, host=f"node-{rank // RANKS_PER_NODE}", pid=100_000 + rank
         )
+        identity["job_id"] = "bench-scale"
+        return identity
 
     def where(self, rank: int, now: float) -> tuple[int, int, bool]:
         """(step, collectives entered, waiting in all_reduce #step+1) of ``rank`` at ``now``."""
