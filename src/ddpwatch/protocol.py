@@ -8,7 +8,7 @@ lets newer agents talk to older servers. See ``docs/protocol.md``.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
 
@@ -174,9 +174,10 @@ class ProtocolError(ValueError):
 
 
 _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
+_M = TypeVar("_M", AnyMessage, WireMessage)
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(AnyMessage)
-_wire_decoder = msgspec.msgpack.Decoder(WireMessage)
+_decoder: msgspec.msgpack.Decoder[AnyMessage] = msgspec.msgpack.Decoder(AnyMessage)
+_wire_decoder: msgspec.msgpack.Decoder[WireMessage] = msgspec.msgpack.Decoder(WireMessage)
 
 
 def encode(message: AnyMessage | Batch) -> bytes:
@@ -186,23 +187,20 @@ def encode(message: AnyMessage | Batch) -> bytes:
 
 def decode(frame: bytes) -> AnyMessage:
     """Decode and validate one frame; raise ``ProtocolError`` for anything else."""
-    if len(frame) > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {len(frame)} bytes is over {MAX_FRAME_BYTES}")
-    try:
-        message: AnyMessage = _decoder.decode(frame)
-    except _DECODE_ERRORS as exc:
-        raise ProtocolError(f"{type(exc).__name__}: {exc}") from None
-    if message.v != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {message.v} is not {PROTOCOL_VERSION}")
-    return message
+    return _checked(_decoder, frame)
 
 
 def decode_wire(frame: bytes) -> WireMessage:
     """Decode a frame off the server's socket: a rank's message or a relay's batch."""
+    return _checked(_wire_decoder, frame)
+
+
+def _checked(decoder: msgspec.msgpack.Decoder[_M], frame: bytes) -> _M:
+    """One set of checks for both decoders: size, shape and version."""
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes is over {MAX_FRAME_BYTES}")
     try:
-        message: WireMessage = _wire_decoder.decode(frame)
+        message = decoder.decode(frame)
     except _DECODE_ERRORS as exc:
         raise ProtocolError(f"{type(exc).__name__}: {exc}") from None
     if message.v != PROTOCOL_VERSION:
