@@ -24,6 +24,7 @@ from ddpwatch.protocol import ErrorInfo, Event, Sample, encode
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.recording import (
     MAGIC,
+    Record,
     Recorder,
     RecordingError,
     RecordingReader,
@@ -98,7 +99,7 @@ def test_round_trip(tmp_path: Path) -> None:
     recorder = Recorder(path, {"started": 100.0, "note": "x"})
     for i, frame in enumerate(frames):
         recorder.frame(100.0 + i, frame)
-        recorder.tick(100.5 + i)
+        recorder.tick(100.5 + i, None if i == 0 else 100.25 + i, 99.0 + i)
     recorder.close()
     assert path.read_bytes().startswith(MAGIC)
     records = read_records(path)
@@ -108,9 +109,10 @@ def test_round_trip(tmp_path: Path) -> None:
     assert [(r.kind, r.t, r.data) for r in body[0::2]] == [
         ("frame", 100.0 + i, f) for i, f in enumerate(frames)
     ]
-    assert [(r.kind, r.t, r.data) for r in body[1::2]] == [
-        ("tick", 100.5 + i, b"") for i in range(len(frames))
+    assert [(r.kind, r.t, r.horizon) for r in body[1::2]] == [
+        ("tick", 100.5 + i, (None if i == 0 else 100.25 + i, 99.0 + i)) for i in range(len(frames))
     ]
+    assert Record("tick", 1.0).horizon is None  # an empty payload: none recorded
     # the documented layout, byte for byte
     first = encode_record(1, 100.0, frames[0])
     assert first[8:] == struct.pack("<Bd", 1, 100.0) + frames[0]

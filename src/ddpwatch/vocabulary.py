@@ -172,6 +172,7 @@ class AlertKind:
     CHECKPOINT_CONFLICT: Final = "checkpoint_conflict"
     SLOW_RANK: Final = "slow_rank"
     RELAY_LOST: Final = "relay_lost"
+    SERVER_BEHIND: Final = "server_behind"
 
 
 ALERT_KINDS: Final = (
@@ -193,5 +194,6 @@ ALERT_KINDS: Final = (
     AlertKind.CHECKPOINT_CONFLICT,
     AlertKind.SLOW_RANK,
     AlertKind.RELAY_LOST,
+    AlertKind.SERVER_BEHIND,
 )
 """Every alert kind, in ``docs/status.md``'s order: a rule declaring another fails at import."""

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 from ddpwatch.vocabulary import ALERT_KINDS, SeverityName
 
+STARTUP_SILENT_S = 15.0
+"""A rank still starting may go this long unheard: its heartbeats wait behind imports, model
+building and DataLoader workers on a busy host; the startup_hang rule has a minute anyway."""
+
 KINDS = ALERT_KINDS
 """Every alert kind (``ddpwatch.vocabulary.AlertKind``): ``@rule`` checks its kinds against it."""
 
@@ -52,6 +56,11 @@ class Thresholds:
     def silent(self) -> float:
         """Default: three missed heartbeats plus a second of slack."""
         return self.silent_after if self.silent_after is not None else 3 * self.interval + 1.0
+
+    @property
+    def startup_silent(self) -> float:
+        """The same for a rank that has not started training: ``STARTUP_SILENT_S`` at least."""
+        return max(self.silent, STARTUP_SILENT_S)
 
     def stall(self, step_times: list[float]) -> float:
         """The stall threshold, raised to 5x the median step time for slow jobs."""

@@ -10,6 +10,12 @@ time.
 
 A relay's ``Batch`` (``ddpwatch/relay.py``) is opened here: each frame in it is validated,
 admitted, recorded and counted as if it had come alone, in the order the relay took them.
+
+The collector also tells diagnosis how far its view is complete: ``state.heard_until`` is
+the last time it found its queue empty, and ``state.listening_since`` moves forward when it
+has been behind (senders may have dropped heartbeats meanwhile) or was not running at all
+(a suspended laptop, SIGSTOP, a starved host). A rank is never called silent for a quiet
+spell the server did not really listen through.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ UNKNOWN_WORLD_RANKS = 1024  # ranks tracked while no rank has reported a world s
 RANK_CEILING = 65_536  # without --max-ranks: the most ranks, and the largest world size, taken
 REFUSED_LOG_S = 10.0
 MAX_RELAY_AGE_US = 60_000_000  # a frame a relay held longer is dated a minute back, no more
+PAUSE_S = 1.0
+"""Wall time this much longer than the server's own CPU time and waits: it was not running."""
 
 
 class BindError(RuntimeError):
@@ -81,6 +89,8 @@ class Collector:
         self._refused_logged = -REFUSED_LOG_S
         self._snapshot = snapshot
         self._clock = clock
+        self._behind = False  # the last receive left messages queued
+        self._pauses = PauseWatch()
         self._context = zmq.Context()
         self._auth: Any = None
         self._monitors: list[zmq.Socket[Any]] = []
@@ -137,11 +147,16 @@ class Collector:
 
         ``lock`` is held only while state changes, not while waiting or answering.
         """
+        waiting = time.time()
         events = dict(self._poller.poll(int(timeout_s * 1000)))
+        if self._pauses.paused(idle_s=min(time.time() - waiting, timeout_s)):
+            self._behind = True  # what arrives next may be late or lost: listen afresh
         count = 0
         if self._pull in events:
             with lock or contextlib.nullcontext():
                 count = self._receive()
+        else:
+            self._caught_up(self._clock())
         if self._query in events:
             self._answer()
         for monitor in self._monitors:
@@ -184,10 +199,12 @@ class Collector:
         recv, option = self._pull.recv, self._pull.getsockopt  # bound once: per-frame cost
         pending: dict[int, tuple[Sample, float]] = {}
         count = 0
+        drained = False
         while count < RECV_BATCH:
             try:
                 frame = recv(zmq.NOBLOCK)
             except zmq.Again:
+                drained = True
                 break
             count += 1
             if option(zmq.RCVMORE):
@@ -202,10 +219,23 @@ class Collector:
                 self._open_batch(message, now, pending)
                 count += len(message.frames)  # the limit counts heartbeats, not frames
             else:
-                self._take(frame, message, now, pending)  # type: ignore[arg-type]
+                self._take(frame, message, now, pending, relayed=False)  # type: ignore[arg-type]
         for sample, at in pending.values():
             state.apply(sample, at)
+        if drained:
+            self._caught_up(now)  # the queue ran dry: all sent before ``now`` is read
+        else:
+            self._behind = True
         return count
+
+    def _caught_up(self, now: float) -> None:
+        """The queue was found empty at ``now``: the state is complete up to then; after a
+        backlog or a pause, silence counts afresh from here."""
+        state = self.state
+        state.heard_until = now
+        if self._behind:
+            self._behind = False
+            state.listening_since = now
 
     def _open_batch(
         self, batch: Batch, now: float, pending: dict[int, tuple[Sample, float]]
@@ -222,7 +252,7 @@ class Collector:
                 state.rejected += 1
                 continue
             at = now if ages is None else now - min(ages[i], MAX_RELAY_AGE_US) / 1e6
-            if self._take(frame, message, at, pending) and relay is not None:
+            if self._take(frame, message, at, pending, relayed=True) and relay is not None:
                 relay.ranks.add(message.rank)
 
     def _take(
@@ -231,16 +261,20 @@ class Collector:
         message: AnyMessage,
         at: float,
         pending: dict[int, tuple[Sample, float]],
+        *,
+        relayed: bool,
     ) -> bool:
         """Admit, record and apply one rank message that arrived ``at`` (a heartbeat may wait
-        in ``pending`` for a newer one); False when it is not admitted."""
+        in ``pending`` for a newer one), through a relay or not; False when not admitted."""
         state = self.state
         if not self._admit(message):
             state.rejected += 1
             return False
         if self.recorder is not None:
             self.recorder.frame(at, frame)
-        if type(message) is Sample and message.rank in state.ranks:
+        record = state.ranks.get(message.rank)
+        if type(message) is Sample and record is not None:
+            record.relayed = relayed
             superseded = pending.get(message.rank)
             if superseded is not None:
                 if _must_apply(superseded[0], message):
@@ -253,6 +287,7 @@ class Collector:
         if earlier is not None:
             state.apply(*earlier)
         state.apply(message, at)
+        state.ranks[message.rank].relayed = relayed
         return True
 
     def _drop_multipart(self) -> None:
@@ -285,6 +320,24 @@ class Collector:
         if self._auth is not None:
             self._auth.stop()
         self._context.term()
+
+
+class PauseWatch:
+    """Notices the server not running: wall time that was neither spent on CPU nor in a
+    wait the server asked for (a suspended laptop, SIGSTOP, a host too busy to schedule it).
+    Meanwhile nothing was read, so silence seen across it is not evidence."""
+
+    def __init__(self) -> None:
+        self._wall = time.time()
+        self._cpu = time.process_time()
+
+    def paused(self, idle_s: float) -> bool:
+        """Since the last call: more than ``PAUSE_S`` unaccounted for, after ``idle_s`` of
+        waiting that was asked for."""
+        wall, cpu = time.time(), time.process_time()
+        lost = (wall - self._wall) - (cpu - self._cpu) - idle_s
+        self._wall, self._cpu = wall, cpu
+        return lost > PAUSE_S
 
 
 def _must_apply(superseded: Sample, newer: Sample) -> bool:

@@ -7,7 +7,8 @@ A recording is the 8 bytes ``DDPWREC1`` followed by records, all little-endian::
     body:
       u8  kind   0 session, 1 frame, 2 tick (others: skipped by readers)
       f64 time   the server's clock, unix seconds
-      payload    session: UTF-8 JSON object; frame: the accepted frame's bytes; tick: empty
+      payload    session: UTF-8 JSON object; frame: the accepted frame's bytes;
+                 tick: f64 heard_until (NaN: none), f64 listening_since (or empty)
 
 A ``session`` record starts each server run that wrote to the file (its thresholds
 and start time); ``frame`` records are the accepted messages with their receive
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import struct
 import threading
@@ -46,6 +48,7 @@ _KIND_NAMES: dict[int, Literal["session", "frame", "tick"]] = {
 }
 _HEAD = struct.Struct("<II")  # length, crc32
 _BODY = struct.Struct("<Bd")  # kind, time
+_TICK = struct.Struct("<dd")  # heard_until (NaN: None), listening_since
 MAX_BODY = _BODY.size + MAX_FRAME_BYTES + (1 << 16)  # a longer length field is corruption
 FLUSH_S = 0.2  # at most this often: in effect every server tick (0.25 s); the contract is 1 s
 
@@ -61,6 +64,14 @@ class Record:
     kind: Literal["session", "frame", "tick"] | int
     t: float
     data: bytes = b""
+
+    @property
+    def horizon(self) -> tuple[float | None, float] | None:
+        """A ``tick`` record's ``heard_until`` and ``listening_since``; None if not recorded."""
+        if self.kind != "tick" or len(self.data) != _TICK.size:
+            return None
+        heard, since = _TICK.unpack(self.data)
+        return (None if math.isnan(heard) else heard, since)
 
     @property
     def session(self) -> dict[str, Any]:
@@ -192,9 +203,13 @@ class Recorder:
         self._write(encode_record(KIND_FRAME, t, data))
         self.frames += 1
 
-    def tick(self, t: float) -> None:
-        """The server ran diagnosis at ``t``."""
-        self._write(encode_record(KIND_TICK, t))
+    def tick(
+        self, t: float, heard_until: float | None = None, listening_since: float = -math.inf
+    ) -> None:
+        """The server ran diagnosis at ``t``, with its view complete up to ``heard_until``
+        and unbroken since ``listening_since`` (``ServerState``)."""
+        heard = math.nan if heard_until is None else heard_until
+        self._write(encode_record(KIND_TICK, t, _TICK.pack(heard, listening_since)))
 
     def _write(self, data: bytes) -> None:
         with self._lock:

@@ -7,7 +7,7 @@ was lost" instead of naming each of its ranks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,9 @@ RELAY_QUIET_S = 1.0
 HELD_S = 0.75
 """How much later than its ranks' last frames a relay's last batch may come (a beat, and
 slack): a relay lost with its ranks is known by the time they count as silent."""
+RELAY_HOLD_S = 0.5
+"""A relay sends one batch per beat (``ddpwatch.relay.BEAT_S``): a relayed rank's frames may
+reach the server this much later than a direct rank's."""
 TOGETHER_S = 1.5
 """A rank whose last frame came within this of its relay's last batch went silent with it
 (a relay beats every 0.5 s; frames it held go out in its last batch)."""
@@ -89,24 +92,26 @@ def lost_relays(
     ranks: Mapping[int, RankRecord],
     live: Sequence[RankRecord],
     now: float,
+    since: float,
     silent_after: float,
+    is_silent: Callable[[RankRecord], bool],
 ) -> list[LostRelay]:
-    """Relays gone quiet while some of their ranks still ran: ranks silent with it, or heard
-    directly since. None when no rank is ``live`` at all: then the job, or the server's own
-    network, is gone, which no relay explains."""
+    """Relays gone quiet while some of their ranks still ran: ranks silent with it
+    (``is_silent``), or heard directly since. None when no rank is ``live`` at all: then the
+    job, or the server's own network, is gone, which no relay explains. Quiet counts from
+    ``since`` at most (``ServerState.listening_since``), like a rank's silence;
+    ``silent_after`` is the job's silent threshold (``Thresholds.silent``)."""
     if not relays or not live:
         return []
     quiet_after = max(RELAY_QUIET_S, silent_after - HELD_S)
     lost: list[LostRelay] = []
     for relay in relays.values():
-        if now - relay.last_seen <= quiet_after:
+        if now - max(relay.last_seen, since) <= quiet_after:
             continue
         carried = [ranks[r] for r in sorted(relay.ranks) if r in ranks]
         unfinished = [r for r in carried if not r.finished]
         silent = tuple(
-            r
-            for r in unfinished
-            if now - r.last_seen > silent_after and r.last_seen >= relay.last_seen - TOGETHER_S
+            r for r in unfinished if is_silent(r) and r.last_seen >= relay.last_seen - TOGETHER_S
         )
         moved = tuple(r for r in unfinished if r.last_seen > relay.last_seen + TOGETHER_S)
         if silent or moved:

@@ -169,6 +169,10 @@ class ReplayServer:
             return
         if record.kind == "tick":
             if self._ticks:
+                horizon = record.horizon
+                if horizon is not None:
+                    with self.lock:
+                        self.state.heard_until, self.state.listening_since = horizon
                 self.tick(record.t)
             return
         if not self._ticks:

@@ -136,7 +136,8 @@ class Server:
             self.alerts = alerts
             self._document = self._encoded = None
             if self.recorder is not None:
-                self.recorder.tick(now)  # replay runs diagnosis at exactly these times
+                # replay runs diagnosis at exactly these times, on the same horizon
+                self.recorder.tick(now, self.state.heard_until, self.state.listening_since)
         if self.recorder is not None:
             self.recorder.flush()
         if self._on_change is not None:

@@ -93,6 +93,8 @@ class RankRecord:
     device_count: int | None = None
     pg_timeout_s: float | None = None
     simulated: bool = False
+    relayed: bool = False
+    """Its last frame came through a per-node relay, which holds frames up to one beat."""
     identity_key: tuple[object, ...] | None = None
     """The identity fields last applied: heartbeats repeat them, unchanged, every time."""
     # measurements
@@ -169,6 +171,18 @@ class ServerState:
     """When the first rank reported: the job's start, as far as the server can tell."""
     relays: dict[str, RelayRecord] = field(default_factory=dict)
     """Per-node relays heard from, by name (``server/relays.py``)."""
+    heard_until: float | None = None
+    """Every message sent before this time has been read (the collector last found its
+    queue empty then); None: no collector says, take ``now``. Diagnosis runs as of it, so
+    a server that falls behind its ranks sees them as they were, never as silent."""
+    listening_since: float = -math.inf
+    """Since when the collector has kept up without a break (a backlog that may have made
+    senders drop heartbeats, or the server itself paused): silence counts from here."""
+
+    def as_of(self, now: float) -> float:
+        """The latest time the state is complete for: ``now``, or ``heard_until`` if earlier."""
+        heard = self.heard_until
+        return now if heard is None or heard >= now else heard
 
     @property
     def job_started(self) -> float:

@@ -17,9 +17,17 @@ LOG_TAIL_IN_STATUS = 20
 
 
 def rank_entry(
-    record: RankRecord, now: float, th: Thresholds, stall_after: float
+    record: RankRecord,
+    now: float,
+    th: Thresholds,
+    stall_after: float,
+    *,
+    as_of: float | None = None,
+    since: float = -math.inf,
 ) -> dict[str, Any]:
-    """One rank as the status JSON shows it; unknown values are None, never omitted."""
+    """One rank as the status JSON shows it; unknown values are None, never omitted. Its
+    ``state`` is judged as of ``as_of`` (``ServerState.as_of``), silence counted from
+    ``since`` (``ServerState.listening_since``), like diagnosis does."""
     age = record.collective_age(now)
     collective = (
         {"op": record.collective.op, "seq": record.collective.seq, "since_s": round(age or 0.0, 3)}
@@ -44,7 +52,7 @@ def rank_entry(
         "pid": record.pid,
         "device": record.device,
         "device_uuid": record.device_uuid,
-        "state": rank_state(record, now, th, stall_after),
+        "state": rank_state(record, now if as_of is None else as_of, th, stall_after, since),
         "phase": record.phase,
         "step": record.step,
         "loss": loss,
@@ -110,7 +118,11 @@ def status_document(
     entries (``AlertTracker.entries``), oldest first."""
     stall_after = effective_stall_after(state, th)
     world_size = state.world_size
-    ranks = [rank_entry(state.ranks[r], now, th, stall_after) for r in sorted(state.ranks)]
+    as_of, since = state.as_of(now), state.listening_since
+    ranks = [
+        rank_entry(state.ranks[r], now, th, stall_after, as_of=as_of, since=since)
+        for r in sorted(state.ranks)
+    ]
     if world_size:
         missing = [r for r in range(world_size) if r not in state.ranks]
         ranks = sorted(
@@ -122,7 +134,11 @@ def status_document(
         "world_size": world_size,
         "ranks": ranks,
         "alerts": [alert.to_dict() for alert in alerts],
-        "stats": {"received": state.received, "rejected": state.rejected},
+        "stats": {
+            "received": state.received,
+            "rejected": state.rejected,
+            "lag_s": round(now - as_of, 3),
+        },
         "history": history or [],
         "job_started": state.job_started,
         "relays": [relay_entry(relay, now) for relay in state.relays.values()],

@@ -27,6 +27,7 @@ from ddpwatch.server.rules.devices import (
     rule_uneven_memory,
 )
 from ddpwatch.server.rules.facts import Facts, effective_stall_after, rank_state
+from ddpwatch.server.rules.listening import rule_server_behind
 from ddpwatch.server.rules.progress import (
     rule_checkpoint_conflict,
     rule_nan_loss,
@@ -59,6 +60,7 @@ __all__ = [
     "rule_nan_loss",
     "rule_not_connected",
     "rule_relay_lost",
+    "rule_server_behind",
     "rule_slow_rank",
     "rule_stalled",
     "rule_startup_hang",
@@ -71,6 +73,7 @@ RULES: tuple[Rule, ...] = (
     rule_cascade,
     rule_clean_exit,
     rule_relay_lost,
+    rule_server_behind,
     rule_straggler,
     rule_collective_mismatch,
     rule_stalled,
@@ -99,7 +102,9 @@ def _sort_key(alert: Alert) -> tuple[int, str, tuple[int, ...]]:
 
 
 def diagnose(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
-    """Every rule's alerts, one per (kind, culprits), most severe first.
+    """Every rule's alerts, one per (kind, culprits), most severe first, as of what the
+    server has read (``state.as_of(now)``): a server behind its queue judges the ranks as
+    they were when it last caught up, never by the messages it has not read yet.
 
     A rule that raises (a bug, or data no test foresaw) loses its alerts for this tick, is
     logged once and counted in ``RULE_FAILURES``; the other rules and the server go on.

@@ -20,10 +20,10 @@ from typing import TypeVar, cast
 from ddpwatch.protocol import Collective, ErrorInfo
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.knowledge import WAIT_NAMES, Signature, explain_error, named_ranks
-from ddpwatch.server.relays import LostRelay, lost_relays
+from ddpwatch.server.relays import RELAY_HOLD_S, LostRelay, lost_relays
 from ddpwatch.server.rules.text import first_line
 from ddpwatch.server.state import RankRecord, ServerState
-from ddpwatch.vocabulary import AlertKind, RankState
+from ddpwatch.vocabulary import STARTUP_PHASES, AlertKind, RankState
 
 T = TypeVar("T")
 MAX_WORLD = 1 << 20  # never iterate a bogus world size further than this
@@ -34,11 +34,35 @@ _TERM_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
 
 
 _TERM_CODES = frozenset({-15, -2, -1, 143, 130, 129})
+_STARTING = frozenset(STARTUP_PHASES) - {"train"}
 
 
-def rank_state(record: RankRecord, now: float, th: Thresholds, stall_after: float) -> str:
+def silent_after(record: RankRecord, th: Thresholds) -> float:
+    """How long this rank may go unheard before it counts as silent.
+
+    Longer while it starts (no step yet, in a startup phase): its heartbeat thread then
+    waits seconds for the GIL behind imports, model building and DataLoader workers on a
+    busy host (seen: 2.5 to 10 s at a load average above 4 on 2 cores). A relayed rank gets
+    the beat its relay may hold its frames on top.
+    """
+    limit = th.silent
+    if record.step is None and (record.phase is None or record.phase in _STARTING):
+        limit = max(limit, th.startup_silent)
+    return limit + RELAY_HOLD_S if record.relayed else limit
+
+
+def is_silent(record: RankRecord, now: float, th: Thresholds, since: float) -> bool:
+    """Unheard for longer than ``silent_after``, counting only time the server listened
+    through without a break (``since``: ``ServerState.listening_since``)."""
+    return now - max(record.last_seen, since) > silent_after(record, th)
+
+
+def rank_state(
+    record: RankRecord, now: float, th: Thresholds, stall_after: float, since: float = -math.inf
+) -> str:
     """One word for a rank (a ``RankState``): running, waiting, stalled, silent, crashed,
-    stopped or exited.
+    stopped or exited, as of ``now`` (``ServerState.as_of``); silence and stalls count from
+    ``since`` at the earliest (``ServerState.listening_since``).
 
     ``stopped``: ended by a signal from outside (SIGTERM, SIGINT, SIGHUP), usually the
     launcher stopping the rest after one rank failed; ``exited``: ended on its own.
@@ -47,11 +71,11 @@ def rank_state(record: RankRecord, now: float, th: Thresholds, stall_after: floa
         return RankState.CRASHED
     if record.exit_time is not None:
         return RankState.STOPPED if is_term_exit(record) else RankState.EXITED
-    if now - record.last_seen > th.silent:
+    if is_silent(record, now, th, since):
         return RankState.SILENT
     if record.collective is not None:
         return RankState.WAITING
-    if record.step is not None and now - record.last_progress > stall_after:
+    if record.step is not None and now - max(record.last_progress, since) > stall_after:
         return RankState.STALLED
     return RankState.RUNNING
 
@@ -115,9 +139,21 @@ class Facts:
 
     def __init__(self, state: ServerState, now: float, th: Thresholds) -> None:
         self.state = state
-        self.now = now
+        self.now = state.as_of(now)
+        """As of what the server has read: a server behind its queue judges the ranks as
+        they were when it last caught up, never by messages it has not read yet."""
+        self.lag = now - self.now
         self.th = th
+        self.since = state.listening_since
         self._memo: dict[str, object] = {}
+
+    def silent(self, record: RankRecord) -> bool:
+        """Unheard for too long, over time the server really listened (``is_silent``)."""
+        return is_silent(record, self.now, self.th, self.since)
+
+    def idle(self, record: RankRecord) -> float:
+        """Seconds without progress the server can vouch for (from ``since`` at most)."""
+        return self.now - max(record.last_progress, self.since)
 
     @cached_property
     def records(self) -> list[RankRecord]:
@@ -126,18 +162,16 @@ class Facts:
     @cached_property
     def live(self) -> list[RankRecord]:
         """Ranks still sending heartbeats and not finished."""
-        now, silent = self.now, self.th.silent
-        return [
-            r
-            for r in self.records
-            if r.error is None and r.exit_time is None and now - r.last_seen <= silent
-        ]
+        silent = self.silent
+        return [r for r in self.records if not r.finished and not silent(r)]
 
     @cached_property
     def lost_relays(self) -> list[LostRelay]:
         """Per-node relays gone quiet while ranks still ran (``server/relays.py``)."""
         state = self.state
-        return lost_relays(state.relays, state.ranks, self.live, self.now, self.th.silent)
+        return lost_relays(
+            state.relays, state.ranks, self.live, self.now, self.since, self.th.silent, self.silent
+        )
 
     @cached_property
     def relay_silent(self) -> frozenset[int]:
@@ -302,7 +336,7 @@ class _Buckets:
 
 def _classify_ranks(facts: Facts) -> _Buckets:
     """The linear pass: each crashed, exited, silent or blocked rank into its bucket."""
-    now, silent_after = facts.now, facts.th.silent
+    silent = facts.silent
     buckets = _Buckets()
     mismatch = facts.mismatch  # a crash inside a mismatched collective is that mismatch's doing
     in_mismatch = {r.rank for r in mismatch.culprits + mismatch.others} if mismatch else set()
@@ -323,7 +357,7 @@ def _classify_ranks(facts: Facts) -> _Buckets:
                 )
             else:
                 buckets.clean.append(record)
-        elif now - record.last_seen > silent_after:
+        elif silent(record):
             if record.rank not in relay_silent:
                 buckets.silent.append(record)
         elif record.collective is not None:

@@ -18,12 +18,9 @@ from ddpwatch.vocabulary import AlertKind, Severity
 @rule(AlertKind.STALLED)
 def rule_stalled(f: Facts) -> list[Alert]:
     """A training rank that stopped making progress outside any collective."""
-    now = f.now
     stall_after = f.stall_after
     candidates = [
-        r
-        for r in f.live
-        if r.step is not None and r.collective is None and now - r.last_progress > stall_after
+        r for r in f.live if r.step is not None and r.collective is None and f.idle(r) > stall_after
     ]
     if not candidates or f.cascade.roots:
         return []
@@ -34,7 +31,7 @@ def rule_stalled(f: Facts) -> list[Alert]:
         return []
     worst = min(stalled, key=lambda r: (r.last_progress, r.rank))
     ranks = sorted(r.rank for r in stalled)
-    quiet = seconds(now - worst.last_progress)
+    quiet = seconds(f.idle(worst))
     phase = f" in phase '{worst.phase}'" if worst.phase else ""
     loc = record_location(worst)
     spot = f"at step {worst.step}{phase}" + (f", {loc}" if loc else "")
@@ -56,9 +53,9 @@ def rule_stalled(f: Facts) -> list[Alert]:
 @rule(AlertKind.STEP_SKEW)
 def rule_step_skew(f: Facts) -> list[Alert]:
     """Training ranks far apart in step count: they are not really in lockstep."""
-    now, th = f.now, f.th
+    th = f.th
     stall_after = f.stall_after
-    ranks = [r for r in f.live if r.step is not None and now - r.last_progress <= stall_after]
+    ranks = [r for r in f.live if r.step is not None and f.idle(r) <= stall_after]
     if len(ranks) < 2:
         return []
     # Heartbeats sample steps at different moments: allow what the fastest plausible step
@@ -115,7 +112,6 @@ def rule_slow_rank(f: Facts) -> list[Alert]:
     workers starting, first compilations: a rank slow for its first second is not slow), and
     collectives must be a real share of the step.
     """
-    now = f.now
     stall_after = f.stall_after
     ranks = [
         r
@@ -123,7 +119,7 @@ def rule_slow_rank(f: Facts) -> list[Alert]:
         if r.avg_step_time_s is not None
         and r.avg_collective_time_s is not None
         and r.collective_time_samples >= SETTLED_SAMPLES
-        and (r.collective is not None or now - r.last_progress <= stall_after)
+        and (r.collective is not None or f.idle(r) <= stall_after)
     ]
     if len(ranks) < 3:
         return []

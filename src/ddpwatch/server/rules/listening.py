@@ -1,0 +1,29 @@
+"""The server's own view: when it has fallen behind its ranks' messages it names no rank
+silent or stalled (``Facts.now`` is as of what it has read), and says why it is quiet."""
+
+from __future__ import annotations
+
+from ddpwatch.server.alerts import Alert
+from ddpwatch.server.rules.facts import Facts
+from ddpwatch.server.rules.registry import alert, rule
+from ddpwatch.server.rules.text import seconds
+from ddpwatch.vocabulary import AlertKind, Severity
+
+
+@rule(AlertKind.SERVER_BEHIND)
+def rule_server_behind(f: Facts) -> list[Alert]:
+    """Not caught up with its queue for longer than the silent threshold: a warning with no
+    culprit, so that the absence of other alerts is not read as a healthy job."""
+    if f.lag <= f.th.silent or not f.state.ranks:
+        return []
+    message = (
+        f"the server has not caught up with its ranks' messages for {seconds(f.lag)} "
+        f"({len(f.state.ranks)} ranks): it judges every rank as of then and names none "
+        "silent or stalled until it catches up"
+    )
+    hint = (
+        "one server takes about 40,000 heartbeats a second sent directly (docs/performance.md): "
+        "run a relay per node (`ddpwatch run --addr` starts one, `ddpwatch relay --to "
+        "HOST:PORT` by hand) and give the server a core of its own"
+    )
+    return [alert(AlertKind.SERVER_BEHIND, Severity.WARNING, [], [], message, hint)]

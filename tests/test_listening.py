@@ -1,0 +1,240 @@
+"""Silence is evidence only where the server listened.
+
+A rank is called silent when the server heard nothing from it for a while. That is only
+evidence if the server was reading all along: a server behind its queue (ranks' heartbeats
+wait unread, senders drop them once their queues fill), a server that was not running
+(a suspended laptop, SIGSTOP, a starved host), a relay holding frames for its beat, and a
+rank whose heartbeat thread waits for the GIL while it starts all make healthy ranks look
+silent. Measured before these tests: a server 10 s behind named 15,535 healthy ranks silent
+(``benchmarks/scale.py`` at 32,768 ranks), and under a load average above 4 the data-loader
+failure mode (PyTorch #8976) first named ranks 1, 0-2, 0 and 2 silent while they were
+building DDP.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+from conftest import ROOT, free_port_pair
+
+from ddpwatch.protocol import Sample, encode
+from ddpwatch.server.alerts import Thresholds
+from ddpwatch.server.collector import RECV_BATCH, Collector, PauseWatch
+from ddpwatch.server.rules import diagnose, rank_state
+from ddpwatch.server.state import ServerState
+from ddpwatch.server.status import status_document
+
+TH = Thresholds()  # silent after 2.5 s; 15 s while a rank starts
+
+
+def job(last_seen: dict[int, float], *, phase: str = "train", step: int | None = 7) -> ServerState:
+    """Three ranks of one job, each last heard at ``last_seen[rank]``."""
+    state = ServerState(started=0.0)
+    for rank, seen in last_seen.items():
+        state.apply(
+            Sample(v=1, rank=rank, t=0.0, pid=100 + rank, world_size=3, phase=phase, step=step),
+            seen,
+        )
+    return state
+
+
+def silent_culprits(state: ServerState, now: float) -> list[tuple[int, ...]]:
+    return [a.ranks for a in diagnose(state, now, TH) if a.kind == "silent"]
+
+
+# --- a server behind its queue ---------------------------------------------------------------
+
+
+def test_a_server_behind_its_queue_judges_ranks_as_of_what_it_has_read() -> None:
+    """Last caught up at 10.2 s and still reading: ranks 0 and 1 were fine then, rank 2 had
+    been quiet since 5 s. Only rank 2 is named, however late the clock is."""
+    state = job({0: 10.0, 1: 10.1, 2: 5.0})
+    state.heard_until = 10.2
+    assert silent_culprits(state, 30.0) == [(2,)]
+    document = status_document(state, [], 30.0, TH)
+    assert [r["state"] for r in document["ranks"]] == ["running", "running", "silent"]
+    assert document["stats"]["lag_s"] == pytest.approx(19.8)
+    # and it says why it is quiet: a warning naming no one
+    behind = [a for a in diagnose(state, 30.0, TH) if a.kind == "server_behind"]
+    assert [(a.severity, a.ranks) for a in behind] == [("warning", ())]
+    assert "19.8 s" in behind[0].message
+    assert not [a for a in diagnose(state, 12.0, TH) if a.kind == "server_behind"]  # 1.8 s
+    # without the horizon the same state names everyone
+    state.heard_until = None
+    assert silent_culprits(state, 30.0) != [(2,)]
+
+
+def test_silence_counts_afresh_once_the_server_listens_again() -> None:
+    """After a backlog or a pause (listening since 20 s) no rank is silent for a full
+    threshold, then the quiet one is."""
+    state = job({0: 10.0, 1: 10.0, 2: 10.0})
+    state.listening_since = 20.0
+    for rank in (0, 1):
+        state.apply(Sample(v=1, rank=rank, t=0.0, step=8), 21.8)
+    assert silent_culprits(state, 22.0) == []
+    assert rank_state(state.ranks[2], 22.0, TH, 10.0, since=20.0) == "running"
+    for rank in (0, 1):
+        state.apply(Sample(v=1, rank=rank, t=0.0, step=9), 22.4)
+    assert silent_culprits(state, 22.6) == [(2,)]
+
+
+def test_a_stall_is_not_counted_across_a_pause_either() -> None:
+    """A laptop asleep for an hour: on waking, no rank made progress 'for an hour'."""
+    state = job({0: 10.0, 1: 10.0, 2: 10.0})
+    state.listening_since = 3610.0
+    for rank in (0, 1, 2):
+        state.apply(Sample(v=1, rank=rank, t=0.0, step=7), 3610.1)  # same step as before
+    alerts = diagnose(state, 3610.3, TH)
+    assert [a.kind for a in alerts if a.ranks] == []
+
+
+# --- a rank still starting, a rank behind a relay ---------------------------------------------
+
+
+def test_a_rank_still_starting_gets_the_startup_threshold() -> None:
+    """In model_wrap with no step yet, a heartbeat thread starved for 10 s (seen on a
+    loaded host) is not a culprit; 15 s is."""
+    state = job({0: 19.9, 1: 19.9, 2: 10.0}, phase="model_wrap", step=None)
+    assert silent_culprits(state, 20.0) == []
+    for rank in (0, 1):
+        state.apply(Sample(v=1, rank=rank, t=0.0), 25.9)
+    assert silent_culprits(state, 26.0) == [(2,)]
+
+
+def test_a_training_rank_keeps_the_short_threshold() -> None:
+    state = job({0: 12.9, 1: 12.9, 2: 10.0})
+    assert silent_culprits(state, 13.0) == [(2,)]
+
+
+def test_a_relayed_rank_gets_its_relays_beat_on_top() -> None:
+    """A relay sends one batch per 0.5 s beat: its ranks' frames come up to 0.5 s later."""
+    state = job({0: 12.6, 1: 12.6, 2: 10.0})
+    for record in state.ranks.values():
+        record.relayed = True
+    assert silent_culprits(state, 12.7) == []  # 2.7 s: within 2.5 + 0.5
+    for rank in (0, 1):
+        state.apply(Sample(v=1, rank=rank, t=0.0, step=8), 13.0)
+        state.ranks[rank].relayed = True
+    assert silent_culprits(state, 13.1) == [(2,)]
+
+
+# --- the collector: where its view is complete ----------------------------------------------
+
+
+def push_all(port: int, frames: list[bytes]) -> None:
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 5000)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    for frame in frames:
+        sock.send(frame)
+    sock.close()
+
+
+def test_the_collector_moves_its_horizon_only_when_it_has_read_everything(port: int) -> None:
+    state = ServerState(started=0.0)
+    collector = Collector(state, lambda: b"", "127.0.0.1", port)
+    try:
+        collector.poll(0.05)
+        first = state.heard_until
+        assert first is not None and abs(first - time.time()) < 1.0  # nothing queued: complete
+        frame = encode(Sample(v=1, rank=0, t=0.0, step=1))
+        push_all(port, [frame] * (RECV_BATCH + 5_000))
+        deadline = time.monotonic() + 20
+        while state.received == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)  # let ZeroMQ queue them all
+            collector.poll(0.0)
+        assert 0 < state.received <= RECV_BATCH  # one call's worth: more wait in the queue
+        assert state.heard_until == first and state.listening_since == -math.inf
+        while state.received < RECV_BATCH + 5_000 and time.monotonic() < deadline:
+            collector.poll(0.1)
+        collector.poll(0.0)
+    finally:
+        collector.close()
+    assert state.received == RECV_BATCH + 5_000
+    assert state.heard_until is not None and state.heard_until > first
+    # it was behind: silence counts afresh from when it caught up
+    assert first < state.listening_since <= state.heard_until
+
+
+def test_pause_watch_tells_a_pause_from_work_and_from_waiting() -> None:
+    watch = PauseWatch()
+    time.sleep(1.3)  # neither CPU nor a wait the server asked for: a pause
+    assert watch.paused(idle_s=0.0)
+    time.sleep(1.3)
+    assert not watch.paused(idle_s=1.3)  # the same time, asked for
+    end = time.process_time() + 0.3
+    while time.process_time() < end:  # busy, not paused
+        pass
+    assert not watch.paused(idle_s=0.0)
+
+
+# --- a real server, stopped and continued -----------------------------------------------------
+
+
+@pytest.fixture
+def headless() -> Iterator[tuple[subprocess.Popen[str], int]]:
+    port = free_port_pair()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpwatch", "serve", "--headless", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+    )  # fmt: skip
+    yield proc, port
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=10)
+
+
+def heartbeats(port: int, ranks: dict[int, threading.Event], stop: threading.Event) -> None:
+    """Ranks at 2 Hz, each until its event is set."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    step = 0
+    while not stop.is_set():
+        step += 1
+        for rank, dead in ranks.items():
+            if not dead.is_set():
+                sample = Sample(v=1, rank=rank, t=time.time(), pid=100 + rank, world_size=3,
+                                host="node-a", phase="train", step=step)  # fmt: skip
+                sock.send(encode(sample), zmq.NOBLOCK)
+        stop.wait(0.5)
+    sock.close()
+
+
+def test_a_server_stopped_for_seconds_names_no_one_then_the_rank_that_died(
+    headless: tuple[subprocess.Popen[str], int],
+) -> None:
+    """SIGSTOP the server for 4 s while three ranks train: on SIGCONT it must not call them
+    silent (their heartbeats of those 4 s are still on their way in). Then rank 2 really
+    stops: it alone is named."""
+    proc, port = headless
+    dead = {rank: threading.Event() for rank in range(3)}
+    stop = threading.Event()
+    sender = threading.Thread(target=heartbeats, args=(port, dead, stop), daemon=True)
+    sender.start()
+    try:
+        time.sleep(2.0)  # connected and running
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(4.0)
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(3.0)  # long past the 2.5 s threshold, had the pause counted
+        dead[2].set()
+        assert proc.stdout is not None
+        change = json.loads(proc.stdout.readline())  # the first alert it ever raised
+    finally:
+        stop.set()
+        sender.join(5)
+    assert change["event"] == "raised"
+    assert (change["alert"]["kind"], change["alert"]["ranks"]) == ("silent", [2])
