@@ -563,12 +563,15 @@ def _offline_costs(server: Any, frozen: float, reps: int = 3) -> dict[str, float
 
 
 def _history_point_bytes(state: Any) -> float:
-    """Bytes one history point holds (the tuple, its boxed values, the deque's slot), from
+    """Bytes one history point holds (the struct, its boxed values, the deque's slot), from
     a sample of ranks: what each rank grows by until its ring holds ``HISTORY_LEN``."""
+    from msgspec.structs import astuple
+
     sizes = []
     for record in itertools.islice(state.ranks.values(), 0, None, max(1, len(state.ranks) // 64)):
         for point in itertools.islice(record.history, 8):
-            boxed = [v for v in point if v is not None and not (type(v) is int and v < 257)]
+            values = astuple(point)
+            boxed = [v for v in values if v is not None and not (type(v) is int and v < 257)]
             sizes.append(sys.getsizeof(point) + sum(map(sys.getsizeof, boxed)) + 8)
     return statistics.median(sizes) if sizes else 0.0
 
