@@ -408,3 +408,23 @@ def test_a_node_lost_with_its_relay_is_named_once_as_that_relay(
         relay.kill()
         node.wait(5)
         relay.wait(5)
+
+
+def test_a_relay_stopped_without_a_server_counts_what_it_could_not_forward(
+    port: int, listen: str
+) -> None:
+    """Nothing listens upstream: the frames stay pending, and at stop they are counted as
+    dropped (``ddpwatch relay`` prints it), never as forwarded."""
+    relay = Relay(upstream(port), listen).start()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(listen)
+    try:
+        for rank in range(5):
+            push.send(encode(Hello(v=1, rank=rank, t=0.0)))
+        deadline = time.monotonic() + 5
+        while relay.stats.received < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        push.close(linger=0)
+        relay.stop()
+    assert (relay.stats.received, relay.stats.forwarded, relay.stats.dropped) == (5, 0, 5)

@@ -167,7 +167,7 @@ class Relay:
         self._pull.setsockopt(zmq.LINGER, 0)
         self._push.setsockopt(zmq.SNDHWM, UPSTREAM_HWM)
         self._push.setsockopt(zmq.IMMEDIATE, 1)  # no pipe to a server that is not there
-        self._push.setsockopt(zmq.LINGER, 1000)
+        self._push.setsockopt(zmq.LINGER, 2000)  # at stop, the last batches still leave
         self._push.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
         try:
             apply_client_curve(self._push)
@@ -229,6 +229,12 @@ class Relay:
                 send_at = next_beat
         self._take()
         self._send(beat=True)
+        if self._pending:  # the server is not there or not reading: say what is lost
+            self.stats.dropped += len(self._pending)
+            log.warning(
+                "ddpwatch relay: stopped with %d frames the server never took",
+                len(self._pending),
+            )
 
     def _take(self) -> bool:
         """Take in what has arrived; True if an event is among it (send it soon)."""

@@ -25,7 +25,7 @@ from ddpwatch.protocol import DEFAULT_PORT, ProtocolError, decode
 from ddpwatch.server.alerts import Alert, Thresholds
 from ddpwatch.server.history import AlertChange, AlertTracker
 from ddpwatch.server.recording import Record, RecordingReader
-from ddpwatch.server.rules import diagnose
+from ddpwatch.server.rules import Diagnosis
 from ddpwatch.server.service import TICK_S, with_port
 from ddpwatch.server.state import ServerState
 from ddpwatch.server.status import status_document
@@ -75,6 +75,7 @@ class ReplayServer:
         self.cleared = 0
         self.alerts: list[Alert] = []
         self.tracker = AlertTracker()
+        self._diagnosis = Diagnosis()
         self._port = DEFAULT_PORT
         self._reader = RecordingReader(self.path)
         self._records: Iterator[Record] = iter(self._reader)
@@ -197,7 +198,7 @@ class ReplayServer:
         """Run diagnosis at virtual time ``now`` and report what changed."""
         with self.lock:
             self._now = max(self._now, now)
-            alerts = with_port(diagnose(self.state, now, self.thresholds), self._port)
+            alerts = with_port(self._diagnosis(self.state, now, self.thresholds), self._port)
             changes = self.tracker.update(alerts, now, self.state.job_started)
             self.alerts = alerts
         for change in changes:
@@ -225,6 +226,7 @@ class ReplayServer:
             self._tick_s = (
                 float(tick_s) if isinstance(tick_s, (int, float)) and tick_s > 0 else (TICK_S)
             )
+            self._diagnosis = Diagnosis()  # the live server's cadence, from its start
             if self.sessions > 1:
                 self.state = ServerState(started=started)
                 self.alerts = []

@@ -19,7 +19,7 @@ from ddpwatch.protocol import DEFAULT_PORT
 from ddpwatch.server.alerts import Alert, Thresholds
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.history import AlertChange, AlertTracker, diff_alerts
-from ddpwatch.server.rules import diagnose
+from ddpwatch.server.rules import Diagnosis
 from ddpwatch.server.state import ServerState
 from ddpwatch.server.status import status_document
 
@@ -77,6 +77,7 @@ class Server:
         self.state = ServerState(started=clock())
         self.alerts: list[Alert] = []
         self.tracker = AlertTracker()
+        self.diagnosis = Diagnosis()
         self.port = port
         self._document: dict[str, Any] | None = None
         self._encoded: bytes | None = None
@@ -131,7 +132,7 @@ class Server:
         """Run diagnosis once and report what changed."""
         with self.lock:
             now = self.clock()
-            alerts = with_port(diagnose(self.state, now, self.thresholds), self.port)
+            alerts = with_port(self.diagnosis(self.state, now, self.thresholds), self.port)
             changes = self.tracker.update(alerts, now, self.state.job_started)
             self.alerts = alerts
             self._document = self._encoded = None

@@ -26,6 +26,7 @@ from ddpwatch.server.relays import RelayRecord
 from ddpwatch.vocabulary import EventKind
 
 HISTORY_LEN = 120
+MAX_WORLD = 1 << 20  # never iterate a bogus world size further than this
 LOG_LINES = 50
 MARKS_KEPT = 32
 
@@ -173,6 +174,9 @@ class ServerState:
     """When the first rank reported: the job's start, as far as the server can tell."""
     relays: dict[str, RelayRecord] = field(default_factory=dict)
     """Per-node relays heard from, by name (``server/relays.py``)."""
+    generation: int = 0
+    """Bumped by what is not a measurement: a new rank or process, an identity change, a
+    crash, an exit, a checkpoint. Rules run on a slower cadence rerun at once when it moves."""
     heard_until: float | None = None
     """Every message sent before this time has been read (the collector last found its
     queue empty then); None: no collector says, take ``now``. Diagnosis runs as of it, so
@@ -180,6 +184,10 @@ class ServerState:
     listening_since: float = -math.inf
     """Since when the collector has kept up without a break (a backlog that may have made
     senders drop heartbeats, or the server itself paused): silence counts from here."""
+
+    _derived: tuple[tuple[int, int], int | None, list[int]] | None = field(
+        default=None, repr=False
+    )  # ``_by_generation``'s cache
 
     def as_of(self, now: float) -> float:
         """The latest time the state is complete for: ``now``, or ``heard_until`` if earlier."""
@@ -194,8 +202,24 @@ class ServerState:
     @property
     def world_size(self) -> int | None:
         """The largest world size any rank reported (ranks may start before they know it)."""
+        return self._by_generation()[0]
+
+    def missing_ranks(self) -> list[int]:
+        """Ranks below ``world_size`` (at most ``MAX_WORLD``) that never sent anything."""
+        return list(self._by_generation()[1])
+
+    def _by_generation(self) -> tuple[int | None, list[int]]:
+        """World size and missing ranks change only with ``generation`` (a new rank, an
+        identity): worked out once per generation, not per tick at 65,536 ranks."""
+        key = (self.generation, len(self.ranks))
+        cached = self._derived
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
         sizes = [r.world_size for r in self.ranks.values() if r.world_size]
-        return max(sizes) if sizes else None
+        size = max(sizes) if sizes else None
+        missing = [r for r in range(min(size, MAX_WORLD)) if r not in self.ranks] if size else []
+        self._derived = (key, size, missing)
+        return size, missing
 
     def apply(self, message: AnyMessage, now: float) -> None:
         """Fold one validated message into the per-rank records."""
@@ -204,6 +228,7 @@ class ServerState:
         if record is None or _is_new_process(record, message):
             record = RankRecord(rank=message.rank, first_seen=now, last_seen=now, last_progress=now)
             self.ranks[message.rank] = record
+            self.generation += 1
             if self.first_report is None:
                 self.first_report = now
         record.last_seen = now
@@ -212,10 +237,16 @@ class ServerState:
             if key != record.identity_key and key != _NO_IDENTITY:
                 _apply_identity(record, message)
                 record.identity_key = key
+                self.generation += 1
             if isinstance(message, Sample):
                 _apply_sample(record, message, now)
         elif isinstance(message, Event):
             _apply_event(record, message, now)
+            if message.event in _GENERATION_EVENTS:
+                self.generation += 1
+
+
+_GENERATION_EVENTS = frozenset({EventKind.CRASH, EventKind.EXIT, EventKind.CHECKPOINT})
 
 
 def _is_new_process(record: RankRecord, message: AnyMessage) -> bool:

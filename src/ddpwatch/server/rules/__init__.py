@@ -14,11 +14,16 @@ rule is one or two linear passes plus a sort; ``Facts`` does shared work once pe
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 
 from ddpwatch.server.alerts import Alert, Thresholds
 from ddpwatch.server.rules.cascade import rule_cascade, rule_clean_exit
-from ddpwatch.server.rules.collectives import rule_collective_mismatch, rule_straggler
+from ddpwatch.server.rules.collectives import (
+    rule_collective_desync,
+    rule_collective_mismatch,
+    rule_straggler,
+)
 from ddpwatch.server.rules.devices import (
     rule_device_ordinal,
     rule_duplicate_device,
@@ -26,7 +31,7 @@ from ddpwatch.server.rules.devices import (
     rule_local_rank_mismatch,
     rule_uneven_memory,
 )
-from ddpwatch.server.rules.facts import Facts, effective_stall_after, rank_state
+from ddpwatch.server.rules.facts import Facts, Pace, effective_stall_after, rank_state
 from ddpwatch.server.rules.listening import rule_server_behind
 from ddpwatch.server.rules.progress import (
     rule_checkpoint_conflict,
@@ -42,8 +47,11 @@ from ddpwatch.server.state import ServerState
 from ddpwatch.vocabulary import SEVERITIES, STARTUP_PHASES
 
 __all__ = [
+    "RANK_SCANS_PER_S",
     "RULES",
+    "SLOW_S",
     "STARTUP_PHASES",
+    "Diagnosis",
     "Facts",
     "Rule",
     "diagnose",
@@ -52,6 +60,7 @@ __all__ = [
     "rule_cascade",
     "rule_checkpoint_conflict",
     "rule_clean_exit",
+    "rule_collective_desync",
     "rule_collective_mismatch",
     "rule_device_ordinal",
     "rule_duplicate_device",
@@ -76,6 +85,7 @@ RULES: tuple[Rule, ...] = (
     rule_server_behind,
     rule_straggler,
     rule_collective_mismatch,
+    rule_collective_desync,
     rule_stalled,
     rule_startup_hang,
     rule_not_connected,
@@ -109,9 +119,90 @@ def diagnose(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
     A rule that raises (a bug, or data no test foresaw) loses its alerts for this tick, is
     logged once and counted in ``RULE_FAILURES``; the other rules and the server go on.
     """
-    facts = Facts(state, now, th)
+    return _unique(_run(RULES, Facts(state, now, th)))
+
+
+SLOW_S = 1.0
+"""How often a ``slow`` rule runs, at least (and the job's step-time thresholds are redone)."""
+RANK_SCANS_PER_S = 131_072
+"""How many ranks the ``change`` and ``slow`` rules may scan a second, each scanning every rank
+once (1-2 µs a rank): every rule that is due at a few thousand ranks, two a second at 65,536,
+about a tenth of a core. It counts ranks, not CPU, so that a replay paces them exactly as the
+live server did."""
+
+
+class Diagnosis:
+    """``diagnose`` for a server that ticks four times a second: ``tick`` rules every call;
+    a ``change`` rule when ``state.generation`` or the set of silent ranks moved since it
+    last ran; a ``slow`` rule every ``SLOW_S`` (see ``registry.Cadence``); of those due, the
+    longest waiting first, as many as ``RANK_SCANS_PER_TICK`` allows. In between, a rule's
+    last alerts stand. So the alerts are those ``diagnose`` gives, the paced ones a little
+    late, and no tick at 65,536 ranks rescans every rank for devices and memory."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, list[Alert]] = {}  # each paced rule's last alerts
+        self._ran: dict[str, float] = {}
+        self._read: dict[str, tuple[int, frozenset[int]]] = {}  # what a change rule last read
+        self._pace: Pace | None = None  # the job's step-time thresholds
+        self._paced_at = -math.inf
+        self._scans = math.inf  # rank scans the paced rules may still spend (a budget)
+        self._scans_at = -math.inf
+
+    def __call__(self, state: ServerState, now: float, th: Thresholds) -> list[Alert]:
+        repace = _stale(now, self._paced_at)
+        facts = Facts(state, now, th, None if repace else self._pace)
+        found = _run(TICK_RULES, facts)
+        if repace:
+            self._pace, self._paced_at = facts.pace, now
+        read = (state.generation, facts.quiet)
+        scan = max(1, len(state.ranks))
+        self._earn(now, scan)
+        for rule in self._due(now, read):
+            if self._scans < scan:
+                break
+            self._scans -= scan
+            name = rule.__name__
+            self._kept[name] = _run((rule,), facts)
+            self._ran[name] = now
+            if rule.every == "change":
+                self._read[name] = read
+        return _unique(found + [a for alerts in self._kept.values() for a in alerts])
+
+    def _earn(self, now: float, scan: int) -> None:
+        """Add the scans earned since the last call; at most a second's worth (or one
+        scan) is banked, so a quiet spell does not pay for a burst."""
+        elapsed = max(0.0, now - self._scans_at) if self._scans_at > -math.inf else math.inf
+        cap = max(RANK_SCANS_PER_S, scan)
+        self._scans = min(cap, self._scans + elapsed * RANK_SCANS_PER_S)
+        self._scans_at = now
+
+    def _due(self, now: float, read: tuple[int, frozenset[int]]) -> list[Rule]:
+        """The paced rules due now, the longest waiting first."""
+        due: list[tuple[float, Rule]] = []
+        for rule in PACED_RULES:
+            name = rule.__name__
+            last = self._ran.get(name, -math.inf)
+            if self._read.get(name) != read if rule.every == "change" else _stale(now, last):
+                due.append((last, rule))
+        return [rule for _, rule in sorted(due, key=lambda item: item[0])]
+
+
+def _stale(now: float, last: float) -> bool:
+    """``SLOW_S`` or more since ``last``, or a clock set back before it."""
+    return not 0.0 <= now - last < SLOW_S
+
+
+TICK_RULES = tuple(r for r in RULES if r.every == "tick")
+PACED_RULES = tuple(r for r in RULES if r.every == "change") + tuple(
+    r for r in RULES if r.every == "slow"
+)
+
+
+def _run(rules: tuple[Rule, ...], facts: Facts) -> list[Alert]:
+    """The alerts of ``rules``, sharing ``facts``; a rule that raises loses its own."""
     found: list[Alert] = []
-    for rule in RULES:
+    state, now, th = facts.state, facts.clock, facts.th
+    for rule in rules:
         try:
             found.extend(rule(state, now, th, facts))
         except Exception:
@@ -119,10 +210,14 @@ def diagnose(state: ServerState, now: float, th: Thresholds) -> list[Alert]:
             if not RULE_FAILURES[name]:
                 log.exception("diagnosis rule %s failed; its alerts are skipped", name)
             RULE_FAILURES[name] += 1
-    alerts = sorted(found, key=_sort_key)
+    return found
+
+
+def _unique(found: list[Alert]) -> list[Alert]:
+    """One alert per (kind, culprits), most severe first."""
     seen: set[tuple[str, tuple[int, ...]]] = set()
     unique = []
-    for alert in alerts:
+    for alert in sorted(found, key=_sort_key):
         if alert.key not in seen:
             seen.add(alert.key)
             unique.append(alert)

@@ -109,24 +109,27 @@ def rule_collective_mismatch(f: Facts) -> list[Alert]:
     found = f.mismatch
     if found is not None:
         return [_mismatch_alert(f, found)]
-    return _mismatch_from_crashes(f) or _desync(f)
+    return _mismatch_from_crashes(f)
 
 
-def _desync(f: Facts) -> list[Alert]:
-    """Ranks that entered a different number of collectives by the end of the same step.
+@rule(AlertKind.COLLECTIVE_MISMATCH, every="slow")
+def rule_collective_desync(f: Facts) -> list[Alert]:
+    """Ranks that entered a different number of collectives by the end of the same step,
+    when no mismatch shows otherwise (``rule_collective_mismatch``).
 
     Every rank marks the same steps (every 8th) with how many Python-level collectives it
     had entered; in a lockstep job they agree. A rank that differs at the latest step all
     live ranks have marked calls a collective the others do not (or skips one): the job is
     out of step before anything fails. Named only against a strict majority.
     """
+    if f.mismatch is not None or _mismatch_from_crashes(f):
+        return []  # the mismatch says more
     live = [r for r in f.live if r.step_marks]
     if len(live) < 3 or len(live) < len(f.live):
         return []
-    common = set.intersection(*(set(r.step_marks) for r in live))
-    if not common:
+    step = _latest_common_mark(live)
+    if step is None:
         return []
-    step = max(common)
     by_count: dict[int, list[RankRecord]] = defaultdict(list)
     for r in live:
         by_count[r.step_marks[step]].append(r)
@@ -163,6 +166,16 @@ def _desync(f: Facts) -> list[Alert]:
             hint,
         )
     ]
+
+
+def _latest_common_mark(ranks: list[RankRecord]) -> int | None:
+    """The latest step every rank has marked. Usually the earliest of their latest marks
+    (ranks keep the last few); only when some rank lacks it, the full intersection."""
+    step = min(max(r.step_marks) for r in ranks)
+    if all(step in r.step_marks for r in ranks):
+        return step
+    common = set.intersection(*(set(r.step_marks) for r in ranks))
+    return max(common) if common else None
 
 
 def _mismatch_alert(f: Facts, found: Mismatch) -> Alert:

@@ -68,7 +68,7 @@ def _duplicate_culprits(group: list[RankRecord]) -> list[RankRecord]:
     return odd if 0 < len(odd) < len(group) else group
 
 
-@rule(AlertKind.DUPLICATE_DEVICE)
+@rule(AlertKind.DUPLICATE_DEVICE, every="change")
 def rule_duplicate_device(f: Facts) -> list[Alert]:
     """Two or more ranks on one GPU (NCCL refuses it; with gloo it silently halves speed)."""
     alerts = []
@@ -132,7 +132,7 @@ def _local_rank_clause(records: list[RankRecord]) -> str:
     return f"LOCAL_RANK is {listed}" + (", …" if len(known) > 3 else "")
 
 
-@rule(AlertKind.DEVICE_ORDINAL)
+@rule(AlertKind.DEVICE_ORDINAL, every="change")
 def rule_device_ordinal(f: Facts) -> list[Alert]:
     """The global rank used as a CUDA device index: crashes on the second node."""
     crashed = f.crashes_of_kind(AlertKind.DEVICE_ORDINAL)
@@ -175,7 +175,7 @@ def _gpus_on(record: RankRecord) -> str:
     return f"; host {record.host or '?'} has {record.device_count} GPUs"
 
 
-@rule(AlertKind.LOCAL_RANK_MISMATCH)
+@rule(AlertKind.LOCAL_RANK_MISMATCH, every="change")
 def rule_local_rank_mismatch(f: Facts) -> list[Alert]:
     """A rank on a GPU other than cuda:<local rank> (often all ranks on cuda:0)."""
     flagged = {r.rank for g in _duplicates(f) for r in _duplicate_culprits(g)}
@@ -217,7 +217,7 @@ def rule_local_rank_mismatch(f: Facts) -> list[Alert]:
     ]
 
 
-@rule(AlertKind.UNEVEN_MEMORY)
+@rule(AlertKind.UNEVEN_MEMORY, every="slow")
 def rule_uneven_memory(f: Facts) -> list[Alert]:
     """A rank that uses far more GPU memory than the others (often rank 0)."""
     live = f.live
@@ -257,7 +257,7 @@ def rule_uneven_memory(f: Facts) -> list[Alert]:
     ]
 
 
-@rule(AlertKind.FOREIGN_MEMORY)
+@rule(AlertKind.FOREIGN_MEMORY, every="slow")
 def rule_foreign_memory(f: Facts) -> list[Alert]:
     """Processes that are not ranks of this job hold memory on a rank's GPU."""
     pids: dict[str, set[int]] = defaultdict(set)

@@ -26,7 +26,6 @@ from ddpwatch.server.state import RankRecord, ServerState
 from ddpwatch.vocabulary import STARTUP_PHASES, AlertKind, RankState
 
 T = TypeVar("T")
-MAX_WORLD = 1 << 20  # never iterate a bogus world size further than this
 MISMATCH_SETTLE_S = 1.0  # a live rank's call counts once it has waited in it this long
 
 
@@ -130,6 +129,57 @@ def world_complete(state: ServerState, live: Sequence[RankRecord]) -> bool:
     return sum(1 for r in live if r.rank < size) == size
 
 
+@dataclass(frozen=True)
+class Pace:
+    """Thresholds from the job's own step times: medians over every rank, so a ticking
+    server (``Diagnosis``) works them out on its slow cadence, not four times a second."""
+
+    stall_after: float
+    collective_limit: float
+
+
+@dataclass
+class Census:
+    """Every rank in one pass, in the order they first reported."""
+
+    live: list[RankRecord] = field(default_factory=list)
+    quiet: list[RankRecord] = field(default_factory=list)  # unfinished and silent
+    finished: list[RankRecord] = field(default_factory=list)  # crashed or exited
+    waits: dict[WaitKey, list[RankRecord]] = field(default_factory=dict)
+    """Unfinished ranks (live or quiet) by the collective they are in (``wait_key``)."""
+
+
+def take_census(
+    records: Iterable[RankRecord], recent: float, silent: Callable[[RankRecord], bool]
+) -> Census:
+    """Sort every rank into live, quiet or finished, and group the unfinished ones by the
+    collective they wait in. Most ranks were heard after ``recent`` (now minus the plain
+    silent threshold, which no rank's own threshold is below): only the others need
+    ``silent``. Every rank, every tick: kept flat."""
+    census = Census()
+    live, quiet, finished, waits = census.live, census.quiet, census.finished, census.waits
+    for r in records:
+        if r.error is not None or r.exit_time is not None:
+            finished.append(r)
+            continue
+        if r.last_seen >= recent or not silent(r):
+            live.append(r)
+        else:
+            quiet.append(r)
+        c = r.collective
+        if c is not None:
+            if c.seq is None:
+                key = wait_key(c)
+            else:  # wait_key, inlined: the hot case of a hang, every rank in one collective
+                key = (c.source, (c.group or "0") if c.source == "fr" else None, c.seq)
+            members = waits.get(key)
+            if members is None:
+                waits[key] = [r]
+            else:
+                members.append(r)
+    return census
+
+
 class Facts:
     """What several rules need, worked out at most once per ``diagnose`` call.
 
@@ -137,14 +187,18 @@ class Facts:
     that 8192 ranks cost a few linear passes, not one per rule.
     """
 
-    def __init__(self, state: ServerState, now: float, th: Thresholds) -> None:
+    def __init__(
+        self, state: ServerState, now: float, th: Thresholds, pace: Pace | None = None
+    ) -> None:
         self.state = state
+        self.clock = now  # the server's clock, for a rule called with these facts
         self.now = state.as_of(now)
         """As of what the server has read: a server behind its queue judges the ranks as
         they were when it last caught up, never by messages it has not read yet."""
         self.lag = now - self.now
         self.th = th
         self.since = state.listening_since
+        self._pace = pace
         self._memo: dict[str, object] = {}
 
     def silent(self, record: RankRecord) -> bool:
@@ -162,8 +216,17 @@ class Facts:
     @cached_property
     def live(self) -> list[RankRecord]:
         """Ranks still sending heartbeats and not finished."""
-        silent = self.silent
-        return [r for r in self.records if not r.finished and not silent(r)]
+        return self.census.live
+
+    @cached_property
+    def quiet(self) -> frozenset[int]:
+        """Unfinished ranks that are silent (``silent``)."""
+        return frozenset(r.rank for r in self.census.quiet)
+
+    @cached_property
+    def census(self) -> Census:
+        """Every rank sorted once (``take_census``): what the per-tick rules start from."""
+        return take_census(self.records, self.now - self.th.silent, self.silent)
 
     @cached_property
     def lost_relays(self) -> list[LostRelay]:
@@ -179,16 +242,25 @@ class Facts:
         return frozenset(r.rank for lost in self.lost_relays for r in lost.silent)
 
     @cached_property
-    def stall_after(self) -> float:
-        return effective_stall_after(self.state, self.th)
+    def pace(self) -> Pace:
+        """The job's step-time thresholds: given (a ticking server's, from its last slow
+        run), else worked out now."""
+        if self._pace is not None:
+            return self._pace
+        stall_after = effective_stall_after(self.state, self.th)
+        return Pace(stall_after, collective_threshold(self.live, stall_after))
 
-    @cached_property
+    @property
+    def stall_after(self) -> float:
+        return self.pace.stall_after
+
+    @property
     def collective_limit(self) -> float:
-        return collective_threshold(self.live, self.stall_after)
+        return self.pace.collective_limit
 
     @cached_property
     def mismatch(self) -> Mismatch | None:
-        return find_mismatch(self.records, self.now, MISMATCH_SETTLE_S)
+        return find_mismatch(self.census, self.now, MISMATCH_SETTLE_S)
 
     @cached_property
     def signatures(self) -> dict[int, Signature | None]:
@@ -201,7 +273,7 @@ class Facts:
 
     @cached_property
     def straggle(self) -> Straggle | None:
-        return find_straggle(self.live, self.now, self.collective_limit, self.th.interval)
+        return find_straggle(self.census, self.now, self.collective_limit, self.th.interval)
 
     def memo(self, key: str, compute: Callable[[], T]) -> T:
         """Work one rule family shares between its rules, done once per ``diagnose`` call."""
@@ -336,32 +408,31 @@ class _Buckets:
 
 def _classify_ranks(facts: Facts) -> _Buckets:
     """The linear pass: each crashed, exited, silent or blocked rank into its bucket."""
-    silent = facts.silent
+    quiet = facts.quiet
     buckets = _Buckets()
     mismatch = facts.mismatch  # a crash inside a mismatched collective is that mismatch's doing
     in_mismatch = {r.rank for r in mismatch.culprits + mismatch.others} if mismatch else set()
     relay_silent = facts.relay_silent  # their relay's alert names them
-    for record in facts.records:
+    census = facts.census
+    for record in census.finished:
         if record.error is not None:
             _classify_crash(facts, buckets, record, record.error, record.rank in in_mismatch)
-        elif record.exit_time is not None:
-            if is_term_exit(record):
-                buckets.stopped.append(record)
-            elif not is_clean_exit(record):
-                _group(
-                    buckets.primary,
-                    ("exit", record.exit_code, record.exit_signal),
-                    AlertKind.EXITED,
-                    record,
-                    record.exit_time,
-                )
-            else:
-                buckets.clean.append(record)
-        elif silent(record):
-            if record.rank not in relay_silent:
-                buckets.silent.append(record)
-        elif record.collective is not None:
-            buckets.blocked.append(record.rank)
+        elif is_term_exit(record):
+            buckets.stopped.append(record)
+        elif not is_clean_exit(record):
+            _group(
+                buckets.primary,
+                ("exit", record.exit_code, record.exit_signal),
+                AlertKind.EXITED,
+                record,
+                record.exit_time or record.last_seen,
+            )
+        else:
+            buckets.clean.append(record)
+    buckets.silent.extend(r for r in census.quiet if r.rank not in relay_silent)
+    buckets.blocked.extend(
+        r.rank for members in census.waits.values() for r in members if r.rank not in quiet
+    )
     return buckets
 
 
@@ -511,9 +582,7 @@ def entered(record: RankRecord, key: WaitKey) -> bool | None:
     return None
 
 
-def find_straggle(
-    live: Sequence[RankRecord], now: float, limit: float, interval: float
-) -> Straggle | None:
+def find_straggle(census: Census, now: float, limit: float, interval: float) -> Straggle | None:
     """The most-waited collective older than ``limit``, with the live ranks missing from it.
 
     A rank is named only on its own evidence: its collective counts, sent after the
@@ -522,16 +591,14 @@ def find_straggle(
     Publishers that send no counts fall back to what their in-flight collective and
     their steps suggest.
     """
-    most_waited = _most_waited(live, now, limit)
+    live = census.live
+    most_waited = _most_waited(census, now, limit)
     if most_waited is None:
         return None
     key, age, waiting = most_waited
     seq = waiting[0].collective.seq if waiting[0].collective else None
-    op = Counter(r.collective.op for r in waiting if r.collective).most_common(1)[0][0]
-    began = min(
-        (r.collective_seen or now) - (r.collective.since_s if r.collective else 0.0)
-        for r in waiting
-    )
+    op = _usual_op(waiting)
+    began = now - age
     culprits = []
     legacy: list[RankRecord] = []
     in_it = {r.rank for r in waiting}
@@ -550,24 +617,44 @@ def find_straggle(
     return Straggle(op, seq, age, waiting, culprits, left)
 
 
+def _usual_op(waiting: list[RankRecord]) -> str:
+    """The op most waiters are in (they share a collective number, so usually one op)."""
+    first = waiting[0].collective
+    op = first.op if first is not None else ""
+    if all(r.collective is not None and r.collective.op == op for r in waiting):
+        return op
+    return Counter(r.collective.op for r in waiting if r.collective).most_common(1)[0][0]
+
+
 def _most_waited(
-    live: Sequence[RankRecord], now: float, limit: float
+    census: Census, now: float, limit: float
 ) -> tuple[WaitKey, float, list[RankRecord]] | None:
     """The collective the most live ranks wait in (the longest-waited of those tied) among
     those older than ``limit``: its key, its age and its waiters; None when there is none."""
-    groups: dict[WaitKey, list[RankRecord]] = defaultdict(list)
-    for r in live:
-        if r.collective is not None:
-            groups[wait_key(r.collective)].append(r)
-    best: tuple[int, float, WaitKey] | None = None
-    for key, members in groups.items():
-        age = max(r.collective_age(now) or 0.0 for r in members)
+    quiet = {r.rank for r in census.quiet}
+    best: tuple[int, float, WaitKey, list[RankRecord]] | None = None
+    for key, members in census.waits.items():
+        if quiet:
+            members = [r for r in members if r.rank not in quiet]
+        age = _oldest_wait(members, now)
         if age > limit and (best is None or (len(members), age) > best[:2]):
-            best = (len(members), age, key)
+            best = (len(members), age, key, members)
     if best is None:
         return None
-    _, age, key = best
-    return key, age, groups[key]
+    _, age, key, members = best
+    return key, age, members
+
+
+def _oldest_wait(members: list[RankRecord], now: float) -> float:
+    """The longest any of ``members`` has waited in its collective (``collective_age``)."""
+    began = now
+    for r in members:
+        c, seen = r.collective, r.collective_seen
+        if c is not None and seen is not None:
+            start = (seen if seen < now else now) - c.since_s
+            if start < began:
+                began = start
+    return now - began
 
 
 def _legacy_culprits(
@@ -640,50 +727,73 @@ def last_collective(record: RankRecord) -> Collective | None:
     return record.collective if not record.finished else record.final_collective
 
 
-def find_mismatch(records: Sequence[RankRecord], now: float, settle: float) -> Mismatch | None:
+def find_mismatch(census: Census, now: float, settle: float) -> Mismatch | None:
     """The first collective number where ranks made different calls: another op, or the
     same op with another size or dtype. Live ranks count once they have been in it for
     ``settle`` seconds; dead ranks with the collective they died in."""
-    by_key: dict[WaitKey, list[tuple[RankRecord, Collective]]] = defaultdict(list)
-    for r in records:
-        c = last_collective(r)
-        if c is None or c.seq is None:
+    finals: dict[WaitKey, list[tuple[RankRecord, Collective]]] = defaultdict(list)
+    for r in census.finished:
+        c = r.final_collective
+        if c is not None and c.seq is not None:
+            finals[wait_key(c)].append((r, c))
+    numbered = [key for key in census.waits if key[0] != "op"]  # comparable across ranks
+    for key in sorted({*numbered, *finals}, key=lambda k: (str(k[0]), str(k[1]), k[2])):
+        waiting = census.waits.get(key, [])
+        calls = [r.collective for r in waiting] + [c for _, c in finals.get(key, [])]
+        if _all_alike(calls):  # and so are those settled in it: the common case, cheaply
             continue
-        if not r.finished and (r.collective_age(now) or 0.0) < settle:
-            continue
-        by_key[wait_key(c)].append((r, c))
-    for key in sorted(by_key, key=lambda k: (str(k[0]), str(k[1]), k[2])):
-        members = by_key[key]
-        sized = all(c.shape is not None for _, c in members) and not any(
-            normal_op(c.op) in _SIZE_FREE_OPS for _, c in members
-        )
-        calls: dict[tuple[object, ...], list[RankRecord]] = defaultdict(list)
-        texts: dict[tuple[object, ...], str] = {}
-        for r, c in members:
-            numel = math.prod(c.shape) if sized and c.shape is not None else None
-            signature = (normal_op(c.op), numel, c.dtype if sized else None)
-            calls[signature].append(r)
-            texts.setdefault(signature, call_text(c) if sized else c.op)
-        if len(calls) < 2:
-            continue
-        ranked = sorted(
-            calls.items(), key=lambda item: (-len(item[1]), min(r.rank for r in item[1]))
-        )
-        majority = ranked[0][1]
-        if len(majority) == len(ranked[1][1]):
-            culprits: list[RankRecord] = []  # a tie: either side may be the odd one
-            others = [r for _, group in ranked for r in group]
-        else:
-            culprits = [r for _, group in ranked[1:] for r in group]
-            others = list(majority)
-        described = [(texts[signature], group) for signature, group in ranked]
-        return Mismatch(key, described, culprits, others)
+        members = [(r, r.collective) for r in waiting if r.collective is not None]
+        settled = [m for m in members if _settled(*m, now, settle)] + finals.get(key, [])
+        found = _mismatch_in(key, sorted(settled, key=lambda m: m[0].rank)) if settled else None
+        if found is not None:
+            return found
     return None
+
+
+def _settled(record: RankRecord, c: Collective, now: float, settle: float) -> bool:
+    seen = record.collective_seen
+    return seen is not None and c.since_s + max(0.0, now - seen) >= settle
+
+
+def _mismatch_in(key: WaitKey, members: list[tuple[RankRecord, Collective]]) -> Mismatch | None:
+    """The calls made at one collective number, when they differ; the odd ones out are the
+    culprits (none on a tie)."""
+    sized = all(c.shape is not None for _, c in members) and not any(
+        normal_op(c.op) in _SIZE_FREE_OPS for _, c in members
+    )
+    calls: dict[tuple[object, ...], list[RankRecord]] = defaultdict(list)
+    texts: dict[tuple[object, ...], str] = {}
+    for r, c in members:
+        numel = math.prod(c.shape) if sized and c.shape is not None else None
+        signature = (normal_op(c.op), numel, c.dtype if sized else None)
+        calls[signature].append(r)
+        texts.setdefault(signature, call_text(c) if sized else c.op)
+    if len(calls) < 2:
+        return None
+    ranked = sorted(calls.items(), key=lambda item: (-len(item[1]), min(r.rank for r in item[1])))
+    majority = ranked[0][1]
+    if len(majority) == len(ranked[1][1]):
+        culprits: list[RankRecord] = []  # a tie: either side may be the odd one
+        others = [r for _, group in ranked for r in group]
+    else:
+        culprits = [r for _, group in ranked[1:] for r in group]
+        others = list(majority)
+    described = [(texts[signature], group) for signature, group in ranked]
+    return Mismatch(key, described, culprits, others)
+
+
+def _all_alike(calls: list[Collective | None]) -> bool:
+    """Every call is exactly the same (op, shape, dtype): no mismatch, and no need to work
+    out each call's signature (thousands of ranks in one all_reduce)."""
+    first = calls[0]
+    if first is None:
+        return False
+    op, shape, dtype = first.op, first.shape, first.dtype
+    return all(
+        c is not None and c.op == op and c.shape == shape and c.dtype == dtype for c in calls
+    )
 
 
 def missing_ranks(state: ServerState) -> list[int]:
     """Ranks below the reported world size that never sent anything."""
-    size = state.world_size
-    if size is None:
-        return []
-    return [rank for rank in range(min(size, MAX_WORLD)) if rank not in state.ranks]
+    return state.missing_ranks()

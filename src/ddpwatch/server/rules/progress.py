@@ -18,9 +18,13 @@ from ddpwatch.vocabulary import AlertKind, Severity
 @rule(AlertKind.STALLED)
 def rule_stalled(f: Facts) -> list[Alert]:
     """A training rank that stopped making progress outside any collective."""
-    stall_after = f.stall_after
+    cutoff = f.now - f.stall_after  # idle(r) > stall_after, without a call per rank
+    if f.since >= cutoff:
+        return []
     candidates = [
-        r for r in f.live if r.step is not None and r.collective is None and f.idle(r) > stall_after
+        r
+        for r in f.live
+        if r.last_progress < cutoff and r.step is not None and r.collective is None
     ]
     if not candidates or f.cascade.roots:
         return []
@@ -50,7 +54,7 @@ def rule_stalled(f: Facts) -> list[Alert]:
     return [alert(AlertKind.STALLED, Severity.ERROR, ranks, [], message, hint)]
 
 
-@rule(AlertKind.STEP_SKEW)
+@rule(AlertKind.STEP_SKEW, every="slow")
 def rule_step_skew(f: Facts) -> list[Alert]:
     """Training ranks far apart in step count: they are not really in lockstep."""
     th = f.th
@@ -102,7 +106,7 @@ SETTLED_SAMPLES = 10
 warm-up's weight in the average is 0.8**10, about a tenth, after 10 (5 s at 2 Hz)."""
 
 
-@rule(AlertKind.SLOW_RANK)
+@rule(AlertKind.SLOW_RANK, every="slow")
 def rule_slow_rank(f: Facts) -> list[Alert]:
     """The rank the others wait for every step: its own collective wait is far shorter.
 
@@ -220,7 +224,7 @@ def _nan_alert(
     )
 
 
-@rule(AlertKind.CHECKPOINT_CONFLICT)
+@rule(AlertKind.CHECKPOINT_CONFLICT, every="change")
 def rule_checkpoint_conflict(f: Facts) -> list[Alert]:
     """Several ranks writing the same checkpoint file overwrite each other."""
     writers: dict[str, set[int]] = defaultdict(set)

@@ -5,27 +5,38 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Literal, Protocol
 
 from ddpwatch.server.alerts import KINDS, Alert, Thresholds
 from ddpwatch.server.rules.facts import Facts
 from ddpwatch.server.state import ServerState
 from ddpwatch.vocabulary import SeverityName
 
+Cadence = Literal["tick", "change", "slow"]
+"""How often a rule must run: ``tick``, every diagnosis tick; ``change``, when what it reads
+changed (``ServerState.generation``: a rank joined, changed identity, crashed, exited or
+wrote a checkpoint; or the set of silent ranks), because it reads nothing else; ``slow``,
+every second or so, for measurements that drift (memory, step rates) and never need a
+sub-second answer."""
+
 
 class Rule(Protocol):
     """A diagnosis rule: pure, over the state at ``now``; ``facts`` only saves work."""
 
+    __name__: str
     kinds: tuple[str, ...]
+    every: Cadence
+    """How often a ticking server (``Diagnosis``) must run it; ``diagnose`` runs every rule."""
 
     def __call__(
         self, state: ServerState, now: float, th: Thresholds, facts: Facts | None = None
     ) -> list[Alert]: ...
 
 
-def rule(*kinds: str) -> Callable[[Callable[[Facts], list[Alert]]], Rule]:
+def rule(*kinds: str, every: Cadence = "tick") -> Callable[[Callable[[Facts], list[Alert]]], Rule]:
     """Declare a rule over ``Facts`` raising only ``kinds``; a kind not in the contract's
-    list fails here, when the module is imported, not when the rule first fires."""
+    list fails here, when the module is imported, not when the rule first fires. ``every``:
+    its ``Cadence``."""
     unknown = [kind for kind in kinds if kind not in KINDS]
     if unknown or not kinds:
         raise ValueError(f"rule declares unknown alert kinds {unknown}; known: {KINDS}")
@@ -38,6 +49,7 @@ def rule(*kinds: str) -> Callable[[Callable[[Facts], list[Alert]]], Rule]:
             return body(facts or Facts(state, now, th))
 
         run.kinds = kinds  # type: ignore[attr-defined]
+        run.every = every  # type: ignore[attr-defined]
         return run  # type: ignore[return-value]
 
     return declare

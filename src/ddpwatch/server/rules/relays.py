@@ -21,6 +21,8 @@ from ddpwatch.vocabulary import AlertKind, Severity
 def rule_relay_lost(facts: Facts) -> list[Alert]:
     alerts: list[Alert] = []
     moved: list[LostRelay] = []
+    if not facts.lost_relays:
+        return alerts
     waiting = [r.rank for r in facts.live if r.collective is not None]
     for lost in facts.lost_relays:
         if not lost.silent:

@@ -120,7 +120,8 @@ def rule_not_connected(f: Facts) -> list[Alert]:
     state, now, th = f.state, f.now, f.th
     if not f.records:
         return []
-    elapsed = now - min(r.first_seen for r in f.records)
+    first = state.first_report  # the earliest first_seen, kept by ``apply``
+    elapsed = now - (first if first is not None else min(r.first_seen for r in f.records))
     if elapsed <= th.connect_after:
         return []
     missing = missing_ranks(f.state)
