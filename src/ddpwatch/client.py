@@ -4,14 +4,19 @@ One ZeroMQ REQ socket: send ``b"status"``, read the status JSON. ``StatusClient`
 kept open between requests (the dashboard of ``ddpwatch top`` polls through it);
 ``fetch_status`` asks once (``ddpwatch status``, ``ddpwatch doctor``). CurveZMQ is
 on when the environment names the server's key (``DDPWATCH_SERVER_KEY``).
+
+A summary or a page of ranks instead of the whole document (docs/status.md, "Summary and
+pages"): ``status_query(...)`` writes the query, ``StatusClient.query`` or
+``fetch_status(..., query=...)`` sends it; a refused query raises ``StatusQueryError``.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
 import msgspec
 
@@ -21,6 +26,47 @@ if TYPE_CHECKING:
     import zmq
 
 _decoder = msgspec.json.Decoder()
+
+
+class StatusQueryError(Exception):
+    """The server refused a query (its ``{"error": ...}`` reply), or did not send JSON: the
+    message says why, on one line."""
+
+
+def status_query(
+    *,
+    view: str | None = None,
+    ranks: str | Iterable[int] | None = None,
+    state: str | Iterable[str] | None = None,
+    host: str | Iterable[str] | None = None,
+    offset: int | None = None,
+    limit: int | None = None,
+    worst: int | None = None,
+) -> str:
+    """The URL query of a ``status?`` request, from the arguments given (None: left out, the
+    server's default). ``ranks``: ``"0-63,70"`` or rank numbers; ``state``, ``host``: a
+    comma-separated string or names.
+
+    >>> status_query(view="summary", state=["stalled", "silent"], worst=5)
+    'view=summary&state=stalled,silent&worst=5'
+    """
+    from ddpwatch.ranges import rank_ranges
+
+    fields: dict[str, str] = {}
+    if view is not None:
+        fields["view"] = view
+    if isinstance(ranks, str):
+        fields["ranks"] = ranks
+    elif ranks is not None:
+        numbers = sorted(set(ranks))
+        fields["ranks"] = rank_ranges(numbers, limit=len(numbers))
+    for key, names in (("state", state), ("host", host)):
+        if names is not None:
+            fields[key] = names if isinstance(names, str) else ",".join(names)
+    for key, number in (("offset", offset), ("limit", limit), ("worst", worst)):
+        if number is not None:
+            fields[key] = str(number)
+    return urlencode(fields, safe=",")
 
 
 class StatusClient:
@@ -74,15 +120,17 @@ class StatusClient:
             self._sock.close(linger=0)
             self._sock = None
 
-    def request(self) -> bytes | None:
-        """The server's raw reply, or None (no answer in time, a socket error, closed)."""
+    def request(self, query: str | None = None) -> bytes | None:
+        """The server's raw reply to ``status`` (``status?<query>`` with a ``query``), or None
+        (no answer in time, a socket error, closed)."""
         zmq = self._zmq
+        message = b"status" if query is None else _request_bytes(query)
         with self._lock:
             if self._closed:
                 return None
             try:
                 sock = self._socket()
-                sock.send(b"status", zmq.NOBLOCK)
+                sock.send(message, zmq.NOBLOCK)
                 if not sock.poll(int(self.timeout * 1000), zmq.POLLIN):
                     self._reset()
                     return None
@@ -104,6 +152,12 @@ class StatusClient:
             return None
         return document
 
+    def query(self, query: str) -> dict[str, Any] | None:
+        """The reply to ``status?<query>`` (``status_query``), or None when none came in time;
+        ``StatusQueryError`` when the server refused the query."""
+        reply = self.request(query)
+        return None if reply is None else _query_reply(reply)
+
     def close(self) -> None:
         """Close the socket (after a request in flight, at most ``timeout`` away) and the
         context. Closing twice is fine."""
@@ -116,16 +170,52 @@ class StatusClient:
 
 
 def fetch_status(
-    host: str, port: int, timeout: float, environ: Mapping[str, str] | None = None
+    host: str,
+    port: int,
+    timeout: float,
+    environ: Mapping[str, str] | None = None,
+    query: str | None = None,
 ) -> dict[str, Any] | None:
     """Ask a running server for its status document once; None if none answered in time.
+    With a ``query`` (``status_query``): a summary or a page instead, and a refused query
+    raises ``StatusQueryError``.
 
     ``environ`` (default ``os.environ``) is where the CURVE keys are read from."""
     client = StatusClient(host, port, timeout, environ)
     try:
+        if query is not None:
+            return client.query(query)
         reply = client.request()  # DDPWATCH_SERVER_KEY set: CurveZMQ (a bad key: ValueError)
         return None if reply is None else json.loads(reply)
     except ValueError:
         return None
     finally:
         client.close()
+
+
+def _request_bytes(query: str) -> bytes:
+    """``status?<query>``, checked against the server's size limit: it drops a longer one
+    unanswered, which would read as no server at all."""
+    from ddpwatch.server.collector import MAX_QUERY_BYTES
+
+    message = f"status?{query}".encode()
+    if len(message) > MAX_QUERY_BYTES:
+        raise StatusQueryError(
+            f"the query is {len(message)} bytes, over the server's {MAX_QUERY_BYTES}"
+        )
+    return message
+
+
+def _query_reply(reply: bytes) -> dict[str, Any]:
+    """A summary or a page; ``StatusQueryError`` for the server's error or a non-answer."""
+    try:
+        document = _decoder.decode(reply)
+    except msgspec.DecodeError:
+        raise StatusQueryError("the server's reply is not JSON") from None
+    if not isinstance(document, dict):
+        raise StatusQueryError("the server's reply is not a JSON object")
+    if "error" in document:
+        raise StatusQueryError(str(document["error"]))
+    if "ranks" not in document:
+        raise StatusQueryError("the server's reply has no ranks")
+    return document

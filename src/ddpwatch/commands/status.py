@@ -1,4 +1,9 @@
-"""``ddpwatch status``: one snapshot from a running server, as a table or ``--json``."""
+"""``ddpwatch status``: one snapshot from a running server, as a table or ``--json``.
+
+With ``--summary`` or a filter (``--ranks``, ``--state``, ``--on-host``, ``--limit``,
+``--offset``) it asks for a summary or a page of ranks (docs/status.md, "Summary and pages"):
+at 65,536 ranks the whole document is tens of megabytes.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ddpwatch.commands._args import Subparsers, _positive, add_address
-from ddpwatch.vocabulary import RankState
+from ddpwatch.commands._args import Subparsers, _positive, _positive_int, add_address
+from ddpwatch.vocabulary import RANK_STATES, RankState
 
 NAME = "status"
 
@@ -17,15 +22,80 @@ NAME = "status"
 def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     status = subparsers.add_parser(NAME, help="print one snapshot from a running server")
     add_address(status)
-    status.add_argument("--json", action="store_true", help="the status JSON document")
+    status.add_argument(
+        "--json", action="store_true", help="the status JSON document (or the summary, the page)"
+    )
     status.add_argument(
         "--timeout", type=_positive, default=2.0, help="seconds to wait for an answer (default 2)"
     )
+    pages = status.add_argument_group(
+        "summary and pages", "for large jobs: ask for part of the document (docs/status.md)"
+    )
+    pages.add_argument(
+        "--summary",
+        action="store_true",
+        help="counts by state and by host, and the worst ranks",
+    )
+    pages.add_argument("--ranks", type=_rank_list, help="only these ranks, like 0-63,70")
+    pages.add_argument(
+        "--state", type=_state_list, help=f"only ranks in these states ({', '.join(RANK_STATES)})"
+    )
+    pages.add_argument(  # --host is the server's address
+        "--on-host", metavar="HOSTS", help="only ranks on these hosts, like node3,node4"
+    )
+    pages.add_argument(
+        "--limit",
+        type=_positive_int,
+        help="ranks in a page (default 500, at most 5000); with --summary: worst ranks (20)",
+    )
+    pages.add_argument("--offset", type=_offset, help="skip this many matching ranks")
     return status
 
 
+def _rank_list(text: str) -> str:
+    """``--ranks``: checked here, so a typo is a usage error, not a server's refusal."""
+    from ddpwatch.ranges import parse_rank_ranges
+
+    try:
+        parse_rank_ranges(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _state_list(text: str) -> str:
+    unknown = [s for s in (part.strip() for part in text.split(",")) if s not in RANK_STATES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown state {unknown[0]!r}; known: {', '.join(RANK_STATES)}"
+        )
+    return text
+
+
+def _offset(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def query_of(args: argparse.Namespace) -> str | None:
+    """The ``status?`` query the flags ask for; None for the whole document (no such flag)."""
+    from ddpwatch.client import status_query
+
+    filters = {"ranks": args.ranks, "state": args.state, "host": args.on_host}
+    if not args.summary and all(v is None for v in (*filters.values(), args.limit, args.offset)):
+        return None
+    if args.summary:
+        return status_query(view="summary", worst=args.limit, **filters)
+    return status_query(view="page", offset=args.offset, limit=args.limit, **filters)
+
+
 def run(args: argparse.Namespace) -> int:
-    from ddpwatch.client import fetch_status
+    from ddpwatch.client import StatusQueryError, fetch_status
     from ddpwatch.security import SERVER_KEY_ENV, CurveKeyError, client_curve_keys
 
     try:
@@ -33,7 +103,14 @@ def run(args: argparse.Namespace) -> int:
     except CurveKeyError as exc:
         print(f"ddpwatch: {exc}", file=sys.stderr)
         return 1
-    document = fetch_status(args.host, args.port, args.timeout)
+    if args.summary and args.offset is not None:
+        print("ddpwatch: --offset pages through ranks; --summary has none", file=sys.stderr)
+        return 2
+    try:
+        document = fetch_status(args.host, args.port, args.timeout, query=query_of(args))
+    except StatusQueryError as exc:
+        print(f"ddpwatch: the server refused the query: {exc}", file=sys.stderr)
+        return 1
     if document is None:
         hint = (
             f" (with {SERVER_KEY_ENV} set: is it the key of a server started with "
@@ -49,6 +126,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         print(json.dumps(document, indent=2))
+    elif "summary" in document:
+        print(format_summary(document))
+    elif "page" in document:
+        print(format_page(document))
     else:
         print(format_status(document))
     return 0
@@ -89,20 +170,83 @@ def _row(cells: list[str]) -> str:
     return " ".join(parts).rstrip()
 
 
-def format_status(document: dict[str, Any]) -> str:
-    """A plain-text table of the status document, for people."""
+def _table(ranks: list[dict[str, Any]]) -> list[str]:
+    """The rank table: a header, then a row per rank entry."""
     lines = [_row([title for title, *_ in COLUMNS])]
-    lines += [_row([cell(rank) for *_, cell in COLUMNS]) for rank in document["ranks"]]
-    connected = sum(1 for r in document["ranks"] if r["state"] != RankState.NOT_CONNECTED)
-    stats = document["stats"]
-    lines.append(
-        f"\n{connected}/{_fmt(document['world_size'])} ranks, "
-        f"{stats['received']} messages, {stats['rejected']} rejected"
-        + (f", {stats['refused']} refused" if stats.get("refused") else "")
+    lines += [_row([cell(rank) for *_, cell in COLUMNS]) for rank in ranks]
+    return lines
+
+
+def _messages(stats: dict[str, Any]) -> str:
+    return f"{stats['received']} messages, {stats['rejected']} rejected" + (
+        f", {stats['refused']} refused" if stats.get("refused") else ""
     )
-    for alert in document["alerts"]:
+
+
+def _alerts(alerts: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for alert in alerts:
         lines.append(f"[{alert['severity']}] {alert['kind']}: {alert['message']}")
         lines.append(f"    fix: {alert['hint']}")
-    if not document["alerts"]:
-        lines.append("no alerts")
-    return "\n".join(lines)
+    return lines or ["no alerts"]
+
+
+def format_status(document: dict[str, Any]) -> str:
+    """A plain-text table of the status document, for people."""
+    lines = _table(document["ranks"])
+    connected = sum(1 for r in document["ranks"] if r["state"] != RankState.NOT_CONNECTED)
+    lines.append(
+        f"\n{connected}/{_fmt(document['world_size'])} ranks, {_messages(document['stats'])}"
+    )
+    return "\n".join(lines + _alerts(document["alerts"]))
+
+
+def format_page(document: dict[str, Any]) -> str:
+    """A page of ranks (``status?view=page``): the table, and where it lies among the matches."""
+    page = document["page"]
+    shown, start = len(document["ranks"]), page["offset"]
+    if shown:
+        where = f"ranks {start + 1}-{start + shown} of {page['matched']} matching"
+    else:
+        where = f"no ranks here of {page['matched']} matching"
+    more = start + shown < page["matched"]
+    lines = _table(document["ranks"]) if shown else []
+    lines.append(
+        f"\n{where} ({page['total']} in all)"
+        + (f"; --offset {start + shown} for more" if more else "")
+    )
+    lines.append(_messages(document["stats"]))
+    return "\n".join(lines + _alerts(document["alerts"]))
+
+
+def format_summary(document: dict[str, Any]) -> str:
+    """The summary (``status?view=summary``): counts by state, a row per host, the worst
+    ranks in the status table's format, then the alerts."""
+    summary, page = document["summary"], document["page"]
+    counted = f"{summary['ranks']} ranks" + (
+        f" of {page['total']}" if page["matched"] != page["total"] else ""
+    )
+    lines = [f"{counted}: {_state_counts(summary['states']) or 'none'}", "", _host_header()]
+    lines += [_host_line(row) for row in summary["hosts"]]
+    if summary["hosts_omitted"]:
+        lines.append(f"(+{summary['hosts_omitted']} more hosts)")
+    if document["ranks"]:
+        lines += ["", f"worst {len(document['ranks'])} ranks:", *_table(document["ranks"])]
+    lines.append(f"\n{_messages(document['stats'])}")
+    return "\n".join(lines + _alerts(document["alerts"]))
+
+
+def _state_counts(states: dict[str, int]) -> str:
+    """``"1 crashed, 3 running"``: the states with ranks, worst first."""
+    return ", ".join(f"{states[s]} {s}" for s in RANK_STATES if states.get(s))
+
+
+def _host_header() -> str:
+    return f"{'host':<16} {'ranks':>6}  {'states':<36} steps"
+
+
+def _host_line(row: dict[str, Any]) -> str:
+    low, high = row["step_min"], row["step_max"]
+    steps = "-" if low is None else str(low) if low == high else f"{low}-{high}"
+    host = _fmt(row["host"])[:16]
+    return f"{host:<16} {row['ranks']:>6}  {_state_counts(row['states']):<36} {steps}".rstrip()

@@ -78,6 +78,7 @@ class Collector:
         max_ranks: int | None = None,
         curve: ServerCurve | None = None,
         recorder: Recorder | None = None,
+        query: Callable[[bytes], bytes] | None = None,
     ) -> None:
         self.state = state
         self.host = host
@@ -88,6 +89,7 @@ class Collector:
         self._world = 0  # the largest world size accepted so far
         self._refused_logged = -REFUSED_LOG_S
         self._snapshot = snapshot
+        self._query_reply = query
         self._clock = clock
         self._behind = False  # the last receive left messages queued
         self._pauses = PauseWatch()
@@ -300,12 +302,17 @@ class Collector:
                 return
 
     def _answer(self) -> None:
+        """``status``: ``snapshot()``; any other request: ``query(request)`` when given (the
+        summaries and pages of ``status?...``), else an error. Always a reply: a REP socket
+        that does not answer is stuck."""
         try:
             request = b"".join(self._query.recv_multipart(zmq.NOBLOCK))
         except zmq.Again:
             return
         if request.strip() == b"status":
             reply = self._snapshot()
+        elif self._query_reply is not None:
+            reply = self._query_reply(request)
         else:
             reply = b'{"error": "unknown request; send the bytes status"}'
         self._query.send(reply)

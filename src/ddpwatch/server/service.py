@@ -7,6 +7,7 @@ Views (headless printer, TUI) subscribe to ``AlertChange``s and read
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -19,6 +20,7 @@ from ddpwatch.protocol import DEFAULT_PORT
 from ddpwatch.server.alerts import Alert, Thresholds
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.history import AlertChange, AlertTracker, diff_alerts
+from ddpwatch.server.query import QueryCache, QueryError, TickView, error_reply, parse_request
 from ddpwatch.server.rules import Diagnosis
 from ddpwatch.server.state import ServerState
 from ddpwatch.server.status import status_document
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
 __all__ = ["TICK_S", "AlertChange", "Server", "diff_alerts"]
 
 TICK_S = 0.25
+
+log = logging.getLogger("ddpwatch.server")
 
 
 def with_port(alerts: list[Alert], port: int) -> list[Alert]:
@@ -81,6 +85,7 @@ class Server:
         self.port = port
         self._document: dict[str, Any] | None = None
         self._encoded: bytes | None = None
+        self.queries = QueryCache()  # paged queries' replies, per tick like the document
         self._on_change = on_change
         self._stop = threading.Event()
         self.lock = threading.Lock()
@@ -92,6 +97,7 @@ class Server:
             clock,
             max_ranks=max_ranks,
             curve=curve,
+            query=self.query_json,
         )
         self.recorder: Recorder | None = None
         if record is not None:
@@ -136,6 +142,7 @@ class Server:
             changes = self.tracker.update(alerts, now, self.state.job_started)
             self.alerts = alerts
             self._document = self._encoded = None
+            self.queries.clear()
             if self.recorder is not None:
                 # replay runs diagnosis at exactly these times, on the same horizon
                 self.recorder.tick(now, self.state.heard_until, self.state.listening_since)
@@ -164,6 +171,36 @@ class Server:
             if self._encoded is None or self._document is not document:
                 self._encoded = msgspec.json.encode(document)
             return self._encoded
+
+    def query_json(self, request: bytes) -> bytes:
+        """The encoded reply to a ``status?...`` request (``server/query.py``): a summary or a
+        page built from a per-tick index, never the whole document; a bad request gets
+        ``{"error": ...}``. Never raises: the query socket must always answer."""
+        key = request.strip()
+        with self.lock:
+            cached = self.queries.get(key)
+        if cached is not None:
+            return cached
+        try:
+            query = parse_request(key)  # outside the lock: a long rank list takes a moment
+            with self.lock:
+                return self.queries.answer(key, query, self._tick_view)
+        except QueryError as exc:
+            return error_reply(str(exc))
+        except Exception:
+            log.exception("failed to answer the status query %r", key[:200])
+            return error_reply("the server failed to answer this query; see its log")
+
+    def _tick_view(self) -> TickView:
+        """What this tick's queries read (made under ``lock``, at the first query)."""
+        return TickView(
+            self.state,
+            self.alerts,
+            self.clock(),
+            self.thresholds,
+            self.tracker.entries(),
+            refused=self.collector.refused,
+        )
 
     def run(self) -> None:
         next_tick = time.monotonic()

@@ -128,16 +128,28 @@ def status_document(
         ranks = sorted(
             ranks + [missing_entry(r, world_size) for r in missing], key=lambda e: e["rank"]
         )
+    return document_around(ranks, state, alerts, now, history)
+
+
+def document_around(
+    ranks: list[dict[str, Any]],
+    state: ServerState,
+    alerts: list[Alert],
+    now: float,
+    history: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The document with these rank entries: ``status_document`` gives every rank, the paged
+    queries (``server/query.py``) some, in the same envelope."""
     return {
         "schema": SCHEMA,
         "server_time": now,
-        "world_size": world_size,
+        "world_size": state.world_size,
         "ranks": ranks,
         "alerts": [alert.to_dict() for alert in alerts],
         "stats": {
             "received": state.received,
             "rejected": state.rejected,
-            "lag_s": round(now - as_of, 3),
+            "lag_s": round(now - state.as_of(now), 3),
         },
         "history": history or [],
         "job_started": state.job_started,

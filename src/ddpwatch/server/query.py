@@ -1,0 +1,356 @@
+"""Paged status queries: ``status?<query>`` on the query socket (docs/status.md, "Summary and
+pages").
+
+At 65,536 ranks the whole status document is tens of megabytes, built every tick. A query
+asks for a summary or one page of ranks instead. Each rank's state is worked out once per tick
+into a ``TickView`` (one ``rank_state`` call per rank, as ``rank_entry`` makes it); filters run
+on that index and full rank entries are built only for the ranks a reply holds. Replies are
+cached per tick by request (``QueryCache``), like the full document.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import parse_qs
+
+import msgspec
+
+from ddpwatch.ranges import parse_rank_ranges
+from ddpwatch.server.alerts import Alert, Thresholds
+from ddpwatch.server.rules import effective_stall_after, rank_state
+from ddpwatch.server.state import ServerState
+from ddpwatch.server.status import document_around, missing_entry, rank_entry
+from ddpwatch.vocabulary import RANK_STATES, RankState
+
+PREFIX = "status?"
+KEYS = ("view", "ranks", "state", "host", "offset", "limit", "worst")
+DEFAULT_LIMIT, MAX_LIMIT = 500, 5000
+DEFAULT_WORST, MAX_WORST = 20, 1000
+MAX_OFFSET = 1 << 31
+MAX_HOSTS = 1000  # hosts listed in a summary; the rest are counted in hosts_omitted
+CACHED_REPLIES = 32  # per tick: a few viewers' pages and summaries
+_NUMBER = re.compile(r"[0-9]{1,10}")
+_STATE_ORDER = {state: i for i, state in enumerate(RANK_STATES)}
+
+View = Literal["page", "summary"]
+
+
+class QueryError(ValueError):
+    """A request the server cannot answer; its message is the reply's one-line ``error``."""
+
+
+@dataclass(frozen=True)
+class Query:
+    """A parsed ``status?...`` request. Filters are None when not given (all ranks match)."""
+
+    view: View = "page"
+    ranks: frozenset[int] | None = None
+    states: frozenset[str] | None = None
+    hosts: frozenset[str] | None = None
+    offset: int = 0
+    limit: int = DEFAULT_LIMIT
+    worst: int = DEFAULT_WORST
+
+
+# ------------------------------------------------------------------------------ parsing
+
+
+def parse_request(request: bytes) -> Query:
+    """The query of ``status?<url query>``; ``QueryError`` for anything else."""
+    try:
+        text = request.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise QueryError("the request is not UTF-8 text") from None
+    if not text.startswith(PREFIX):
+        raise QueryError("unknown request; send status, or status?<query> (docs/status.md)")
+    return query_of(_fields(text[len(PREFIX) :]))
+
+
+def _fields(query: str) -> dict[str, str]:
+    """The URL query's keys and values: each known key at most once, no other key."""
+    try:
+        parsed = parse_qs(
+            query,
+            keep_blank_values=True,
+            strict_parsing=True,
+            errors="strict",
+            max_num_fields=2 * len(KEYS),
+        )
+    except ValueError as exc:  # a UnicodeDecodeError too
+        raise QueryError(f"not a URL query string: {_one_line(str(exc))}") from None
+    for key, values in parsed.items():
+        if key not in KEYS:
+            raise QueryError(f"unknown key {_quote(key)}; known: {', '.join(KEYS)}")
+        if len(values) > 1:
+            raise QueryError(f"{key} given more than once")
+    return {key: values[0] for key, values in parsed.items()}
+
+
+def query_of(fields: dict[str, str]) -> Query:
+    """A ``Query`` from the request's fields (already split); ``QueryError`` on a bad value."""
+    view = fields.get("view", "page")
+    if view not in ("page", "summary"):
+        raise QueryError(f"view must be page or summary, not {_quote(view)}")
+    if view == "summary" and ("offset" in fields or "limit" in fields):
+        raise QueryError("offset and limit are for view=page; a summary takes worst")
+    if view == "page" and "worst" in fields:
+        raise QueryError("worst is for view=summary; a page takes offset and limit")
+    return Query(
+        view="summary" if view == "summary" else "page",
+        ranks=_ranks(fields.get("ranks")),
+        states=_states(fields.get("state")),
+        hosts=_names("host", fields.get("host")),
+        offset=_number(fields, "offset", 0, 0, MAX_OFFSET),
+        limit=_number(fields, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT),
+        worst=_number(fields, "worst", DEFAULT_WORST, 0, MAX_WORST),
+    )
+
+
+def _ranks(text: str | None) -> frozenset[int] | None:
+    if text is None:
+        return None
+    try:
+        return parse_rank_ranges(text)
+    except ValueError as exc:
+        raise QueryError(f"ranks: {exc}") from None
+
+
+def _states(text: str | None) -> frozenset[str] | None:
+    states = _names("state", text)
+    if states is not None:
+        unknown = sorted(states - set(RANK_STATES))
+        if unknown:
+            raise QueryError(
+                f"state: unknown {_quote(unknown[0])}; known: {', '.join(RANK_STATES)}"
+            )
+    return states
+
+
+def _names(key: str, text: str | None) -> frozenset[str] | None:
+    """A comma-separated list of names, none of them empty."""
+    if text is None:
+        return None
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise QueryError(f"{key}: an empty name in {_quote(text)}")
+    return frozenset(names)
+
+
+def _number(fields: dict[str, str], key: str, default: int, low: int, high: int) -> int:
+    text = fields.get(key)
+    if text is None:
+        return default
+    value = int(text) if _NUMBER.fullmatch(text) else None
+    if value is None or not low <= value <= high:
+        raise QueryError(f"{key} must be a whole number from {low} to {high}, not {_quote(text)}")
+    return value
+
+
+def _quote(text: str, width: int = 40) -> str:
+    """``text`` quoted on one line, cut to about ``width``: errors echo what was sent."""
+    return repr(text if len(text) <= width else text[:width] + "...")
+
+
+def _one_line(text: str, width: int = 80) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[:width] + "..."
+
+
+def error_reply(message: str) -> bytes:
+    """The reply to a request the server cannot answer: ``{"error": "<one line>"}``."""
+    return msgspec.json.encode({"error": _one_line(message, 200)})
+
+
+# ------------------------------------------------------------------------------ the tick's view
+
+
+class TickView:
+    """Everything a query's reply needs, fixed once per tick: each rank's state, the
+    document's envelope (alerts, stats, history, relays) and the alerts' culprits.
+
+    Built in O(ranks) cheap steps (no rank entry); replies then read it. Every reply of the
+    tick is as of its ``now``, and a rank's ``state`` in a reply is the one it was filtered
+    by, even if its record moved on since.
+    """
+
+    def __init__(
+        self,
+        state: ServerState,
+        alerts: list[Alert],
+        now: float,
+        th: Thresholds,
+        history: list[dict[str, Any]] | None = None,
+        *,
+        refused: int = 0,
+    ) -> None:
+        self.state, self.now, self.th = state, now, th
+        self.stall_after = effective_stall_after(state, th)
+        self.as_of, self.since = state.as_of(now), state.listening_since
+        self.world_size = state.world_size
+        self.states = self._rank_states()
+        self.ranks = sorted(self.states)  # every rank the full document lists
+        self.envelope = document_around([], state, alerts, now, history)
+        self.envelope["stats"]["refused"] = refused  # as ``Server.status`` adds it
+        self.culprits = frozenset(r for alert in alerts for r in alert.ranks)
+
+    def _rank_states(self) -> dict[int, str]:
+        """Each rank's state, the one ``rank_entry`` gives it, and ``not_connected`` for the
+        ranks below the world size that never reported (as ``status_document`` finds them)."""
+        records, as_of, th = self.state.ranks, self.as_of, self.th
+        states = {
+            rank: rank_state(record, as_of, th, self.stall_after, self.since)
+            for rank, record in records.items()
+        }
+        for rank in range(self.world_size or 0):
+            if rank not in records:
+                states[rank] = RankState.NOT_CONNECTED
+        return states
+
+    def host(self, rank: int) -> str | None:
+        record = self.state.ranks.get(rank)
+        return None if record is None else record.host
+
+    def matching(self, query: Query) -> list[int]:
+        """The ranks that pass the query's filters, sorted."""
+        ranks: Iterable[int] = self.ranks
+        if query.ranks is not None:
+            if len(query.ranks) < len(self.ranks):
+                ranks = sorted(r for r in query.ranks if r in self.states)
+            else:
+                ranks = (r for r in self.ranks if r in query.ranks)
+        states, hosts = query.states, query.hosts
+        if states is not None:
+            ranks = (r for r in ranks if self.states[r] in states)
+        if hosts is not None:
+            ranks = (r for r in ranks if self.host(r) in hosts)
+        return list(ranks)
+
+    def entry(self, rank: int) -> dict[str, Any]:
+        """The rank's entry in the full document's format, with the state it was indexed by."""
+        record = self.state.ranks.get(rank)
+        if record is None:
+            return missing_entry(rank, self.world_size or 0)
+        entry = rank_entry(
+            record, self.now, self.th, self.stall_after, as_of=self.as_of, since=self.since
+        )
+        entry["state"] = self.states[rank]
+        return entry
+
+    def reply(self, ranks: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        """The envelope of the full document around ``ranks``, plus ``extra`` keys."""
+        return {**self.envelope, "ranks": ranks, **extra}
+
+
+# ------------------------------------------------------------------------------ replies
+
+
+def page(view: TickView, query: Query) -> dict[str, Any]:
+    """The matching ranks from ``offset``, at most ``limit`` of them."""
+    matched = view.matching(query)
+    chosen = matched[query.offset : query.offset + query.limit]
+    return view.reply(
+        [view.entry(r) for r in chosen],
+        page={
+            "view": "page",
+            "total": len(view.ranks),
+            "matched": len(matched),
+            "offset": query.offset,
+            "limit": query.limit,
+        },
+    )
+
+
+def summary(view: TickView, query: Query) -> dict[str, Any]:
+    """Counts by state and by host of the matching ranks, and the ``worst`` of them."""
+    matched = view.matching(query)
+    states = Counter(view.states[r] for r in matched)
+    hosts, omitted = host_rows(view, matched)
+    return view.reply(
+        [view.entry(r) for r in worst_ranks(view, matched, query.worst)],
+        summary={
+            "ranks": len(matched),
+            "states": {state: states[state] for state in RANK_STATES},
+            "hosts": hosts,
+            "hosts_omitted": omitted,
+        },
+        page={
+            "view": "summary",
+            "total": len(view.ranks),
+            "matched": len(matched),
+            "worst": query.worst,
+        },
+    )
+
+
+def worst_ranks(view: TickView, ranks: list[int], n: int) -> list[int]:
+    """The ``n`` worst: worst state first (``RANK_STATES``), then alert culprits, then rank."""
+    order, states, culprits = _STATE_ORDER, view.states, view.culprits
+    return heapq.nsmallest(n, ranks, key=lambda r: (order[states[r]], r not in culprits, r))
+
+
+def host_rows(
+    view: TickView, ranks: list[int], most: int = MAX_HOSTS
+) -> tuple[list[dict[str, Any]], int]:
+    """One row per host of ``ranks``, by host name (ranks with no host last, as null), the
+    first ``most`` of them; and how many hosts were left out."""
+    by_host: dict[str | None, list[int]] = {}
+    for rank in ranks:
+        by_host.setdefault(view.host(rank), []).append(rank)
+    names = sorted(by_host, key=lambda h: (h is None, h or ""))
+    return [_host_row(view, name, by_host[name]) for name in names[:most]], len(names[most:])
+
+
+def _host_row(view: TickView, host: str | None, ranks: list[int]) -> dict[str, Any]:
+    records = [view.state.ranks[r] for r in ranks if r in view.state.ranks]
+    steps = [r.step for r in records if r.step is not None]
+    memory = [r.gpu_mem_used_bytes for r in records if r.gpu_mem_used_bytes is not None]
+    counts = Counter(view.states[r] for r in ranks)
+    return {
+        "host": host,
+        "ranks": len(ranks),
+        "states": {state: counts[state] for state in RANK_STATES if counts[state]},
+        "step_min": min(steps, default=None),
+        "step_max": max(steps, default=None),
+        "gpu_mem_used_max_bytes": max(memory, default=None),
+    }
+
+
+def build_reply(view: TickView, query: Query) -> dict[str, Any]:
+    return summary(view, query) if query.view == "summary" else page(view, query)
+
+
+class QueryCache:
+    """This tick's encoded replies by request (the least recently asked dropped past
+    ``size``) and its ``TickView``, made at the first query: ``clear`` at every tick."""
+
+    def __init__(self, size: int = CACHED_REPLIES) -> None:
+        self.size = size
+        self._view: TickView | None = None
+        self._replies: OrderedDict[bytes, bytes] = OrderedDict()
+
+    def clear(self) -> None:
+        self._view = None
+        self._replies.clear()
+
+    def get(self, request: bytes) -> bytes | None:
+        reply = self._replies.get(request)
+        if reply is not None:
+            self._replies.move_to_end(request)
+        return reply
+
+    def answer(self, request: bytes, query: Query, make_view: Callable[[], TickView]) -> bytes:
+        """The encoded reply to ``query`` (parsed from ``request``), cached for the tick."""
+        reply = self.get(request)
+        if reply is None:
+            if self._view is None:
+                self._view = make_view()
+            reply = msgspec.json.encode(build_reply(self._view, query))
+            self._replies[request] = reply
+            if len(self._replies) > self.size:
+                self._replies.popitem(last=False)
+        return reply
