@@ -588,6 +588,7 @@ def prober(conn: Connection, port: int, every: float, models: int, nice: int) ->
     history = _new_history()
     t0, end = conn.recv()
     latencies: list[tuple[float, float, int]] = []  # (time, seconds, reply bytes)
+    summaries: list[float] = []  # seconds
     model: list[float] = []
     failed = 0
     next_at = t0 + min(2.0, every)
@@ -606,11 +607,14 @@ def prober(conn: Connection, port: int, every: float, models: int, nice: int) ->
             failed += 1
             continue
         latencies.append((time.time(), elapsed, len(reply)))
+        started = time.perf_counter()
+        if client.request("view=summary") is not None:  # what ddpwatch status --summary asks
+            summaries.append(time.perf_counter() - started)
         n += 1
         if len(model) < models and n % 2 == 0:
             model.append(_model_build(reply, history))
     client.close()
-    conn.send({"latencies": latencies, "model": model, "failed": failed})
+    conn.send({"latencies": latencies, "summaries": summaries, "model": model, "failed": failed})
 
 
 # ------------------------------------------------------------------------------ one run
@@ -643,6 +647,7 @@ class Row:
     ticks: int
     tick_cores: float
     status_ms: float | None
+    summary_ms: float | None  # a status?view=summary request, as ddpwatch status --summary
     status_build_ms: float | None
     status_mb: float | None
     status_failed: int
@@ -826,6 +831,7 @@ def summarize_run(
         ticks=len(tick_ms),
         tick_cores=tick_cpu / wall,
         status_ms=statistics.median(x[1] for x in latencies) * 1e3 if latencies else None,
+        summary_ms=(statistics.median(probed["summaries"]) * 1e3 if probed["summaries"] else None),
         status_build_ms=statistics.median(a[1] for a in answers) * 1e3 if answers else None,
         status_mb=statistics.median(x[2] for x in latencies) / 1e6 if latencies else None,
         status_failed=probed["failed"],
@@ -896,7 +902,8 @@ class Offline:
 
     ranks: int
     build_us_per_frame: float
-    tick_ms: float
+    tick_ms: float  # one ``diagnose``: every rule
+    ticking_ms: tuple[float, float, float]  # ``Diagnosis`` as the server ticks: median, mean, max
     status_ms: float
     status_mb: float
     model_ms: float
@@ -959,10 +966,12 @@ def offline(size: int, culprit: int, reps: int = 3) -> Offline:
     finally:
         gc.enable()
     rules = [(name, statistics.median(ms)) for name, ms in per_rule.items()]
+    ticking = _ticking(state, beats, size, now, th)
     return Offline(
         ranks=size,
         build_us_per_frame=build,
         tick_ms=statistics.median(ticks) * 1e3,
+        ticking_ms=ticking,
         status_ms=statistics.median(docs) * 1e3,
         status_mb=len(payload) / 1e6,
         model_ms=statistics.median(models) * 1e3,
@@ -971,6 +980,39 @@ def offline(size: int, culprit: int, reps: int = 3) -> Offline:
         right=[a.ranks for a in alerts] == [(culprit,)],
         rules=rules,
     )
+
+
+def _ticking(
+    state: Any, beats: Beats, size: int, now: float, th: Any, ticks: int = 40
+) -> tuple[float, float, float]:
+    """``Diagnosis`` as the server runs it (``server/rules``: tick rules every call, the
+    paced rules when due): CPU ms per tick over ``ticks`` ticks 0.25 s apart, half the ranks'
+    heartbeats applied between two ticks (2 Hz), the straggler still hanging. Median, mean,
+    max; the first four ticks (everything due at once) left out."""
+    from ddpwatch.protocol import decode
+    from ddpwatch.server.rules import Diagnosis
+
+    diagnosis = Diagnosis()
+    spent = []
+    t0 = beats.t0
+    first_cycle = int((now - t0) / BEAT_S)
+    gc.collect()
+    gc.disable()
+    try:
+        for tick in range(ticks):
+            at_tick = now + tick * 0.25
+            cycle = first_cycle + tick // 2
+            half = range(0, size // 2) if tick % 2 == 0 else range(size // 2, size)
+            for i in half:
+                at = t0 + (cycle + i / size) * BEAT_S
+                state.apply(decode(beats.frame(i, cycle, at)), min(at, at_tick))
+            c0 = time.process_time()
+            diagnosis(state, at_tick, th)
+            spent.append((time.process_time() - c0) * 1e3)
+    finally:
+        gc.enable()
+    kept = spent[4:]
+    return statistics.median(kept), statistics.mean(kept), max(kept)
 
 
 def _model_build(payload: bytes, history: Any = None) -> float:
@@ -1000,16 +1042,17 @@ def _new_history() -> Any:
 
 
 OFFLINE_HEADER = (
-    f"{'ranks':>6} {'tick ms':>8} {'status ms':>9} {'status MB':>9} {'dashboard ms':>12}"
-    f" {'apply us/frame':>14}  alerts"
+    f"{'ranks':>6} {'diagnose ms':>11} {'tick ms med/mean/max':>20} {'status ms':>9}"
+    f" {'status MB':>9} {'dashboard ms':>12} {'apply us/frame':>14}  alerts"
 )
 
 
 def offline_line(o: Offline) -> str:
     alerts = ", ".join(f"{kind} ({n} rank{'s' if n != 1 else ''})" for kind, n in o.alerts)
     verdict = "names exactly the culprit" if o.right else "NOT exactly the culprit"
+    ticking = "/".join(f"{ms:.0f}" for ms in o.ticking_ms)
     return (
-        f"{o.ranks:>6} {o.tick_ms:>8.0f} {o.status_ms:>9.0f} {o.status_mb:>9.1f}"
+        f"{o.ranks:>6} {o.tick_ms:>11.0f} {ticking:>20} {o.status_ms:>9.0f} {o.status_mb:>9.1f}"
         f" {o.model_ms:>12.0f} {o.build_us_per_frame:>14.1f}  {alerts or 'none'}: {verdict}"
     )
 
@@ -1039,7 +1082,7 @@ def culprit_text(row: Row) -> str:
 HEADER = (
     f"{'ranks':>6} {'mode':<6} {'relays':>6} {'offered/s':>10} {'(target)':>9}"
     f" {'accepted/s':>10} {'drops':>8} {'srv cores':>9} {'ingest':>6}"
-    f" {'tick med/p99 ms':>16} {'(cpu)':>6} {'status ms':>9} {'RSS MiB':>8}  culprit"
+    f" {'tick med/p99 ms':>16} {'(cpu)':>6} {'status ms':>9} {'summary':>7} {'RSS MiB':>8}  culprit"
 )
 
 
@@ -1050,7 +1093,8 @@ def table_line(row: Row) -> str:
         f" {row.drops:>8} {row.server_cores:>9.2f} {row.ingest_cores:>6.2f}"
         f" {_fmt(row.tick_median_ms, '.0f'):>7}/{_fmt(row.tick_p99_ms, '.0f'):<8}"
         f" {_fmt(row.tick_cpu_median_ms, '.0f'):>6}"
-        f" {_fmt(row.status_ms, '.0f'):>9} {row.rss_mib:>8.0f}  {culprit_text(row)}"
+        f" {_fmt(row.status_ms, '.0f'):>9} {_fmt(row.summary_ms, '.0f'):>7}"
+        f" {row.rss_mib:>8.0f}  {culprit_text(row)}"
     )
 
 
