@@ -39,6 +39,13 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="serve Prometheus metrics on this port (docs/prometheus.md)",
     )
     serve.add_argument(
+        "--prometheus-max-ranks",
+        type=_exported_ranks,
+        default=1000,
+        metavar="N",
+        help="per-rank metrics for at most the N worst ranks, 0-1000 (default 1000)",
+    )
+    serve.add_argument(
         "--headless",
         action="store_true",
         help="no dashboard: one JSON line per alert raised or cleared",
@@ -73,6 +80,17 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     add_notify(serve)
     add_bell(serve)
     return serve
+
+
+def _exported_ranks(text: str) -> int:
+    """``--prometheus-max-ranks``: 0 to 1000, the most worst ranks a status summary lists."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"must be 0-1000, got {text}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,10 +177,16 @@ def _announce(args: argparse.Namespace, notify: Notifier | None) -> None:
 
 def _serve_metrics(args: argparse.Namespace, server: Server) -> bool:
     """Serve ``--prometheus-port``; False (the server closed) when the port cannot be had."""
-    from ddpwatch.server.prometheus import serve_metrics
+    from ddpwatch.server.prometheus import serve_metrics, summary_from_query
 
     try:
-        serve_metrics(server.status, args.prometheus_port, args.host)
+        serve_metrics(
+            server.status,
+            args.prometheus_port,
+            args.host,
+            summary=summary_from_query(server.query_json),
+            max_ranks=args.prometheus_max_ranks,
+        )
     except OSError as exc:
         print(
             f"ddpwatch: cannot serve metrics on port {args.prometheus_port}: {exc.strerror}",

@@ -2,6 +2,11 @@
 
 A custom collector, so nothing is computed between scrapes and the numbers are
 exactly what ``ddpwatch status --json`` shows.
+
+Bounded at any job size (docs/prometheus.md, "Large jobs"): per-rank series for at most
+``max_ranks`` ranks, the worst ones, and all-rank counts by state. Past ``max_ranks`` ranks a
+scrape reads the server's per-tick summary (``status?view=summary&worst=N``, see
+``server/query.py``) instead of building the whole document.
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ddpwatch.vocabulary import RankState
+from ddpwatch.server.query import MAX_WORST
+from ddpwatch.vocabulary import RANK_STATES, RankState
 
 RANK_LABELS = ["rank", "local_rank", "host"]
 STATES = (
@@ -28,6 +35,10 @@ STATES = (
     RankState.NOT_CONNECTED,
 )
 """Every ``RankState``, in the order ``docs/prometheus.md`` shows them (a label per state)."""
+DEFAULT_MAX_RANKS = MAX_WORST
+"""Ranks with per-rank series by default, and at most when read from the summary (which
+lists at most ``MAX_WORST`` worst ranks): 1000 ranks are about 16,000 series."""
+_STATE_ORDER = {state: i for i, state in enumerate(RANK_STATES)}  # worst first
 # (metric name, status field, help)
 RANK_GAUGES = (
     ("ddpwatch_rank_step", "step", "Last training step reached."),
@@ -44,6 +55,9 @@ RANK_GAUGES = (
     ("ddpwatch_rank_last_seen_seconds", "last_seen_s", "Seconds since the rank's last message."),
 )
 
+Summary = Callable[[int], dict[str, Any]]
+"""The server's summary document listing the ``n`` worst ranks (``status?view=summary``)."""
+
 
 def _labels(rank: dict[str, Any]) -> list[str]:
     return [
@@ -53,15 +67,55 @@ def _labels(rank: dict[str, Any]) -> list[str]:
     ]
 
 
+def worst(document: dict[str, Any], ranks: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """The ``n`` worst of ``ranks``, by rank: the summary's order (worst state first, then the
+    culprits of the document's alerts, then by rank) picks them."""
+    culprits = {r for alert in document["alerts"] for r in alert["ranks"]}
+    chosen = sorted(
+        ranks, key=lambda e: (_STATE_ORDER[e["state"]], e["rank"] not in culprits, e["rank"])
+    )[:n]
+    return sorted(chosen, key=lambda e: int(e["rank"]))
+
+
 class StatusCollector:
-    """Turns one status document into metric families on every scrape."""
+    """Turns one status document into metric families on every scrape.
 
-    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+    ``status``: the whole document. ``summary``: when given, read first; past ``max_ranks``
+    ranks its document (the ``max_ranks`` worst ranks, counts by state) is read instead of
+    the whole one. Either way per-rank series go to at most ``max_ranks`` ranks, the worst.
+    """
+
+    def __init__(
+        self,
+        status: Callable[[], dict[str, Any]],
+        summary: Summary | None = None,
+        max_ranks: int = DEFAULT_MAX_RANKS,
+    ) -> None:
+        if max_ranks < 0 or (summary is not None and max_ranks > MAX_WORST):
+            top = MAX_WORST if summary is not None else "any"
+            raise ValueError(f"max_ranks must be from 0 to {top}, not {max_ranks}")
         self._status = status
+        self._summary = summary
+        self.max_ranks = max_ranks
 
-    def collect(self) -> Iterator[Metric]:
+    def read(self) -> tuple[dict[str, Any], list[dict[str, Any]], int, dict[str, int]]:
+        """The document to read, the ranks to export (by rank), how many ranks the whole
+        document lists, and how many of them are in each state."""
+        if self._summary is not None:
+            document = self._summary(self.max_ranks)
+            total: int = document["summary"]["ranks"]
+            if total > self.max_ranks:  # never the whole document
+                ranks = sorted(document["ranks"], key=lambda e: int(e["rank"]))
+                return document, ranks, total, dict(document["summary"]["states"])
         document = self._status()
         ranks = document["ranks"]
+        counts = Counter(rank["state"] for rank in ranks)
+        if len(ranks) > self.max_ranks:
+            ranks = worst(document, ranks, self.max_ranks)
+        return document, ranks, len(document["ranks"]), dict(counts)
+
+    def collect(self) -> Iterator[Metric]:
+        document, ranks, total, counts = self.read()
         for name, key, doc in RANK_GAUGES:
             family = GaugeMetricFamily(name, doc, labels=RANK_LABELS)
             for rank in ranks:
@@ -76,6 +130,20 @@ class StatusCollector:
             for name in STATES:
                 state.add_metric([*_labels(rank), name], 1.0 if rank["state"] == name else 0.0)
         yield state
+        yield GaugeMetricFamily(
+            "ddpwatch_ranks", "Ranks in the status document (not_connected too).", value=total
+        )
+        yield GaugeMetricFamily(
+            "ddpwatch_ranks_exported",
+            "Ranks with per-rank series: all of them, or the worst max_ranks.",
+            value=len(ranks),
+        )
+        by_state = GaugeMetricFamily(
+            "ddpwatch_ranks_by_state", "Ranks in each state, all ranks.", labels=["state"]
+        )
+        for name in STATES:
+            by_state.add_metric([name], float(counts.get(name, 0)))
+        yield by_state
         alerts = GaugeMetricFamily("ddpwatch_alerts", "Active alerts.", labels=["kind", "severity"])
         for (kind, severity), count in sorted(
             Counter((a["kind"], a["severity"]) for a in document["alerts"]).items()
@@ -94,9 +162,30 @@ class StatusCollector:
         )
 
 
-def serve_metrics(status: Callable[[], dict[str, Any]], port: int, host: str = "127.0.0.1") -> Any:
+def summary_from_query(query_json: Callable[[bytes], bytes]) -> Summary:
+    """A ``Summary`` asking ``Server.query_json``: cached by the server for the tick."""
+
+    def summary(worst: int) -> dict[str, Any]:
+        reply: dict[str, Any] = msgspec.json.decode(
+            query_json(f"status?view=summary&worst={worst}".encode())
+        )
+        if "error" in reply:
+            raise RuntimeError(f"the status summary failed: {reply['error']}")
+        return reply
+
+    return summary
+
+
+def serve_metrics(
+    status: Callable[[], dict[str, Any]],
+    port: int,
+    host: str = "127.0.0.1",
+    *,
+    summary: Summary | None = None,
+    max_ranks: int = DEFAULT_MAX_RANKS,
+) -> Any:
     """Start the ``/metrics`` HTTP endpoint on a daemon thread; returns the HTTP server."""
     registry = CollectorRegistry()
-    registry.register(StatusCollector(status))
+    registry.register(StatusCollector(status, summary, max_ranks))
     server, _thread = start_http_server(port, addr=host, registry=registry)
     return server
