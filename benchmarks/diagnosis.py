@@ -1,6 +1,7 @@
 """Diagnosis accuracy on real failure modes: does ddpwatch blame the rank that caused it?
 
     python benchmarks/diagnosis.py [--reps 3] [--modes exit-zero,nan] [--show] [--json F]
+        [--relay]
 
 Each mode of ``examples/failures.py`` (a bug from a public issue, cited there) runs ``--reps``
 times as a real ``torchrun --nproc-per-node 3`` job (4 for allgather-size; gloo, CPU,
@@ -24,6 +25,8 @@ Per mode the table shows:
 Then one ``RATIO diagnosis right_culprit=x/n wrong_blames=k ...`` line. ``--show`` prints
 every alert of every run (time from the fault, kind, ranks, waiting, message) and the job's
 tracebacks, exit codes and torchrun's root cause; ``--json`` writes all of it.
+``--relay``: each run's ranks report through a per-node relay (``ddpwatch.relay.Relay`` on a
+thread here, on its own ``ipc://`` socket), as ``ddpwatch run --addr`` sets them up.
 The functions here (``MODES``, ``run_mode``, ``score``, ``describe``) are what
 ``tests/test_failure_modes.py`` uses.
 """
@@ -37,6 +40,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,6 +49,7 @@ from typing import Any
 
 from ddpwatch.demo.runner import stop_job
 from ddpwatch.ports import free_port_pair
+from ddpwatch.relay import Relay
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.service import AlertChange, Server
 
@@ -214,12 +219,15 @@ def job_command(mode: Mode, master_port: int, extra: tuple[str, ...] = ()) -> li
     ]  # fmt: skip
 
 
-def job_environment(addr: str | None) -> dict[str, str]:
-    """The job's environment: one thread per rank, unbuffered output, stacks after 1 s."""
+def job_environment(addr: str | None, relay: str | None = None) -> dict[str, str]:
+    """The job's environment: one thread per rank, unbuffered output, stacks after 1 s; the
+    ranks report through ``relay`` when given, else straight to the server."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDPWATCH_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", DDPWATCH_STACK_AFTER="1.0")
     if addr is not None:
         env["DDPWATCH_ADDR"] = addr
+    if relay is not None:
+        env["DDPWATCH_RELAY"] = relay
     return env
 
 
@@ -229,8 +237,11 @@ def run_mode(
     thresholds: Thresholds = THRESHOLDS,
     extra: tuple[str, ...] = (),
     watch_s: float | None = None,
+    relay: bool = False,
 ) -> RunResult:
-    """Run one mode once under a live server; the job is always stopped before returning."""
+    """Run one mode once under a live server (its ranks through a per-node relay when
+    ``relay``, as ``ddpwatch run --addr`` sets it up); the job is always stopped before
+    returning."""
     mode = MODES[mode] if isinstance(mode, str) else mode
     watch = mode.watch_s if watch_s is None else watch_s
     port = free_port_pair()
@@ -240,10 +251,14 @@ def run_mode(
     thread.start()
     result = RunResult(mode.name, started=time.time())
     proc: subprocess.Popen[str] | None = None
+    node = tempfile.TemporaryDirectory(prefix="ddpwatch-relay-") if relay else None
+    forwarder = (
+        Relay(f"tcp://127.0.0.1:{port}", f"ipc://{node.name}/relay.sock").start() if node else None
+    )
     try:
         proc = subprocess.Popen(
             job_command(mode, free_port_pair(), extra),
-            env=job_environment(f"127.0.0.1:{port}"),
+            env=job_environment(f"127.0.0.1:{port}", forwarder.listen if forwarder else None),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -263,6 +278,10 @@ def run_mode(
     finally:
         if proc is not None:
             stop_job(proc, grace=1.0)
+        if forwarder is not None:
+            forwarder.stop()
+        if node is not None:
+            node.cleanup()
         server.stop()
         thread.join(5)
         result.ended_at = time.time()
@@ -385,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
     parser.add_argument("--show", action="store_true", help="print every run's alerts and output")
     parser.add_argument("--json", metavar="FILE", help="write every run's results here")
+    parser.add_argument(
+        "--relay", action="store_true", help="ranks report through a per-node relay"
+    )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.modes.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODES]
@@ -394,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"diagnosis: {len(names)} modes x {args.reps} runs, real torchrun jobs (gloo, CPU), "
         f"stall_after {THRESHOLDS.stall_after} s, heartbeat {THRESHOLDS.interval} s"
+        + (", ranks through a per-node relay" if args.relay else "")
     )
     header = f"  {'mode':<22} {'runs':>4} {'right':>6} {'wrong':>6} {'latency':>9} {'alerts':>7}"
     print(header)
@@ -403,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     examples: list[str] = []
     for name in names:
         mode = MODES[name]
-        results = [run_mode(mode) for _ in range(args.reps)]
+        results = [run_mode(mode, relay=args.relay) for _ in range(args.reps)]
         scores = [score(r, mode) for r in results]
         mode_right = sum(s.right for s in scores)
         mode_wrong = sum(len(s.wrong) for s in scores)
@@ -432,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"RATIO diagnosis right_culprit={right}/{runs} wrong_blames={wrong} "
         f"median_latency={_median(latencies)} healthy_false_alerts={healthy_alerts} "
-        f"(modes={len(names)}, reps={args.reps})"
+        f"(modes={len(names)}, reps={args.reps}{', relay' if args.relay else ''})"
     )
     return 0
 
