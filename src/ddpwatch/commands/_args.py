@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ddpwatch.protocol import DEFAULT_PORT
@@ -22,14 +23,23 @@ Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 # ---------------------------------------------------------------------------- argument types
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+def whole_number(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argument type: an integer from ``low`` to ``high`` (no upper bound: None)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"{low}-{high}" if high is not None else f"{low} or more"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
+
+    return parse
+
+
+_positive_int = whole_number(1)
 
 
 def _positive(text: str) -> float:

@@ -17,6 +17,7 @@ from ddpwatch.commands._args import (
     add_thresholds,
     notifier,
     thresholds,
+    whole_number,
 )
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--prometheus-max-ranks",
-        type=_exported_ranks,
+        type=whole_number(0, 1000),
         default=1000,
         metavar="N",
         help="per-rank metrics for at most the N worst ranks, 0-1000 (default 1000)",
@@ -80,17 +81,6 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     add_notify(serve)
     add_bell(serve)
     return serve
-
-
-def _exported_ranks(text: str) -> int:
-    """``--prometheus-max-ranks``: 0 to 1000, the most worst ranks a status summary lists."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0 <= value <= 1000:
-        raise argparse.ArgumentTypeError(f"must be 0-1000, got {text}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

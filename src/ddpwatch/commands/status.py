@@ -13,7 +13,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ddpwatch.commands._args import Subparsers, _positive, _positive_int, add_address
+from ddpwatch.commands._args import (
+    Subparsers,
+    _positive,
+    _positive_int,
+    add_address,
+    whole_number,
+)
 from ddpwatch.vocabulary import RANK_STATES, RankState
 
 NAME = "status"
@@ -48,7 +54,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         type=_positive_int,
         help="ranks in a page (default 500, at most 5000); with --summary: worst ranks (20)",
     )
-    pages.add_argument("--offset", type=_offset, help="skip this many matching ranks")
+    pages.add_argument("--offset", type=whole_number(0), help="skip this many matching ranks")
     return status
 
 
@@ -70,16 +76,6 @@ def _state_list(text: str) -> str:
             f"unknown state {unknown[0]!r}; known: {', '.join(RANK_STATES)}"
         )
     return text
-
-
-def _offset(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
 
 
 def query_of(args: argparse.Namespace) -> str | None:
