@@ -42,12 +42,18 @@ class HeaderInfo:
     sort_title: str = "worst first"
     shown: int = 0
     paused: bool = False
+    listed: int | None = None
+    """A summary's rank entries (its worst ranks): the table holds these, not every rank."""
     has_document: bool = False
     """False until a first document arrived: then there is nothing to count yet."""
 
 
 def summarize(document: dict[str, Any]) -> dict[str, Any]:
-    """World size, connected ranks, hosts and step range of a status document."""
+    """World size, connected ranks, hosts and step range of a status document (of all ranks
+    from a summary's counts, when the document is one: ``status?view=summary``)."""
+    counts = document.get("summary")
+    if isinstance(counts, dict):
+        return _from_summary(document, counts)
     ranks = document.get("ranks") or []
     hosts = set()
     connected = 0
@@ -69,6 +75,26 @@ def summarize(document: dict[str, Any]) -> dict[str, Any]:
         "hosts": len(hosts),
         "step_min": low,
         "step_max": high,
+    }
+
+
+def _from_summary(document: dict[str, Any], counts: dict[str, Any]) -> dict[str, Any]:
+    """``summarize`` of a summary reply: its ranks are only the worst few, its counts cover
+    every rank."""
+    total = int(counts.get("ranks") or 0)
+    states = counts.get("states") or {}
+    hosts = [h for h in counts.get("hosts") or [] if isinstance(h, dict)]
+    lows = [h["step_min"] for h in hosts if isinstance(h.get("step_min"), int)]
+    highs = [h["step_max"] for h in hosts if isinstance(h.get("step_max"), int)]
+    named = sum(1 for h in hosts if h.get("host") is not None)
+    return {
+        "world_size": document.get("world_size"),
+        "connected_ranks": total - int(states.get(RankState.NOT_CONNECTED) or 0),
+        "total_ranks": total,
+        "hosts": named + int(counts.get("hosts_omitted") or 0),
+        "step_min": min(lows, default=None),
+        "step_max": max(highs, default=None),
+        "listed": len(document.get("ranks") or []),
     }
 
 
@@ -152,6 +178,8 @@ def _view_parts(info: HeaderInfo) -> list[Text]:
         view.append(Text("by host", style="bold yellow"))
     if query.filter or query.flagged or query.grouped:
         view.append(_kv("shown", str(info.shown)))
+    if info.listed is not None:  # a large job: the table holds the worst ranks only
+        view.append(_kv("worst", f"{info.listed} of {info.total_ranks}", "bold yellow"))
     return view
 
 

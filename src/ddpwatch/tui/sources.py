@@ -4,7 +4,8 @@ The TUI reaches the server only through a ``StatusSource``: ``LocalSource``
 reads an in-process ``StatusProvider`` (a ``Server`` or ``ReplayServer``);
 ``RemoteSource`` asks a running ``ddpwatch serve`` over its ZeroMQ query socket
 (port + 1). ``fetch`` runs on a worker
-thread, one call at a time, and returns None when no document could be had.
+thread, one call at a time, and returns None when no document could be had. For a job of
+more than ``PAGED_ABOVE`` ranks both ask for the summary (the worst ranks, counts for all).
 """
 
 from __future__ import annotations
@@ -15,10 +16,27 @@ import signal
 import subprocess
 from typing import Any, Protocol, runtime_checkable
 
+import msgspec
+
 from ddpwatch.protocol import DEFAULT_PORT
 from ddpwatch.server.provider import StatusProvider
 
 log = logging.getLogger("ddpwatch.tui")
+
+PAGED_ABOVE = 4096
+"""Above this many ranks the dashboard asks for the summary (counts for every rank, and the
+``WORST_SHOWN`` worst ranks) instead of the whole document: tens of megabytes at 65,536
+ranks, to build on the server and to decode here every poll."""
+WORST_SHOWN = 1000
+SUMMARY_QUERY = f"view=summary&worst={WORST_SHOWN}"
+
+
+def ranks_in(document: dict[str, Any]) -> int:
+    """How many ranks the job has: a summary's count, else the document's rank entries."""
+    counts = document.get("summary")
+    if isinstance(counts, dict) and isinstance(counts.get("ranks"), int):
+        return int(counts["ranks"])
+    return len(document.get("ranks") or [])
 
 
 @runtime_checkable
@@ -45,13 +63,25 @@ class LocalSource:
         self.no_ranks = waiting_for_ranks(self.addr)  # the alerts panel's line until ranks report
         state = getattr(server, "state", None)
         self.started: float | None = getattr(state, "started", None)
+        self._large = False  # the last document had more than PAGED_ABOVE ranks
 
     def fetch(self) -> dict[str, Any] | None:
         try:
-            return self.server.status()
+            document = self._summary() if self._large else None
+            document = document if document is not None else self.server.status()
         except Exception:  # the view must survive a failing server: show it as disconnected
             log.exception("status() failed")
             return None
+        self._large = ranks_in(document) > PAGED_ABOVE
+        return document
+
+    def _summary(self) -> dict[str, Any] | None:
+        """The server's summary (``Server.query_json``), if it can give one."""
+        query = getattr(self.server, "query_json", None)
+        if query is None:
+            return None
+        document = msgspec.json.decode(query(f"status?{SUMMARY_QUERY}".encode()))
+        return document if isinstance(document, dict) and "summary" in document else None
 
     def close(self) -> None:
         pass
@@ -165,13 +195,27 @@ class RemoteSource:
         self.no_ranks = waiting_for_ranks(self.label)
         self.started: float | None = None
         self.client = StatusClient(host, port, timeout)
+        self._large = False  # the last document had more than PAGED_ABOVE ranks
+        self._summaries = True  # the server answers summaries
 
     @property
     def endpoint(self) -> str:
         return self.client.endpoint
 
     def fetch(self) -> dict[str, Any] | None:
-        return self.client.fetch()
+        from ddpwatch.client import StatusQueryError
+
+        document = None
+        if self._large and self._summaries:
+            try:
+                document = self.client.query(SUMMARY_QUERY)
+            except StatusQueryError:  # a server from before summaries: whole documents
+                self._summaries = False
+        if document is None:
+            document = self.client.fetch()
+        if document is not None:
+            self._large = ranks_in(document) > PAGED_ABOVE
+        return document
 
     def close(self) -> None:
         """Close the socket (after a fetch in flight, at most ``timeout`` away) and the context."""
