@@ -20,7 +20,7 @@ from urllib.parse import urlencode
 
 import msgspec
 
-from ddpwatch.protocol import DEFAULT_PORT
+from ddpwatch.protocol import DEFAULT_PORT, MAX_QUERY_BYTES
 
 if TYPE_CHECKING:
     import zmq
@@ -196,8 +196,6 @@ def fetch_status(
 def _request_bytes(query: str) -> bytes:
     """``status?<query>``, checked against the server's size limit: it drops a longer one
     unanswered, which would read as no server at all."""
-    from ddpwatch.server.collector import MAX_QUERY_BYTES
-
     message = f"status?{query}".encode()
     if len(message) > MAX_QUERY_BYTES:
         raise StatusQueryError(

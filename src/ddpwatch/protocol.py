@@ -15,6 +15,7 @@ import msgspec
 PROTOCOL_VERSION = 1
 DEFAULT_PORT = 5599
 MAX_FRAME_BYTES = 1 << 20  # larger frames are refused by the socket itself
+MAX_QUERY_BYTES = 4096  # a status request: "status", or "status?" and a query string
 
 MAX_RANKS = 1 << 20
 

@@ -33,6 +33,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ddpwatch.protocol import (
     MAX_FRAME_BYTES,
+    MAX_QUERY_BYTES,
     AnyMessage,
     Batch,
     ProtocolError,
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("ddpwatch.server")
 
 RECV_BATCH = 10_000
-MAX_QUERY_BYTES = 4096  # a status request is the bytes "status"
 RANK_MARGIN = 64  # ranks tracked beyond the known world size (elastic jobs, restarts)
 UNKNOWN_WORLD_RANKS = 1024  # ranks tracked while no rank has reported a world size
 RANK_CEILING = 65_536  # without --max-ranks: the most ranks, and the largest world size, taken
