@@ -186,7 +186,7 @@ class ServerState:
     senders drop heartbeats, or the server itself paused): silence counts from here."""
 
     _derived: tuple[tuple[int, int], int | None, list[int]] | None = field(
-        default=None, repr=False
+        default=None, init=False, repr=False, compare=False
     )  # ``_by_generation``'s cache
 
     def as_of(self, now: float) -> float:
