@@ -187,6 +187,7 @@ class RunResult:
     stopped_at: float | None = None  # when the harness began stopping the job, if it did
     ended_at: float = 0.0
     ranks: list[dict[str, Any]] = field(default_factory=list)  # the last status, per rank
+    relayed: int = 0  # frames the server took inside relays' batches (``--relay``)
 
     def scored(self) -> list[Stamped]:
         """The raised alerts that count: those before the harness stopped the job."""
@@ -274,7 +275,9 @@ def run_mode(
             time.sleep(SETTLE_S)
         result.returncode = proc.poll()
         reader.join(5)
-        result.ranks = [_rank_summary(r) for r in server.status()["ranks"]]
+        status = server.status()
+        result.ranks = [_rank_summary(r) for r in status["ranks"]]
+        result.relayed = sum(relay["frames"] for relay in status["relays"])
     finally:
         if proc is not None:
             stop_job(proc, grace=1.0)
@@ -450,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if examples:
         print("  wrong blames, e.g.: " + "; ".join(list(dict.fromkeys(examples))[:6]))
+    if args.relay:
+        relayed = [e["result"]["relayed"] for e in everything]
+        print(f"  frames taken through relays: {sum(relayed)}, at least {min(relayed)} a run")
     if args.json:
         Path(args.json).write_text(json.dumps(everything, indent=1, default=str))
     print(
