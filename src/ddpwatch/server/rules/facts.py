@@ -168,10 +168,7 @@ def take_census(
             quiet.append(r)
         c = r.collective
         if c is not None:
-            if c.seq is None:
-                key = wait_key(c)
-            else:  # wait_key, inlined: the hot case of a hang, every rank in one collective
-                key = (c.source, (c.group or "0") if c.source == "fr" else None, c.seq)
+            key = wait_key(c)
             members = waits.get(key)
             if members is None:
                 waits[key] = [r]
@@ -720,11 +717,6 @@ def call_text(c: Collective) -> str:
         numel = math.prod(c.shape)
         text += f" with {numel} {'element' if numel == 1 else 'elements'}"
     return text + (f" ({c.dtype})" if c.dtype else "")
-
-
-def last_collective(record: RankRecord) -> Collective | None:
-    """The collective a rank is in, or was in when it died."""
-    return record.collective if not record.finished else record.final_collective
 
 
 def find_mismatch(census: Census, now: float, settle: float) -> Mismatch | None:
