@@ -23,6 +23,7 @@ from ddpwatch.server.alerts import Alert, Thresholds
 from ddpwatch.server.query import Query, QueryError, TickView, parse_request, worst_ranks
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
+from ddpwatch.tui.model import index_alerts, is_flagged
 from ddpwatch.vocabulary import RANK_STATES
 
 CONTRACT_KEYS = [
@@ -210,6 +211,8 @@ def beat(rank: int, **fields: Any) -> bytes:
         "device": f"cuda:{rank % 4}",
         "step": STEP0 + rank,
         "gpu_mem_used_bytes": 1000 * (rank + 1),
+        "mem_allocated_bytes": 100 * (rank + 1),
+        "step_time_s": 0.25 * (rank + 1),
     }
     return encode(Sample(v=1, rank=rank, t=time.time(), **{**base, **fields}))
 
@@ -300,21 +303,32 @@ def test_the_summary_counts_what_the_full_document_shows(job: Running) -> None:
     assert summary["hosts"] == [
         {
             "host": "node-a", "ranks": 4, "states": {"silent": 1, "running": 3},
-            "step_min": STEP0, "step_max": STEP0 + 3, "gpu_mem_used_max_bytes": 4000,
+            "flagged": 4, "step_min": STEP0, "step_max": STEP0 + 3,
+            "step_time_max_s": 1.0, "mem_allocated_sum_bytes": 1000,
+            "gpu_mem_used_max_bytes": 4000,
         },
         {
             "host": "node-b", "ranks": 4, "states": {"crashed": 1, "running": 3},
-            "step_min": STEP0 + 4, "step_max": STEP0 + 7, "gpu_mem_used_max_bytes": 8000,
+            "flagged": 1, "step_min": STEP0 + 4, "step_max": STEP0 + 7,
+            "step_time_max_s": 2.0, "mem_allocated_sum_bytes": 2600,
+            "gpu_mem_used_max_bytes": 8000,
         },
         {
             "host": "node-c", "ranks": 4, "states": {"silent": 1, "running": 3},
-            "step_min": STEP0 + 8, "step_max": STEP0 + 11, "gpu_mem_used_max_bytes": 12000,
+            "flagged": 1, "step_min": STEP0 + 8, "step_max": STEP0 + 11,
+            "step_time_max_s": 3.0, "mem_allocated_sum_bytes": 4200,
+            "gpu_mem_used_max_bytes": 12000,
         },
         {
             "host": None, "ranks": 2, "states": {"not_connected": 2},
-            "step_min": None, "step_max": None, "gpu_mem_used_max_bytes": None,
+            "flagged": 2, "step_min": None, "step_max": None, "step_time_max_s": None,
+            "mem_allocated_sum_bytes": None, "gpu_mem_used_max_bytes": None,
         },
     ]  # fmt: skip
+    index = index_alerts(full["alerts"])  # the dashboard's ``a`` (flagged) counts the same
+    for row in summary["hosts"]:
+        on_host = [e for e in full["ranks"] if e.get("host") == row["host"]]
+        assert row["flagged"] == sum(is_flagged(e, index) for e in on_host)
 
 
 def test_the_summary_lists_the_worst_ranks_first(job: Running) -> None:

@@ -1,18 +1,31 @@
 """The dashboard on a large job asks for the summary (counts for every rank, the worst ranks
-for the table) instead of the whole status document, tens of megabytes at 65,536 ranks.
-Real servers and sockets; the size thresholds are lowered so that 12 ranks count as large."""
+for the table) instead of the whole status document, tens of megabytes at 65,536 ranks; its
+filter box narrows what the server sends, its host view reads the server's per-host counts
+and its export fetches the whole document. Real servers and sockets; the size thresholds are
+lowered so that 12 ranks count as large."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 from conftest import LiveServer
-from test_tui import dashboard, header_text, make_app, poll, settle, shown_ranks
+from test_tui import (
+    dashboard,
+    header_text,
+    make_app,
+    poll,
+    settle,
+    shown_ranks,
+    table,
+    type_text,
+)
 
 from ddpwatch.protocol import ErrorInfo, Event, Sample
 from ddpwatch.server.alerts import Thresholds
@@ -22,6 +35,8 @@ from ddpwatch.server.state import ServerState
 from ddpwatch.server.status import status_document
 from ddpwatch.tui import sources
 from ddpwatch.tui.header import summarize
+from ddpwatch.tui.large_job import scope_of
+from ddpwatch.tui.model import WORST_CRASHED
 from ddpwatch.tui.sources import LocalSource, RemoteSource
 
 RANKS = 12
@@ -131,3 +146,100 @@ async def test_the_header_says_the_table_holds_the_worst_ranks_only(port: int) -
             assert dashboard(pilot).connected
     finally:
         server.collector.close()
+
+
+# ------------------------------------------------------------------ what the screen asks for
+
+
+def test_the_filter_box_becomes_the_servers_scope() -> None:
+    hosts = ["node0", "node 1"]
+    assert scope_of("r:0-15", hosts) == "ranks=0-15"
+    assert scope_of("3, 5-7", hosts) == "ranks=3,5-7"
+    assert scope_of("node 1", hosts) == "host=node+1"  # a host's exact name, URL-encoded
+    assert scope_of("silent", hosts) == "state=silent"
+    assert scope_of("node", hosts) == ""  # a word: matched among the ranks held
+    assert scope_of("  ", hosts) == ""
+
+
+async def test_the_host_view_of_a_large_job_counts_every_rank(port: int) -> None:
+    """``g`` on a summary: one row per host from the server's counts, not from the 3 ranks
+    the table holds; enter on a host asks the server for that host's worst ranks."""
+    server = local_server(port)
+    try:
+        source = LocalSource(server)
+        async with make_app(source).run_test(size=(140, 30)) as pilot:
+            await settle(pilot)
+            await poll(pilot)
+            assert len(shown_ranks(pilot)) == 3
+            await pilot.press("g")
+            widget = table(pilot)
+            hosts = {row["host"]: row for row in widget.rows}
+            assert [row["host"] for row in widget.rows] == ["node1", "node0", "node2"]
+            assert [hosts[h]["count"] for h in ("node0", "node1", "node2")] == [4, 4, 4]
+            assert hosts["node1"]["states"] == {"crashed": 1, "running": 3}
+            assert (hosts["node0"]["step_min"], hosts["node0"]["step_max"]) == (40, 41)
+            assert hosts["node1"]["flagged"] >= 1 and hosts["node1"]["worst"] <= WORST_CRASHED
+            widget.move_cursor_to_key("node2")
+            await pilot.press("enter")
+            assert source.scope == "host=node2"
+            await settle(pilot)
+            assert not widget.grouped and sorted(shown_ranks(pilot)) == [8, 9, 10]
+            assert "ranks 12/12" in header_text(pilot)  # the header still counts the job
+    finally:
+        server.collector.close()
+
+
+async def test_a_rank_range_on_a_large_job_lists_those_ranks(port: int) -> None:
+    server = local_server(port)
+    try:
+        source = LocalSource(server)
+        async with make_app(source).run_test(size=(140, 30)) as pilot:
+            await settle(pilot)
+            await poll(pilot)
+            assert 10 not in shown_ranks(pilot)  # not among the worst 3
+            dashboard(pilot).action_filter()
+            await type_text(pilot, "r:10-11")
+            assert source.scope == "ranks=10-11"
+            await settle(pilot)
+            assert shown_ranks(pilot) == [10, 11]
+            assert "ranks 12/12" in header_text(pilot) and "hosts 3" in header_text(pilot)
+            await pilot.press("escape")
+            await settle(pilot)
+            assert source.scope == "" and shown_ranks(pilot)[0] == 7
+    finally:
+        server.collector.close()
+
+
+def test_a_scope_the_server_refuses_falls_back_to_the_whole_summary(live: LiveServer) -> None:
+    source = RemoteSource("127.0.0.1", live.port, timeout=5.0)
+    try:
+        source.fetch()  # the job is large: the next fetches ask for summaries
+        source.scope = "ranks=0-99999999"  # more ranks than a query may name
+        document = source.fetch()
+        source.scope = "ranks=4-5"
+        scoped = source.fetch()
+    finally:
+        source.close()
+    assert document is not None and document["ranks"][0]["rank"] == 7 and "scope" not in document
+    assert scoped is not None and [r["rank"] for r in scoped["ranks"]] == [4, 5]
+    assert scoped["summary"]["ranks"] == RANKS and scoped["scope"]["ranks"] == 2
+
+
+async def test_export_of_a_large_job_saves_every_rank(
+    live: LiveServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    source = RemoteSource("127.0.0.1", live.port, timeout=5.0)
+    async with make_app(source).run_test(size=(140, 30)) as pilot:
+        await settle(pilot)
+        await poll(pilot)
+        assert len(shown_ranks(pilot)) == 3 and "summary" in (dashboard(pilot).document or {})
+        await pilot.press("e")
+        await settle(pilot)
+        files = list(tmp_path.glob("ddpwatch-status-*.json"))
+        assert len(files) == 1
+        saved = json.loads(files[0].read_text())
+        assert [r["rank"] for r in saved["ranks"]] == list(range(RANKS))
+        assert "summary" not in saved and dashboard(pilot).last_export == files[0]
+        assert any("every rank" in n.message for n in pilot.app._notifications)
+    source.close()

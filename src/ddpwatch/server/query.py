@@ -36,6 +36,7 @@ MAX_HOSTS = 1000  # hosts listed in a summary; the rest are counted in hosts_omi
 CACHED_REPLIES = 32  # per tick: a few viewers' pages and summaries
 _NUMBER = re.compile(r"[0-9]{1,10}")
 _STATE_ORDER = {state: i for i, state in enumerate(RANK_STATES)}
+_UNFLAGGED = frozenset({RankState.RUNNING, RankState.EXITED, RankState.STOPPED})
 
 View = Literal["page", "summary"]
 
@@ -197,6 +198,7 @@ class TickView:
         self.envelope = document_around([], state, alerts, now, history)
         self.envelope["stats"]["refused"] = refused  # as ``Server.status`` adds it
         self.culprits = frozenset(r for alert in alerts for r in alert.ranks)
+        self.named = self.culprits | {r for alert in alerts for r in alert.waiting}
 
     def _rank_states(self) -> dict[int, str]:
         """Each rank's state, the one ``rank_entry`` gives it, and ``not_connected`` for the
@@ -308,16 +310,27 @@ def host_rows(
 def _host_row(view: TickView, host: str | None, ranks: list[int]) -> dict[str, Any]:
     records = [view.state.ranks[r] for r in ranks if r in view.state.ranks]
     steps = [r.step for r in records if r.step is not None]
+    step_times = [r.step_time_s for r in records if r.step_time_s is not None]
+    allocated = [r.mem_allocated_bytes for r in records if r.mem_allocated_bytes is not None]
     memory = [r.gpu_mem_used_bytes for r in records if r.gpu_mem_used_bytes is not None]
     counts = Counter(view.states[r] for r in ranks)
     return {
         "host": host,
         "ranks": len(ranks),
         "states": {state: counts[state] for state in RANK_STATES if counts[state]},
+        "flagged": sum(1 for r in ranks if _flagged(view, r)),
         "step_min": min(steps, default=None),
         "step_max": max(steps, default=None),
+        "step_time_max_s": max(step_times, default=None),
+        "mem_allocated_sum_bytes": sum(allocated) if allocated else None,
         "gpu_mem_used_max_bytes": max(memory, default=None),
     }
+
+
+def _flagged(view: TickView, rank: int) -> bool:
+    """Named by an alert (culprit or waiting), or in a state that is not a rank's usual one
+    (running, exited, stopped): what the dashboard's ``a`` (flagged) shows."""
+    return rank in view.named or view.states[rank] not in _UNFLAGGED
 
 
 def build_reply(view: TickView, query: Query) -> dict[str, Any]:

@@ -8,11 +8,12 @@ source is; while paused nothing is fetched or redrawn.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
+import msgspec
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
@@ -29,6 +30,7 @@ from ddpwatch.tui.detail import RankDetail
 from ddpwatch.tui.fmt import TIMES
 from ddpwatch.tui.header import HeaderInfo, StatusHeader, summarize
 from ddpwatch.tui.history import METRICS, History
+from ddpwatch.tui.large_job import host_names, is_summary, scope_of, select_summary_groups
 from ddpwatch.tui.model import (
     WORST,
     AlertIndex,
@@ -262,9 +264,12 @@ class DashboardScreen(Screen[None]):
         if document is None:
             self._update_header()
             return
+        self._update_scope()
         ranks = document.get("ranks") or []
         query = self.query_state
-        if query.grouped:
+        if query.grouped and is_summary(document):
+            rows = select_summary_groups(document, query, self.index)
+        elif query.grouped:
             rows = select_groups(ranks, query, self.index)
         else:
             rows = select_rows(ranks, query, self.index)
@@ -275,6 +280,16 @@ class DashboardScreen(Screen[None]):
         self.alert_list.show(document.get("alerts") or [], empty=None if ranks else self.no_ranks)
         self._update_header()
         self._update_detail()
+
+    def _update_scope(self) -> None:
+        """On a large job, have the source ask the server for the ranks, host or state the
+        filter names (``large_job.scope_of``), and poll at once when that changed."""
+        if not hasattr(self.source, "scope") or not is_summary(self.document):
+            return
+        scope = scope_of(self.query_state.filter, host_names(self.document))
+        if scope != self.source.scope:
+            self.source.scope = scope
+            self.poll_now()
 
     def _update_header(self) -> None:
         document = self.document
@@ -432,27 +447,33 @@ class DashboardScreen(Screen[None]):
         self.table.focus()
 
     def action_export(self) -> None:
-        """Write the status document on screen to ``ddpwatch-status-<time>.json`` in
-        ``export_dir`` and say where: beside the job's log under ``ddpwatch run --tui``, else
-        the working directory."""
+        """Write the status document to ``ddpwatch-status-<time>.json`` in ``export_dir`` and
+        say where: beside the job's log under ``ddpwatch run --tui``, else the working
+        directory. On a large job the screen holds a summary: the whole document, every rank,
+        is fetched for the file, off the UI thread."""
         if self.document is None:
             self.notify("nothing to export yet: no status document received", severity="warning")
             return
-        folder = self.export_dir
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = folder / f"ddpwatch-status-{stamp}.json"
-        n = 1
-        while path.exists():
-            path = folder / f"ddpwatch-status-{stamp}-{n}.json"
-            n += 1
-        try:
-            path.write_text(json.dumps(self.document, indent=2) + "\n")
-        except OSError as exc:
-            self.notify(f"could not write {path}: {exc.strerror}", severity="error", markup=False)
+        if is_summary(self.document) and hasattr(self.source, "whole"):
+            self.notify("fetching every rank's status to export…", timeout=5)
+            self._export_whole(self.source.whole)
             return
-        self.notify(
-            f"the status JSON on screen is in {path}", title="exported", timeout=10, markup=False
-        )
+        self._exported(*write_export(self.document, self.export_dir), "the status JSON on screen")
+
+    @work(thread=True, group="export", exclusive=True, exit_on_error=False)
+    def _export_whole(self, whole: Callable[[], dict[str, Any] | None]) -> None:
+        document = whole()
+        if document is None:
+            result: tuple[Path | None, str] = (None, "the server sent no whole status document")
+        else:
+            result = write_export(document, self.export_dir)
+        self.app.call_from_thread(self._exported, *result, "every rank's status JSON")
+
+    def _exported(self, path: Path | None, error: str, what: str) -> None:
+        if path is None:
+            self.notify(f"export failed: {error}", severity="error", markup=False)
+            return
+        self.notify(f"{what} is in {path}", title="exported", timeout=10, markup=False)
         self.last_export = path
 
     @property
@@ -465,3 +486,19 @@ class DashboardScreen(Screen[None]):
     def no_ranks(self) -> str:
         """The alerts panel's line while no rank has reported (where ranks should report)."""
         return getattr(self.source, "no_ranks", None) or "waiting for ranks"
+
+
+def write_export(document: dict[str, Any], folder: Path) -> tuple[Path | None, str]:
+    """Write ``document`` as indented JSON to a new ``ddpwatch-status-<time>[-n].json`` in
+    ``folder`` (never over an earlier export): the path, or None and why not."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = folder / f"ddpwatch-status-{stamp}.json"
+    n = 1
+    while path.exists():
+        path = folder / f"ddpwatch-status-{stamp}-{n}.json"
+        n += 1
+    try:
+        path.write_bytes(msgspec.json.format(msgspec.json.encode(document), indent=2) + b"\n")
+    except OSError as exc:
+        return None, f"could not write {path}: {exc.strerror}"
+    return path, ""

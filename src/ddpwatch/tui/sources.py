@@ -5,7 +5,9 @@ reads an in-process ``StatusProvider`` (a ``Server`` or ``ReplayServer``);
 ``RemoteSource`` asks a running ``ddpwatch serve`` over its ZeroMQ query socket
 (port + 1). ``fetch`` runs on a worker
 thread, one call at a time, and returns None when no document could be had. For a job of
-more than ``PAGED_ABOVE`` ranks both ask for the summary (the worst ranks, counts for all).
+more than ``PAGED_ABOVE`` ranks both ask for the summary (the worst ranks, counts for all),
+narrowed to the source's ``scope`` (the ranks or host the filter box names) when it has one;
+``whole`` fetches the whole document once, for an export.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -29,6 +32,9 @@ PAGED_ABOVE = 4096
 ranks, to build on the server and to decode here every poll."""
 WORST_SHOWN = 1000
 SUMMARY_QUERY = f"view=summary&worst={WORST_SHOWN}"
+COUNTS_QUERY = "view=summary&worst=0"
+EXPORT_TIMEOUT_S = 60.0
+"""How long an export waits for the whole document (tens of megabytes on a large job)."""
 
 
 def ranks_in(document: dict[str, Any]) -> int:
@@ -37,6 +43,24 @@ def ranks_in(document: dict[str, Any]) -> int:
     if isinstance(counts, dict) and isinstance(counts.get("ranks"), int):
         return int(counts["ranks"])
     return len(document.get("ranks") or [])
+
+
+def scoped_summary(
+    ask: Callable[[str], dict[str, Any] | None], scope: str
+) -> dict[str, Any] | None:
+    """The summary the dashboard shows, from ``ask`` (a query in, a reply or None out).
+
+    With a ``scope`` (``ranks=0-63`` or ``host=node7``: what the filter box names), the reply
+    lists the worst ranks of the scope, its ``scope`` holds the scope's counts and host rows,
+    and its ``summary`` still counts the whole job, for the header. A scope the server
+    refuses (an ``ask`` that gives None) falls back to the whole job's summary."""
+    if not scope:
+        return ask(SUMMARY_QUERY)
+    part = ask(f"{SUMMARY_QUERY}&{scope}")
+    whole = ask(COUNTS_QUERY if part is not None else SUMMARY_QUERY)
+    if part is None or whole is None:
+        return whole
+    return {**part, "summary": whole["summary"], "scope": part["summary"]}
 
 
 @runtime_checkable
@@ -64,10 +88,11 @@ class LocalSource:
         state = getattr(server, "state", None)
         self.started: float | None = getattr(state, "started", None)
         self._large = False  # the last document had more than PAGED_ABOVE ranks
+        self.scope = ""  # the summary's filter, set by the dashboard (``scoped_summary``)
 
     def fetch(self) -> dict[str, Any] | None:
         try:
-            document = self._summary() if self._large else None
+            document = scoped_summary(self._ask, self.scope) if self._large else None
             document = document if document is not None else self.server.status()
         except Exception:  # the view must survive a failing server: show it as disconnected
             log.exception("status() failed")
@@ -75,12 +100,20 @@ class LocalSource:
         self._large = ranks_in(document) > PAGED_ABOVE
         return document
 
-    def _summary(self) -> dict[str, Any] | None:
-        """The server's summary (``Server.query_json``), if it can give one."""
-        query = getattr(self.server, "query_json", None)
-        if query is None:
+    def whole(self) -> dict[str, Any] | None:
+        """The whole status document, every rank (an export of a large job)."""
+        try:
+            return self.server.status()
+        except Exception:
+            log.exception("status() failed")
             return None
-        document = msgspec.json.decode(query(f"status?{SUMMARY_QUERY}".encode()))
+
+    def _ask(self, query: str) -> dict[str, Any] | None:
+        """The server's reply to ``status?<query>`` (``Server.query_json``), if it gives one."""
+        answer = getattr(self.server, "query_json", None)
+        if answer is None:
+            return None
+        document = msgspec.json.decode(answer(f"status?{query}".encode()))
         return document if isinstance(document, dict) and "summary" in document else None
 
     def close(self) -> None:
@@ -197,6 +230,7 @@ class RemoteSource:
         self.client = StatusClient(host, port, timeout)
         self._large = False  # the last document had more than PAGED_ABOVE ranks
         self._summaries = True  # the server answers summaries
+        self.scope = ""  # the summary's filter, set by the dashboard (``scoped_summary``)
 
     @property
     def endpoint(self) -> str:
@@ -208,7 +242,7 @@ class RemoteSource:
         document = None
         if self._large and self._summaries:
             try:
-                document = self.client.query(SUMMARY_QUERY)
+                document = scoped_summary(self._ask, self.scope)
             except StatusQueryError:  # a server from before summaries: whole documents
                 self._summaries = False
         if document is None:
@@ -216,6 +250,31 @@ class RemoteSource:
         if document is not None:
             self._large = ranks_in(document) > PAGED_ABOVE
         return document
+
+    def _ask(self, query: str) -> dict[str, Any] | None:
+        """The reply to ``status?<query>``; None for a scoped query the server refuses (the
+        whole job's summary is shown instead); ``StatusQueryError`` for an unscoped one."""
+        from ddpwatch.client import StatusQueryError
+
+        try:
+            return self.client.query(query)
+        except StatusQueryError:
+            if query in (SUMMARY_QUERY, COUNTS_QUERY):
+                raise
+            return None
+
+    def whole(self) -> dict[str, Any] | None:
+        """The whole status document, every rank (an export of a large job), on a socket of
+        its own: the polls' socket is the poll worker's."""
+        from ddpwatch.client import StatusClient
+
+        client = StatusClient(self.host, self.port, EXPORT_TIMEOUT_S)
+        try:
+            return client.fetch()
+        except ValueError:  # a bad DDPWATCH_SERVER_KEY, which the polls reported already
+            return None
+        finally:
+            client.close()
 
     def close(self) -> None:
         """Close the socket (after a fetch in flight, at most ``timeout`` away) and the context."""
