@@ -7,6 +7,7 @@ from __future__ import annotations
 from ddpwatch.protocol import Collective, CollectiveCounts, Sample
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.rules import RULES, SLOW_S, Diagnosis, diagnose
+from ddpwatch.server.rules.facts import take_census, wait_key
 from ddpwatch.server.state import ServerState
 
 TH = Thresholds()
@@ -84,3 +85,34 @@ def test_a_clock_set_back_runs_everything_again() -> None:
     for rank in range(4):
         beat(state, rank, T0 - 50)  # evened, and the server's clock went back a minute
     assert ("uneven_memory", (0,)) not in kinds(diagnosis(state, T0 - 50, TH))
+
+
+def test_the_census_groups_one_collective_however_it_is_written() -> None:
+    """``take_census`` groups ranks by their collective's raw fields and works out
+    ``wait_key`` once per group; spellings of one collective still make one group, in the
+    order the ranks first reported, exactly as ``wait_key`` rank by rank groups them."""
+    state = ServerState(started=T0)
+    spellings = [
+        Collective(op="nccl:all_reduce", since_s=1.0),  # no number: grouped by op
+        Collective(op="ALLREDUCE", since_s=1.0),
+        Collective(op="_allreduce_base", since_s=1.0),
+        Collective(op="broadcast", seq=3, since_s=1.0, source="fr", group=None),
+        Collective(op="broadcast", seq=3, since_s=1.0, source="fr", group="0"),
+        Collective(op="all_gather", seq=3, since_s=1.0, source="fr", group="0"),  # same number
+        Collective(op="all_gather", seq=3, since_s=1.0, source="py"),
+    ]
+    for rank, collective in enumerate(spellings):
+        beat(state, rank, T0, collective=collective)
+    records = list(state.ranks.values())
+    census = take_census(records, T0 - 10, lambda r: False)
+    by_rank = {}
+    for r in records:
+        assert r.collective is not None
+        by_rank.setdefault(wait_key(r.collective), []).append(r.rank)
+    assert {k: [r.rank for r in v] for k, v in census.waits.items()} == by_rank
+    assert list(census.waits) == list(by_rank)
+    assert by_rank == {
+        ("op", "allreduce"): [0, 1, 2],
+        ("fr", "0", 3): [3, 4, 5],
+        ("py", None, 3): [6],
+    }

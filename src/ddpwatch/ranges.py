@@ -8,6 +8,7 @@ ddpwatch, so the server and the views may both use it.
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Iterable
 
@@ -38,25 +39,41 @@ def rank_ranges(
     """
     if min_run < 2:
         raise ValueError(f"min_run must be at least 2, not {min_run}")
-    ordered = sorted(set(ranks))
-    if not ordered:
-        return ""
-    pieces: list[tuple[str, int]] = []  # (text, how many ranks it stands for)
-    start = prev = ordered[0]
-    for rank in [*ordered[1:], None]:
-        if rank is not None and rank == prev + 1:
-            prev = rank
-            continue
-        if prev - start + 1 >= min_run:
-            pieces.append((f"{start}-{prev}", prev - start + 1))
+    return sorted_ranges(sorted(set(ranks)), limit, sep, min_run, more)
+
+
+def sorted_ranges(ordered: list[int], limit: int, sep: str, min_run: int, more: str) -> str:
+    """``rank_ranges`` of ranks already sorted and unique. It stops at the ``limit``-th
+    piece and counts the rest, so 65,536 waiting ranks cost one sort, not a walk."""
+    pieces: list[str] = []
+    offsets = _Offsets(ordered)
+    n, i = len(ordered), 0
+    while i < n and len(pieces) < limit:
+        end = bisect.bisect_right(offsets, offsets[i], i)  # ordered[i:end] is one run
+        if end - i >= min_run:
+            pieces.append(f"{ordered[i]}-{ordered[end - 1]}")
+            i = end
         else:
-            pieces.extend((str(r), 1) for r in range(start, prev + 1))
-        if rank is not None:
-            start = prev = rank
-    text = sep.join(piece for piece, _ in pieces[:limit])
-    if len(pieces) > limit:
-        text += more.format(sum(n for _, n in pieces[limit:]))
+            pieces.append(str(ordered[i]))
+            i += 1
+    text = sep.join(pieces)
+    if i < n:
+        text += more.format(n - i)
     return text
+
+
+class _Offsets:
+    """``ordered[k] - k`` for sorted unique ranks: it never decreases, and it stays the same
+    exactly along a run of consecutive ranks, so a binary search finds where a run ends."""
+
+    def __init__(self, ordered: list[int]) -> None:
+        self.ordered = ordered
+
+    def __len__(self) -> int:
+        return len(self.ordered)
+
+    def __getitem__(self, k: int) -> int:
+        return self.ordered[k] - k
 
 
 def parse_rank_ranges(text: str, limit: int = MAX_PARSED_RANKS) -> frozenset[int]:

@@ -42,15 +42,16 @@ def rule_straggler(f: Facts) -> list[Alert]:
     loading = in_data_loading(first.stack)
     if loading:
         detail += ", waiting for its DataLoader"
+    waiters = format_ranks(waiting)  # once: thousands of ranks at scale
     message = (
         f"{format_ranks(r.rank for r in culprits)} "
         f"{verb(len(culprits), 'has', 'have')} not entered {name} that "
-        f"{format_ranks(waiting)} {verb(len(waiting), 'has', 'have')} waited in for "
+        f"{waiters} {verb(len(waiting), 'has', 'have')} waited in for "
         f"{seconds(found.age)}; {detail}"
     )
     if found.timeout_left is not None:
         message += (
-            f"; {format_ranks(waiting)} will time out in {duration(found.timeout_left)}"
+            f"; {waiters} will time out in {duration(found.timeout_left)}"
             if found.timeout_left > 0
             else f"; the process group's timeout has passed by {duration(-found.timeout_left)}"
         )

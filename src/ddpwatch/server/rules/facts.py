@@ -150,14 +150,15 @@ class Census:
 
 
 def take_census(
-    records: Iterable[RankRecord], recent: float, silent: Callable[[RankRecord], bool]
+    records: Sequence[RankRecord], recent: float, silent: Callable[[RankRecord], bool]
 ) -> Census:
     """Sort every rank into live, quiet or finished, and group the unfinished ones by the
     collective they wait in. Most ranks were heard after ``recent`` (now minus the plain
     silent threshold, which no rank's own threshold is below): only the others need
     ``silent``. Every rank, every tick: kept flat."""
     census = Census()
-    live, quiet, finished, waits = census.live, census.quiet, census.finished, census.waits
+    live, quiet, finished = census.live, census.quiet, census.finished
+    raw: dict[tuple[str | None, str | None, int | None, str | None], list[RankRecord]] = {}
     for r in records:
         if r.error is not None or r.exit_time is not None:
             finished.append(r)
@@ -168,13 +169,27 @@ def take_census(
             quiet.append(r)
         c = r.collective
         if c is not None:
-            key = wait_key(c)
-            members = waits.get(key)
+            seq = c.seq  # ``wait_key`` below, once per group rather than per rank
+            fields = (c.source, c.group, seq, c.op if seq is None else None)
+            members = raw.get(fields)
             if members is None:
-                waits[key] = [r]
+                raw[fields] = [r]
             else:
                 members.append(r)
+    waits = census.waits
+    for fields, members in raw.items():
+        waits[_wait_key(*fields)] = members
+    if len(waits) < len(raw):  # one collective written two ways: group again, rank by rank
+        census.waits = _group_waits(r for r in records if r.error is None and r.exit_time is None)
     return census
+
+
+def _group_waits(unfinished: Iterable[RankRecord]) -> dict[WaitKey, list[RankRecord]]:
+    waits: dict[WaitKey, list[RankRecord]] = {}
+    for r in unfinished:
+        if r.collective is not None:
+            waits.setdefault(wait_key(r.collective), []).append(r)
+    return waits
 
 
 class Facts:
@@ -559,10 +574,13 @@ WaitKey = tuple[object, ...]
 def wait_key(c: Collective) -> WaitKey:
     """Which collective a rank waits in, comparable across ranks: the counter its number
     comes from (flight recorder per group, or the agent's Python-level count), else the op."""
-    if c.seq is None:
-        return ("op", normal_op(c.op))
-    group = (c.group or "0") if c.source == "fr" else None
-    return (c.source, group, c.seq)
+    return _wait_key(c.source, c.group, c.seq, c.op)
+
+
+def _wait_key(source: str | None, group: str | None, seq: int | None, op: str | None) -> WaitKey:
+    if seq is None:
+        return ("op", normal_op(op or ""))
+    return (source, (group or "0") if source == "fr" else None, seq)
 
 
 def entered(record: RankRecord, key: WaitKey) -> bool | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from ddpwatch.ranges import rank_ranges
+from ddpwatch.ranges import sorted_ranges
 from ddpwatch.server.state import RankRecord
 
 GIB = float(1 << 30)
@@ -31,7 +31,7 @@ def format_ranks(ranks: Iterable[int], limit: int = MAX_LISTED) -> str:
         return "no rank"
     if len(ordered) == 1:
         return f"rank {ordered[0]}"
-    return "ranks " + rank_ranges(ordered, limit, sep=", ", min_run=3, more=" and {} more")
+    return "ranks " + sorted_ranges(ordered, limit, ", ", 3, " and {} more")
 
 
 def verb(count: int, one: str, many: str) -> str:
