@@ -20,6 +20,7 @@ import pytest
 import zmq
 from conftest import LiveServer, alert_of, ddpwatch_run, poll_status
 
+from ddpwatch.agent import publisher as publisher_module
 from ddpwatch.agent.publisher import Publisher
 from ddpwatch.protocol import Batch, Collective, Event, Hello, Sample, decode_wire, encode
 from ddpwatch.relay import RELAY_ENV, Relay, RelayError, find_relay, relay_endpoint
@@ -180,6 +181,64 @@ def test_a_killed_relay_leaves_its_ranks_to_the_server(server: LiveServer, liste
     finally:
         ranks.stop()
         relay.kill()
+
+
+def test_ranks_go_back_to_a_restarted_relay(
+    server: LiveServer, listen: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relay killed and started again (by hand, or by a supervisor) gets its ranks back:
+    they sent to the server meanwhile, and would otherwise stay there for the rest of the
+    job, the load relays exist to take off it."""
+    monkeypatch.setattr(publisher_module, "RELAY_PROBE_S", 0.3)
+    relay = relay_process(server.port, listen)
+    ranks = Ranks(server.port, 3, listen)
+    try:
+        poll_status(server.server, lambda s: s["relays"] and s["relays"][0]["ranks"], 5.0)
+        relay.send_signal(signal.SIGKILL)
+        relay.wait(5)
+        wait_for(lambda: all(p.relay is None for p in ranks.publishers), 5.0, "went direct")
+        time.sleep(1.0)  # a dead relay's socket file stays: looked at, it is not taken back
+        assert all(p.relay is None for p in ranks.publishers)
+        relay = relay_process(server.port, listen)
+        wait_for(lambda: all(p.relay == listen for p in ranks.publishers), 5.0, "went back")
+        frames = server.server.state.relays
+        before = {name: entry.frames for name, entry in frames.items()}
+        poll_status(
+            server.server,
+            lambda s: sum(e["frames"] for e in s["relays"]) > sum(before.values()) + 20,
+            5.0,
+        )
+        assert not [a for a in server.changes if a.alert.kind == "silent"]
+    finally:
+        ranks.stop()
+        relay.kill()
+        relay.wait(5)
+
+
+def test_ranks_started_before_their_relay_move_to_it(
+    server: LiveServer, listen: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(publisher_module, "RELAY_PROBE_S", 0.3)
+    ranks = Ranks(server.port, 2, listen)  # nothing listens there yet: the server, after 1 s
+    relay = None
+    try:
+        poll_status(server.server, ranks_running(2), 5.0)
+        wait_for(lambda: all(p.relay is None for p in ranks.publishers), 5.0, "went direct")
+        relay = relay_process(server.port, listen)
+        wait_for(lambda: all(p.relay == listen for p in ranks.publishers), 5.0, "moved")
+        poll_status(server.server, lambda s: s["relays"] and s["relays"][0]["ranks"] == [0, 1], 5.0)
+    finally:
+        ranks.stop()
+        if relay is not None:
+            relay.kill()
+            relay.wait(5)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out: {what}"
+        time.sleep(0.02)
 
 
 def test_a_restarted_relay_takes_over_the_dead_ones_socket(port: int, listen: str) -> None:

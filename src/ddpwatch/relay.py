@@ -83,13 +83,27 @@ def find_relay(server: str, environ: Mapping[str, str] | None = None) -> str | N
     """The relay a rank should send to: ``$DDPWATCH_RELAY`` (``off``: none), else the local
     relay for ``server`` if one is listening, else None (send to the server directly)."""
     env = os.environ if environ is None else environ
+    endpoint = relay_home(server, env)
+    if endpoint is None or env.get(RELAY_ENV, "").strip():
+        return endpoint
+    return endpoint if relay_listening(endpoint) else None
+
+
+def relay_home(server: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """Where this node's relay for ``server`` is, listening or not: ``$DDPWATCH_RELAY``
+    (``off``: none), else ``relay_endpoint(server)``. A rank that sends to the server directly
+    looks there again now and then, and goes back to a relay that came (back)."""
+    env = os.environ if environ is None else environ
     value = env.get(RELAY_ENV, "").strip()
     if value.lower() in ("off", "0", "none", "no"):
         return None
-    if value:
-        return value
-    endpoint = relay_endpoint(server)
-    return endpoint if _listening(endpoint) else None
+    return value or relay_endpoint(server)
+
+
+def relay_listening(endpoint: str) -> bool:
+    """Whether a relay accepts connections on ``endpoint`` (an ``ipc://`` one; False for any
+    other, which cannot be checked without sending)."""
+    return _listening(endpoint)
 
 
 def _ipc_path(endpoint: str) -> str | None:

@@ -7,7 +7,9 @@ repeats them), events wait in the deque for a server, and a rank with no
 server exits without waiting on the network.
 
 Where this node runs a relay (``ddpwatch/relay.py``), the rank sends to it instead; a relay
-that is not connected for ``FALLBACK_S`` (it died, or never came) is left for the server.
+that is not connected for ``FALLBACK_S`` (it died, or never came) is left for the server, and
+a rank sending to the server looks for its relay every ``RELAY_PROBE_S`` and goes back to it
+once it listens (a restarted relay gets its ranks back).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ddpwatch.protocol import AnyMessage, Event, encode
-from ddpwatch.relay import find_relay
+from ddpwatch.relay import find_relay, relay_home, relay_listening
 from ddpwatch.security import apply_client_curve
 
 log = logging.getLogger("ddpwatch")
@@ -33,6 +35,8 @@ SEND_HWM = 1000
 LINGER_MS = 1000
 RECONNECT_MAX_MS = 500  # a restarted server has every rank back within a heartbeat or two
 FALLBACK_S = 1.0  # a relay not connected this long: send to the server directly
+RELAY_PROBE_S = 10.0  # sending to the server directly: look for the node's relay this often
+"""The ``relay_lost`` warning's hint says "within 10 s": keep them together."""
 _WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
@@ -67,6 +71,8 @@ class Publisher:
         self._monitor: zmq.Socket[bytes] | None = None
         self._connected = False
         self._unconnected_since = 0.0
+        self._relay_home: str | None = None  # where the node's relay listens, if it does
+        self._next_probe = 0.0
         self._thread = threading.Thread(target=self._run, name="ddpwatch-publisher", daemon=True)
 
     def start(self) -> None:
@@ -104,7 +110,9 @@ class Publisher:
     def _run(self) -> None:
         context = zmq.Context()
         try:
+            self._relay_home = relay_home(self.endpoint) if self.use_relay else None
             self.relay = find_relay(self.endpoint) if self.use_relay else None
+            self._next_probe = time.monotonic() + RELAY_PROBE_S
             self._open(context, self.relay or self.endpoint)
             self._loop(context)
         except Exception as exc:
@@ -154,7 +162,13 @@ class Publisher:
                 log.info("ddpwatch: no relay at %s; sending to %s", self.relay, self.endpoint)
                 self._close(0)
                 self.relay = None
+                self._next_probe = time.monotonic() + RELAY_PROBE_S
                 self._open(context, self.endpoint)
+            elif (home := self._relay_back()) is not None:
+                log.info("ddpwatch: the relay at %s is back; sending to it", home)
+                self._close(LINGER_MS)  # what the server's socket still holds goes on alone
+                self.relay = home
+                self._open(context, home)
             self._drain()
             now = time.monotonic()
             if now >= next_beat and not stopping:
@@ -190,6 +204,15 @@ class Publisher:
             and not self._connected
             and time.monotonic() - self._unconnected_since >= FALLBACK_S
         )
+
+    def _relay_back(self) -> str | None:
+        """The node's relay, when this rank sends to the server directly and the relay now
+        listens (looked for every ``RELAY_PROBE_S``: one local connect, on this thread)."""
+        home = self._relay_home
+        if self.relay is not None or home is None or time.monotonic() < self._next_probe:
+            return None
+        self._next_probe = time.monotonic() + RELAY_PROBE_S
+        return home if relay_listening(home) else None
 
     def _drain(self) -> None:
         """Send queued events; keep those no server took yet (they happen once, unlike beats)."""

@@ -50,8 +50,8 @@ def rule_relay_lost(facts: Facts) -> list[Alert]:
             f"{verb(count, 'its rank reports', 'their ranks report')} to the server directly"
         )
         hint = (
-            "nothing is lost but the batching; restart `ddpwatch relay` on that node for "
-            "the ranks started after it (running ranks stay direct)"
+            "nothing is lost but the batching; restart `ddpwatch relay` on that node: its "
+            "ranks go back to it within 10 s"
         )
         alerts.append(alert(AlertKind.RELAY_LOST, Severity.WARNING, [], [], message, hint))
     return alerts
