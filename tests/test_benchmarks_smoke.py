@@ -66,6 +66,12 @@ def test_ingest_tiny() -> None:
     assert "RATIO collector/raw drain" in out
 
 
+def test_ingest_cpu_tiny() -> None:
+    out = run_benchmark("ingest_cpu.py", "--quick")
+    assert "RATIO apply/collector direct 1024" in out
+    assert "RATIO apply/collector relay 1024" in out
+
+
 def test_alert_latency_tiny() -> None:
     out = run_benchmark("alert_latency.py", "--reps", "1")
     for kind in ("stalled", "silent", "straggler"):

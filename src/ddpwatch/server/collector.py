@@ -21,6 +21,7 @@ spell the server did not really listen through.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import threading
@@ -28,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -195,40 +197,109 @@ class Collector:
         """Take in up to ``RECV_BATCH`` messages (a batch counts each one in it). Under
         backlog a known rank's heartbeats are coalesced: only its newest ``Sample`` of the
         batch is applied, plus any that ``_must_apply`` (only intermediate history points are
-        lost); its events keep their order."""
+        lost); its events keep their order.
+
+        The frames are first taken off the socket and each one's head read (``_Head``: its
+        type and rank), so a rank's last heartbeat of the batch is known when it comes and
+        applied at once, while it is fresh in the CPU's cache. A heartbeat is held back in
+        ``pending`` only when another of the same rank follows it; held, tens of thousands
+        of decoded heartbeats went cold before the end of the batch and cost more than the
+        rest of ingest. Ranks' records do not depend on each other, so applying a heartbeat
+        sooner than the end of the batch changes nothing but when.
+
+        Python's cyclic garbage collector waits meanwhile (if it was on at all): it would
+        otherwise scan, again and again within one batch, what the batch holds (a backlog's
+        heartbeats) or creates (the records of ranks new in it: at a job's start, 65,536 ranks
+        took twice the CPU with it on). Nothing taken in here forms a reference cycle; the
+        collector runs as before once the batch is in."""
         now = self._clock()
-        state = self.state
-        recv, option = self._pull.recv, self._pull.getsockopt  # bound once: per-frame cost
-        pending: dict[int, tuple[Sample, float]] = {}
-        count = 0
-        drained = False
-        while count < RECV_BATCH:
-            try:
-                frame = recv(zmq.NOBLOCK)
-            except zmq.Again:
-                drained = True
-                break
-            count += 1
-            if option(zmq.RCVMORE):
-                self._drop_multipart()
-                continue
-            try:
-                message = decode_wire(frame)
-            except ProtocolError:
-                state.rejected += 1
-                continue
-            if type(message) is Batch:
-                self._open_batch(message, now, pending)
-                count += len(message.frames)  # the limit counts heartbeats, not frames
-            else:
-                self._take(frame, message, now, pending, relayed=False)  # type: ignore[arg-type]
-        for sample, at in pending.values():
-            state.apply(sample, at)
+        collecting = gc.isenabled()
+        if collecting:
+            gc.disable()
+        try:
+            taken, last, count, drained = self._read()
+            self._take_all(taken, last, now)
+        finally:
+            if collecting:
+                gc.enable()
         if drained:
             self._caught_up(now)  # the queue ran dry: all sent before ``now`` is read
         else:
             self._behind = True
         return count
+
+    def _read(self) -> tuple[list[bytes | Batch], dict[int, int], int, bool]:
+        """Take frames off the socket until ``RECV_BATCH`` messages or none is left: rank
+        frames as they came, batches decoded (their size counts). Returns them, the
+        position of each rank's last heartbeat among the rank messages (empty when a head
+        could not be read: then every heartbeat waits), the count, and whether it ran dry."""
+        state = self.state
+        recv, noblock, head_of = self._pull.recv, zmq.NOBLOCK, _heads.decode  # bound once
+        taken: list[bytes | Batch] = []
+        last: dict[int, int] = {}
+        position = 0  # rank messages, direct or in a batch, in the order they are taken
+        read_ahead = True
+        count = 0
+        while count < RECV_BATCH:
+            try:
+                # a zmq.Frame says whether more parts follow: cheaper than asking the socket
+                # (getsockopt(RCVMORE) looks its option up in a Python enum, every frame)
+                part = recv(noblock, copy=False)
+            except zmq.Again:
+                return taken, last if read_ahead else {}, count, True
+            count += 1
+            if part.more:
+                self._drop_multipart()
+                continue
+            frame = part.bytes
+            try:
+                head: _Head | None = head_of(frame)
+            except _HEAD_ERRORS:
+                head = None
+            if head is not None and head.type in _RANK_TYPES:
+                if head.type == "sample" and type(head.rank) is int:
+                    last[head.rank] = position
+                taken.append(frame)
+                position += 1
+                continue
+            try:  # a batch, or a frame the decoder refuses
+                message = decode_wire(frame)
+            except ProtocolError:
+                state.rejected += 1
+                continue
+            if type(message) is Batch:
+                count += len(message.frames)  # the limit counts heartbeats, not frames
+                read_ahead &= _read_ahead(message.frames, last, position)
+                position += len(message.frames)
+                taken.append(message)
+            else:  # a message whose head could not be read (the head is looser: never)
+                read_ahead = False
+                taken.append(frame)
+                position += 1
+        return taken, last if read_ahead else {}, count, False
+
+    def _take_all(self, taken: list[bytes | Batch], last: dict[int, int], now: float) -> None:
+        """Decode and take what ``_read`` took off the socket, in order; a heartbeat held
+        back for a newer one that did not come (refused) is applied at the end."""
+        state = self.state
+        pending: dict[int, tuple[Sample, float]] = {}
+        take = self._take
+        position = 0
+        for item in taken:
+            if isinstance(item, Batch):
+                self._open_batch(item, now, pending, last, position)
+                position += len(item.frames)
+                continue
+            try:
+                message = decode(item)  # not a batch: its head said what it is
+            except ProtocolError:
+                state.rejected += 1
+            else:
+                take(item, message, now, pending, False, last.get(message.rank) == position)
+            position += 1
+        apply = state.apply
+        for sample, at in pending.values():
+            apply(sample, at)
 
     def _caught_up(self, now: float) -> None:
         """The queue was found empty at ``now``: the state is complete up to then; after a
@@ -240,56 +311,79 @@ class Collector:
             state.listening_since = now
 
     def _open_batch(
-        self, batch: Batch, now: float, pending: dict[int, tuple[Sample, float]]
+        self,
+        batch: Batch,
+        now: float,
+        pending: dict[int, tuple[Sample, float]],
+        last: dict[int, int],
+        position: int,
     ) -> None:
-        """Take a relay's frames, each dated by its arrival at the relay."""
+        """Take a relay's frames, each dated by its arrival at the relay; ``position`` is
+        the first one's among the rank messages of this receive (see ``last``)."""
         state = self.state
         state.rejected += batch.rejected  # frames the relay refused count as ours would
         relay = note_batch(state.relays, batch, now)
-        ages = batch.ages_us if len(batch.ages_us) == len(batch.frames) else None
-        for i, frame in enumerate(batch.frames):
+        carried = None if relay is None else relay.ranks
+        frames = batch.frames
+        ages = batch.ages_us if len(batch.ages_us) == len(frames) else None
+        take = self._take
+        for i, frame in enumerate(frames):
             try:
                 message = decode(frame)
             except ProtocolError:
                 state.rejected += 1
                 continue
             at = now if ages is None else now - min(ages[i], MAX_RELAY_AGE_US) / 1e6
-            if self._take(frame, message, at, pending, relayed=True) and relay is not None:
-                relay.ranks.add(message.rank)
+            final = last.get(message.rank) == position + i
+            if take(frame, message, at, pending, True, final) and carried is not None:
+                carried.add(message.rank)
 
-    def _take(
+    def _take(  # noqa: C901 -- hot path: every rank message, kept flat
         self,
         frame: bytes,
         message: AnyMessage,
         at: float,
         pending: dict[int, tuple[Sample, float]],
-        *,
         relayed: bool,
+        final: bool,
     ) -> bool:
-        """Admit, record and apply one rank message that arrived ``at`` (a heartbeat may wait
-        in ``pending`` for a newer one), through a relay or not; False when not admitted."""
+        """Admit, record and apply one rank message that arrived ``at``, through a relay or
+        not; False when not admitted. A known rank's heartbeat waits in ``pending`` for a
+        newer one unless it is ``final``: the rank's last heartbeat of this receive."""
         state = self.state
-        if not self._admit(message):
-            state.rejected += 1
-            return False
-        if self.recorder is not None:
-            self.recorder.frame(at, frame)
-        record = state.ranks.get(message.rank)
+        rank = message.rank
+        record = state.ranks.get(rank)
         if type(message) is Sample and record is not None:
+            # a known rank's heartbeat: admitted, unless it tells a world size (``_admit``)
+            if message.world_size is not None and not self._admit(message):
+                state.rejected += 1
+                return False
+            if self.recorder is not None:
+                self.recorder.frame(at, frame)
             record.relayed = relayed
-            superseded = pending.get(message.rank)
+            superseded = pending.get(rank)
             if superseded is not None:
                 if _must_apply(superseded[0], message):
                     state.apply(*superseded)
                 else:
                     state.received += 1  # counted, not applied
-            pending[message.rank] = (message, at)
+            if final:  # nothing newer will come in this receive: apply it now
+                if superseded is not None:
+                    del pending[rank]
+                state.apply(message, at)
+            else:
+                pending[rank] = (message, at)
             return True
-        earlier = pending.pop(message.rank, None)
+        if not self._admit(message):
+            state.rejected += 1
+            return False
+        if self.recorder is not None:
+            self.recorder.frame(at, frame)
+        earlier = pending.pop(rank, None)
         if earlier is not None:
             state.apply(*earlier)
         state.apply(message, at)
-        state.ranks[message.rank].relayed = relayed
+        state.ranks[rank].relayed = relayed
         return True
 
     def _drop_multipart(self) -> None:
@@ -345,6 +439,44 @@ class PauseWatch:
         lost = (wall - self._wall) - (cpu - self._cpu) - idle_s
         self._wall, self._cpu = wall, cpu
         return lost > PAUSE_S
+
+
+class _Head(msgspec.Struct, gc=False):
+    """What a frame says it is: its ``type`` and ``rank``, whatever their values, every
+    other key skipped. It reads the same keys the protocol's decoder reads, the last of a
+    repeated one as it does, and takes any value, so any frame that decodes as a ``Sample``
+    of rank r has the head ("sample", r); the converse need not hold (the frame may still
+    be refused), which only holds back a heartbeat that could have been applied at once."""
+
+    type: Any = None
+    rank: Any = None
+
+
+_heads = msgspec.msgpack.Decoder(_Head)
+_HEAD_ERRORS = (msgspec.MsgspecError, UnicodeDecodeError, RecursionError)
+_RANK_TYPES = ("hello", "sample", "event")
+
+
+def _read_ahead(frames: list[bytes], last: dict[int, int], position: int) -> bool:
+    """Note in ``last`` the position of each heartbeat among a batch's ``frames`` (the first
+    is at ``position``), by rank; False if a frame whose head cannot be read still decodes
+    (never: the head is looser than the decoder)."""
+    head_of = _heads.decode
+    for frame in frames:
+        try:
+            head = head_of(frame)
+        except _HEAD_ERRORS:
+            try:
+                decode(frame)
+            except ProtocolError:
+                pass
+            else:
+                return False
+        else:
+            if head.type == "sample" and type(head.rank) is int:
+                last[head.rank] = position
+        position += 1
+    return True
 
 
 def _must_apply(superseded: Sample, newer: Sample) -> bool:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field, fields
+from math import isfinite
 
 import msgspec
-from msgspec.structs import astuple
+from msgspec.structs import astuple, replace
 
 from ddpwatch.protocol import (
     AnyMessage,
@@ -50,7 +51,7 @@ _MEASURED_FIELDS = tuple(name for name in SAMPLE_FIELDS if name not in ("phase",
 STORED_FIELDS = tuple(name for name in Sample.__struct_fields__ if name not in ("v", "t"))
 """Every field of a ``Hello`` or a ``Sample`` the server keeps on the rank's record (all but
 the protocol version and the sender's clock): ``RankRecord`` declares each one."""
-"""The measurements a sample overwrites as they come (``_store_measured``)."""
+"""The measurements a sample overwrites as they come (``_apply_sample``)."""
 
 
 class HistoryPoint(msgspec.Struct, frozen=True, gc=False):
@@ -224,17 +225,21 @@ class ServerState:
     def apply(self, message: AnyMessage, now: float) -> None:
         """Fold one validated message into the per-rank records."""
         self.received += 1
-        record = self.ranks.get(message.rank)
-        if record is None or _is_new_process(record, message):
-            record = RankRecord(rank=message.rank, first_seen=now, last_seen=now, last_progress=now)
-            self.ranks[message.rank] = record
+        rank = message.rank
+        record = self.ranks.get(rank)
+        pid = getattr(message, "pid", None)  # events have none
+        if record is None or (pid is not None and record.pid is not None and pid != record.pid):
+            # a new rank, or a restarted worker (its rank with a new pid): start afresh
+            record = RankRecord(rank=rank, first_seen=now, last_seen=now, last_progress=now)
+            self.ranks[rank] = record
             self.generation += 1
             if self.first_report is None:
                 self.first_report = now
         record.last_seen = now
         if isinstance(message, Identity):
             key = astuple(message)[_IDENTITY_SLICE]
-            if key != record.identity_key and key != _NO_IDENTITY:
+            # most heartbeats leave the identity out: one compare of Nones tells them
+            if key != _NO_IDENTITY and key != record.identity_key:
                 _apply_identity(record, message)
                 record.identity_key = key
                 self.generation += 1
@@ -247,12 +252,6 @@ class ServerState:
 
 
 _GENERATION_EVENTS = frozenset({EventKind.CRASH, EventKind.EXIT, EventKind.CHECKPOINT})
-
-
-def _is_new_process(record: RankRecord, message: AnyMessage) -> bool:
-    """A restarted worker reuses its rank with a new pid: start its record afresh."""
-    pid = getattr(message, "pid", None)
-    return pid is not None and record.pid is not None and pid != record.pid
 
 
 def _apply_identity(record: RankRecord, message: Identity) -> None:
@@ -270,71 +269,100 @@ def _set_phase(record: RankRecord, phase: str | None, now: float) -> None:
         del record.phases[:-32]
 
 
-def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # noqa: C901 -- hot path: every heartbeat of every rank, kept flat
-    moved = sample.step is not None and sample.step != record.step
-    if (
-        moved
-        or (sample.forwards is not None and sample.forwards != record.forwards)
-        or _left_collective(record.collective, sample.collective)
-        or _entered_more(record.collectives, sample.collectives)
+def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # noqa: C901, PLR0912, PLR0915 -- hot path: every heartbeat of every rank, kept flat
+    """Store a heartbeat's measurements (each replaces the last, ``None`` included) and what
+    follows from them: progress, phase, the collective timer, step marks, NaN bookkeeping and
+    a history point per new step.
+
+    A list equal to the one the record holds (``gpu_pids``, a collective's ``shape``, the
+    step ``marks``: the same beat after beat) is not stored: the record keeps its own equal
+    list (in a copy of the new struct: the message is left as it came), and the new one dies
+    young instead of giving the cyclic garbage collector one more object per rank to scan."""
+    step = sample.step
+    collective = sample.collective
+    counts = sample.collectives
+    before = record.collectives
+    moved = step is not None and step != record.step
+    if moved:
+        record.last_progress = now
+        record.last_step_at = now
+        if record.error is None and record.exit_time is None:  # not ``finished``
+            record.stack = None  # it moved on: the captured stack is stale
+    elif (
+        (sample.forwards is not None and sample.forwards != record.forwards)
+        or _left_collective(record.collective, collective)
+        or _entered_more(before, counts)
     ):
         # a forward pass is progress too (evaluation has no steps), and so are collectives:
         # a rank that came out of one, or entered new ones, has not stalled
         record.last_progress = now
-    if moved:
-        record.last_step_at = now
-        if not record.finished:
-            record.stack = None  # it moved on: the captured stack is stale
-    _set_phase(record, sample.phase, now)
-    _store_measured(record, sample)
-    record.collective = sample.collective
-    record.collective_seen = now if sample.collective is not None else None
-    record.sample_seen = now
-    if moved and sample.collective_time_s is not None:
-        avg = record.avg_collective_time_s
-        value = sample.collective_time_s
-        record.avg_collective_time_s = value if avg is None else avg + 0.2 * (value - avg)
-        record.collective_time_samples += 1
-    counts = sample.collectives
-    if counts is not None and counts.marks:
-        marks = record.step_marks
-        marks.update(counts.marks)
-        while len(marks) > MARKS_KEPT:
-            del marks[min(marks)]
-    if sample.nan_step is not None:
-        record.nan_step, record.nan_exact = sample.nan_step, True
-    elif sample.loss is not None:
-        if math.isfinite(sample.loss):
-            record.nan_step, record.nan_exact = None, False
-        elif record.nan_step is None:
-            # an agent that does not report nan_step: the heartbeat's step is only a bound
-            record.nan_step = sample.step if sample.step is not None else (record.step or 0)
-    if sample.step is not None and (not record.history or record.history[-1].step != sample.step):
-        record.history.append(
-            HistoryPoint(
-                now, sample.step, sample.step_time_s, sample.loss, sample.mem_allocated_bytes
-            )
-        )
-
-
-def _store_measured(record: RankRecord, sample: Sample) -> None:
-    """Copy ``_MEASURED_FIELDS`` from the sample as they came (plain stores on a slotted
-    record: the hot path's fastest, and typed; ``tests/test_vocabulary.py`` checks that every
-    one of them lands)."""
-    record.step = sample.step
-    record.loss = sample.loss
-    record.step_time_s = sample.step_time_s
+    phase = sample.phase
+    if phase and phase != record.phase:
+        _set_phase(record, phase, now)
+    # every measurement as it came (``_MEASURED_FIELDS``; ``tests/test_vocabulary.py`` checks
+    # that each lands): plain stores on a slotted record
+    loss = sample.loss
+    collective_time_s = sample.collective_time_s
+    step_time_s = sample.step_time_s
+    mem_allocated_bytes = sample.mem_allocated_bytes
+    record.step = step
+    record.loss = loss
+    record.step_time_s = step_time_s
     record.avg_step_time_s = sample.avg_step_time_s
     record.data_wait_s = sample.data_wait_s
-    record.collective_time_s = sample.collective_time_s
-    record.collectives = sample.collectives
+    record.collective_time_s = collective_time_s
     record.forwards = sample.forwards
-    record.mem_allocated_bytes = sample.mem_allocated_bytes
+    record.mem_allocated_bytes = mem_allocated_bytes
     record.mem_reserved_bytes = sample.mem_reserved_bytes
     record.mem_peak_bytes = sample.mem_peak_bytes
     record.gpu_mem_used_bytes = sample.gpu_mem_used_bytes
     record.gpu_mem_total_bytes = sample.gpu_mem_total_bytes
-    record.gpu_pids = sample.gpu_pids
+    pids = sample.gpu_pids
+    if pids != record.gpu_pids:  # equal: keep the record's list (see above)
+        record.gpu_pids = pids
+    if collective is not None:
+        shape = collective.shape
+        held = record.collective
+        if shape is not None and held is not None and held.shape == shape:
+            collective = replace(collective, shape=held.shape)
+        record.collective = collective
+        record.collective_seen = now
+    else:
+        record.collective = None
+        record.collective_seen = None
+    record.sample_seen = now
+    if moved and collective_time_s is not None:
+        avg = record.avg_collective_time_s
+        record.avg_collective_time_s = (
+            collective_time_s if avg is None else avg + 0.2 * (collective_time_s - avg)
+        )
+        record.collective_time_samples += 1
+    if counts is not None:
+        marks = counts.marks
+        if marks:
+            if before is not None and before.marks == marks:
+                # ``step_marks`` already holds these (updating again and trimming to the same
+                # bound would change nothing): keep the record's list of them
+                counts = replace(counts, marks=before.marks)
+            else:
+                step_marks = record.step_marks
+                step_marks.update(marks)
+                while len(step_marks) > MARKS_KEPT:
+                    del step_marks[min(step_marks)]
+    record.collectives = counts
+    nan_step = sample.nan_step
+    if nan_step is not None:
+        record.nan_step, record.nan_exact = nan_step, True
+    elif loss is not None:
+        if isfinite(loss):
+            record.nan_step, record.nan_exact = None, False
+        elif record.nan_step is None:
+            # an agent that does not report nan_step: the heartbeat's step is only a bound
+            record.nan_step = step if step is not None else (record.step or 0)
+    if step is not None:
+        history = record.history
+        if not history or history[-1].step != step:
+            history.append(HistoryPoint(now, step, step_time_s, loss, mem_allocated_bytes))
 
 
 def _left_collective(before: Collective | None, now: Collective | None) -> bool:
