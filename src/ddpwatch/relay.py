@@ -100,18 +100,13 @@ def relay_home(server: str, environ: Mapping[str, str] | None = None) -> str | N
     return value or relay_endpoint(server)
 
 
-def relay_listening(endpoint: str) -> bool:
-    """Whether a relay accepts connections on ``endpoint`` (an ``ipc://`` one; False for any
-    other, which cannot be checked without sending)."""
-    return _listening(endpoint)
-
-
 def _ipc_path(endpoint: str) -> str | None:
     return endpoint.removeprefix("ipc://") if endpoint.startswith("ipc://") else None
 
 
-def _listening(endpoint: str) -> bool:
-    """Whether a process accepts connections on an ``ipc://`` endpoint (False for others)."""
+def relay_listening(endpoint: str) -> bool:
+    """Whether a process accepts connections on an ``ipc://`` endpoint (False for any other,
+    which cannot be checked without sending)."""
     path = _ipc_path(endpoint)
     if path is None or not hasattr(pysocket, "AF_UNIX") or not os.path.exists(path):
         return False
@@ -202,7 +197,7 @@ class Relay:
     def _bind(self) -> None:
         path = _ipc_path(self.listen)
         if path is not None:
-            if _listening(self.listen):
+            if relay_listening(self.listen):
                 raise RelayError(f"a relay already listens on {self.listen}")
             directory = Path(path).parent
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -371,6 +366,6 @@ class Relay:
         self._push.close()
         self._context.term()
         path = _ipc_path(self.listen)
-        if path is not None and not _listening(self.listen):
+        if path is not None and not relay_listening(self.listen):
             with contextlib.suppress(OSError):
                 os.unlink(path)

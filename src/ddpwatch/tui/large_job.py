@@ -15,15 +15,14 @@ from typing import Any
 from urllib.parse import urlencode
 
 from ddpwatch.tui.model import (
-    GROUP_SORT_VALUES,
     STATE_WORST,
     WORST_NONE,
     WORST_RUNNING,
     AlertIndex,
     Query,
     Row,
+    order_groups,
     parse_ranges,
-    sort_rows,
     worst_score,
 )
 from ddpwatch.vocabulary import RANK_STATES
@@ -94,17 +93,14 @@ def summary_groups(document: dict[str, Any], index: AlertIndex) -> list[Row]:
 def select_summary_groups(document: dict[str, Any], query: Query, index: AlertIndex) -> list[Row]:
     """Host rows for the host view of a large job: filter words match the host's name and
     states (the scope did rank ranges on the server), ``flagged`` keeps hosts with flagged
-    ranks; ordered as ``model.select_groups`` orders them."""
+    ranks; ordered as the other host rows (``model.order_groups``)."""
     groups = summary_groups(document, index)
     matches = _host_filter(query.filter)
     if matches is not None:
         groups = [g for g in groups if matches(g)]
     if query.flagged:
         groups = [g for g in groups if g["flagged"]]
-    if query.sort in GROUP_SORT_VALUES:
-        return sort_rows(groups, GROUP_SORT_VALUES[query.sort], query.reverse, lambda g: g["host"])
-    groups.sort(key=lambda g: (g["worst"], g["host"]), reverse=query.reverse)
-    return groups
+    return order_groups(groups, query)
 
 
 def _host_filter(text: str) -> Callable[[Row], bool] | None:

@@ -346,7 +346,11 @@ def select_groups(ranks: Sequence[Row], query: Query, index: AlertIndex) -> list
         rows = [r for r in rows if predicate(r)]
     if query.flagged:
         rows = [r for r in rows if is_flagged(r, index)]
-    groups = group_by_host(rows, index)
+    return order_groups(group_by_host(rows, index), query)
+
+
+def order_groups(groups: list[Row], query: Query) -> list[Row]:
+    """Host rows in the query's order: by a host column, else worst first, then by name."""
     if query.sort in GROUP_SORT_VALUES:
         return sort_rows(groups, GROUP_SORT_VALUES[query.sort], query.reverse, lambda g: g["host"])
     groups.sort(key=lambda g: (g["worst"], g["host"]), reverse=query.reverse)
