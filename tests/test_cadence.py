@@ -88,9 +88,10 @@ def test_a_clock_set_back_runs_everything_again() -> None:
 
 
 def test_the_census_groups_one_collective_however_it_is_written() -> None:
-    """``take_census`` groups ranks by their collective's raw fields and works out
-    ``wait_key`` once per group; spellings of one collective still make one group, in the
-    order the ranks first reported, exactly as ``wait_key`` rank by rank groups them."""
+    """``take_census`` groups ranks by their collective's raw fields (``WaitIndex``) and
+    works out ``wait_key`` once per group; spellings of one collective still make one group,
+    exactly as ``wait_key`` rank by rank groups them, from the index the state keeps as
+    heartbeats arrive as from one built from the records."""
     state = ServerState(started=T0)
     spellings = [
         Collective(op="nccl:all_reduce", since_s=1.0),  # no number: grouped by op
@@ -104,13 +105,14 @@ def test_the_census_groups_one_collective_however_it_is_written() -> None:
     for rank, collective in enumerate(spellings):
         beat(state, rank, T0, collective=collective)
     records = list(state.ranks.values())
-    census = take_census(records, T0 - 10, lambda r: False)
-    by_rank = {}
+    by_rank: dict[object, list[int]] = {}
     for r in records:
         assert r.collective is not None
         by_rank.setdefault(wait_key(r.collective), []).append(r.rank)
-    assert {k: [r.rank for r in v] for k, v in census.waits.items()} == by_rank
-    assert list(census.waits) == list(by_rank)
+    for waits in (None, state.waits):
+        census = take_census(records, T0 - 10, lambda r: False, waits)
+        assert {k: list(v.members) for k, v in census.waits.items()} == by_rank
+        assert list(census.waits) == list(by_rank)
     assert by_rank == {
         ("op", "allreduce"): [0, 1, 2],
         ("fr", "0", 3): [3, 4, 5],

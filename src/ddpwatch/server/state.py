@@ -24,6 +24,7 @@ from ddpwatch.protocol import (
     Sample,
 )
 from ddpwatch.server.relays import RelayRecord
+from ddpwatch.server.waits import WaitIndex
 from ddpwatch.vocabulary import EventKind
 
 HISTORY_LEN = 120
@@ -185,6 +186,9 @@ class ServerState:
     listening_since: float = -math.inf
     """Since when the collector has kept up without a break (a backlog that may have made
     senders drop heartbeats, or the server itself paused): silence counts from here."""
+    waits: WaitIndex = field(default_factory=WaitIndex, repr=False, compare=False)
+    """Which collective each unfinished rank is in, kept by ``apply`` (``server/waits.py``):
+    a ticking diagnosis reads it. Records changed by hand are not in it: ``WaitIndex.of``."""
 
     _derived: tuple[tuple[int, int], int | None, list[int]] | None = field(
         default=None, init=False, repr=False, compare=False
@@ -249,6 +253,7 @@ class ServerState:
             _apply_event(record, message, now)
             if message.event in _GENERATION_EVENTS:
                 self.generation += 1
+        self.waits.place(record)
 
 
 _GENERATION_EVENTS = frozenset({EventKind.CRASH, EventKind.EXIT, EventKind.CHECKPOINT})

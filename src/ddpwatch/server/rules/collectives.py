@@ -31,8 +31,8 @@ def rule_straggler(f: Facts) -> list[Alert]:
         return []
     if not found.culprits:
         return _all_waiting(f, found)
-    culprits = sorted(found.culprits, key=lambda r: r.rank)
-    waiting = sorted(r.rank for r in found.waiting)
+    culprits = found.culprits
+    waiting = found.waiting_ranks()
     name = collective_name(found.op, found.seq)
     first = culprits[0]
     subject = "it is" if len(culprits) == 1 else f"rank {first.rank} is"
@@ -83,7 +83,7 @@ def _all_waiting(facts: Facts, found: Straggle) -> list[Alert]:
     live = facts.live
     if len(found.waiting) != len(live) or not world_complete(facts.state, live):
         return []
-    if len({normal_op(r.collective.op) for r in live if r.collective}) > 1:
+    if len({normal_op(op) for op in found.ops()}) > 1:
         return []  # different collectives at one sequence number: collective_mismatch
     age = min(r.collective_age(facts.now) or 0.0 for r in live)  # all have waited this long
     if age <= facts.stall_after:

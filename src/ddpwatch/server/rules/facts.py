@@ -23,6 +23,7 @@ from ddpwatch.server.knowledge import WAIT_NAMES, Signature, explain_error, name
 from ddpwatch.server.relays import RELAY_HOLD_S, LostRelay, lost_relays
 from ddpwatch.server.rules.text import first_line
 from ddpwatch.server.state import RankRecord, ServerState
+from ddpwatch.server.waits import WaitGroup, WaitIndex, call_of, merged
 from ddpwatch.vocabulary import STARTUP_PHASES, AlertKind, RankState
 
 T = TypeVar("T")
@@ -145,51 +146,53 @@ class Census:
     live: list[RankRecord] = field(default_factory=list)
     quiet: list[RankRecord] = field(default_factory=list)  # unfinished and silent
     finished: list[RankRecord] = field(default_factory=list)  # crashed or exited
-    waits: dict[WaitKey, list[RankRecord]] = field(default_factory=dict)
+    waits: dict[WaitKey, WaitGroup] = field(default_factory=dict)
     """Unfinished ranks (live or quiet) by the collective they are in (``wait_key``)."""
+    idle: list[RankRecord] = field(default_factory=list)
+    """Live ranks in no collective."""
+    quiet_ranks: frozenset[int] = frozenset()
+
+    def live_outside(self, group: WaitGroup) -> list[RankRecord]:
+        """Live ranks not in ``group``: in no collective, or in another one."""
+        quiet = self.quiet_ranks
+        outside = list(self.idle)
+        for other in self.waits.values():
+            if other is not group:
+                outside.extend(r for r in other.members.values() if r.rank not in quiet)
+        return outside
 
 
 def take_census(
-    records: Sequence[RankRecord], recent: float, silent: Callable[[RankRecord], bool]
+    records: Sequence[RankRecord],
+    recent: float,
+    silent: Callable[[RankRecord], bool],
+    waits: WaitIndex | None = None,
 ) -> Census:
     """Sort every rank into live, quiet or finished, and group the unfinished ones by the
-    collective they wait in. Most ranks were heard after ``recent`` (now minus the plain
-    silent threshold, which no rank's own threshold is below): only the others need
-    ``silent``. Every rank, every tick: kept flat."""
+    collective they wait in, from ``waits`` (``ServerState.waits``, kept as heartbeats
+    arrive; None: an index of ``records`` made here). Most ranks were heard after ``recent``
+    (now minus the plain silent threshold, which no rank's own threshold is below): only
+    the others need ``silent``. A pass over every rank, every tick: kept to one compare."""
     census = Census()
-    live, quiet, finished = census.live, census.quiet, census.finished
-    raw: dict[tuple[str | None, str | None, int | None, str | None], list[RankRecord]] = {}
-    for r in records:
-        if r.error is not None or r.exit_time is not None:
-            finished.append(r)
-            continue
-        if r.last_seen >= recent or not silent(r):
-            live.append(r)
-        else:
-            quiet.append(r)
-        c = r.collective
-        if c is not None:
-            seq = c.seq  # ``wait_key`` below, once per group rather than per rank
-            fields = (c.source, c.group, seq, c.op if seq is None else None)
-            members = raw.get(fields)
-            if members is None:
-                raw[fields] = [r]
-            else:
-                members.append(r)
-    waits = census.waits
-    for fields, members in raw.items():
-        waits[_wait_key(*fields)] = members
-    if len(waits) < len(raw):  # one collective written two ways: group again, rank by rank
-        census.waits = _group_waits(r for r in records if r.error is None and r.exit_time is None)
+    index = WaitIndex.of(records) if waits is None else waits
+    done = index.finished
+    quiet = census.quiet = [
+        r for r in records if r.last_seen < recent and r.rank not in done and silent(r)
+    ]
+    quiet_ranks = census.quiet_ranks = frozenset(r.rank for r in quiet)
+    if done or quiet:
+        census.finished = [r for r in records if r.rank in done] if done else []
+        census.live = [r for r in records if r.rank not in done and r.rank not in quiet_ranks]
+    else:
+        census.live = list(records)
+    census.idle = [r for r in index.idle.values() if r.rank not in quiet_ranks]
+    by_key: dict[WaitKey, list[WaitGroup]] = {}
+    for place, group in index.groups.items():  # ``wait_key`` once per group, not per rank
+        by_key.setdefault(_wait_key(*place), []).append(group)
+    census.waits = {
+        key: groups[0] if len(groups) == 1 else merged(groups) for key, groups in by_key.items()
+    }
     return census
-
-
-def _group_waits(unfinished: Iterable[RankRecord]) -> dict[WaitKey, list[RankRecord]]:
-    waits: dict[WaitKey, list[RankRecord]] = {}
-    for r in unfinished:
-        if r.collective is not None:
-            waits.setdefault(wait_key(r.collective), []).append(r)
-    return waits
 
 
 class Facts:
@@ -200,9 +203,15 @@ class Facts:
     """
 
     def __init__(
-        self, state: ServerState, now: float, th: Thresholds, pace: Pace | None = None
+        self,
+        state: ServerState,
+        now: float,
+        th: Thresholds,
+        pace: Pace | None = None,
+        waits: WaitIndex | None = None,
     ) -> None:
         self.state = state
+        self._waits = waits
         self.clock = now  # the server's clock, for a rule called with these facts
         self.now = state.as_of(now)
         """As of what the server has read: a server behind its queue judges the ranks as
@@ -230,15 +239,15 @@ class Facts:
         """Ranks still sending heartbeats and not finished."""
         return self.census.live
 
-    @cached_property
+    @property
     def quiet(self) -> frozenset[int]:
         """Unfinished ranks that are silent (``silent``)."""
-        return frozenset(r.rank for r in self.census.quiet)
+        return self.census.quiet_ranks
 
     @cached_property
     def census(self) -> Census:
         """Every rank sorted once (``take_census``): what the per-tick rules start from."""
-        return take_census(self.records, self.now - self.th.silent, self.silent)
+        return take_census(self.records, self.now - self.th.silent, self.silent, self._waits)
 
     @cached_property
     def lost_relays(self) -> list[LostRelay]:
@@ -443,7 +452,7 @@ def _classify_ranks(facts: Facts) -> _Buckets:
             buckets.clean.append(record)
     buckets.silent.extend(r for r in census.quiet if r.rank not in relay_silent)
     buckets.blocked.extend(
-        r.rank for members in census.waits.values() for r in members if r.rank not in quiet
+        rank for group in census.waits.values() for rank in group.members if rank not in quiet
     )
     return buckets
 
@@ -566,6 +575,19 @@ class Straggle:
     waiting: list[RankRecord]
     culprits: list[RankRecord]
     timeout_left: float | None = None  # until the process group's timeout ends the wait
+    group: WaitGroup | None = None
+    """Where ``waiting`` comes from: all of it, unless some of its ranks went silent."""
+
+    def ops(self) -> Counter[str]:
+        """How many waiting ranks called each op."""
+        return waiting_ops(self.group, self.waiting)
+
+    def waiting_ranks(self) -> list[int]:
+        """The waiting ranks in order (the group's own sorted list when it is all of it)."""
+        group = self.group
+        if group is not None and len(group) == len(self.waiting):
+            return group.sorted_ranks()
+        return sorted(r.rank for r in self.waiting)
 
 
 WaitKey = tuple[object, ...]
@@ -606,58 +628,76 @@ def find_straggle(census: Census, now: float, limit: float, interval: float) -> 
     Publishers that send no counts fall back to what their in-flight collective and
     their steps suggest.
     """
-    live = census.live
     most_waited = _most_waited(census, now, limit)
     if most_waited is None:
         return None
-    key, age, waiting = most_waited
-    seq = waiting[0].collective.seq if waiting[0].collective else None
-    op = _usual_op(waiting)
+    key, age, group, waiting = most_waited
+    seq = group.place[2]  # every member reports this number (``Place``)
+    op = _usual_op(group, waiting)
     began = now - age
     culprits = []
     legacy: list[RankRecord] = []
-    in_it = {r.rank for r in waiting}
-    for r in live:
-        if r.rank in in_it:
-            continue
+    for r in census.live_outside(group):
         evidence = entered(r, key)
         if evidence is False and (r.sample_seen or 0.0) >= began:
             culprits.append(r)
         elif evidence is None and r.collectives is None:
             legacy.append(r)
     if legacy:
-        culprits += _legacy_culprits(legacy, waiting, key, seq, now, interval, live)
+        culprits += _legacy_culprits(legacy, waiting, key, seq, now, interval, census.live)
+    culprits.sort(key=lambda r: r.rank)
     timeouts = [r.pg_timeout_s for r in waiting if r.pg_timeout_s]
     left = min(timeouts) - age if timeouts else None
-    return Straggle(op, seq, age, waiting, culprits, left)
+    return Straggle(op, seq, age, waiting, culprits, left, group)
 
 
-def _usual_op(waiting: list[RankRecord]) -> str:
-    """The op most waiters are in (they share a collective number, so usually one op)."""
-    first = waiting[0].collective
-    op = first.op if first is not None else ""
-    if all(r.collective is not None and r.collective.op == op for r in waiting):
-        return op
-    return Counter(r.collective.op for r in waiting if r.collective).most_common(1)[0][0]
+def _usual_op(group: WaitGroup, waiting: list[RankRecord]) -> str:
+    """The op most waiters are in (they share a collective number, so usually one op); of
+    two as common, the first by name: whatever order the ranks came in."""
+    ops = waiting_ops(group, waiting)
+    return min(ops, key=lambda op: (-ops[op], op))
+
+
+def waiting_ops(group: WaitGroup | None, waiting: list[RankRecord]) -> Counter[str]:
+    """How many of ``waiting`` (live members of ``group``) called each op: the group counts
+    them as they join, unless some of its ranks went silent."""
+    if group is not None and len(waiting) == len(group):
+        return group.ops()
+    return Counter(r.collective.op for r in waiting if r.collective)
 
 
 def _most_waited(
     census: Census, now: float, limit: float
-) -> tuple[WaitKey, float, list[RankRecord]] | None:
+) -> tuple[WaitKey, float, WaitGroup, list[RankRecord]] | None:
     """The collective the most live ranks wait in (the longest-waited of those tied) among
-    those older than ``limit``: its key, its age and its waiters; None when there is none."""
-    quiet = {r.rank for r in census.quiet}
-    best: tuple[int, float, WaitKey, list[RankRecord]] | None = None
-    for key, members in census.waits.items():
-        if quiet:
-            members = [r for r in members if r.rank not in quiet]
-        age = _oldest_wait(members, now)
-        if age > limit and (best is None or (len(members), age) > best[:2]):
-            best = (len(members), age, key, members)
+    those older than ``limit``: its key, its age, its group and its live waiters; None when
+    there is none."""
+    quiet = census.quiet_ranks
+    best: tuple[int, float, WaitKey, WaitGroup] | None = None
+    for key, group in census.waits.items():
+        members = group.members
+        size = len(members)
+        began = None
+        if quiet and any(rank in members for rank in quiet):
+            size -= sum(1 for rank in quiet if rank in members)
+        else:
+            began = group.oldest_start(now)
+        if began is None:
+            age = _oldest_wait(_live_members(group, quiet), now)
+        else:
+            age = now - (began if began < now else now)
+        if age > limit and (best is None or (size, age) > best[:2]):
+            best = (size, age, key, group)
     if best is None:
         return None
-    _, age, key, members = best
-    return key, age, members
+    _, age, key, group = best
+    return key, age, group, _live_members(group, quiet)
+
+
+def _live_members(group: WaitGroup, quiet: frozenset[int]) -> list[RankRecord]:
+    if not quiet:
+        return group.records()
+    return [r for r in group.members.values() if r.rank not in quiet]
 
 
 def _oldest_wait(members: list[RankRecord], now: float) -> float:
@@ -748,12 +788,13 @@ def find_mismatch(census: Census, now: float, settle: float) -> Mismatch | None:
             finals[wait_key(c)].append((r, c))
     numbered = [key for key in census.waits if key[0] != "op"]  # comparable across ranks
     for key in sorted({*numbered, *finals}, key=lambda k: (str(k[0]), str(k[1]), k[2])):
-        waiting = census.waits.get(key, [])
-        calls = [r.collective for r in waiting] + [c for _, c in finals.get(key, [])]
-        if _all_alike(calls):  # and so are those settled in it: the common case, cheaply
+        group = census.waits.get(key)
+        died = finals.get(key, [])
+        if _all_alike(group, died):  # and so are those settled in it: the common case, cheaply
             continue
+        waiting = group.records() if group is not None else []
         members = [(r, r.collective) for r in waiting if r.collective is not None]
-        settled = [m for m in members if _settled(*m, now, settle)] + finals.get(key, [])
+        settled = [m for m in members if _settled(*m, now, settle)] + died
         found = _mismatch_in(key, sorted(settled, key=lambda m: m[0].rank)) if settled else None
         if found is not None:
             return found
@@ -792,16 +833,13 @@ def _mismatch_in(key: WaitKey, members: list[tuple[RankRecord, Collective]]) -> 
     return Mismatch(key, described, culprits, others)
 
 
-def _all_alike(calls: list[Collective | None]) -> bool:
+def _all_alike(group: WaitGroup | None, died: list[tuple[RankRecord, Collective]]) -> bool:
     """Every call is exactly the same (op, shape, dtype): no mismatch, and no need to work
-    out each call's signature (thousands of ranks in one all_reduce)."""
-    first = calls[0]
-    if first is None:
-        return False
-    op, shape, dtype = first.op, first.shape, first.dtype
-    return all(
-        c is not None and c.op == op and c.shape == shape and c.dtype == dtype for c in calls
-    )
+    out each call's signature (thousands of ranks in one all_reduce). The group counts its
+    calls as ranks join it."""
+    calls = set(group.calls()) if group is not None else set()
+    calls.update(call_of(c) for _, c in died)
+    return len(calls) == 1
 
 
 def missing_ranks(state: ServerState) -> list[int]:

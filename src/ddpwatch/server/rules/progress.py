@@ -21,11 +21,7 @@ def rule_stalled(f: Facts) -> list[Alert]:
     cutoff = f.now - f.stall_after  # idle(r) > stall_after, without a call per rank
     if f.since >= cutoff:
         return []
-    candidates = [
-        r
-        for r in f.live
-        if r.last_progress < cutoff and r.step is not None and r.collective is None
-    ]
+    candidates = [r for r in f.census.idle if r.last_progress < cutoff and r.step is not None]
     if not candidates or f.cascade.roots:
         return []
     found = f.straggle
