@@ -86,6 +86,53 @@ def test_a_remote_dashboard_asks_for_the_summary_once_the_job_is_large(live: Liv
     assert summarize(first)["total_ranks"] == 12 and "listed" not in summarize(first)
 
 
+def test_a_summary_that_does_not_come_in_time_shows_disconnected_not_a_whole_document(
+    port: int,
+) -> None:
+    """A server too busy to summarise a large job in time is not then asked for the whole
+    document (tens of megabytes at 65,536 ranks): the poll says disconnected and the next
+    one asks for the summary again."""
+    state = ServerState(started=time.time())
+    fill(state, time.time())
+    whole = msgspec.json.encode(status_document(state, [], time.time(), Thresholds()))
+    asked: list[str] = []
+    slow = threading.Event()
+
+    def snapshot() -> bytes:
+        asked.append("whole")
+        return whole
+
+    def query(text: bytes) -> bytes:
+        asked.append("summary")
+        if slow.is_set():
+            time.sleep(0.6)  # past the dashboard's timeout
+        return whole  # 12 ranks: a summary's shape is not what this test reads
+
+    collector = Collector(state, snapshot, port=port, query=query)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            collector.poll(0.05)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    source = RemoteSource("127.0.0.1", port, timeout=0.3)
+    try:
+        assert source.fetch() is not None  # a whole document: the job turns out large
+        slow.set()
+        assert source.fetch() is None  # the summary came too late
+        slow.clear()
+        time.sleep(0.5)  # the late reply is dropped with the socket
+        assert source.fetch() is not None
+    finally:
+        source.close()
+        stop.set()
+        thread.join(5)
+        collector.close()
+    assert asked[0] == "whole" and asked.count("whole") == 1, asked
+
+
 def test_a_remote_dashboard_keeps_whole_documents_from_a_server_without_summaries(
     port: int,
 ) -> None:

@@ -239,14 +239,16 @@ class RemoteSource:
     def fetch(self) -> dict[str, Any] | None:
         from ddpwatch.client import StatusQueryError
 
-        document = None
         if self._large and self._summaries:
             try:
-                document = scoped_summary(self._ask, self.scope)
+                # no answer in time is shown as disconnected: asking a server that is slow to
+                # summarise for the whole document of a large job would only add to its load
+                return self._seen(scoped_summary(self._ask, self.scope))
             except StatusQueryError:  # a server from before summaries: whole documents
                 self._summaries = False
-        if document is None:
-            document = self.client.fetch()
+        return self._seen(self.client.fetch())
+
+    def _seen(self, document: dict[str, Any] | None) -> dict[str, Any] | None:
         if document is not None:
             self._large = ranks_in(document) > PAGED_ABOVE
         return document
