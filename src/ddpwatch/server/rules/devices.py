@@ -257,22 +257,41 @@ def rule_uneven_memory(f: Facts) -> list[Alert]:
     ]
 
 
+def _sharing_gpus(live: Sequence[RankRecord]) -> list[RankRecord]:
+    """Ranks whose GPU lists processes besides their own, on hosts where the lists can be
+    read: inside containers NVML may report host pids that never match the ranks' own, so
+    only hosts where at least one rank finds itself in its GPU's list count. A rank alone on
+    its GPU, as most are, costs one look at its list."""
+    comparable: set[str] = set()
+    others: list[RankRecord] = []
+    for r in live:
+        gpu_pids, host = r.gpu_pids, r.host
+        if not gpu_pids or not host:
+            continue
+        if r.pid in gpu_pids:
+            comparable.add(host)
+            if len(gpu_pids) == 1:
+                continue
+        others.append(r)
+    return [r for r in others if r.host in comparable]
+
+
 @rule(AlertKind.FOREIGN_MEMORY, every="slow")
 def rule_foreign_memory(f: Facts) -> list[Alert]:
     """Processes that are not ranks of this job hold memory on a rank's GPU."""
-    pids: dict[str, set[int]] = defaultdict(set)
+    others = _sharing_gpus(f.live)
+    if not others:
+        return []
+    hosts = {r.host for r in others}
+    pids: dict[str | None, set[int]] = defaultdict(set)  # of every rank, finished ones too
     for r in f.records:
-        if r.host and r.pid is not None:
+        if r.host in hosts and r.pid is not None:
             pids[r.host].add(r.pid)
-    reporting = [r for r in f.live if r.host and r.gpu_pids]
-    # Inside containers NVML may report host pids that never match the ranks' own pids;
-    # only judge hosts where at least one rank finds itself in its GPU's list.
-    comparable = {r.host for r in reporting if r.pid is not None and r.pid in (r.gpu_pids or [])}
     culprits: list[RankRecord] = []
     foreign: set[int] = set()
-    for r in reporting:
-        known = pids[r.host or ""]
-        if r.host not in comparable or known.issuperset(r.gpu_pids or ()):
+    for r in others:
+        known = pids[r.host]
+        if known.issuperset(r.gpu_pids or ()):
             continue
         culprits.append(r)
         foreign.update(p for p in r.gpu_pids or () if p not in known)

@@ -54,8 +54,10 @@ def rule_stalled(f: Facts) -> list[Alert]:
 def rule_step_skew(f: Facts) -> list[Alert]:
     """Training ranks far apart in step count: they are not really in lockstep."""
     th = f.th
-    stall_after = f.stall_after
-    ranks = [r for r in f.live if r.step is not None and f.idle(r) <= stall_after]
+    ranks = [r for r in f.live if r.step is not None]
+    if f.since < f.now - f.stall_after:  # else none has idled longer than that yet
+        moved = f.now - f.stall_after  # ``idle(r) <= stall_after``, without a call per rank
+        ranks = [r for r in ranks if r.last_progress >= moved]
     if len(ranks) < 2:
         return []
     # Heartbeats sample steps at different moments: allow what the fastest plausible step
@@ -75,8 +77,8 @@ def rule_step_skew(f: Facts) -> list[Alert]:
     if not times:
         return []
     allowed = 3 + (th.interval + 0.5) / min(times)
-    lead = max(ranks, key=lambda r: (r.step or 0, -r.rank))
-    top = lead.step or 0
+    top = max(r.step or 0 for r in ranks)
+    lead = min((r for r in ranks if (r.step or 0) == top), key=lambda r: r.rank)
     behind = sorted((r for r in ranks if (r.step or 0) < top - allowed), key=lambda r: r.rank)
     if not behind:
         return []
@@ -112,14 +114,14 @@ def rule_slow_rank(f: Facts) -> list[Alert]:
     workers starting, first compilations: a rank slow for its first second is not slow), and
     collectives must be a real share of the step.
     """
-    stall_after = f.stall_after
+    moved = f.now - f.stall_after  # ``idle(r) <= stall_after``, without a call per rank
     ranks = [
         r
         for r in f.live
         if r.avg_step_time_s is not None
         and r.avg_collective_time_s is not None
         and r.collective_time_samples >= SETTLED_SAMPLES
-        and (r.collective is not None or f.idle(r) <= stall_after)
+        and (r.collective is not None or r.last_progress >= moved or f.since >= moved)
     ]
     if len(ranks) < 3:
         return []
