@@ -1,6 +1,6 @@
 """A real server under a 2 Hz heartbeat load of thousands of ranks, with and without relays.
 
-    python benchmarks/scale.py [--sizes 8192,32768,65536] [--modes relay,direct] [--seconds 20]
+    python benchmarks/scale.py [--sizes 8192,32768,65536] [--modes relay,direct|none] [--seconds 20]
         [--warmup 10] [--procs 4] [--ranks-per-relay N] [--status-every 5] [--publisher-nice 5]
         [--no-offline] [--profile] [--json FILE] [--quick]
 
@@ -1152,7 +1152,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sizes", default="8192,32768,65536", help="comma-separated rank counts")
-    parser.add_argument("--modes", default="relay,direct", help="relay, direct or both")
+    parser.add_argument(
+        "--modes", default="relay,direct", help="relay, direct, both, or none (in memory only)"
+    )
     parser.add_argument("--seconds", type=float, default=20.0, help="run length per row (20)")
     parser.add_argument("--warmup", type=float, default=10.0, help="straggler onset (10 s)")
     parser.add_argument("--procs", type=int, default=4, help="publisher processes (4)")
@@ -1183,7 +1185,7 @@ def main(argv: list[str] | None = None) -> int:
         args.sizes, args.seconds, args.warmup, args.procs = "512", 6.0, 2.0, 2
         args.status_every = 1.0
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip() not in ("", "none")]
     if any(m not in ("relay", "direct") for m in modes):
         parser.error("--modes takes relay and/or direct")
     if args.warmup + 2.5 > args.seconds:

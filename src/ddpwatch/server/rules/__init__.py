@@ -7,8 +7,10 @@ entered which collective, on what evidence); ``text`` the words. Each family mod
 family. A rule is a function of ``Facts`` declared with ``@rule(kinds...)``: the kinds it
 may raise are checked against the contract when the module is imported.
 
-The server calls ``diagnose`` four times a second with up to thousands of ranks, so each
-rule is one or two linear passes plus a sort; ``Facts`` does shared work once per call.
+The server ticks four times a second with up to 65,536 ranks (``Diagnosis``), so a rule is at
+most one or two linear passes plus a sort, and ``Facts`` does shared work once per tick: the
+census of live, quiet and finished ranks, and the groups of ranks by the collective they are
+in, which ``ServerState`` keeps as heartbeats arrive (``server/waits.py``).
 """
 
 from __future__ import annotations
