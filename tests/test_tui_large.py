@@ -6,6 +6,7 @@ lowered so that 12 ranks count as large."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -69,6 +70,25 @@ def live(port: int) -> Iterator[LiveServer]:
     server.stop()
 
 
+@contextlib.contextmanager
+def serving(collector: Collector) -> Iterator[None]:
+    """``collector`` polled on a thread, as ``Server.run`` polls it, then closed."""
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            collector.poll(0.05)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)
+        collector.close()
+
+
 def test_a_remote_dashboard_asks_for_the_summary_once_the_job_is_large(live: LiveServer) -> None:
     source = RemoteSource("127.0.0.1", live.port, timeout=5.0)
     try:
@@ -108,28 +128,17 @@ def test_a_summary_that_does_not_come_in_time_shows_disconnected_not_a_whole_doc
             time.sleep(0.6)  # past the dashboard's timeout
         return whole  # 12 ranks: a summary's shape is not what this test reads
 
-    collector = Collector(state, snapshot, port=port, query=query)
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            collector.poll(0.05)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
     source = RemoteSource("127.0.0.1", port, timeout=0.3)
-    try:
-        assert source.fetch() is not None  # a whole document: the job turns out large
-        slow.set()
-        assert source.fetch() is None  # the summary came too late
-        slow.clear()
-        time.sleep(0.5)  # the late reply is dropped with the socket
-        assert source.fetch() is not None
-    finally:
-        source.close()
-        stop.set()
-        thread.join(5)
-        collector.close()
+    with serving(Collector(state, snapshot, port=port, query=query)):
+        try:
+            assert source.fetch() is not None  # a whole document: the job turns out large
+            slow.set()
+            assert source.fetch() is None  # the summary came too late
+            slow.clear()
+            time.sleep(0.5)  # the late reply is dropped with the socket
+            assert source.fetch() is not None
+        finally:
+            source.close()
     assert asked[0] == "whole" and asked.count("whole") == 1, asked
 
 
@@ -141,23 +150,12 @@ def test_a_remote_dashboard_keeps_whole_documents_from_a_server_without_summarie
     state = ServerState(started=time.time())
     fill(state, time.time())
     whole = msgspec.json.encode(status_document(state, [], time.time(), Thresholds()))
-    collector = Collector(state, lambda: whole, port=port)  # no query callable: errors
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            collector.poll(0.05)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
     source = RemoteSource("127.0.0.1", port, timeout=5.0)
-    try:
-        documents = [source.fetch() for _ in range(3)]
-    finally:
-        source.close()
-        stop.set()
-        thread.join(5)
-        collector.close()
+    with serving(Collector(state, lambda: whole, port=port)):  # no query callable: errors
+        try:
+            documents = [source.fetch() for _ in range(3)]
+        finally:
+            source.close()
     assert all(d is not None and len(d["ranks"]) == RANKS for d in documents)
 
 

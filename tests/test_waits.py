@@ -191,27 +191,29 @@ def test_reading_the_kept_index_names_exactly_what_a_full_pass_names(seed: int) 
     assert checked > 100 and named > 10  # the streams do raise alerts to compare
 
 
+def _beat(
+    rank: int, step: int, py: int, collective: Collective | None = None, world: int | None = None
+) -> Sample:
+    return Sample(
+        v=1,
+        rank=rank,
+        t=0.0,
+        pid=100 + rank,
+        world_size=world,
+        host="node0",
+        step=step,
+        collective=collective,
+        collectives=CollectiveCounts(py=py),
+    )
+
+
 def _hang(world: int, culprit: int, at: float) -> ServerState:
     """Every rank but ``culprit`` in all_reduce #7 for 20 s; ``culprit`` still at #6."""
     state = ServerState(started=T0)
+    in_it = Collective(op="all_reduce", seq=7, source="py", since_s=20.0)
     for rank in range(world):
         stuck = rank != culprit
-        state.apply(
-            Sample(
-                v=1,
-                rank=rank,
-                t=0.0,
-                pid=100 + rank,
-                world_size=world,
-                host="node0",
-                step=40,
-                collective=Collective(op="all_reduce", seq=7, source="py", since_s=20.0)
-                if stuck
-                else None,
-                collectives=CollectiveCounts(py=7 if stuck else 6),
-            ),
-            at,
-        )
+        state.apply(_beat(rank, 40, 7 if stuck else 6, in_it if stuck else None, world), at)
     return state
 
 
@@ -223,17 +225,7 @@ def test_a_ticking_server_names_the_straggler_as_diagnose_does_and_follows_it_ou
     assert [(a.kind, a.ranks) for a in diagnosis(state, T0 + 20.2, TH)] == expected
     # the straggler enters: everyone leaves the collective, and no one is left to blame
     for rank in range(64):
-        state.apply(
-            Sample(
-                v=1,
-                rank=rank,
-                t=0.0,
-                pid=100 + rank,
-                step=41,
-                collectives=CollectiveCounts(py=7),
-            ),
-            T0 + 20.4,
-        )
+        state.apply(_beat(rank, 41, 7), T0 + 20.4)
     assert not state.waits.groups
     assert [a for a in diagnosis(state, T0 + 20.5, TH) if a.kind == "straggler"] == []
 

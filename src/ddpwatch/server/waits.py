@@ -87,7 +87,8 @@ class WaitGroup:
         return list(self.members.values())
 
     def sorted_ranks(self) -> list[int]:
-        """The members' ranks in order, sorted again only after a rank joined or left."""
+        """The members' ranks in order, sorted again only after a rank joined or left (one
+        list, shared between calls: read it, do not change it)."""
         changes, ranks = self._sorted
         if changes != self.changes:
             ranks = sorted(self.members)
