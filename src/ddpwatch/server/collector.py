@@ -59,6 +59,10 @@ RANK_CEILING = 65_536  # without --max-ranks: the most ranks, and the largest wo
 REFUSED_LOG_S = 10.0
 MAX_RELAY_AGE_US = 60_000_000  # a frame a relay held longer is dated a minute back, no more
 PAUSE_S = 1.0
+RECEIVE_GAP_S = 0.01
+"""The least time from one receive to the next: frames that come meanwhile wait for it, so a
+server that keeps up takes them tens or hundreds at a time rather than one by one (each
+receive has its own fixed work). A heartbeat waits at most this much longer."""
 """Wall time this much longer than the server's own CPU time and waits: it was not running."""
 
 
@@ -94,6 +98,7 @@ class Collector:
         self._query_reply = query
         self._clock = clock
         self._behind = False  # the last receive left messages queued
+        self._received_at = -math.inf  # when the last receive ended (``RECEIVE_GAP_S``)
         self._pauses = PauseWatch()
         self._context = zmq.Context()
         self._auth: Any = None
@@ -157,8 +162,12 @@ class Collector:
             self._behind = True  # what arrives next may be late or lost: listen afresh
         count = 0
         if self._pull in events:
+            early = self._received_at + RECEIVE_GAP_S - time.monotonic()
+            if early > 0:
+                time.sleep(early)
             with lock or contextlib.nullcontext():
                 count = self._receive()
+            self._received_at = time.monotonic()
         else:
             self._caught_up(self._clock())
         if self._query in events:
