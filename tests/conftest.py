@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 from ddpwatch.demo.runner import stop_job
 from ddpwatch.ports import free_port_pair
@@ -36,6 +37,22 @@ def _no_ddpwatch_environment(
 @pytest.fixture
 def port() -> int:
     return free_port_pair()
+
+
+def push_frames(port: int, frames: list[bytes | list[bytes]]) -> None:
+    """Send ``frames`` to a server's PULL port on one PUSH socket, in order (a list is one
+    multipart message), and wait until they have left (a queue without a bound: thousands
+    are sent before anyone reads)."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 5000)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    for frame in frames:
+        if isinstance(frame, list):
+            sock.send_multipart(frame)
+        else:
+            sock.send(frame)
+    sock.close()
 
 
 def poll_status(server: Any, predicate: Callable[[dict[str, Any]], Any], timeout: float) -> Any:

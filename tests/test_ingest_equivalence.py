@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from conftest import push_frames
 
 from ddpwatch.protocol import (
     AnyMessage,
@@ -364,23 +365,13 @@ def test_measurements_replace_the_last_ones_and_lists_keep_their_values() -> Non
 # ---------------------------------------------------------------- through the real collector
 
 
-def _push(port: int, frames: list[bytes]) -> None:
-    sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 5000)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    for frame in frames:
-        sock.send(frame)
-    sock.send_multipart([encode(beat(rank=1, step=99)), b"second part"])  # one reject
-    sock.close()
-
-
 def _collect(port: int, frames: list[bytes], total: int, **options: Any) -> ServerState:
     """Every frame through a real ``Collector`` whose clock stands at 1000.0."""
     state = ServerState(started=0.0)
     collector = Collector(state, lambda: b"{}", "127.0.0.1", port, clock=lambda: 1000.0, **options)
     try:
-        _push(port, frames)
+        reject = [encode(beat(rank=1, step=99)), b"second part"]  # one, counted
+        push_frames(port, [*frames, reject])
         deadline = time.monotonic() + 10
         while state.received + state.rejected < total and time.monotonic() < deadline:
             collector.poll(0.1)

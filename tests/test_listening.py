@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
-from conftest import ROOT, free_port_pair
+from conftest import ROOT, free_port_pair, push_frames
 
 from ddpwatch.protocol import Sample, encode
 from ddpwatch.server.alerts import Thresholds
@@ -131,16 +131,6 @@ def test_a_relayed_rank_gets_its_relays_beat_on_top() -> None:
 # --- the collector: where its view is complete ----------------------------------------------
 
 
-def push_all(port: int, frames: list[bytes]) -> None:
-    sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 5000)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    for frame in frames:
-        sock.send(frame)
-    sock.close()
-
-
 def test_the_collector_moves_its_horizon_only_when_it_has_read_everything(port: int) -> None:
     state = ServerState(started=0.0)
     collector = Collector(state, lambda: b"", "127.0.0.1", port)
@@ -149,7 +139,7 @@ def test_the_collector_moves_its_horizon_only_when_it_has_read_everything(port: 
         first = state.heard_until
         assert first is not None and abs(first - time.time()) < 1.0  # nothing queued: complete
         frame = encode(Sample(v=1, rank=0, t=0.0, step=1))
-        push_all(port, [frame] * (RECV_BATCH + 5_000))
+        push_frames(port, [frame] * (RECV_BATCH + 5_000))
         deadline = time.monotonic() + 20
         while state.received == 0 and time.monotonic() < deadline:
             time.sleep(0.2)  # let ZeroMQ queue them all

@@ -13,7 +13,7 @@ import time
 import msgspec
 import pytest
 import zmq
-from conftest import ROOT, LiveServer, free_port_pair
+from conftest import ROOT, LiveServer, free_port_pair, push_frames
 
 from ddpwatch.cli import fetch_status, format_status, main
 from ddpwatch.protocol import Collective, ErrorInfo, Event, Sample, encode
@@ -28,16 +28,6 @@ RANK_FIELDS = {
     "step", "loss", "step_time_s", "mem_allocated_bytes", "mem_reserved_bytes", "gpu_mem_used_bytes",
     "gpu_mem_total_bytes", "collective", "last_seen_s", "stack", "error",
 }  # fmt: skip
-
-
-def push(port: int, frames: list[bytes]) -> None:
-    context = zmq.Context.instance()
-    sock = context.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 2000)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    for frame in frames:
-        sock.send(frame)
-    sock.close()
 
 
 def sample(rank: int, **fields) -> bytes:
@@ -59,7 +49,7 @@ def server(port: int):
 
 
 def test_status_document_follows_the_contract(server: LiveServer) -> None:
-    push(server.port, [sample(0, step=5, loss=0.5), sample(1, step=5, loss=float("nan"))])
+    push_frames(server.port, [sample(0, step=5, loss=0.5), sample(1, step=5, loss=float("nan"))])
     status = server.wait_for(
         lambda s: s if len(s["ranks"]) == 3 and s["stats"]["received"] == 2 else None, 10
     )
@@ -86,7 +76,7 @@ def test_bad_frames_are_counted_and_dropped(server: LiveServer) -> None:
         msgspec.msgpack.encode([1, 2]),
         msgspec.msgpack.encode({"v": 2, "type": "sample", "rank": 0, "t": 1.0}),
     ]
-    push(server.port, [*bad, sample(0, step=1)])
+    push_frames(server.port, [*bad, sample(0, step=1)])
     status = server.wait_for(
         lambda s: s if s["stats"]["rejected"] == 4 and s["stats"]["received"] == 1 else None, 10
     )
@@ -102,7 +92,7 @@ def test_bad_frames_are_counted_and_dropped(server: LiveServer) -> None:
 
 
 def test_status_query_and_cli(server: LiveServer, capsys) -> None:
-    push(server.port, [sample(0, step=3), sample(1, step=3), sample(2, step=3)])
+    push_frames(server.port, [sample(0, step=3), sample(1, step=3), sample(2, step=3)])
     server.wait_for(lambda s: s["stats"]["received"] == 3, 10)
     document = fetch_status("127.0.0.1", server.port, 2.0)
     assert document is not None and len(document["ranks"]) == 3
@@ -152,7 +142,7 @@ def test_a_backlog_keeps_each_ranks_order_and_counts_every_frame(port: int) -> N
     state = ServerState(started=0.0)
     collector = Collector(state, lambda: b"", "127.0.0.1", port)
     try:
-        push(port, [sample(0, step=0), sample(1, step=0), sample(2, step=0)])
+        push_frames(port, [sample(0, step=0), sample(1, step=0), sample(2, step=0)])
         deadline = time.monotonic() + 10
         while state.received < 3 and time.monotonic() < deadline:
             collector.poll(0.1)
@@ -166,7 +156,7 @@ def test_a_backlog_keeps_each_ranks_order_and_counts_every_frame(port: int) -> N
         frames += [sample(1, step=8, device="cuda:1")]  # identity changes are applied,
         frames += [encode(Sample(v=1, rank=1, t=time.time(), step=9))]  # even if not repeated
         frames += [sample(2, step=n) for n in range(1, 6)] + [stack(2)]
-        push(port, frames)
+        push_frames(port, frames)
         time.sleep(0.5)  # all queued: one batch
         while state.received + state.rejected < 3 + len(frames) and time.monotonic() < deadline:
             collector.poll(0.1)
@@ -258,7 +248,7 @@ def test_serve_headless_prints_alert_lines_and_exits_on_sigterm() -> None:
     )  # fmt: skip
     try:
         time.sleep(1.0)
-        push(port, [sample(0, step=1), sample(1, step=1), sample(2, step=1)])
+        push_frames(port, [sample(0, step=1), sample(1, step=1), sample(2, step=1)])
         line = proc.stdout.readline()  # all three go silent after 1 s
         change = json.loads(line)
         assert change["event"] == "raised" and change["alert"]["kind"] == "silent"

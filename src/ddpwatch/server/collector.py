@@ -59,11 +59,11 @@ RANK_CEILING = 65_536  # without --max-ranks: the most ranks, and the largest wo
 REFUSED_LOG_S = 10.0
 MAX_RELAY_AGE_US = 60_000_000  # a frame a relay held longer is dated a minute back, no more
 PAUSE_S = 1.0
+"""Wall time this much longer than the server's own CPU time and waits: it was not running."""
 RECEIVE_GAP_S = 0.01
 """The least time from one receive to the next: frames that come meanwhile wait for it, so a
 server that keeps up takes them tens or hundreds at a time rather than one by one (each
 receive has its own fixed work). A heartbeat waits at most this much longer."""
-"""Wall time this much longer than the server's own CPU time and waits: it was not running."""
 
 
 class BindError(RuntimeError):
