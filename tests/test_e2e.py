@@ -13,17 +13,19 @@ pytestmark = pytest.mark.e2e
 
 
 def all_ranks_stepping(n: int):
+    """A predicate for ``wait_for``: the status document once ``n`` ranks have stepped."""
+
     def check(status):
         ranks = [r for r in status["ranks"] if r["state"] != "not_connected"]
-        return len(ranks) == n and all((r["step"] or 0) >= 3 for r in ranks)
+        return status if len(ranks) == n and all((r["step"] or 0) >= 3 for r in ranks) else None
 
     return check
 
 
 def test_healthy_run_raises_no_alert(live_server: LiveServer, jobs) -> None:
     job = jobs("train_ddp.py", 2, ["--steps", "300"], live_server.port)
-    live_server.wait_for(all_ranks_stepping(2), timeout=60)
-    status = live_server.server.status()
+    # the document that saw them step: 300 small steps may be over by the next tick's
+    status = live_server.wait_for(all_ranks_stepping(2), timeout=60)
     assert status["world_size"] == 2
     for rank in status["ranks"]:
         assert rank["host"] and rank["pid"] and rank["device"] == "cpu"
