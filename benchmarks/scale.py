@@ -1,8 +1,8 @@
 """A real server under a 2 Hz heartbeat load of thousands of ranks, with and without relays.
 
-    python benchmarks/scale.py [--sizes 8192,32768,65536] [--modes relay,direct|none] [--seconds 20]
-        [--warmup 10] [--procs 4] [--ranks-per-relay N] [--status-every 5] [--publisher-nice 5]
-        [--no-offline] [--profile] [--json FILE] [--quick]
+    python benchmarks/scale.py [--sizes 8192,32768,65536] [--modes relay,direct,nodes|none]
+        [--seconds 20] [--warmup 10] [--procs 4] [--ranks-per-relay N] [--status-every 5]
+        [--publisher-nice 5] [--no-offline] [--profile] [--json FILE] [--quick]
 
 For each size, first **in memory**: every rank's heartbeats decoded and applied straight into a
 ``ServerState`` (no sockets) for 4 s of training and 3 s of a straggler, then ``diagnose``, the
@@ -27,6 +27,12 @@ else running. Then, for each mode, fresh processes (multiprocessing, spawn):
   per ``--ranks-per-relay`` ranks on threads (default: one relay per process, carrying all
   its ranks), its ranks PUSH to them over ``ipc://`` and the relays send ``Batch`` frames to
   the server every beat. Relays stop only once the server has drained its queue.
+  ``nodes``: what per-node relays on other machines would send, without running them here:
+  one PUSH socket per process carries, every beat, one ``Batch`` per simulated node of
+  ``RANKS_PER_NODE`` ranks (8,192 relays at 65,536 ranks, each named and sequenced as a
+  relay; its ranks' frames aged over the beat as they would have waited in it). The
+  server's work is that of real per-node relays; the machine running the benchmark is
+  spared 8,192 relay threads.
 * **status prober**: a ``StatusClient`` REQ (``b"status"``, as ``ddpwatch status``) every
   ``--status-every`` s, timed; on a few replies, the dashboard's model build (decode, header
   summary, alert index, history rings, worst-first rows: ``tui/model.py``; drawing the
@@ -68,6 +74,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -275,6 +282,40 @@ class Beats:
         parts[0] = b"\xde" + pairs.to_bytes(2, "big")  # a map16 header
         return b"".join(parts)
 
+    def alone(self, i: int, cycle: int, now: float) -> tuple[bytes, int]:
+        """The ``i``-th rank's heartbeat as a frame of its own (direct, or to a relay)."""
+        return self.frame(self.spec.lo + i, cycle, now), 1
+
+
+class NodeBatches:
+    """What a per-node relay on each simulated node sends: every beat, one ``Batch`` of its
+    ``RANKS_PER_NODE`` ranks' heartbeats, as ``relay.Relay._send`` builds it. The node's
+    ranks beat at phases spread over the beat, so each frame has waited in the relay for
+    part of a beat (``ages_us``) and is dated that much earlier (``t``)."""
+
+    def __init__(self, beats: Beats) -> None:
+        from ddpwatch.protocol import PROTOCOL_VERSION, Batch, encode
+
+        self.beats = beats
+        self.lo, self.hi = beats.spec.lo, beats.spec.hi
+        self.count = math.ceil((self.hi - self.lo) / RANKS_PER_NODE)
+        self.v, self.Batch, self.encode = PROTOCOL_VERSION, Batch, encode
+        self.ages_us = [int(BEAT_S * 1e6 * k / RANKS_PER_NODE) for k in range(RANKS_PER_NODE)]
+
+    def batch(self, node: int, cycle: int, now: float) -> tuple[bytes, int]:
+        first = self.lo + node * RANKS_PER_NODE
+        ranks = range(first, min(self.hi, first + RANKS_PER_NODE))
+        ages = self.ages_us[: len(ranks)]
+        frames = [
+            self.beats.frame(rank, cycle, now - age / 1e6)
+            for rank, age in zip(ranks, ages, strict=True)
+        ]
+        name = f"node-{first // RANKS_PER_NODE}"
+        batch = self.Batch(
+            v=self.v, relay=f"{name}:1", t=now, host=name, seq=cycle, frames=frames, ages_us=ages
+        )
+        return self.encode(batch), len(frames)
+
 
 def publisher(conn: Connection, spec: PublisherSpec) -> None:
     """Child process: ready its sockets (and relays), then beat every rank until told times."""
@@ -307,8 +348,14 @@ def publisher(conn: Connection, spec: PublisherSpec) -> None:
         conn.send("ready")
         t0, onset, end = conn.recv()
         beats = Beats(spec, t0, onset)
+        build: Callable[[int, int, float], tuple[bytes, int]] = beats.alone
+        units = n
+        if spec.mode == "nodes":
+            nodes = NodeBatches(beats)
+            build, units = nodes.batch, nodes.count
+            result.relays = per_socket = units
         cpu0 = time.process_time()
-        sent = _beat_loop(spec, beats, sockets, per_socket, t0, end, result, zmq.NOBLOCK)
+        sent = _beat_loop(units, build, sockets, per_socket, t0, end, result, zmq.NOBLOCK)
         deadline = time.time() + 5.0  # let frames in flight reach their relay and leave it
         while relays and time.time() < deadline:
             taken = all(r.stats.received >= s for (r, _, _), s in zip(relays, sent, strict=True))
@@ -358,8 +405,8 @@ def _run_relay(relay: Any, stop: threading.Event, cpu: list[float]) -> None:
 
 
 def _beat_loop(
-    spec: PublisherSpec,
-    beats: Beats,
+    units: int,
+    build: Callable[[int, int, float], tuple[bytes, int]],
     sockets: list[Any],
     per_socket: int,
     t0: float,
@@ -367,12 +414,13 @@ def _beat_loop(
     result: PublisherResult,
     noblock: int,
 ) -> list[int]:
-    """Send beat g = cycle * n + i (rank lo + i) at t0 + g * BEAT_S / n: every rank once per
-    beat, uniformly spread; more than one beat behind, skip ahead (counted in ``skipped``).
-    Returns the frames each socket took."""
+    """Send unit i's beat (a rank's heartbeat, or a node's batch: ``build(i, cycle, now)``
+    gives the frame and the heartbeats in it) g = cycle * units + i at t0 + g * BEAT_S /
+    units: every unit once per beat, uniformly spread; more than one beat behind, skip
+    ahead (counted in ``skipped``, in units). Returns the frames each socket took."""
     import zmq
 
-    n = spec.hi - spec.lo
+    n = units
     sent = [0] * len(sockets)
     g = 0
     while True:
@@ -386,14 +434,14 @@ def _beat_loop(
         chunk_end = min(due, g + 2000)  # look at the clock again every 2,000 frames
         while g < chunk_end:
             cycle, i = divmod(g, n)
-            frame = beats.frame(spec.lo + i, cycle, now)
+            frame, heartbeats = build(i, cycle, now)
             k = i // per_socket
             try:
                 sockets[k].send(frame, noblock)
                 sent[k] += 1
             except zmq.Again:
-                result.sender_drops += 1
-            result.offered += 1
+                result.sender_drops += heartbeats
+            result.offered += heartbeats
             g += 1
         if g >= due:
             time.sleep(min(0.005, max(0.0, t0 + (g + 1) * BEAT_S / n - time.time())))
@@ -809,7 +857,7 @@ def summarize_run(
         ranks=size,
         mode=mode,
         relays=sum(r.relays for r in results),
-        ranks_per_relay=rpr if mode == "relay" else None,
+        ranks_per_relay=rpr if mode == "relay" else RANKS_PER_NODE if mode == "nodes" else None,
         seconds=wall,
         target_rate=2.0 * size,
         offered_rate=offered / wall,
@@ -1088,7 +1136,7 @@ HEADER = (
 
 def table_line(row: Row) -> str:
     return (
-        f"{row.ranks:>6} {row.mode:<6} {row.relays if row.mode == 'relay' else '-':>6}"
+        f"{row.ranks:>6} {row.mode:<6} {row.relays if row.mode != 'direct' else '-':>6}"
         f" {row.offered_rate:>10.0f} {row.target_rate:>9.0f} {row.accepted_rate:>10.0f}"
         f" {row.drops:>8} {row.server_cores:>9.2f} {row.ingest_cores:>6.2f}"
         f" {_fmt(row.tick_median_ms, '.0f'):>7}/{_fmt(row.tick_p99_ms, '.0f'):<8}"
@@ -1153,7 +1201,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--sizes", default="8192,32768,65536", help="comma-separated rank counts")
     parser.add_argument(
-        "--modes", default="relay,direct", help="relay, direct, both, or none (in memory only)"
+        "--modes",
+        default="relay,direct",
+        help="relay, direct, nodes (any of them, comma-separated) or none (in memory only)",
     )
     parser.add_argument("--seconds", type=float, default=20.0, help="run length per row (20)")
     parser.add_argument("--warmup", type=float, default=10.0, help="straggler onset (10 s)")
@@ -1186,8 +1236,8 @@ def main(argv: list[str] | None = None) -> int:
         args.status_every = 1.0
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip() not in ("", "none")]
-    if any(m not in ("relay", "direct") for m in modes):
-        parser.error("--modes takes relay and/or direct")
+    if any(m not in ("relay", "direct", "nodes") for m in modes):
+        parser.error("--modes takes relay, direct and/or nodes")
     if args.warmup + 2.5 > args.seconds:
         parser.error("--seconds must leave at least 2.5 s after --warmup (the collective limit)")
     for size in sizes:

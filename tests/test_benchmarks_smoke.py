@@ -85,6 +85,7 @@ def test_diagnosis_tiny() -> None:
 
 
 def test_scale_tiny() -> None:
-    out = run_benchmark("scale.py", "--quick")
+    out = run_benchmark("scale.py", "--quick", "--modes", "relay,direct,nodes")
     assert "RATIO scale 512 relay" in out
     assert "RATIO scale 512 direct" in out
+    assert "RATIO scale 512 nodes" in out
