@@ -17,6 +17,7 @@ from conftest import ROOT, LiveServer, free_port_pair, push_frames
 
 from ddpwatch.cli import fetch_status, format_status, main
 from ddpwatch.protocol import Collective, ErrorInfo, Event, Sample, encode
+from ddpwatch.server import collector as collector_module
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.collector import RECEIVE_GAP_S, BindError, Collector
 from ddpwatch.server.service import AlertChange, diff_alerts
@@ -201,6 +202,42 @@ def test_a_server_that_keeps_up_takes_a_trickle_of_frames_in_few_receives(port: 
     assert state.received == sent
     # one receive per RECEIVE_GAP_S at most (with room for a late start), not one per frame
     assert receives <= took / RECEIVE_GAP_S + 5, (receives, took)
+
+
+def test_a_server_behind_many_ranks_reads_far_enough_to_coalesce(port: int, monkeypatch) -> None:
+    """With more ranks than half a receive, a receive of ``RECV_BATCH`` holds no rank twice:
+    nothing was coalesced and a server that fell behind at 65,536 ranks stayed behind
+    (``benchmarks/scale.py --modes nodes``: 35k of 131k heartbeats/s). Behind, it reads
+    ``BEHIND_BEATS`` heartbeats per known rank, applies each rank's newest, counts all."""
+    monkeypatch.setattr(collector_module, "RECV_BATCH", 50)  # 120 ranks: more than half
+    ranks, beats = 120, 3
+    state = ServerState(started=0.0)
+    applied: list[int] = []
+    apply = state.apply
+
+    def counting_apply(message, now: float) -> None:
+        applied.append(message.rank)
+        apply(message, now)
+
+    monkeypatch.setattr(state, "apply", counting_apply)
+    collector = Collector(state, lambda: b"", "127.0.0.1", port)
+    try:
+        push_frames(port, [sample(r, step=0, world_size=ranks) for r in range(ranks)])
+        deadline = time.monotonic() + 10
+        while state.received < ranks and time.monotonic() < deadline:
+            collector.poll(0.1)
+        applied.clear()
+        push_frames(port, [sample(r, step=s) for s in range(1, beats + 1) for r in range(ranks)])
+        time.sleep(0.5)  # all queued
+        taken = [collector.poll(0.1)]  # not behind yet: RECV_BATCH
+        while state.received < ranks * (beats + 1) and time.monotonic() < deadline:
+            taken.append(collector.poll(0.1))
+    finally:
+        collector.close()
+    assert taken[:2] == [50, 2 * ranks], taken  # behind: two heartbeats per rank
+    assert state.received == ranks * (beats + 1)  # every one counted
+    assert len(applied) < ranks * beats  # many superseded within a receive: not applied
+    assert all(state.ranks[r].step == beats for r in range(ranks))  # each rank's newest
 
 
 def test_a_heartbeat_without_identity_keeps_the_last_one_told() -> None:

@@ -53,6 +53,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("ddpwatch.server")
 
 RECV_BATCH = 10_000
+BEHIND_BEATS = 2
+"""Behind, a receive takes up to this many heartbeats per known rank (``RECV_BATCH`` at
+least), so that it holds most ranks more than once and applies only each one's newest: with
+tens of thousands of ranks, ``RECV_BATCH`` holds no rank twice, nothing is coalesced, and a
+server that fell behind by a little stays behind (at 65,536 ranks it takes 7-8 µs a heartbeat
+applied, against 131,072 heartbeats a second)."""
 RANK_MARGIN = 64  # ranks tracked beyond the known world size (elastic jobs, restarts)
 UNKNOWN_WORLD_RANKS = 1024  # ranks tracked while no rank has reported a world size
 RANK_CEILING = 65_536  # without --max-ranks: the most ranks, and the largest world size, taken
@@ -203,10 +209,11 @@ class Collector:
                 )
 
     def _receive(self) -> int:
-        """Take in up to ``RECV_BATCH`` messages (a batch counts each one in it). Under
-        backlog a known rank's heartbeats are coalesced: only its newest ``Sample`` of the
-        batch is applied, plus any that ``_must_apply`` (only intermediate history points are
-        lost); its events keep their order.
+        """Take in up to ``RECV_BATCH`` messages (a batch counts each one in it; behind, up to
+        ``BEHIND_BEATS`` per known rank). Under backlog a known rank's heartbeats are
+        coalesced: only its newest ``Sample`` of the batch is applied, plus any that
+        ``_must_apply`` (only intermediate history points are lost); its events keep their
+        order.
 
         The frames are first taken off the socket and each one's head read (``_Head``: its
         type and rank), so a rank's last heartbeat of the batch is known when it comes and
@@ -238,10 +245,11 @@ class Collector:
         return count
 
     def _read(self) -> tuple[list[bytes | Batch], dict[int, int], int, bool]:
-        """Take frames off the socket until ``RECV_BATCH`` messages or none is left: rank
-        frames as they came, batches decoded (their size counts). Returns them, the
-        position of each rank's last heartbeat among the rank messages (empty when a head
-        could not be read: then every heartbeat waits), the count, and whether it ran dry."""
+        """Take frames off the socket until ``RECV_BATCH`` messages (behind: ``BEHIND_BEATS``
+        per known rank) or none is left: rank frames as they came, batches decoded (their size
+        counts). Returns them, the position of each rank's last heartbeat among the rank
+        messages (empty when a head could not be read: then every heartbeat waits), the
+        count, and whether it ran dry."""
         state = self.state
         recv, noblock, head_of = self._pull.recv, zmq.NOBLOCK, _heads.decode  # bound once
         taken: list[bytes | Batch] = []
@@ -249,7 +257,8 @@ class Collector:
         position = 0  # rank messages, direct or in a batch, in the order they are taken
         read_ahead = True
         count = 0
-        while count < RECV_BATCH:
+        limit = max(RECV_BATCH, BEHIND_BEATS * len(state.ranks)) if self._behind else RECV_BATCH
+        while count < limit:
             try:
                 # a zmq.Frame says whether more parts follow: cheaper than asking the socket
                 # (getsockopt(RCVMORE) looks its option up in a Python enum, every frame)
