@@ -574,6 +574,7 @@ def server_host(conn: Connection, profile: bool = False) -> None:
             "marks": marks,
             "received": state.received,
             "rejected": state.rejected,
+            "shed": state.shed,
             "ranks_known": len(state.ranks),
             "relays_known": len(state.relays),
             "relay_lost_batches": sum(r.lost_batches for r in state.relays.values()),
@@ -684,6 +685,7 @@ class Row:
     sender_drops: int
     skipped: int
     rejected: int
+    shed: int  # of received: counted from their head, the server far behind
     server_cores: float
     thread_cores: float
     ingest_cores: float
@@ -868,6 +870,7 @@ def summarize_run(
         sender_drops=sum(r.sender_drops for r in results),
         skipped=sum(r.skipped for r in results),
         rejected=server["rejected"],
+        shed=server["shed"],
         server_cores=(cpu_end - cpu_start) / wall,
         thread_cores=thread_cpu / wall,
         ingest_cores=max(0.0, thread_cpu - tick_cpu - answer_cpu) / wall,
@@ -1152,7 +1155,8 @@ def detail_line(row: Row) -> str:
         f"  {row.ranks} {row.mode}:",
         f"offered {row.offered_rate / row.target_rate:.0%} of the target"
         + (" (PUBLISHERS SHORT)" if short else ""),
-        f"sender drops {row.sender_drops}, beats skipped {row.skipped}, rejected {row.rejected}",
+        f"sender drops {row.sender_drops}, beats skipped {row.skipped}, rejected {row.rejected},"
+        f" shed {row.shed} (of {row.received} received)",
         f"server thread {row.thread_cores:.2f} cores (ticks {row.tick_cores:.2f},"
         f" ingest {row.ingest_cores:.2f}); {row.ticks_in_window} ticks, {row.ticks} of them with"
         f" every rank known; longest time without a tick {row.tick_gap_s:.1f} s",

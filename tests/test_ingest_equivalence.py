@@ -15,6 +15,7 @@ heartbeats are applied, which only counted). The expected values are worked out 
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections import deque
 from dataclasses import fields
@@ -23,7 +24,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from conftest import push_frames
+from conftest import free_port_pair, push_frames
 
 from ddpwatch.protocol import (
     AnyMessage,
@@ -602,3 +603,101 @@ def test_apply_leaves_the_messages_as_they_came() -> None:
     assert record.collectives == messages[2].collectives
     assert record.gpu_pids is messages[0].gpu_pids  # equal since: the first list is kept
     assert record.collective is not None and record.collective.shape is before[0][1]
+
+
+# ---------------------------------------------------------------- a server far behind sheds
+
+
+def _random_backlog(rng: random.Random, ranks: int, length: int) -> list[AnyMessage]:
+    """A backlog of ``ranks`` known ranks in every shape shedding must tell apart: plain
+    heartbeats (most), NaN, infinite and int losses, identities repeated or with a new pid,
+    events and hellos between heartbeats, ranks never seen before."""
+    messages: list[AnyMessage] = []
+    steps = [1] * (ranks + 2)
+    for _ in range(length):
+        rank = rng.randrange(ranks + 2)  # the last two are new to the server
+        steps[rank] += rng.random() < 0.7
+        fields: dict[str, Any] = {"step": steps[rank], "loss": rng.choice([1.0, 0.5, None])}
+        roll = rng.random()
+        if roll < 0.04:
+            fields["loss"] = rng.choice([NAN, math.inf, 2])
+        elif roll < 0.08:
+            fields.update(IDENT, pid=100 + rank + rng.choice([0, 0, 1000]), local_rank=rank)
+        elif roll < 0.10:
+            fields["device"] = "cuda:1"  # one identity field alone
+        elif roll < 0.13:
+            kind, extra = rng.choice(
+                [
+                    ("stack", {"stack": "line 1"}),
+                    ("log", {"text": "x"}),
+                    ("phase", {"phase": "eval"}),
+                ]
+            )
+            messages.append(event(kind, rank=rank, **extra))
+            continue
+        elif roll < 0.14:
+            messages.append(Hello(v=1, rank=rank, t=0.0, **{**IDENT, "pid": 100 + rank}))
+            continue
+        if rng.random() < 0.2:
+            fields["collective"] = Collective(op="all_reduce", seq=steps[rank], since_s=0.1)
+        messages.append(beat(rank=rank, **fields))
+    return messages
+
+
+def _take_in_one_receive(
+    port: int, frames: list[bytes], messages: int, shedding: bool, ranks: int
+) -> ServerState:
+    """The known ranks' identities, then ``frames`` (``messages`` rank messages, all valid)
+    in one receive of a collector behind its
+    queue: for 100 s (it sheds) or just now (it coalesces only). The clock stands still."""
+    state = ServerState(started=0.0)
+    collector = Collector(state, lambda: b"{}", "127.0.0.1", port, clock=lambda: 1000.0)
+    try:
+        push_frames(port, [encode(beat(rank=r, **{**IDENT, "pid": 100 + r})) for r in range(ranks)])
+        deadline = time.monotonic() + 10
+        while state.received < ranks and time.monotonic() < deadline:
+            collector.poll(0.1)
+        push_frames(port, frames)
+        time.sleep(0.3)  # all queued: one receive takes them
+        collector._behind = True
+        state.heard_until = 1000.0 - (100.0 if shedding else 1.0)
+        collector.poll(1.0)
+        assert state.received + state.rejected == ranks + messages  # all in that receive
+    finally:
+        collector.close()
+    return state
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_server_far_behind_sheds_only_what_coalescing_would_not_apply(
+    port: int, seed: int
+) -> None:
+    """Far behind (``collector.SHED_AFTER_S``) the server reads the superseded plain
+    heartbeats by their head alone. The records must come out exactly as coalescing leaves
+    them (same receive, same clock), field by field, for every rank; only ``shed`` differs.
+    Half the backlogs come through a relay's batches."""
+    rng = random.Random(seed)
+    ranks = 12
+    messages = _random_backlog(rng, ranks, 600)
+    frames = [encode(m) for m in messages]
+    if seed % 2:  # through relays: batches of 1-40 frames, some aged
+        batched = []
+        while frames:
+            cut = frames[: rng.randint(1, 40)]
+            frames = frames[len(cut) :]
+            ages = [rng.randrange(500_000) for _ in cut]
+            batched.append(
+                encode(
+                    Batch(v=1, relay="node:1", t=0.0, seq=len(batched), frames=cut, ages_us=ages)
+                )
+            )
+        frames = batched
+    total = len(messages)
+    coalesced = _take_in_one_receive(port, frames, total, shedding=False, ranks=ranks)
+    shed = _take_in_one_receive(free_port_pair(), frames, total, shedding=True, ranks=ranks)
+    assert coalesced.shed == 0 and shed.shed > 100  # most heartbeats here are plain
+    assert (shed.received, shed.rejected) == (coalesced.received, coalesced.rejected)
+    assert sorted(shed.ranks) == sorted(coalesced.ranks)
+    for rank in coalesced.ranks:
+        assert snapshot(shed.ranks[rank]) == snapshot(coalesced.ranks[rank]), rank
+    assert shed.generation == coalesced.generation

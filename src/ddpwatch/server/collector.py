@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import zmq
@@ -59,6 +59,17 @@ least), so that it holds most ranks more than once and applies only each one's n
 tens of thousands of ranks, ``RECV_BATCH`` holds no rank twice, nothing is coalesced, and a
 server that fell behind by a little stays behind (at 65,536 ranks it takes 7-8 µs a heartbeat
 applied, against 131,072 heartbeats a second)."""
+SHED_AFTER_S = 10.0
+"""Behind for longer than this (since the queue was last found empty), the server sheds: a
+plain heartbeat (no identity, a finite loss) of a known rank that a newer one of the same
+rank follows in the same receive is counted from its head alone (``state.received`` and
+``state.shed``), not decoded (``_Shedding`` says which: those whose records come out the
+same either way). Validating and holding them is most of a superseded heartbeat's cost, so a
+server far behind reads faster, catches up, and its queue (memory) stops growing. A frame
+refused only when decoded that follows a shed heartbeat still counts as its successor."""
+SHED_BEATS = 4
+"""Shedding, a receive takes up to this many heartbeats per known rank (``BEHIND_BEATS``
+otherwise): three of four are then shed, not one of two."""
 RANK_MARGIN = 64  # ranks tracked beyond the known world size (elastic jobs, restarts)
 UNKNOWN_WORLD_RANKS = 1024  # ranks tracked while no rank has reported a world size
 RANK_CEILING = 65_536  # without --max-ranks: the most ranks, and the largest world size, taken
@@ -233,8 +244,8 @@ class Collector:
         if collecting:
             gc.disable()
         try:
-            taken, last, count, drained = self._read()
-            self._take_all(taken, last, now)
+            taken, last, shed, count, drained = self._read(now)
+            self._take_all(taken, last, shed, now)
         finally:
             if collecting:
                 gc.enable()
@@ -244,27 +255,38 @@ class Collector:
             self._behind = True
         return count
 
-    def _read(self) -> tuple[list[bytes | Batch], dict[int, int], int, bool]:
+    def _read(
+        self, now: float
+    ) -> tuple[list[bytes | Batch], dict[int, int], _Shedding | None, int, bool]:
         """Take frames off the socket until ``RECV_BATCH`` messages (behind: ``BEHIND_BEATS``
         per known rank) or none is left: rank frames as they came, batches decoded (their size
         counts). Returns them, the position of each rank's last heartbeat among the rank
-        messages (empty when a head could not be read: then every heartbeat waits), the
-        count, and whether it ran dry."""
+        messages (empty when a head could not be read: then every heartbeat waits), what may
+        be shed (``SHED_AFTER_S``; None when not shedding), the count, and whether it ran
+        dry."""
         state = self.state
-        recv, noblock, head_of = self._pull.recv, zmq.NOBLOCK, _heads.decode  # bound once
+        heard = state.heard_until
+        shed = (
+            _Shedding(state.ranks)
+            if self._behind and heard is not None and now - heard > SHED_AFTER_S
+            else None
+        )
+        recv, noblock = self._pull.recv, zmq.NOBLOCK  # bound once
+        head_of = _heads.decode if shed is None else _shed_heads.decode
         taken: list[bytes | Batch] = []
         last: dict[int, int] = {}
         position = 0  # rank messages, direct or in a batch, in the order they are taken
         read_ahead = True
         count = 0
-        limit = max(RECV_BATCH, BEHIND_BEATS * len(state.ranks)) if self._behind else RECV_BATCH
+        beats = BEHIND_BEATS if shed is None else SHED_BEATS
+        limit = max(RECV_BATCH, beats * len(state.ranks)) if self._behind else RECV_BATCH
         while count < limit:
             try:
                 # a zmq.Frame says whether more parts follow: cheaper than asking the socket
                 # (getsockopt(RCVMORE) looks its option up in a Python enum, every frame)
                 part = recv(noblock, copy=False)
             except zmq.Again:
-                return taken, last if read_ahead else {}, count, True
+                return taken, *_kept(last, shed, read_ahead), count, True
             count += 1
             if part.more:
                 self._drop_multipart()
@@ -277,6 +299,8 @@ class Collector:
             if head is not None and head.type in _RANK_TYPES:
                 if head.type == "sample" and type(head.rank) is int:
                     last[head.rank] = position
+                if shed is not None:
+                    shed.note(head, position)
                 taken.append(frame)
                 position += 1
                 continue
@@ -287,26 +311,37 @@ class Collector:
                 continue
             if type(message) is Batch:
                 count += len(message.frames)  # the limit counts heartbeats, not frames
-                read_ahead &= _read_ahead(message.frames, last, position)
+                read_ahead &= _read_ahead(message.frames, last, position, shed)
                 position += len(message.frames)
                 taken.append(message)
             else:  # a message whose head could not be read (the head is looser: never)
                 read_ahead = False
                 taken.append(frame)
                 position += 1
-        return taken, last if read_ahead else {}, count, False
+        return taken, *_kept(last, shed, read_ahead), count, False
 
-    def _take_all(self, taken: list[bytes | Batch], last: dict[int, int], now: float) -> None:
-        """Decode and take what ``_read`` took off the socket, in order; a heartbeat held
-        back for a newer one that did not come (refused) is applied at the end."""
+    def _take_all(
+        self,
+        taken: list[bytes | Batch],
+        last: dict[int, int],
+        shed: _Shedding | None,
+        now: float,
+    ) -> None:
+        """Decode and take what ``_read`` took off the socket, in order (but what ``shed``
+        says to shed); a heartbeat held back for a newer one that did not come (refused) is
+        applied at the end."""
         state = self.state
         pending: dict[int, tuple[Sample, float]] = {}
         take = self._take
         position = 0
         for item in taken:
             if isinstance(item, Batch):
-                self._open_batch(item, now, pending, last, position)
+                self._open_batch(item, now, pending, last, shed, position)
                 position += len(item.frames)
+                continue
+            if shed is not None and position in shed.positions:
+                self._shed(item, now)
+                position += 1
                 continue
             try:
                 message = decode(item)  # not a batch: its head said what it is
@@ -334,10 +369,11 @@ class Collector:
         now: float,
         pending: dict[int, tuple[Sample, float]],
         last: dict[int, int],
+        shed: _Shedding | None,
         position: int,
     ) -> None:
         """Take a relay's frames, each dated by its arrival at the relay; ``position`` is
-        the first one's among the rank messages of this receive (see ``last``)."""
+        the first one's among the rank messages of this receive (see ``last`` and ``shed``)."""
         state = self.state
         state.rejected += batch.rejected  # frames the relay refused count as ours would
         relay = note_batch(state.relays, batch, now)
@@ -346,15 +382,27 @@ class Collector:
         ages = batch.ages_us if len(batch.ages_us) == len(frames) else None
         take = self._take
         for i, frame in enumerate(frames):
+            at = now if ages is None else now - min(ages[i], MAX_RELAY_AGE_US) / 1e6
+            if shed is not None and position + i in shed.positions:
+                self._shed(frame, at)
+                continue
             try:
                 message = decode(frame)
             except ProtocolError:
                 state.rejected += 1
                 continue
-            at = now if ages is None else now - min(ages[i], MAX_RELAY_AGE_US) / 1e6
             final = last.get(message.rank) == position + i
             if take(frame, message, at, pending, True, final) and carried is not None:
                 carried.add(message.rank)
+
+    def _shed(self, frame: bytes, at: float) -> None:
+        """A heartbeat superseded within this receive, counted from its head
+        (``SHED_AFTER_S``); recorded like the others, so a recording holds every frame."""
+        state = self.state
+        state.received += 1
+        state.shed += 1
+        if self.recorder is not None:
+            self.recorder.frame(at, frame)
 
     def _take(  # noqa: C901 -- hot path: every rank message, kept flat
         self,
@@ -470,16 +518,84 @@ class _Head(msgspec.Struct, gc=False):
     rank: Any = None
 
 
+class _ShedHead(_Head, gc=False):
+    """The head and what tells whether a heartbeat is plain (``SHED_AFTER_S``): its loss
+    and the identity fields ``_tells_identity`` reads."""
+
+    loss: Any = None
+    pid: Any = None
+    host: Any = None
+    world_size: Any = None
+    device: Any = None
+
+
 _heads = msgspec.msgpack.Decoder(_Head)
+_shed_heads = msgspec.msgpack.Decoder(_ShedHead)
 _HEAD_ERRORS = (msgspec.MsgspecError, UnicodeDecodeError, RecursionError)
 _RANK_TYPES = ("hello", "sample", "event")
 
 
-def _read_ahead(frames: list[bytes], last: dict[int, int], position: int) -> bool:
+class _Shedding:
+    """Which heartbeats of one receive are shed (``SHED_AFTER_S``): a plain one of a rank
+    known before the receive whose rank's next message in it is a heartbeat and whose
+    rank's previous message in it (if any) is not a heartbeat that is not plain. Coalescing
+    applies a superseded heartbeat only when ``_must_apply`` says so (never for a plain one)
+    or when an event or hello of its rank comes next; and a plain heartbeat decides whether
+    the one before it is applied only when that one is not plain. So the records come out
+    the same whether these are decoded or not."""
+
+    def __init__(self, known: dict[int, Any]) -> None:
+        self.known = known
+        self.positions: set[int] = set()  # the heartbeats to shed
+        self._previous: dict[int, tuple[int, int, bool]] = {}  # rank -> position, kind, ok
+
+    def note(self, head: _Head, position: int) -> None:
+        """``head`` (a ``_ShedHead``: read while shedding) came at ``position``; plain: no
+        identity field ``_tells_identity`` reads, and a finite float loss or none (an int
+        loss, valid but rare, is taken as not plain)."""
+        rank = head.rank
+        if type(rank) is not int:
+            return  # refused when decoded
+        kind = _OTHER
+        if head.type == "sample":
+            kind = _NOT_PLAIN
+            if rank in self.known:
+                sample = cast(_ShedHead, head)
+                loss = sample.loss
+                if (
+                    (loss is None or (type(loss) is float and loss - loss == 0.0))  # finite
+                    and sample.pid is None
+                    and sample.host is None
+                    and sample.world_size is None
+                    and sample.device is None
+                ):
+                    kind = _PLAIN
+        previous = self._previous.get(rank)
+        if previous is not None and kind != _OTHER and previous[1] == _PLAIN and previous[2]:
+            self.positions.add(previous[0])  # a heartbeat supersedes it
+        ok = previous is None or previous[1] != _NOT_PLAIN
+        self._previous[rank] = (position, kind, ok)
+
+
+_PLAIN, _NOT_PLAIN, _OTHER = 0, 1, 2  # what a rank message is, to ``_Shedding``
+
+
+def _kept(
+    last: dict[int, int], shed: _Shedding | None, read_ahead: bool
+) -> tuple[dict[int, int], _Shedding | None]:
+    """``last`` and ``shed`` as ``_read`` returns them: neither when a head could not be
+    read (no heartbeat is known to be the last of its rank)."""
+    return (last, shed) if read_ahead else ({}, None)
+
+
+def _read_ahead(
+    frames: list[bytes], last: dict[int, int], position: int, shed: _Shedding | None
+) -> bool:
     """Note in ``last`` the position of each heartbeat among a batch's ``frames`` (the first
-    is at ``position``), by rank; False if a frame whose head cannot be read still decodes
-    (never: the head is looser than the decoder)."""
-    head_of = _heads.decode
+    is at ``position``), by rank, and in ``shed`` (when shedding) what each frame is; False
+    if a frame whose head cannot be read still decodes (never: the head is looser than the
+    decoder)."""
+    head_of = _heads.decode if shed is None else _shed_heads.decode
     for frame in frames:
         try:
             head = head_of(frame)
@@ -493,6 +609,8 @@ def _read_ahead(frames: list[bytes], last: dict[int, int], position: int) -> boo
         else:
             if head.type == "sample" and type(head.rank) is int:
                 last[head.rank] = position
+            if shed is not None:
+                shed.note(head, position)
         position += 1
     return True
 

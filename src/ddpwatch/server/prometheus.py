@@ -160,6 +160,11 @@ class StatusCollector:
         yield CounterMetricFamily(
             "ddpwatch_messages_rejected", "Frames dropped as invalid.", value=stats["rejected"]
         )
+        yield CounterMetricFamily(
+            "ddpwatch_messages_shed",
+            "Heartbeats counted unread while the server was far behind (newer ones followed).",
+            value=stats.get("shed", 0),
+        )
 
 
 def summary_from_query(query_json: Callable[[bytes], bytes]) -> Summary:

@@ -172,6 +172,9 @@ class ServerState:
     ranks: dict[int, RankRecord] = field(default_factory=dict)
     received: int = 0
     rejected: int = 0
+    shed: int = 0
+    """Of ``received``: heartbeats counted from their head while far behind, not decoded
+    (``collector.SHED_AFTER_S``)."""
     first_report: float | None = None
     """When the first rank reported: the job's start, as far as the server can tell."""
     relays: dict[str, RelayRecord] = field(default_factory=dict)

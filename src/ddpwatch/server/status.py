@@ -149,6 +149,7 @@ def document_around(
         "stats": {
             "received": state.received,
             "rejected": state.rejected,
+            "shed": state.shed,
             "lag_s": round(now - state.as_of(now), 3),
         },
         "history": history or [],
