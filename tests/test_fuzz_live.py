@@ -393,6 +393,7 @@ def test_serve_max_ranks_from_the_command_line() -> None:
         assert document["stats"] | {"lag_s": 0} == {
             "received": 2,
             "rejected": 1,
+            "shed": 0,
             "refused": 0,
             "lag_s": 0,
         }

@@ -389,6 +389,7 @@ def test_query_endpoint_is_read_only() -> None:
         assert status["stats"] | {"lag_s": 0} == {
             "received": 0,
             "rejected": 0,
+            "shed": 0,
             "refused": 0,
             "lag_s": 0,
         }
