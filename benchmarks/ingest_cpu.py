@@ -1,7 +1,7 @@
 """CPU time per heartbeat on the server's ingest thread, at thousands of distinct ranks.
 
     python benchmarks/ingest_cpu.py [--sizes 8192,65536] [--beats 8] [--ranks-per-relay 8]
-        [--profile] [--quick]
+        [--backlog 4] [--profile] [--quick]
 
 At 32,768+ ranks at 2 Hz the one Python thread that receives and applies heartbeats is the
 server's bottleneck; this measures what each heartbeat costs it, in CPU time, not msgs/s (so
@@ -25,14 +25,21 @@ mean reported ("steady", the 2 Hz load). Arms:
   around ``poll``), the process's (``time.process_time``, with libzmq's I/O thread), and the
   part of the thread's spent in Python's cyclic garbage collector (``gc.callbacks``), with
   the number of full (oldest-generation) collections;
+* ``backlog direct`` / ``backlog relay``: the same, but the steady beats are sent
+  ``--backlog`` at a time before the collector reads them, so it falls behind and reads up
+  to ``BEHIND_BEATS`` heartbeats per rank a receive, coalescing (``Collector._receive``);
+* ``shedding direct`` / ``shedding relay``: that backlog, with the collector's queue last
+  found empty ``FAR_BEHIND_S`` ago (``state.heard_until``): it sheds (``SHED_AFTER_S``);
 * ``decode direct`` / ``decode relay``: ``protocol.decode`` of each frame, or
   ``decode_wire`` of each batch and ``decode`` of its frames, on frames in memory, each
   dropped at once;
 * ``ServerState.apply``: ``apply`` alone on a whole beat of messages decoded beforehand (so
   they are no longer in the CPU's caches: at these sizes that is part of the cost).
 
-A warm-up run (1,024 ranks, untimed) goes first. Prints µs per heartbeat and ``RATIO
-apply/collector`` (the share of the thread's ingest cost a whole beat of ``apply`` would be).
+A warm-up run (1,024 ranks, untimed) goes first. Prints µs per heartbeat, ``RATIO
+apply/collector`` (the share of the thread's ingest cost a whole beat of ``apply`` would be)
+and ``RATIO shedding/backlog`` (what a heartbeat costs a server far behind against one just
+behind).
 ``--profile`` adds a cProfile of the direct collector arm's steady beats. Compare versions by
 running the same command on each; on a shared machine, repeat and compare medians.
 """
@@ -60,6 +67,7 @@ STEP_S = 0.25
 T0 = 1.7e9
 RELAY_PID = 4242
 POLL_S = 0.2
+FAR_BEHIND_S = 100.0  # the shedding arm: the collector last found its queue empty this long ago
 STEADY_FROM = 2  # beat 0: every rank new; beat 1: settling, then a full collection
 
 
@@ -237,9 +245,18 @@ class GcClock:
 
 
 def collector_arm(
-    conn: Connection, ranks: int, beats: int, per_relay: int, profile: cProfile.Profile | None
+    conn: Connection,
+    ranks: int,
+    beats: int,
+    per_relay: int,
+    profile: cProfile.Profile | None,
+    backlog: int = 1,
+    far_behind: bool = False,
 ) -> Cost:
-    """A real ``Collector`` fed by the sender process over TCP, one beat at a time."""
+    """A real ``Collector`` fed by the sender process over TCP, one beat at a time; steady
+    beats ``backlog`` at a time (all sent before the collector reads: it falls behind and
+    coalesces), its queue last found empty ``FAR_BEHIND_S`` ago when ``far_behind`` (it
+    sheds: ``collector.SHED_AFTER_S``)."""
     from ddpwatch.ports import free_port_pair
     from ddpwatch.server.collector import Collector
     from ddpwatch.server.state import ServerState
@@ -254,6 +271,7 @@ def collector_arm(
     try:
         conn.send(("connect", f"tcp://127.0.0.1:{port}"))
         conn.recv()
+        queued = 0  # steady beats sent and not yet read
         for beat in range(beats):
             conn.send(("beat", ranks, beat, per_relay))
             if conn.recv() != "built":
@@ -261,6 +279,12 @@ def collector_arm(
             conn.send("go")
             if conn.recv() != "sent":
                 raise RuntimeError("sender failed")
+            if beat >= STEADY_FROM:
+                queued += 1
+                if queued < backlog and beat < beats - 1:
+                    continue  # the collector reads once the backlog is in
+            if far_behind:
+                state.heard_until = time.time() - FAR_BEHIND_S
             expected = ranks * (beat + 1)
             cpu = 0.0
             process_started = time.process_time()
@@ -274,7 +298,8 @@ def collector_arm(
             clock.on = False
             if profile is not None:
                 profile.disable()
-            cost.add(beat, cpu, ranks, time.process_time() - process_started)
+            cost.add(beat, cpu, ranks * max(1, queued), time.process_time() - process_started)
+            queued = 0
             if beat == STEADY_FROM - 1:
                 gc.collect()  # the new records' one-time promotion, out of the steady beats
         if state.rejected or state.received != ranks * beats or len(state.ranks) != ranks:
@@ -323,12 +348,24 @@ def memory_arms(ranks: int, beats: int, per_relay: int) -> dict[str, Cost]:
 
 
 def measure(
-    conn: Connection, ranks: int, beats: int, per_relay: int, profile: cProfile.Profile | None
+    conn: Connection,
+    ranks: int,
+    beats: int,
+    per_relay: int,
+    profile: cProfile.Profile | None,
+    backlog: int,
 ) -> dict[str, Cost]:
     costs: dict[str, Cost] = {}
     arms: list[tuple[str, Callable[[], Cost]]] = [
         ("collector direct", lambda: collector_arm(conn, ranks, beats, 0, profile)),
         ("collector relay", lambda: collector_arm(conn, ranks, beats, per_relay, None)),
+        ("backlog direct", lambda: collector_arm(conn, ranks, beats, 0, None, backlog)),
+        ("backlog relay", lambda: collector_arm(conn, ranks, beats, per_relay, None, backlog)),
+        ("shedding direct", lambda: collector_arm(conn, ranks, beats, 0, None, backlog, True)),
+        (
+            "shedding relay",
+            lambda: collector_arm(conn, ranks, beats, per_relay, None, backlog, True),
+        ),
     ]
     for name, arm in arms:
         gc.collect()
@@ -345,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="8192,65536", help="ranks, comma-separated")
     parser.add_argument("--beats", type=int, default=8, help="heartbeats per rank (>= 3)")
     parser.add_argument("--ranks-per-relay", type=int, default=8, help="ranks in one batch")
+    parser.add_argument(
+        "--backlog", type=int, default=4, help="beats queued at once in the backlog arms (4)"
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile the direct collector")
     parser.add_argument("--quick", action="store_true", help="1,024 ranks, 3 beats")
     args = parser.parse_args(argv)
@@ -360,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         collector_arm(parent, 1024, 3, 0, None)  # warm up sockets, imports and the heap
         for size in sizes:
-            results[size] = measure(parent, size, beats, args.ranks_per_relay, profile)
+            results[size] = measure(
+                parent, size, beats, args.ranks_per_relay, profile, args.backlog
+            )
         parent.send(("quit",))
     finally:
         proc.join(10)
@@ -381,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     for size, costs in results.items():
         for name, cost in costs.items():
             line = f"{size:>7}  {name:<18} {cost.first_us:8.2f} {cost.steady_us:8.2f}"
-            if name.startswith("collector"):
+            if not name.startswith(("decode", "ServerState")):
                 line += f" {cost.process_us:8.2f} {cost.gc_us:7.2f} {cost.full_collections:5d}"
             print(f"  {line}")
     for size, costs in results.items():
@@ -391,6 +433,15 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"RATIO apply/collector {mode} {size} = {apply_us / total:.3f} "
                 f"(collector {total:.2f} us/heartbeat, apply {apply_us:.2f})"
+            )
+    for size, costs in results.items():
+        for mode in ("direct", "relay"):
+            backlog, shedding = costs[f"backlog {mode}"], costs[f"shedding {mode}"]
+            print(
+                f"RATIO shedding/backlog {mode} {size} = "
+                f"{shedding.steady_us / backlog.steady_us:.3f} (backlog of {args.backlog} beats:"
+                f" {backlog.steady_us:.2f} us/heartbeat coalescing, {shedding.steady_us:.2f}"
+                " shedding)"
             )
     if profile is not None:
         text = io.StringIO()

@@ -240,6 +240,37 @@ def test_a_server_behind_many_ranks_reads_far_enough_to_coalesce(port: int, monk
     assert all(state.ranks[r].step == beats for r in range(ranks))  # each rank's newest
 
 
+def test_a_query_is_answered_within_a_long_receive(port: int, monkeypatch) -> None:
+    """Behind at 65,536 ranks a receive lasts a second; the dashboard waits one for its
+    summary. A query that comes meanwhile is answered every ``ANSWER_EVERY`` heartbeats
+    (``benchmarks/scale.py``: summaries took 1.8-4.8 s without, behind such receives)."""
+    monkeypatch.setattr(collector_module, "ANSWER_EVERY", 100)
+    state = ServerState(started=0.0)
+    seen_at_answer: list[int] = []
+
+    def reply(request: bytes) -> bytes:
+        seen_at_answer.append(state.received)
+        return b"{}"
+
+    collector = Collector(state, lambda: b"{}", "127.0.0.1", port, query=reply)
+    frames = [sample(n % 10, step=n) for n in range(1_000)]
+    client = zmq.Context.instance().socket(zmq.REQ)
+    client.setsockopt(zmq.LINGER, 0)
+    client.setsockopt(zmq.RCVTIMEO, 5000)
+    client.connect(f"tcp://127.0.0.1:{port + 1}")
+    try:
+        push_frames(port, frames)
+        client.send(b"status?view=summary")
+        time.sleep(0.5)  # all queued, and the query
+        collector.poll(0.1)  # one receive takes the 1,000 (RECV_BATCH) and answers
+        assert client.recv() == b"{}"
+    finally:
+        client.close()
+        collector.close()
+    assert state.received == len(frames)
+    assert seen_at_answer and seen_at_answer[0] < len(frames)  # during the receive
+
+
 def test_a_heartbeat_without_identity_keeps_the_last_one_told() -> None:
     state = ServerState(started=0.0)
     state.apply(Sample(v=1, rank=0, t=0, pid=7, host="a", device="cuda:0", simulated=True), 1.0)

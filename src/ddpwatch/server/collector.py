@@ -24,7 +24,6 @@ import contextlib
 import gc
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -67,6 +66,10 @@ rank follows in the same receive is counted from its head alone (``state.receive
 same either way). Validating and holding them is most of a superseded heartbeat's cost, so a
 server far behind reads faster, catches up, and its queue (memory) stops growing. A frame
 refused only when decoded that follows a shed heartbeat still counts as its successor."""
+ANSWER_EVERY = 8192
+"""Within a receive, a status query that waits is answered every this many heartbeats (tens
+of milliseconds): behind, at tens of thousands of ranks, a receive lasts a second, longer
+than the dashboard waits for its summary."""
 SHED_BEATS = 4
 """Shedding, a receive takes up to this many heartbeats per known rank (``BEHIND_BEATS``
 otherwise): three of four are then shed, not one of two."""
@@ -168,10 +171,14 @@ class Collector:
             self._world = world
         return True
 
-    def poll(self, timeout_s: float, lock: threading.Lock | None = None) -> int:
+    def poll(
+        self, timeout_s: float, lock: contextlib.AbstractContextManager[Any] | None = None
+    ) -> int:
         """Wait up to ``timeout_s`` for traffic, then take in all that is ready; returns the count.
 
-        ``lock`` is held only while state changes, not while waiting or answering.
+        ``lock`` is held only while state changes, not while waiting or answering, but for a
+        query answered within a long receive (``ANSWER_EVERY``): the snapshot and query
+        callbacks take it again, so it must be reentrant.
         """
         waiting = time.time()
         events = dict(self._poller.poll(int(timeout_s * 1000)))
@@ -255,7 +262,7 @@ class Collector:
             self._behind = True
         return count
 
-    def _read(
+    def _read(  # noqa: C901 -- hot path: every frame, kept flat
         self, now: float
     ) -> tuple[list[bytes | Batch], dict[int, int], _Shedding | None, int, bool]:
         """Take frames off the socket until ``RECV_BATCH`` messages (behind: ``BEHIND_BEATS``
@@ -265,12 +272,7 @@ class Collector:
         be shed (``SHED_AFTER_S``; None when not shedding), the count, and whether it ran
         dry."""
         state = self.state
-        heard = state.heard_until
-        shed = (
-            _Shedding(state.ranks)
-            if self._behind and heard is not None and now - heard > SHED_AFTER_S
-            else None
-        )
+        shed, limit = self._window(now)
         recv, noblock = self._pull.recv, zmq.NOBLOCK  # bound once
         head_of = _heads.decode if shed is None else _shed_heads.decode
         taken: list[bytes | Batch] = []
@@ -278,9 +280,11 @@ class Collector:
         position = 0  # rank messages, direct or in a batch, in the order they are taken
         read_ahead = True
         count = 0
-        beats = BEHIND_BEATS if shed is None else SHED_BEATS
-        limit = max(RECV_BATCH, beats * len(state.ranks)) if self._behind else RECV_BATCH
+        answer_at = ANSWER_EVERY
         while count < limit:
+            if count >= answer_at:
+                answer_at = count + ANSWER_EVERY
+                self._answer_waiting()
             try:
                 # a zmq.Frame says whether more parts follow: cheaper than asking the socket
                 # (getsockopt(RCVMORE) looks its option up in a Python enum, every frame)
@@ -320,6 +324,17 @@ class Collector:
                 position += 1
         return taken, *_kept(last, shed, read_ahead), count, False
 
+    def _window(self, now: float) -> tuple[_Shedding | None, int]:
+        """Whether this receive sheds (``SHED_AFTER_S``), and how many messages it takes:
+        ``RECV_BATCH``, or behind ``BEHIND_BEATS`` (shedding ``SHED_BEATS``) per known rank."""
+        state = self.state
+        if not self._behind:
+            return None, RECV_BATCH
+        heard = state.heard_until
+        if heard is not None and now - heard > SHED_AFTER_S:
+            return _Shedding(state.ranks), max(RECV_BATCH, SHED_BEATS * len(state.ranks))
+        return None, max(RECV_BATCH, BEHIND_BEATS * len(state.ranks))
+
     def _take_all(
         self,
         taken: list[bytes | Batch],
@@ -334,7 +349,11 @@ class Collector:
         pending: dict[int, tuple[Sample, float]] = {}
         take = self._take
         position = 0
+        answer_at = ANSWER_EVERY
         for item in taken:
+            if position >= answer_at:
+                answer_at = position + ANSWER_EVERY
+                self._answer_waiting()
             if isinstance(item, Batch):
                 self._open_batch(item, now, pending, last, shed, position)
                 position += len(item.frames)
@@ -461,6 +480,11 @@ class Collector:
             except zmq.Again:
                 return
 
+    def _answer_waiting(self) -> None:
+        """Answer a status query that waits, if any (``ANSWER_EVERY``)."""
+        if cast(int, self._query.get(zmq.EVENTS)) & zmq.POLLIN:
+            self._answer()
+
     def _answer(self) -> None:
         """``status``: ``snapshot()``; any other request: ``query(request)`` when given (the
         summaries and pages of ``status?...``), else an error. Always a reply: a REP socket
@@ -549,7 +573,7 @@ class _Shedding:
         self.positions: set[int] = set()  # the heartbeats to shed
         self._previous: dict[int, tuple[int, int, bool]] = {}  # rank -> position, kind, ok
 
-    def note(self, head: _Head, position: int) -> None:
+    def note(self, head: Any, position: int) -> None:
         """``head`` (a ``_ShedHead``: read while shedding) came at ``position``; plain: no
         identity field ``_tells_identity`` reads, and a finite float loss or none (an int
         loss, valid but rare, is taken as not plain)."""
@@ -559,17 +583,16 @@ class _Shedding:
         kind = _OTHER
         if head.type == "sample":
             kind = _NOT_PLAIN
-            if rank in self.known:
-                sample = cast(_ShedHead, head)
-                loss = sample.loss
-                if (
-                    (loss is None or (type(loss) is float and loss - loss == 0.0))  # finite
-                    and sample.pid is None
-                    and sample.host is None
-                    and sample.world_size is None
-                    and sample.device is None
-                ):
-                    kind = _PLAIN
+            loss = head.loss
+            if (
+                rank in self.known
+                and (loss is None or (type(loss) is float and loss - loss == 0.0))  # finite
+                and head.pid is None
+                and head.host is None
+                and head.world_size is None
+                and head.device is None
+            ):
+                kind = _PLAIN
         previous = self._previous.get(rank)
         if previous is not None and kind != _OTHER and previous[1] == _PLAIN and previous[2]:
             self.positions.add(previous[0])  # a heartbeat supersedes it

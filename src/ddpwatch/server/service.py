@@ -88,7 +88,7 @@ class Server:
         self.queries = QueryCache()  # paged queries' replies, per tick like the document
         self._on_change = on_change
         self._stop = threading.Event()
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # the collector answers queries within a receive
         self.collector = Collector(
             self.state,
             self.status_json,

@@ -22,8 +22,8 @@ def rule_server_behind(f: Facts) -> list[Alert]:
         "silent or stalled until it catches up"
     )
     hint = (
-        "one server takes about 40,000 heartbeats a second sent directly (docs/performance.md): "
-        "run a relay per node (`ddpwatch run --addr` starts one, `ddpwatch relay --to "
-        "HOST:PORT` by hand) and give the server a core of its own"
+        "one server takes about 60,000 heartbeats a second (30,000 ranks) on a core it shares "
+        "(docs/performance.md): give it a core of its own, and run a relay per node (`ddpwatch "
+        "run --addr` starts one, `ddpwatch relay --to HOST:PORT` by hand)"
     )
     return [alert(AlertKind.SERVER_BEHIND, Severity.WARNING, [], [], message, hint)]
