@@ -64,15 +64,16 @@ plain heartbeat (no identity, a finite loss) of a known rank that a newer one of
 rank follows in the same receive is counted from its head alone (``state.received`` and
 ``state.shed``), not decoded (``_Shedding`` says which: those whose records come out the
 same either way). Validating and holding them is most of a superseded heartbeat's cost, so a
-server far behind reads faster, catches up, and its queue (memory) stops growing. A frame
-refused only when decoded that follows a shed heartbeat still counts as its successor."""
+server far behind spends up to a quarter less a heartbeat and catches up sooner
+(``benchmarks/ingest_cpu.py``). A frame refused only when decoded that follows a shed
+heartbeat still counts as its successor."""
+SHED_BEATS = 4
+"""Shedding, a receive takes up to this many heartbeats per known rank (``BEHIND_BEATS``
+otherwise): three of four are then shed, not one of two."""
 ANSWER_EVERY = 8192
 """Within a receive, a status query that waits is answered every this many heartbeats (tens
 of milliseconds): behind, at tens of thousands of ranks, a receive lasts a second, longer
 than the dashboard waits for its summary."""
-SHED_BEATS = 4
-"""Shedding, a receive takes up to this many heartbeats per known rank (``BEHIND_BEATS``
-otherwise): three of four are then shed, not one of two."""
 RANK_MARGIN = 64  # ranks tracked beyond the known world size (elastic jobs, restarts)
 UNKNOWN_WORLD_RANKS = 1024  # ranks tracked while no rank has reported a world size
 RANK_CEILING = 65_536  # without --max-ranks: the most ranks, and the largest world size, taken
