@@ -29,8 +29,10 @@ from ddpwatch.server.collector import (
     RANK_CEILING,
     RANK_MARGIN,
     UNKNOWN_WORLD_RANKS,
+    Collector,
 )
 from ddpwatch.server.service import Server
+from ddpwatch.server.state import ServerState
 
 _enc = msgspec.msgpack.encode
 
@@ -183,6 +185,52 @@ def test_fuzz_frames_on_the_live_socket(shared: tuple[Running, Model], batch) ->
     running.wait_stats(model.received, model.rejected)
     assert running.thread.is_alive()
     assert len(running.server.state.ranks) == len(model.ranks)
+
+
+@pytest.fixture(scope="module")
+def far_behind() -> Iterator[tuple[Collector, zmq.Socket]]:
+    """A collector whose ranks 0-7 are known, and a PUSH socket to it."""
+    port = free_port_pair()
+    collector = Collector(ServerState(started=0.0), lambda: b"{}", "127.0.0.1", port)
+    context = zmq.Context()
+    sock = context.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    for rank in range(8):
+        sock.send(_enc(base(rank, pid=100 + rank, world_size=8)))
+    while collector.state.received < 8:
+        collector.poll(0.1)
+    yield collector, sock
+    sock.close()
+    context.term()
+    collector.close()
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)  # fmt: skip
+@given(batch=st.lists(_message, min_size=1, max_size=40))
+def test_fuzz_a_server_far_behind_its_queue(
+    far_behind: tuple[Collector, zmq.Socket], batch
+) -> None:
+    """Far behind, the server reads superseded heartbeats by their head alone
+    (``collector.SHED_AFTER_S``): whatever comes, each message is still counted once, as
+    received or rejected, and nothing raises."""
+    collector, sock = far_behind
+    state = collector.state
+    mixed = []  # known ranks' plain heartbeats between the fuzz, for there to be some to shed
+    for n, parts in enumerate(batch):
+        mixed += [[_enc(base(n % 8, step=n))], parts]
+    expected = state.received + state.rejected + len(mixed)
+    for parts in mixed:
+        sock.send_multipart(parts)
+    time.sleep(0.02)
+    deadline = time.monotonic() + 10
+    while state.received + state.rejected < expected and time.monotonic() < deadline:
+        collector._behind = True  # as after a receive that left messages queued
+        state.heard_until = time.time() - 100.0  # and last caught up long ago: it sheds
+        collector.poll(0.05)
+    assert state.received + state.rejected == expected
 
 
 def test_named_bad_frames_are_each_counted_once() -> None:

@@ -11,6 +11,11 @@ time.
 A relay's ``Batch`` (``ddpwatch/relay.py``) is opened here: each frame in it is validated,
 admitted, recorded and counted as if it had come alone, in the order the relay took them.
 
+Behind its queue, the collector reads more per receive and applies only each rank's newest
+heartbeat (``BEHIND_BEATS``); far behind, it counts superseded heartbeats without decoding
+them, leaving each rank's record as that coalescing would (``SHED_AFTER_S``). A status query
+is not kept waiting by such a long receive (``ANSWER_EVERY``).
+
 The collector also tells diagnosis how far its view is complete: ``state.heard_until`` is
 the last time it found its queue empty, and ``state.listening_since`` moves forward when it
 has been behind (senders may have dropped heartbeats meanwhile) or was not running at all
