@@ -648,8 +648,8 @@ def _take_in_one_receive(
     port: int, frames: list[bytes], messages: int, shedding: bool, ranks: int
 ) -> ServerState:
     """The known ranks' identities, then ``frames`` (``messages`` rank messages, all valid)
-    in one receive of a collector behind its
-    queue: for 100 s (it sheds) or just now (it coalesces only). The clock stands still."""
+    in one receive of a collector behind its queue: for 100 s (it sheds) or just now (it
+    coalesces only). The clock stands still."""
     state = ServerState(started=0.0)
     collector = Collector(state, lambda: b"{}", "127.0.0.1", port, clock=lambda: 1000.0)
     try:
@@ -658,7 +658,7 @@ def _take_in_one_receive(
         while state.received < ranks and time.monotonic() < deadline:
             collector.poll(0.1)
         push_frames(port, frames)
-        time.sleep(0.3)  # all queued: one receive takes them
+        time.sleep(0.5)  # all queued: one receive takes them
         collector._behind = True
         state.heard_until = 1000.0 - (100.0 if shedding else 1.0)
         collector.poll(1.0)
@@ -680,7 +680,7 @@ def test_a_server_far_behind_sheds_only_what_coalescing_would_not_apply(
     ranks = 12
     messages = _random_backlog(rng, ranks, 600)
     frames = [encode(m) for m in messages]
-    if seed % 2:  # through relays: batches of 1-40 frames, some aged
+    if seed % 2:  # through relays: batches of 1-40 frames, each frame aged
         batched = []
         while frames:
             cut = frames[: rng.randint(1, 40)]
