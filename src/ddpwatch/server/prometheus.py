@@ -163,7 +163,7 @@ class StatusCollector:
         yield CounterMetricFamily(
             "ddpwatch_messages_shed",
             "Heartbeats counted unread while the server was far behind (newer ones followed).",
-            value=stats.get("shed", 0),
+            value=stats["shed"],
         )
 
 
