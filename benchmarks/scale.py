@@ -88,7 +88,6 @@ MAX_RELAYS_PER_PROC = 64  # each Relay has its own ZeroMQ context (an I/O thread
 START_MARGIN_S = 1.0  # between "every process is ready" and the first beat
 DRAIN_MAX_S = 30.0  # after the run: how long the server may take to empty its queue
 DRAIN_QUIET_S = 3.0  # drained: nothing new for this long (longer than a tick or a status reply)
-HISTORY_LEN = 120  # server/state.py: points kept per rank
 
 
 # ------------------------------------------------------------------------------ publishers
@@ -570,7 +569,6 @@ def server_host(conn: Connection, profile: bool = False) -> None:
             "hwm": hwm,
             "offline": offline,
             "profile": profiled,
-            "point_bytes": _history_point_bytes(state),
             "marks": marks,
             "received": state.received,
             "rejected": state.rejected,
@@ -588,9 +586,6 @@ def server_host(conn: Connection, profile: bool = False) -> None:
             "alerts": alerts,
             "view_age": view_age,
             "drained_s": drained_s,
-            "history_points": statistics.median(len(r.history) for r in state.ranks.values())
-            if state.ranks
-            else 0,
         }
     )
 
@@ -609,20 +604,6 @@ def _offline_costs(server: Any, frozen: float, reps: int = 3) -> dict[str, float
         server.status_json()
         status.append(time.thread_time() - c0)
     return {"tick_cpu_s": statistics.median(tick), "status_cpu_s": statistics.median(status)}
-
-
-def _history_point_bytes(state: Any) -> float:
-    """Bytes one history point holds (the struct, its boxed values, the deque's slot), from
-    a sample of ranks: what each rank grows by until its ring holds ``HISTORY_LEN``."""
-    from msgspec.structs import astuple
-
-    sizes = []
-    for record in itertools.islice(state.ranks.values(), 0, None, max(1, len(state.ranks) // 64)):
-        for point in itertools.islice(record.history, 8):
-            values = astuple(point)
-            boxed = [v for v in values if v is not None and not (type(v) is int and v < 257)]
-            sizes.append(sys.getsizeof(point) + sum(map(sys.getsizeof, boxed)) + 8)
-    return statistics.median(sizes) if sizes else 0.0
 
 
 # ------------------------------------------------------------------------------ status prober
@@ -705,8 +686,6 @@ class Row:
     rss_mib: float
     baseline_mib: float
     hwm_mib: float
-    history_points: float
-    rss_full_history_mib: float  # projected: every rank's ring full (HISTORY_LEN points)
     offline_tick_ms: float
     offline_status_ms: float
     us_per_frame: float | None  # server-thread CPU per accepted frame, ticks and status aside
@@ -890,15 +869,6 @@ def summarize_run(
         rss_mib=(server["hwm"] - server["baseline_rss"]) * mib,
         baseline_mib=server["baseline_rss"] * mib,
         hwm_mib=server["hwm"] * mib,
-        history_points=server["history_points"],
-        rss_full_history_mib=(
-            server["hwm"]
-            - server["baseline_rss"]
-            + server["ranks_known"]
-            * max(0.0, HISTORY_LEN - server["history_points"])
-            * server["point_bytes"]
-        )
-        * mib,
         offline_tick_ms=server["offline"]["tick_cpu_s"] * 1e3,
         offline_status_ms=server["offline"]["status_cpu_s"] * 1e3,
         us_per_frame=(thread_cpu - tick_cpu - answer_cpu) / (recv_end - recv_start) * 1e6
@@ -1163,9 +1133,7 @@ def detail_line(row: Row) -> str:
         f"status reply {_fmt(row.status_mb, '.1f')} MB, built in"
         f" {_fmt(row.status_build_ms, '.0f')} ms on the server thread,"
         f" {row.status_failed} unanswered; dashboard model {_fmt(row.model_ms, '.0f')} ms",
-        f"RSS peak {row.hwm_mib:.0f} MiB (baseline {row.baseline_mib:.0f}),"
-        f" history {row.history_points:.0f}/{HISTORY_LEN} points per rank; with every ring"
-        f" full: ~{row.rss_full_history_mib:.0f} MiB (projected)",
+        f"RSS peak {row.hwm_mib:.0f} MiB (baseline {row.baseline_mib:.0f})",
         f"on the final state, server stopped: tick {row.offline_tick_ms:.0f} ms CPU,"
         f" status reply {row.offline_status_ms:.0f} ms CPU;"
         f" ingest {_fmt(row.us_per_frame, '.1f')} us CPU per accepted frame",

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ import zmq
 
 from ddpwatch.demo.runner import stop_job
 from ddpwatch.ports import free_port_pair
+from ddpwatch.protocol import AnyMessage, Sample
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.service import AlertChange, Server
+from ddpwatch.server.state import ServerState
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -53,6 +56,23 @@ def push_frames(port: int, frames: list[bytes | list[bytes]]) -> None:
         else:
             sock.send(frame)
     sock.close()
+
+
+@dataclass
+class AppliedState(ServerState):
+    """A ``ServerState`` that notes each heartbeat applied to it, as (rank, step, loss): what a
+    collector under backlog applied and what it only counted."""
+
+    applied: list[tuple[int, int | None, float | None]] = field(default_factory=list)
+
+    def apply(self, message: AnyMessage, now: float) -> None:
+        if isinstance(message, Sample):
+            self.applied.append((message.rank, message.step, message.loss))
+        super().apply(message, now)
+
+    def steps(self, rank: int) -> list[int | None]:
+        """The steps of ``rank``'s heartbeats applied, in order."""
+        return [step for r, step, _ in self.applied if r == rank]
 
 
 def poll_status(server: Any, predicate: Callable[[dict[str, Any]], Any], timeout: float) -> Any:

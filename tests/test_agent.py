@@ -121,7 +121,7 @@ def test_steps_loss_and_phase_reach_the_server(receiver: Receiver, rank_env) -> 
     def eval_sample(state: ServerState):
         record = state.ranks.get(0)
         # the phase event may come before the first heartbeat: wait for a heartbeat in "eval"
-        done = record and record.phase == "eval" and record.step == 5 and record.history
+        done = record and record.phase == "eval" and record.step == 5 and record.sample_seen
         return record if done and record.loss is not None else None
 
     with ddpwatch.phase("eval"):

@@ -21,10 +21,9 @@ from collections import deque
 from dataclasses import fields
 from typing import Any
 
-import msgspec
 import pytest
 import zmq
-from conftest import free_port_pair, push_frames
+from conftest import AppliedState, free_port_pair, push_frames
 
 from ddpwatch.protocol import (
     AnyMessage,
@@ -38,7 +37,7 @@ from ddpwatch.protocol import (
     encode,
 )
 from ddpwatch.server.collector import Collector
-from ddpwatch.server.state import HistoryPoint, RankRecord, ServerState
+from ddpwatch.server.state import RankRecord, ServerState
 
 NAN = float("nan")
 IDENT: dict[str, Any] = {
@@ -57,14 +56,12 @@ IDENT: dict[str, Any] = {
 
 
 def snapshot(record: RankRecord) -> dict[str, Any]:
-    """Every field of a record: deques as lists, dicts as their items in order, history
-    points as tuples, NaN as a string (so that two snapshots compare equal)."""
+    """Every field of a record: deques as lists, dicts as their items in order, NaN as a
+    string (so that two snapshots compare equal)."""
 
     def plain(value: Any) -> Any:
         if isinstance(value, float) and math.isnan(value):
             return "nan"
-        if isinstance(value, HistoryPoint):
-            return plain(msgspec.structs.astuple(value))
         if isinstance(value, tuple):
             return tuple(plain(v) for v in value)
         if isinstance(value, (list, deque)):
@@ -209,14 +206,6 @@ def expected_after_life() -> dict[str, Any]:
         "checkpoint_paths": ["/ckpt/1"],
         "phases": [("train", 2.0), ("eval", 11.0), ("train", 13.0)],
         "log_tail": ["a", "b", "c"],
-        "history": [
-            (2.0, 1, 0.5, 2.0, 10),
-            (7.0, 2, 0.5, "nan", 10),
-            (8.0, 3, 0.5, "nan", 10),
-            (9.0, 4, 0.5, "nan", 10),
-            (10.0, 5, 0.5, 1.0, 10),
-            (14.0, 8, 0.5, 1.0, 10),
-        ],
     }
 
 
@@ -298,7 +287,6 @@ def test_a_new_process_for_a_rank_starts_its_record_afresh() -> None:
             "sample_seen": 19.0,
             "last_progress": 19.0,
             "last_step_at": 19.0,
-            "history": [(19.0, 1, 0.5, 3.0, 10)],
         }
     )
     assert snapshot(record) == expected
@@ -366,9 +354,9 @@ def test_measurements_replace_the_last_ones_and_lists_keep_their_values() -> Non
 # ---------------------------------------------------------------- through the real collector
 
 
-def _collect(port: int, frames: list[bytes], total: int, **options: Any) -> ServerState:
+def _collect(port: int, frames: list[bytes], total: int, **options: Any) -> AppliedState:
     """Every frame through a real ``Collector`` whose clock stands at 1000.0."""
-    state = ServerState(started=0.0)
+    state = AppliedState(started=0.0)
     collector = Collector(state, lambda: b"{}", "127.0.0.1", port, clock=lambda: 1000.0, **options)
     try:
         reject = [encode(beat(rank=1, step=99)), b"second part"]  # one, counted
@@ -454,7 +442,7 @@ def test_a_relay_batch_is_coalesced_per_rank_exactly_as_documented(port: int) ->
         assert got == want
     assert reference.received + 4 == state.received  # four superseded: counted, not applied
     assert state.generation == reference.generation
-    assert [p.step for p in state.ranks[0].history] == [1, 3, 5, 7]
+    assert state.steps(0) == [1, 3, 5, 7]
     assert state.ranks[3].first_seen == 940.0  # held 90 s: dated a minute back, no more
     relay = state.relays["node-a:1"]
     assert (relay.batches, relay.frames, relay.dropped, relay.lost_batches) == (2, 15, 1, 1)
@@ -537,7 +525,7 @@ class _Queued:
 def test_a_backlog_of_direct_frames_is_coalesced_per_rank(port: int) -> None:
     """The same rules as in a relay's batch, for frames that came one by one."""
     now = 1000.0
-    state = ServerState(started=0.0)
+    state = AppliedState(started=0.0)
     collector = Collector(state, lambda: b"{}", "127.0.0.1", port, clock=lambda: now)
     ident1 = {**IDENT, "pid": 101, "local_rank": 1}
     first: list[AnyMessage] = [
@@ -571,7 +559,7 @@ def test_a_backlog_of_direct_frames_is_coalesced_per_rank(port: int) -> None:
     for rank in (0, 1):
         assert snapshot(state.ranks[rank]) == snapshot(reference.ranks[rank])
     assert reference.received + 3 == state.received
-    assert [p.step for p in state.ranks[0].history] == [3, 4, 5, 7]
+    assert state.steps(0) == [3, 4, 5, 7]
 
 
 def test_apply_leaves_the_messages_as_they_came() -> None:

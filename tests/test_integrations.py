@@ -520,8 +520,6 @@ def test_lightning_ddp_fit_reports_both_ranks(
                 *("sanity_check", "first_step", "validation", "checkpoint"),
             ],
         ), report["phases"]
-        history = live_server.server.state.ranks[rank].history
-        assert any(point.loss is not None for point in history)
     # only rank 0 writes Lightning's checkpoints: no conflict, and their paths are known
     written = sorted(str(p) for p in (tmp_path / "ck").glob("*.ckpt"))
     assert sorted(live_server.server.state.ranks[0].checkpoint_paths) == written

@@ -236,8 +236,8 @@ class Collector:
         """Take in up to ``RECV_BATCH`` messages (a batch counts each one in it; behind, up to
         ``BEHIND_BEATS`` per known rank). Under backlog a known rank's heartbeats are
         coalesced: only its newest ``Sample`` of the batch is applied, plus any that
-        ``_must_apply`` (only intermediate history points are lost); its events keep their
-        order.
+        ``_must_apply`` (one skipped loses only what the newer one overwrites, and a step of
+        the collective-wait average); its events keep their order.
 
         The frames are first taken off the socket and each one's head read (``_Head``: its
         type and rank), so a rank's last heartbeat of the batch is known when it comes and

@@ -1,4 +1,4 @@
-"""Plain data the server keeps: one record per rank plus bounded history.
+"""Plain data the server keeps: one record per rank, with the counters of what came in.
 
 Times here are the server's own clock (``time.time()`` when a message arrived),
 never the sender's, so ranks on hosts with skewed clocks compare fairly.
@@ -11,7 +11,6 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from math import isfinite
 
-import msgspec
 from msgspec.structs import astuple, replace
 
 from ddpwatch.protocol import (
@@ -27,7 +26,6 @@ from ddpwatch.server.relays import RelayRecord
 from ddpwatch.server.waits import WaitIndex
 from ddpwatch.vocabulary import EventKind
 
-HISTORY_LEN = 120
 MAX_WORLD = 1 << 20  # never iterate a bogus world size further than this
 LOG_LINES = 50
 MARKS_KEPT = 32
@@ -53,18 +51,6 @@ STORED_FIELDS = tuple(name for name in Sample.__struct_fields__ if name not in (
 """Every field of a ``Hello`` or a ``Sample`` the server keeps on the rank's record (all but
 the protocol version and the sender's clock): ``RankRecord`` declares each one."""
 """The measurements a sample overwrites as they come (``_apply_sample``)."""
-
-
-class HistoryPoint(msgspec.Struct, frozen=True, gc=False):
-    """One sample of the values the views draw as sparklines. Not tracked by Python's
-    cyclic collector (it holds only numbers): 120 per rank at 65,536 ranks would be 7.9
-    million objects for every full collection to scan."""
-
-    t: float
-    step: int | None
-    step_time_s: float | None
-    loss: float | None
-    mem_allocated_bytes: int | None
 
 
 @dataclass(slots=True)
@@ -145,7 +131,6 @@ class RankRecord:
     checkpoint_paths: list[str] = field(default_factory=list)
     phases: list[tuple[str, float]] = field(default_factory=list)
     log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_LINES))
-    history: deque[HistoryPoint] = field(default_factory=lambda: deque(maxlen=HISTORY_LEN))
 
     @property
     def finished(self) -> bool:
@@ -279,8 +264,7 @@ def _set_phase(record: RankRecord, phase: str | None, now: float) -> None:
 
 def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # noqa: C901, PLR0912, PLR0915 -- hot path: every heartbeat of every rank, kept flat
     """Store a heartbeat's measurements (each replaces the last, ``None`` included) and what
-    follows from them: progress, phase, the collective timer, step marks, NaN bookkeeping and
-    a history point per new step.
+    follows from them: progress, phase, the collective timer, step marks and NaN bookkeeping.
 
     A list equal to the one the record holds (``gpu_pids``, a collective's ``shape``, the
     step ``marks``: the same beat after beat) is not stored: the record keeps its own equal
@@ -311,16 +295,14 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     # that each lands): plain stores on a slotted record
     loss = sample.loss
     collective_time_s = sample.collective_time_s
-    step_time_s = sample.step_time_s
-    mem_allocated_bytes = sample.mem_allocated_bytes
     record.step = step
     record.loss = loss
-    record.step_time_s = step_time_s
+    record.step_time_s = sample.step_time_s
     record.avg_step_time_s = sample.avg_step_time_s
     record.data_wait_s = sample.data_wait_s
     record.collective_time_s = collective_time_s
     record.forwards = sample.forwards
-    record.mem_allocated_bytes = mem_allocated_bytes
+    record.mem_allocated_bytes = sample.mem_allocated_bytes
     record.mem_reserved_bytes = sample.mem_reserved_bytes
     record.mem_peak_bytes = sample.mem_peak_bytes
     record.gpu_mem_used_bytes = sample.gpu_mem_used_bytes
@@ -367,10 +349,6 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
         elif record.nan_step is None:
             # an agent that does not report nan_step: the heartbeat's step is only a bound
             record.nan_step = step if step is not None else (record.step or 0)
-    if step is not None:
-        history = record.history
-        if not history or history[-1].step != step:
-            history.append(HistoryPoint(now, step, step_time_s, loss, mem_allocated_bytes))
 
 
 def _left_collective(before: Collective | None, now: Collective | None) -> bool:
