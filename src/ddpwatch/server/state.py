@@ -219,10 +219,12 @@ class ServerState:
         self.received += 1
         rank = message.rank
         record = self.ranks.get(rank)
+        placed = record is not None  # ``waits`` has it where its last message put it
         pid = getattr(message, "pid", None)  # events have none
         if record is None or (pid is not None and record.pid is not None and pid != record.pid):
             # a new rank, or a restarted worker (its rank with a new pid): start afresh
             record = RankRecord(rank=rank, first_seen=now, last_seen=now, last_progress=now)
+            placed = False
             self.ranks[rank] = record
             self.generation += 1
             if self.first_report is None:
@@ -236,7 +238,10 @@ class ServerState:
                 record.identity_key = key
                 self.generation += 1
             if isinstance(message, Sample):
+                idle = placed and record.collective is None
                 _apply_sample(record, message, now)
+                if idle and record.collective is None:
+                    return  # in no collective still: ``waits`` has it there (most heartbeats)
         elif isinstance(message, Event):
             _apply_event(record, message, now)
             if message.event in _GENERATION_EVENTS:
