@@ -1008,30 +1008,36 @@ def _ticking(
 ) -> tuple[float, float, float]:
     """``Diagnosis`` as the server runs it (``server/rules``: tick rules every call, the
     paced rules when due): CPU ms per tick over ``ticks`` ticks 0.25 s apart, half the ranks'
-    heartbeats applied between two ticks (2 Hz), the straggler still hanging. Median, mean,
-    max; the first four ticks (everything due at once) left out."""
+    heartbeats applied between two ticks (2 Hz), the straggler still hanging. The cyclic
+    garbage collector as in the server: paused while heartbeats are applied, running during
+    ticks, the records frozen (``collector.FREEZE_AFTER_RANKS``). Median, mean, max; the
+    first four ticks (everything due at once) left out."""
     from ddpwatch.protocol import decode
+    from ddpwatch.server.collector import freeze_new_records
     from ddpwatch.server.rules import Diagnosis
 
     diagnosis = Diagnosis()
     spent = []
     t0 = beats.t0
     first_cycle = int((now - t0) / BEAT_S)
-    gc.collect()
-    gc.disable()
+    frozen = freeze_new_records(len(state.ranks), 0)
     try:
         for tick in range(ticks):
             at_tick = now + tick * 0.25
             cycle = first_cycle + tick // 2
             half = range(0, size // 2) if tick % 2 == 0 else range(size // 2, size)
+            gc.disable()
             for i in half:
                 at = t0 + (cycle + i / size) * BEAT_S
                 state.apply(decode(beats.frame(i, cycle, at)), min(at, at_tick))
+            gc.enable()
             c0 = time.process_time()
             diagnosis(state, at_tick, th)
             spent.append((time.process_time() - c0) * 1e3)
     finally:
         gc.enable()
+        if frozen:
+            gc.unfreeze()
     kept = spent[4:]
     return statistics.median(kept), statistics.mean(kept), max(kept)
 

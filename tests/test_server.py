@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -238,6 +239,40 @@ def test_a_server_behind_many_ranks_reads_far_enough_to_coalesce(port: int, monk
     assert state.received == ranks * (beats + 1)  # every one counted
     assert len(applied) < ranks * beats  # many superseded within a receive: not applied
     assert all(state.ranks[r].step == beats for r in range(ranks))  # each rank's newest
+
+
+def test_records_of_many_new_ranks_leave_the_cyclic_collectors_full_passes(
+    port: int, monkeypatch
+) -> None:
+    """A full collection walked every record: 350 ms at 65,536 ranks, landing on a diagnosis
+    tick (``benchmarks/scale.py``: live ticks took 0.8-0.9 s of CPU, 0.3 s with records
+    frozen). Once ``FREEZE_AFTER_RANKS`` ranks are new, the records are frozen; not before,
+    and ``close`` unfreezes them."""
+    monkeypatch.setattr(collector_module, "FREEZE_AFTER_RANKS", 40)
+    assert gc.isenabled()
+    before = gc.get_freeze_count()  # 0, unless a collector of another test was left open
+    state = ServerState(started=0.0)
+    collector = Collector(state, lambda: b"", "127.0.0.1", port)
+
+    def take(frames: list[bytes], total: int) -> None:
+        push_frames(port, frames)
+        deadline = time.monotonic() + 10
+        while state.received < total and time.monotonic() < deadline:
+            collector.poll(0.1)
+
+    try:
+        take([sample(r, world_size=64) for r in range(39)], 39)
+        assert gc.get_freeze_count() == before  # 39 new ranks: not yet
+        take([sample(39, world_size=64)], 40)
+        frozen = gc.get_freeze_count()
+        tracked = {id(o) for o in gc.get_objects()}
+        assert not any(id(record) in tracked for record in state.ranks.values())
+        take([sample(r, world_size=64) for r in range(40, 60)], 60)  # 20 more: not yet
+        assert gc.get_freeze_count() == frozen
+        assert id(state.ranks[59]) in {id(o) for o in gc.get_objects()}
+    finally:
+        collector.close()
+    assert frozen >= before + 40 and gc.get_freeze_count() == 0
 
 
 def test_a_query_is_answered_within_a_long_receive(port: int, monkeypatch) -> None:

@@ -14,7 +14,9 @@ admitted, recorded and counted as if it had come alone, in the order the relay t
 Behind its queue, the collector reads more per receive and applies only each rank's newest
 heartbeat (``BEHIND_BEATS``); far behind, it counts superseded heartbeats without decoding
 them, leaving each rank's record as that coalescing would (``SHED_AFTER_S``). A status query
-is not kept waiting by such a long receive (``ANSWER_EVERY``).
+is not kept waiting by such a long receive (``ANSWER_EVERY``). The records of ranks new
+since the last time are moved out of Python's cyclic garbage collector's passes
+(``FREEZE_AFTER_RANKS``).
 
 The collector also tells diagnosis how far its view is complete: ``state.heard_until`` is
 the last time it found its queue empty, and ``state.listening_since`` moves forward when it
@@ -83,6 +85,13 @@ RANK_MARGIN = 64  # ranks tracked beyond the known world size (elastic jobs, res
 UNKNOWN_WORLD_RANKS = 1024  # ranks tracked while no rank has reported a world size
 RANK_CEILING = 65_536  # without --max-ranks: the most ranks, and the largest world size, taken
 REFUSED_LOG_S = 10.0
+FREEZE_AFTER_RANKS = 1024
+"""After a receive that leaves this many ranks more than at the last freeze, what the process
+holds is frozen (``gc.freeze``), the new records among it: they live as long as the server
+and hold no reference cycles (a record dropped for a restarted worker is freed by its
+reference count all the same), yet every full collection walked all of them, 350 ms at
+65,536 ranks, landing on whichever diagnosis tick allocated when one was due. Garbage is
+collected first, so nothing unreachable is frozen; ``close`` unfreezes."""
 MAX_RELAY_AGE_US = 60_000_000  # a frame a relay held longer is dated a minute back, no more
 PAUSE_S = 1.0
 """Wall time this much longer than the server's own CPU time and waits: it was not running."""
@@ -124,6 +133,7 @@ class Collector:
         self._query_reply = query
         self._clock = clock
         self._behind = False  # the last receive left messages queued
+        self._frozen_ranks = 0  # how many ranks there were at the last gc.freeze
         self._received_at = -math.inf  # when the last receive ended (``RECEIVE_GAP_S``)
         self._pauses = PauseWatch()
         self._context = zmq.Context()
@@ -262,6 +272,8 @@ class Collector:
         finally:
             if collecting:
                 gc.enable()
+        if collecting:
+            self._frozen_ranks = freeze_new_records(len(self.state.ranks), self._frozen_ranks)
         if drained:
             self._caught_up(now)  # the queue ran dry: all sent before ``now`` is read
         else:
@@ -517,6 +529,8 @@ class Collector:
         if self._auth is not None:
             self._auth.stop()
         self._context.term()
+        if self._frozen_ranks:
+            gc.unfreeze()  # the records go back to the collector's oldest generation
 
 
 class PauseWatch:
@@ -642,6 +656,16 @@ def _read_ahead(
                 shed.note(head, position)
         position += 1
     return True
+
+
+def freeze_new_records(ranks: int, frozen: int) -> int:
+    """``FREEZE_AFTER_RANKS``: with ``ranks`` known and ``frozen`` at the last freeze, collect
+    and freeze once enough are new; returns the count the next call compares with."""
+    if ranks - frozen < FREEZE_AFTER_RANKS:
+        return frozen
+    gc.collect()
+    gc.freeze()
+    return ranks
 
 
 def _must_apply(superseded: Sample, newer: Sample) -> bool:
