@@ -49,16 +49,33 @@ def status(port: int) -> dict:
     return document or {}
 
 
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+"""torch 2.13's gloo aborts a rank now and then as its interpreter exits, after
+``destroy_process_group`` returned and the job's work is done: 3 of 20 runs of this job with
+no ddpwatch in it at all (https://github.com/pytorch/pytorch/issues/190489, and PR 179291 on
+gloo's threads at interpreter finalization)."""
+
+
+def finished_job(port: int, steps: int, watch: bool) -> tuple[int, str]:
+    """Run the job to its end: once more if torch aborted it on the way out (``GLOO_EXIT_ABORT``,
+    after its checksum), so only what the job itself did decides."""
+    for _ in range(2):
+        job = torchrun(port, steps, watch=watch)
+        out, _ = job.communicate(timeout=120)
+        if job.returncode == 0 or GLOO_EXIT_ABORT not in out or "CHECKSUM" not in out:
+            break
+    return job.returncode, out
+
+
 def test_training_result_is_identical_with_and_without_ddpwatch(port: int) -> None:
     server = LiveServer(port, Thresholds())
     try:
-        bare = torchrun(port, 150, watch=False)
-        out_bare, _ = bare.communicate(timeout=120)
-        watched = torchrun(port, 150, watch=True)
-        out_watched, _ = watched.communicate(timeout=120)
+        bare, out_bare = finished_job(port, 150, watch=False)
+        watched, out_watched = finished_job(port, 150, watch=True)
     finally:
         server.stop()
-    assert bare.returncode == 0 and watched.returncode == 0, out_watched
+    assert bare == 0, out_bare
+    assert watched == 0, out_watched
     assert checksum(out_bare) == checksum(out_watched)
 
 
