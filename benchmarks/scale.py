@@ -28,11 +28,13 @@ else running. Then, for each mode, fresh processes (multiprocessing, spawn):
   its ranks), its ranks PUSH to them over ``ipc://`` and the relays send ``Batch`` frames to
   the server every beat. Relays stop only once the server has drained its queue.
   ``nodes``: what per-node relays on other machines would send, without running them here:
-  one PUSH socket per process carries, every beat, one ``Batch`` per simulated node of
-  ``RANKS_PER_NODE`` ranks (8,192 relays at 65,536 ranks, each named and sequenced as a
-  relay; its ranks' frames aged over the beat as they would have waited in it). The
-  server's work is that of real per-node relays; the machine running the benchmark is
-  spared 8,192 relay threads.
+  every beat, one ``Batch`` per simulated node of ``RANKS_PER_NODE`` ranks (8,192 relays at
+  65,536 ranks, each named and sequenced as a relay; its ranks' frames aged over the beat as
+  they would have waited in it), each node on a connection of its own, queued as a relay's
+  (``UPSTREAM_HWM``, ``UPSTREAM_KERNEL_BYTES``); a batch the server does not take is
+  coalesced as a held-back relay does (``NodeBatches``). The server's work, connections and
+  queues are those of real per-node relays; the machine running the benchmark is spared
+  8,192 relay threads.
 * **status prober**: a ``StatusClient`` REQ (``b"status"``, as ``ddpwatch status``) every
   ``--status-every`` s, timed; on a few replies, the dashboard's model build (decode, header
   summary, alert index, history rings, worst-first rows: ``tui/model.py``; drawing the
@@ -110,6 +112,7 @@ class PublisherSpec:
 class PublisherResult:
     offered: int = 0
     sender_drops: int = 0  # zmq.Again on a non-blocking send: the beat is lost at the sender
+    coalesced: int = 0  # left out by a relay (simulated or real) held back, counted by it
     skipped: int = 0  # beats never offered because the process ran more than a beat behind
     intended: int = 0  # beats the schedule asked for
     cpu_s: float = 0.0  # the whole process (publisher loop, relays, ZeroMQ threads)
@@ -247,8 +250,9 @@ class Beats:
             **self.own(rank),
         )
 
-    def frame(self, rank: int, cycle: int, now: float) -> bytes:
-        """The same heartbeat, assembled from pieces encoded once."""
+    def frame(self, rank: int, cycle: int, now: float, identity: bool | None = None) -> bytes:
+        """The same heartbeat, assembled from pieces encoded once (with the identity when
+        ``identity`` says, else on every ``IDENTITY_EVERY``-th beat)."""
         step, py, waiting = self.where(rank, now)
         enc = self._enc
         body = self._bodies.get((step, py))
@@ -261,7 +265,9 @@ class Beats:
             tail = self._tails[rank] = b"".join(enc(k) + enc(v) for k, v in own.items())
         pairs = 3 + 13 + 3  # type, v, t; shared; rank and its own
         parts = [b"", self._head, self._double(now), body, tail]
-        if cycle % self.identity_every == 0:
+        if identity is None:
+            identity = cycle % self.identity_every == 0
+        if identity:
             found = self._identities.get(rank)
             if found is None:
                 identity = self.identity(rank)
@@ -290,7 +296,10 @@ class NodeBatches:
     """What a per-node relay on each simulated node sends: every beat, one ``Batch`` of its
     ``RANKS_PER_NODE`` ranks' heartbeats, as ``relay.Relay._send`` builds it. The node's
     ranks beat at phases spread over the beat, so each frame has waited in the relay for
-    part of a beat (``ages_us``) and is dated that much earlier (``t``)."""
+    part of a beat (``ages_us``) and is dated that much earlier (``t``). A batch the server
+    does not take (``refused``: its socket is full) is coalesced as the held-back relay
+    does: the node's next batch carries its ranks' newest heartbeats, with their identity if
+    the refused one had it, and counts the refused ones in ``coalesced``."""
 
     def __init__(self, beats: Beats) -> None:
         from ddpwatch.protocol import PROTOCOL_VERSION, Batch, encode
@@ -300,20 +309,55 @@ class NodeBatches:
         self.count = math.ceil((self.hi - self.lo) / RANKS_PER_NODE)
         self.v, self.Batch, self.encode = PROTOCOL_VERSION, Batch, encode
         self.ages_us = [int(BEAT_S * 1e6 * k / RANKS_PER_NODE) for k in range(RANKS_PER_NODE)]
+        self.owed = [0] * self.count  # heartbeats coalesced into the node's next batch
+        self.owe_identity = [False] * self.count
+        self.seq = [0] * self.count
+        self.coalesced = 0  # counted in batches the server took
 
     def batch(self, node: int, cycle: int, now: float) -> tuple[bytes, int]:
         first = self.lo + node * RANKS_PER_NODE
         ranks = range(first, min(self.hi, first + RANKS_PER_NODE))
         ages = self.ages_us[: len(ranks)]
+        identity = self.owe_identity[node] or cycle % self.beats.identity_every == 0
         frames = [
-            self.beats.frame(rank, cycle, now - age / 1e6)
+            self.beats.frame(rank, cycle, now - age / 1e6, identity)
             for rank, age in zip(ranks, ages, strict=True)
         ]
         name = f"node-{first // RANKS_PER_NODE}"
         batch = self.Batch(
-            v=self.v, relay=f"{name}:1", t=now, host=name, seq=cycle, frames=frames, ages_us=ages
-        )
+            v=self.v, relay=f"{name}:1", t=now, host=name, seq=self.seq[node], frames=frames,
+            ages_us=ages, coalesced=self.owed[node],
+        )  # fmt: skip
         return self.encode(batch), len(frames)
+
+    def taken(self, node: int) -> None:
+        self.seq[node] += 1
+        self.coalesced += self.owed[node]
+        self.owed[node], self.owe_identity[node] = 0, False
+
+    def refused(self, node: int, cycle: int, heartbeats: int) -> None:
+        self.owed[node] += heartbeats
+        self.owe_identity[node] |= cycle % self.beats.identity_every == 0
+
+    def flush(self, sockets: list[Any], deadline: float) -> None:
+        """After the run, what the nodes still owe leaves in an empty batch each (a relay
+        sends what it holds until it stops)."""
+        import zmq
+
+        for node, owed in enumerate(self.owed):
+            name = f"node-{(self.lo + node * RANKS_PER_NODE) // RANKS_PER_NODE}"
+            while owed and time.time() < deadline:
+                batch = self.Batch(
+                    v=self.v, relay=f"{name}:1", t=time.time(), host=name, seq=self.seq[node],
+                    coalesced=owed,
+                )  # fmt: skip
+                try:
+                    sockets[node].send(self.encode(batch), zmq.NOBLOCK)
+                except zmq.Again:
+                    sockets[node].poll(100, zmq.POLLOUT)
+                    continue
+                self.taken(node)
+                break
 
 
 def publisher(conn: Connection, spec: PublisherSpec) -> None:
@@ -341,6 +385,11 @@ def publisher(conn: Connection, spec: PublisherSpec) -> None:
                 relays.append((relay, thread, cpu))
                 sockets.append(_push(context, listen, spec.ranks_per_relay))
             per_socket = spec.ranks_per_relay
+        elif spec.mode == "nodes":  # a connection per node, as a relay's: its queues, its share
+            nodes = math.ceil(n / RANKS_PER_NODE)
+            context.set(zmq.MAX_SOCKETS, nodes + 64)
+            sockets.extend(_push(context, spec.upstream, 0, relay=True) for _ in range(nodes))
+            per_socket = 1
         else:
             sockets.append(_push(context, spec.upstream, n))
             per_socket = n
@@ -349,12 +398,17 @@ def publisher(conn: Connection, spec: PublisherSpec) -> None:
         beats = Beats(spec, t0, onset)
         build: Callable[[int, int, float], tuple[bytes, int]] = beats.alone
         units = n
+        batches = None
         if spec.mode == "nodes":
-            nodes = NodeBatches(beats)
-            build, units = nodes.batch, nodes.count
-            result.relays = per_socket = units
+            batches = NodeBatches(beats)
+            build, units = batches.batch, batches.count
+            result.relays = units
         cpu0 = time.process_time()
-        sent = _beat_loop(units, build, sockets, per_socket, t0, end, result, zmq.NOBLOCK)
+        sent = _beat_loop(units, build, sockets, per_socket, t0, end, result, batches)
+        if batches is not None:
+            batches.flush(sockets, time.time() + 10.0)
+            result.coalesced = batches.coalesced
+            result.sender_drops += sum(batches.owed)  # never taken, even after the run
         deadline = time.time() + 5.0  # let frames in flight reach their relay and leave it
         while relays and time.time() < deadline:
             taken = all(r.stats.received >= s for (r, _, _), s in zip(relays, sent, strict=True))
@@ -372,6 +426,7 @@ def publisher(conn: Connection, spec: PublisherSpec) -> None:
             result.relay_received += relay.stats.received
             result.relay_forwarded += relay.stats.forwarded
             result.relay_dropped += relay.stats.dropped
+            result.coalesced += relay.stats.coalesced
             result.relay_batches += relay.stats.batches
             result.relay_pending_at_stop += len(relay._pending)
             result.relay_reconnects += relay.stats.reconnects
@@ -386,11 +441,19 @@ def publisher(conn: Connection, spec: PublisherSpec) -> None:
     conn.send(asdict(result))
 
 
-def _push(context: Any, endpoint: str, ranks: int) -> Any:
+def _push(context: Any, endpoint: str, ranks: int, relay: bool = False) -> Any:
+    """A sender's socket: a rank's or a process's (a second of its ranks' beats queued), or
+    with ``relay`` a simulated node's relay's, queued as a relay's are."""
     import zmq
 
+    from ddpwatch.relay import UPSTREAM_HWM, UPSTREAM_KERNEL_BYTES
+
     sock = context.socket(zmq.PUSH)
-    sock.setsockopt(zmq.SNDHWM, max(1000, 2 * ranks))  # a second of its ranks' beats
+    if relay:
+        sock.setsockopt(zmq.SNDHWM, UPSTREAM_HWM)
+        sock.setsockopt(zmq.SNDBUF, UPSTREAM_KERNEL_BYTES)
+    else:
+        sock.setsockopt(zmq.SNDHWM, max(1000, 2 * ranks))
     sock.connect(endpoint)
     return sock
 
@@ -411,14 +474,17 @@ def _beat_loop(
     t0: float,
     end: float,
     result: PublisherResult,
-    noblock: int,
+    nodes: NodeBatches | None = None,
 ) -> list[int]:
     """Send unit i's beat (a rank's heartbeat, or a node's batch: ``build(i, cycle, now)``
     gives the frame and the heartbeats in it) g = cycle * units + i at t0 + g * BEAT_S /
     units: every unit once per beat, uniformly spread; more than one beat behind, skip
-    ahead (counted in ``skipped``, in units). Returns the frames each socket took."""
+    ahead (counted in ``skipped``, in units). A frame the socket does not take is lost at
+    the sender (``sender_drops``), or for ``nodes`` coalesced into the node's next batch.
+    Returns the frames each socket took."""
     import zmq
 
+    noblock = zmq.NOBLOCK
     n = units
     sent = [0] * len(sockets)
     g = 0
@@ -438,8 +504,13 @@ def _beat_loop(
             try:
                 sockets[k].send(frame, noblock)
                 sent[k] += 1
+                if nodes is not None:
+                    nodes.taken(i)
             except zmq.Again:
-                result.sender_drops += heartbeats
+                if nodes is not None:
+                    nodes.refused(i, cycle, heartbeats)
+                else:
+                    result.sender_drops += heartbeats
             result.offered += heartbeats
             g += 1
         if g >= due:
@@ -664,6 +735,7 @@ class Row:
     received: int
     drops: int
     sender_drops: int
+    coalesced: int
     skipped: int
     rejected: int
     shed: int  # of received: counted from their head, the server far behind
@@ -847,6 +919,7 @@ def summarize_run(
         received=server["received"],
         drops=offered - server["received"],
         sender_drops=sum(r.sender_drops for r in results),
+        coalesced=sum(r.coalesced for r in results),
         skipped=sum(r.skipped for r in results),
         rejected=server["rejected"],
         shed=server["shed"],
@@ -1132,7 +1205,7 @@ def detail_line(row: Row) -> str:
         f"offered {row.offered_rate / row.target_rate:.0%} of the target"
         + (" (PUBLISHERS SHORT)" if short else ""),
         f"sender drops {row.sender_drops}, beats skipped {row.skipped}, rejected {row.rejected},"
-        f" shed {row.shed} (of {row.received} received)",
+        f" shed {row.shed}, coalesced by relays {row.coalesced} (of {row.received} received)",
         f"server thread {row.thread_cores:.2f} cores (ticks {row.tick_cores:.2f},"
         f" ingest {row.ingest_cores:.2f}); {row.ticks_in_window} ticks, {row.ticks} of them with"
         f" every rank known; longest time without a tick {row.tick_gap_s:.1f} s",

@@ -7,6 +7,7 @@ a relay outlives a server restart.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 from conftest import LiveServer, alert_of, ddpwatch_run, poll_status
@@ -123,6 +125,8 @@ def test_a_relay_batches_its_ranks_and_the_server_counts_every_frame(
     server: LiveServer, listen: str
 ) -> None:
     relay = Relay(upstream(server.port), listen, beat_s=0.5).start()
+    # a relay coalesces while the server takes nothing, as before it is connected: not here
+    wait_for(lambda: relay.stats.batches > 0 and not relay._held, 3.0, "a connected relay")
     ranks = Ranks(server.port, 4, relay.listen)
     try:
         time.sleep(2.0)
@@ -316,7 +320,7 @@ def test_the_collector_opens_batches_and_dates_each_frame(port: int) -> None:
         ]
         batch = Batch(
             v=1, relay="node-c:7", t=0.0, seq=3, frames=frames, ages_us=[2_000_000, 0, 0, 0],
-            rejected=2,
+            rejected=2, coalesced=5,
         )  # fmt: skip
         push.send(encode(batch))
         deadline = time.monotonic() + 3
@@ -325,8 +329,10 @@ def test_the_collector_opens_batches_and_dates_each_frame(port: int) -> None:
         assert state.ranks[1].first_seen == pytest.approx(now - 2.0)
         assert state.ranks[2].first_seen == now
         assert state.rejected == 2 + 2  # the relay's two, the bad frame and the nested batch
+        assert state.received == 2 + 5  # the two valid frames, the five the relay coalesced
         relay = state.relays["node-c:7"]
         assert relay.ranks == {1, 2} and relay.frames == 4 and relay.host is None
+        assert relay.coalesced == 5
         assert decode_wire(encode(batch)) == batch
     finally:
         push.close(linger=0)
@@ -487,3 +493,150 @@ def test_a_relay_stopped_without_a_server_counts_what_it_could_not_forward(
         push.close(linger=0)
         relay.stop()
     assert (relay.stats.received, relay.stats.forwarded, relay.stats.dropped) == (5, 0, 5)
+
+
+def _beat(
+    rank: int, step: int, *, loss: float = 1.0, pid: int | None = None, size: int = 0
+) -> bytes:
+    """A heartbeat; ``size`` GPU pids make it about as large as a real one (``size`` 60)."""
+    pids = list(range(100_000, 100_000 + size)) or None
+    return encode(
+        Sample(v=1, rank=rank, t=float(step), step=step, loss=loss, pid=pid, gpu_pids=pids)
+    )
+
+
+def _received_batches(pull: zmq.Socket[bytes], until: Callable[[list[Batch]], bool]) -> list[Batch]:
+    batches: list[Batch] = []
+    deadline = time.monotonic() + 5
+    while not until(batches):
+        assert time.monotonic() < deadline, f"relay sent only {batches}"
+        if pull.poll(100):
+            batch = decode_wire(pull.recv())
+            assert isinstance(batch, Batch)
+            batches.append(batch)
+    return batches
+
+
+def test_a_relay_held_back_keeps_each_ranks_newest_heartbeat_and_every_event(
+    port: int, listen: str
+) -> None:
+    """The server is away (the same as one that takes no more): the relay keeps, per rank,
+    only the newest of its plain heartbeats in a row, never one with a NaN loss or an
+    identity the newer lacks, never across an event; it says how many it left out, and the
+    server gets every rank's last state and every event once it takes frames again."""
+    relay = Relay(upstream(port), listen, beat_s=0.2).start()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(listen)
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    try:
+        wait_for(lambda: relay._held, 2.0, "the relay to find no server")
+        log = Event(v=1, rank=0, t=7.0, event="log", text="x")
+        for rank in range(3):
+            sent = [
+                _beat(rank, 0, pid=100 + rank),  # tells the identity: 1 cannot replace it
+                _beat(rank, 1),  # left out, and 2 with it: 3 supersedes them
+                _beat(rank, 2),
+                _beat(rank, 3, loss=math.nan),  # a NaN: 4 cannot replace it
+                _beat(rank, 4),  # the event after it keeps it
+                encode(msgspec.structs.replace(log, rank=rank)),
+                _beat(rank, 5),  # left out
+                _beat(rank, 6),
+            ]
+            for frame in sent:
+                push.send(frame)
+        wait_for(lambda: relay.stats.received == 24, 3.0, "the relay to take every frame")
+        assert relay.stats.coalesced == 9 and len(relay._pending) == 15
+
+        pull.bind(upstream(port))
+        batches = _received_batches(pull, lambda b: sum(len(x.frames) for x in b) >= 15)
+        messages = [decode_wire(frame) for batch in batches for frame in batch.frames]
+        for rank in range(3):
+            mine = [m for m in messages if m.rank == rank]
+            assert [getattr(m, "step", None) for m in mine] == [0, 3, 4, None, 6]
+            assert isinstance(mine[3], Event) and mine[0].pid == 100 + rank
+            assert math.isnan(mine[1].loss)
+        assert sum(batch.coalesced for batch in batches) == 9
+        assert (relay.stats.forwarded, relay.stats.dropped) == (15, 0)
+        assert not relay._held
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        relay.stop()
+
+
+def test_a_relay_whose_server_is_away_holds_a_heartbeat_a_rank_and_loses_none(
+    port: int, listen: str
+) -> None:
+    """Ranks beat on while the server is away: the relay keeps one heartbeat a rank however
+    long that lasts (a burst within one beat included), and the server, once there, has each
+    rank's newest heartbeat and identity and counts every heartbeat sent, taken in or
+    coalesced: none lost, none dropped."""
+    relay = Relay(upstream(port), listen, beat_s=0.02).start()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.connect(listen)
+    ranks, beats = 4, 2000
+    try:
+        for step in range(beats):
+            for rank in range(ranks):
+                push.send(_beat(rank, step, pid=100 + rank if step == 0 else None, size=60))
+            if step % 50 == 49:
+                time.sleep(0.01)  # beats come over many of the relay's beats, as they do
+        wait_for(lambda: relay.stats.received == ranks * beats, 10.0, "the relay to take all")
+        wait_for(lambda: relay.stats.coalesced > 0, 1.0, "the relay to hold back")
+        # the identity heartbeat, then the newest heartbeat of each rank
+        assert relay._held and len(relay._pending) == 2 * ranks
+        state = ServerState(started=time.time())
+        collector = Collector(state, lambda: b"{}", port=port)
+        try:
+            deadline = time.monotonic() + 10
+            while state.received < ranks * beats and time.monotonic() < deadline:
+                collector.poll(0.1)
+        finally:
+            collector.close()
+        assert state.received == ranks * beats
+        assert [state.ranks[r].step for r in range(ranks)] == [beats - 1] * ranks
+        assert [state.ranks[r].pid for r in range(ranks)] == [100, 101, 102, 103]
+        assert relay.stats.dropped == 0 and state.rejected == 0
+        assert state.relays[relay.name].coalesced == relay.stats.coalesced == (beats - 2) * ranks
+    finally:
+        push.close(linger=0)
+        relay.stop()
+
+
+def test_what_waits_when_the_server_goes_away_is_coalesced_too(port: int, listen: str) -> None:
+    """The server goes away while a burst waits for the relay's next beat: that send fails,
+    and what already waited is coalesced as if it had come held back (one heartbeat a rank,
+    not the burst); a server back on the port gets each rank's newest heartbeat."""
+    ranks, burst = 3, 50
+    first = Collector(ServerState(started=time.time()), lambda: b"{}", port=port)
+    relay = Relay(upstream(port), listen, beat_s=1.0).start()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(listen)
+    try:
+        deadline = time.monotonic() + 5
+        while relay.stats.batches < 2 and time.monotonic() < deadline:
+            first.poll(0.01)  # the second beat has just gone: the next is a second away
+        first.close()
+        time.sleep(0.2)  # the relay's connection is gone: its next send fails
+        for step in range(burst):
+            for rank in range(ranks):
+                push.send(_beat(rank, step))
+        wait_for(lambda: relay.stats.received == burst * ranks, 0.5, "the burst in the relay")
+        assert not relay._held and len(relay._pending) == burst * ranks  # no send tried yet
+        wait_for(lambda: relay._held, 2.0, "the relay to find the server gone")
+        assert len(relay._pending) == ranks
+        assert relay.stats.coalesced == (burst - 1) * ranks
+
+        state = ServerState(started=time.time())
+        second = Collector(state, lambda: b"{}", port=port)
+        try:
+            deadline = time.monotonic() + 5
+            while len(state.ranks) < ranks and time.monotonic() < deadline:
+                second.poll(0.05)
+        finally:
+            second.close()
+        assert [state.ranks[r].step for r in range(ranks)] == [burst - 1] * ranks
+    finally:
+        push.close(linger=0)
+        relay.stop()

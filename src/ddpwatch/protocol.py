@@ -8,6 +8,7 @@ lets newer agents talk to older servers. See ``docs/protocol.md``.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, TypeVar
 
 import msgspec
@@ -173,9 +174,34 @@ class Batch(
     by its arrival at the relay, so ranks' messages of one batch keep their order in time)."""
     rejected: NonNegInt = 0  # frames the relay took in that were not valid messages
     dropped: NonNegInt = 0  # frames the relay could not forward (the server away too long)
+    coalesced: NonNegInt = 0
+    """Heartbeats the relay left out since its last batch, each superseded by a newer one of
+    the same rank while the server was not taking more (``keeps_news`` said so): taken in,
+    like those the server coalesces itself when behind, not lost."""
 
 
 WireMessage = Hello | Sample | Event | Batch
+
+
+def keeps_news(superseded: Sample, newer: Sample) -> bool:
+    """Whether a heartbeat that a newer one of its rank supersedes still says something the
+    newer leaves out: a loss that is not finite (a NaN gone by the next beat), or an identity
+    (a new pid or device). Coalescing, by a server behind or a relay held back, never leaves
+    such a one out; any other only loses what the newer one overwrites."""
+    if superseded.loss is not None and not math.isfinite(superseded.loss):
+        return True
+    return tells_identity(superseded) and not tells_identity(newer)
+
+
+def tells_identity(sample: Sample) -> bool:
+    """Whether a heartbeat repeats the identity, by the fields every identity has in practice
+    (four attribute reads: this runs for most frames of a backlog)."""
+    return (
+        sample.pid is not None
+        or sample.host is not None
+        or sample.world_size is not None
+        or sample.device is not None
+    )
 
 
 class ProtocolError(ValueError):

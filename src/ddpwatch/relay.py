@@ -8,9 +8,16 @@ What the relay keeps, and why:
 
 - **Every frame, in order.** One PULL socket keeps each rank's order; frames leave in
   arrival order, in one ``Batch`` per beat, sooner when an event (a crash, an exit) is in.
-- **Frames while the server is away or behind**, up to ``BACKLOG_FRAMES`` (the oldest go
-  first, counted in the next batch's ``dropped``); ZeroMQ itself holds only ``UPSTREAM_HWM``
-  batches, so what a stopping relay could not send is counted too.
+- **What the server cannot take yet.** Here ZeroMQ holds only ``UPSTREAM_HWM`` batches and
+  the kernel ``UPSTREAM_KERNEL_BYTES``; past that (the server away, stopped, or its own
+  queue full) the relay is *held back* and keeps the rest itself. Held back, a rank's
+  heartbeat takes the place of the one of the same rank still waiting
+  (``protocol.keeps_news``: never one with a NaN loss or an identity the newer lacks, never
+  across an event), counted in the next batch's ``coalesced``: the server, once it takes
+  frames again, gets each rank's newest state and every event, and the relay's memory is
+  bounded by its ranks, not by how long the server was away. ``BACKLOG_FRAMES`` bounds the
+  rest (the oldest go first, counted in ``dropped``), and what a stopping relay could not
+  send is counted too.
 - **Each rank's identity**: a restarted server hears it again as soon as it is back (the
   ranks' own connection, to the relay, did not change, so they would not resend it soon).
 
@@ -47,8 +54,10 @@ from ddpwatch.protocol import (
     Hello,
     Identity,
     ProtocolError,
+    Sample,
     decode,
     encode,
+    keeps_news,
 )
 from ddpwatch.security import apply_client_curve
 
@@ -61,11 +70,14 @@ EVENT_FLUSH_S = 0.02  # an event (crash, exit, stack) waits at most this for its
 BACKLOG_FRAMES = 200_000
 BATCH_BYTES = MAX_FRAME_BYTES - 64 * 1024  # room for the batch's own fields
 RECV_BATCH = 10_000
-UPSTREAM_HWM = 8
-"""Batches queued in ZeroMQ for the server (at most ~8 MiB). A server that falls behind
-leaves the rest in the relay's own backlog, where what it cannot keep is counted
-(``dropped``, and at stop), not in ZeroMQ's queue, which is lost uncounted when the relay
-stops (seen: 200 batches a relay at 65,536 ranks)."""
+UPSTREAM_HWM = 2
+"""Batches queued in ZeroMQ for the server. What the server does not take stays with the
+relay, which coalesces it (held back) and counts what it cannot keep (``dropped``, and at
+stop), rather than in ZeroMQ's queue, which holds stale heartbeats in order and is lost
+uncounted when the relay stops (seen: 200 batches a relay at 65,536 ranks)."""
+UPSTREAM_KERNEL_BYTES = 64 * 1024
+"""The relay's send buffer in the kernel (``SO_SNDBUF``), for the same reason: the kernel
+otherwise grows it to megabytes, which hold stale batches in order too."""
 
 _IDENTITY_FIELDS = tuple(n for n in Identity.__struct_fields__ if n not in ("v", "rank", "t"))
 
@@ -133,8 +145,22 @@ class RelayStats:
     forwarded: int = 0
     rejected: int = 0
     dropped: int = 0
+    coalesced: int = 0
     batches: int = 0
     reconnects: int = 0
+
+
+class _Waiting:
+    """One frame waiting in the relay: its rank, when it came (monotonic) and, for a
+    heartbeat, the decoded ``Sample`` (a newer one may replace it while held back)."""
+
+    __slots__ = ("arrived", "beat", "frame", "rank")
+
+    def __init__(self, frame: bytes, rank: int, arrived: float, beat: Sample | None) -> None:
+        self.frame = frame
+        self.rank = rank
+        self.arrived = arrived
+        self.beat = beat
 
 
 class Relay:
@@ -157,11 +183,13 @@ class Relay:
         self.host = host or pysocket.gethostname()
         self.name = f"{self.host}:{os.getpid()}"
         self.stats = RelayStats()
-        self._pending: deque[bytes] = deque()
-        self._arrived: deque[float] = deque()  # when each pending frame came (monotonic)
+        self._pending: deque[_Waiting] = deque()
+        self._last_beat: dict[int, _Waiting] = {}  # rank -> its waiting heartbeat, if its last
+        self._held = False  # the server took no more at the last try: coalesce
         self._identities: dict[int, Hello] = {}
         self._dropped_unsent = 0  # dropped since the last batch that left
         self._rejected_unsent = 0
+        self._coalesced_unsent = 0
         self._handshakes = 0
         self._context = zmq.Context()
         self._pull = self._context.socket(zmq.PULL)
@@ -180,6 +208,7 @@ class Relay:
         self._pull.setsockopt(zmq.RCVHWM, 100_000)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._push.setsockopt(zmq.SNDHWM, UPSTREAM_HWM)
+        self._push.setsockopt(zmq.SNDBUF, UPSTREAM_KERNEL_BYTES)
         self._push.setsockopt(zmq.IMMEDIATE, 1)  # no pipe to a server that is not there
         self._push.setsockopt(zmq.LINGER, 2000)  # at stop, the last batches still leave
         self._push.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
@@ -269,8 +298,38 @@ class Relay:
                 event = True
             elif message.pid is not None:  # it tells the identity: keep the latest
                 self._remember(message)
-            self._queue(frame)
+            if isinstance(message, Sample):
+                if not self._coalesce(frame, message):
+                    self._queue(frame, message.rank, beat=message)
+            else:
+                self._queue(frame, message.rank)
         return event
+
+    def _coalesce(self, frame: bytes, beat: Sample, arrived: float | None = None) -> bool:
+        """Held back, put ``beat`` in place of its rank's heartbeat still waiting, if that is
+        the rank's last message and says nothing ``beat`` does not (``keeps_news``)."""
+        waiting = self._last_beat.get(beat.rank)
+        if not self._held or waiting is None or waiting.beat is None:
+            return False
+        if keeps_news(waiting.beat, beat):
+            return False
+        waiting.frame, waiting.beat = frame, beat
+        waiting.arrived = time.monotonic() if arrived is None else arrived
+        self.stats.coalesced += 1
+        self._coalesced_unsent += 1
+        return True
+
+    def _hold(self) -> None:
+        """The server took no more: from now until all is sent, coalesce; what already
+        waits is coalesced as if it had come now (a burst within one beat, or a server that
+        was keeping up until this beat, leaves one heartbeat a rank, not all of them)."""
+        if self._held:
+            return
+        self._held = True
+        waiting, self._pending, self._last_beat = self._pending, deque(), {}
+        for entry in waiting:
+            if entry.beat is None or not self._coalesce(entry.frame, entry.beat, entry.arrived):
+                self._append(entry)
 
     def _remember(self, message: Identity) -> None:
         known = self._identities.get(message.rank)
@@ -281,19 +340,30 @@ class Relay:
             v=PROTOCOL_VERSION, rank=message.rank, t=message.t, **fields
         )
 
-    def _queue(self, frame: bytes, front: bool = False) -> None:
+    def _queue(
+        self, frame: bytes, rank: int, beat: Sample | None = None, front: bool = False
+    ) -> None:
         if len(self._pending) >= BACKLOG_FRAMES:
-            self._pending.popleft()
-            self._arrived.popleft()
+            self._forget(self._pending.popleft())
             self.stats.dropped += 1
             self._dropped_unsent += 1
-        now = time.monotonic()
-        if front:
-            self._pending.appendleft(frame)
-            self._arrived.appendleft(now)
+        waiting = _Waiting(frame, rank, time.monotonic(), beat)
+        if front:  # before the rank's other messages: its last one is still its last
+            self._pending.appendleft(waiting)
         else:
-            self._pending.append(frame)
-            self._arrived.append(now)
+            self._append(waiting)
+
+    def _append(self, waiting: _Waiting) -> None:
+        self._pending.append(waiting)
+        if waiting.beat is None:
+            self._last_beat.pop(waiting.rank, None)
+        else:
+            self._last_beat[waiting.rank] = waiting
+
+    def _forget(self, waiting: _Waiting) -> None:
+        """``waiting`` left the relay (sent or dropped): nothing can replace it any more."""
+        if self._last_beat.get(waiting.rank) is waiting:
+            del self._last_beat[waiting.rank]
 
     def _note_handshakes(self) -> None:
         """A new connection after the first is a restarted server: it hears every identity."""
@@ -309,7 +379,8 @@ class Relay:
                 self.stats.reconnects += 1
                 now = time.time()
                 for hello in reversed(list(self._identities.values())):
-                    self._queue(encode(msgspec.structs.replace(hello, t=now)), front=True)
+                    frame = encode(msgspec.structs.replace(hello, t=now))
+                    self._queue(frame, hello.rank, front=True)
 
     def _send(self, beat: bool) -> None:
         """Send pending frames in batches under the frame limit; on a beat, send even an
@@ -317,7 +388,10 @@ class Relay:
         while self._pending or beat:
             frames = self._next_frames()
             sent = time.monotonic()
-            ages = [int((sent - at) * 1e6) for at in itertools.islice(self._arrived, len(frames))]
+            ages = [
+                int((sent - waiting.arrived) * 1e6)
+                for waiting in itertools.islice(self._pending, len(frames))
+            ]
             batch = Batch(
                 v=PROTOCOL_VERSION,
                 relay=self.name,
@@ -328,28 +402,31 @@ class Relay:
                 ages_us=ages,
                 rejected=self._rejected_unsent,
                 dropped=self._dropped_unsent,
+                coalesced=self._coalesced_unsent,
             )
             try:
                 self._push.send(encode(batch), zmq.NOBLOCK)
             except zmq.Again:
-                return  # no server, or it is not reading: keep the frames
+                self._hold()  # no server, or it is not reading: keep the frames
+                return
             except zmq.ZMQError as exc:
                 if exc.errno != errno.EINTR:
                     log.warning("ddpwatch relay: send failed: %s", exc)
                 return
             for _ in frames:
-                self._pending.popleft()
-                self._arrived.popleft()
+                self._forget(self._pending.popleft())
             self.stats.batches += 1
             self.stats.forwarded += len(frames)
-            self._rejected_unsent = self._dropped_unsent = 0
+            self._rejected_unsent = self._dropped_unsent = self._coalesced_unsent = 0
             beat = False
+        self._held = False  # all sent
 
     def _next_frames(self) -> list[bytes]:
         """The oldest pending frames that fit in one batch (they stay pending until sent)."""
         frames: list[bytes] = []
         size = 0
-        for frame in self._pending:
+        for waiting in self._pending:
+            frame = waiting.frame
             if len(frames) == MAX_BATCH_FRAMES or (frames and size + len(frame) > BATCH_BYTES):
                 break
             frames.append(frame)

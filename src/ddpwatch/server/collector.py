@@ -48,6 +48,7 @@ from ddpwatch.protocol import (
     Sample,
     decode,
     decode_wire,
+    keeps_news,
 )
 from ddpwatch.server.relays import note_batch
 from ddpwatch.server.state import ServerState
@@ -246,7 +247,7 @@ class Collector:
         """Take in up to ``RECV_BATCH`` messages (a batch counts each one in it; behind, up to
         ``BEHIND_BEATS`` per known rank). Under backlog a known rank's heartbeats are
         coalesced: only its newest ``Sample`` of the batch is applied, plus any that
-        ``_must_apply`` (one skipped loses only what the newer one overwrites, and a step of
+        ``keeps_news`` (one skipped loses only what the newer one overwrites, and a step of
         the collective-wait average); its events keep their order.
 
         The frames are first taken off the socket and each one's head read (``_Head``: its
@@ -413,6 +414,7 @@ class Collector:
         the first one's among the rank messages of this receive (see ``last`` and ``shed``)."""
         state = self.state
         state.rejected += batch.rejected  # frames the relay refused count as ours would
+        state.received += batch.coalesced  # as our own coalescing counts what it leaves out
         relay = note_batch(state.relays, batch, now)
         carried = None if relay is None else relay.ranks
         frames = batch.frames
@@ -466,7 +468,7 @@ class Collector:
             record.relayed = relayed
             superseded = pending.get(rank)
             if superseded is not None:
-                if _must_apply(superseded[0], message):
+                if keeps_news(superseded[0], message):
                     state.apply(*superseded)
                 else:
                     state.received += 1  # counted, not applied
@@ -564,7 +566,7 @@ class _Head(msgspec.Struct, gc=False):
 
 class _ShedHead(_Head, gc=False):
     """The head and what tells whether a heartbeat is plain (``SHED_AFTER_S``): its loss
-    and the identity fields ``_tells_identity`` reads."""
+    and the identity fields ``tells_identity`` reads."""
 
     loss: Any = None
     pid: Any = None
@@ -583,7 +585,7 @@ class _Shedding:
     """Which heartbeats of one receive are shed (``SHED_AFTER_S``): a plain one of a rank
     known before the receive whose rank's next message in it is a heartbeat and whose
     rank's previous message in it (if any) is not a heartbeat that is not plain. Coalescing
-    applies a superseded heartbeat only when ``_must_apply`` says so (never for a plain one)
+    applies a superseded heartbeat only when ``keeps_news`` says so (never for a plain one)
     or when an event or hello of its rank comes next; and a plain heartbeat decides whether
     the one before it is applied only when that one is not plain. So the records come out
     the same whether these are decoded or not."""
@@ -595,7 +597,7 @@ class _Shedding:
 
     def note(self, head: Any, position: int) -> None:
         """``head`` (a ``_ShedHead``: read while shedding) came at ``position``; plain: no
-        identity field ``_tells_identity`` reads, and a finite float loss or none (an int
+        identity field ``tells_identity`` reads, and a finite float loss or none (an int
         loss, valid but rare, is taken as not plain)."""
         rank = head.rank
         if type(rank) is not int:
@@ -666,25 +668,6 @@ def freeze_new_records(ranks: int, frozen: int) -> int:
     gc.collect()
     gc.freeze()
     return ranks
-
-
-def _must_apply(superseded: Sample, newer: Sample) -> bool:
-    """A superseded heartbeat still counts if it reports a NaN loss (even one gone by the next
-    beat) or tells an identity the newer one leaves out (a new pid or device)."""
-    if superseded.loss is not None and not math.isfinite(superseded.loss):
-        return True
-    return _tells_identity(superseded) and not _tells_identity(newer)
-
-
-def _tells_identity(sample: Sample) -> bool:
-    """Whether a heartbeat repeats the identity, by the fields every identity has in practice
-    (four attribute reads: this runs for most frames of a backlog)."""
-    return (
-        sample.pid is not None
-        or sample.host is not None
-        or sample.world_size is not None
-        or sample.device is not None
-    )
 
 
 _HANDSHAKE_FAILED = (

@@ -41,6 +41,7 @@ class RelayRecord:
     batches: int = 0
     frames: int = 0
     dropped: int = 0  # frames the relay could not forward (it said so)
+    coalesced: int = 0  # heartbeats it left out, superseded while the server took no more
     lost_batches: int = 0  # gaps in its batch sequence numbers: batches lost on the way
     next_seq: int = 0
     ranks: set[int] = field(default_factory=set)
@@ -61,6 +62,7 @@ def note_batch(relays: dict[str, RelayRecord], batch: Batch, now: float) -> Rela
     record.batches += 1
     record.frames += len(batch.frames)
     record.dropped += batch.dropped
+    record.coalesced += batch.coalesced
     return record
 
 
@@ -74,6 +76,7 @@ def relay_entry(record: RelayRecord, now: float) -> dict[str, Any]:
         "batches": record.batches,
         "frames": record.frames,
         "dropped": record.dropped,
+        "coalesced": record.coalesced,
         "lost_batches": record.lost_batches,
     }
 
