@@ -72,6 +72,14 @@ def test_ingest_cpu_tiny() -> None:
     assert "RATIO apply/collector relay 1024" in out
 
 
+def test_queue_horizon_tiny() -> None:
+    out = run_benchmark(
+        "queue_horizon.py", "--frames", "2000", "--trials", "1", "--hwms", "8,100000"
+    )
+    assert "RATIO queue_horizon rcvhwm=8:" in out
+    assert "RATIO queue_horizon rcvhwm=100000:" in out
+
+
 def test_alert_latency_tiny() -> None:
     out = run_benchmark("alert_latency.py", "--reps", "1")
     for kind in ("stalled", "silent", "straggler"):
