@@ -250,9 +250,9 @@ class Beats:
             **self.own(rank),
         )
 
-    def frame(self, rank: int, cycle: int, now: float, identity: bool | None = None) -> bytes:
+    def frame(self, rank: int, cycle: int, now: float, with_identity: bool | None = None) -> bytes:
         """The same heartbeat, assembled from pieces encoded once (with the identity when
-        ``identity`` says, else on every ``IDENTITY_EVERY``-th beat)."""
+        ``with_identity`` says, else on every ``IDENTITY_EVERY``-th beat)."""
         step, py, waiting = self.where(rank, now)
         enc = self._enc
         body = self._bodies.get((step, py))
@@ -265,9 +265,9 @@ class Beats:
             tail = self._tails[rank] = b"".join(enc(k) + enc(v) for k, v in own.items())
         pairs = 3 + 13 + 3  # type, v, t; shared; rank and its own
         parts = [b"", self._head, self._double(now), body, tail]
-        if identity is None:
-            identity = cycle % self.identity_every == 0
-        if identity:
+        if with_identity is None:
+            with_identity = cycle % self.identity_every == 0
+        if with_identity:
             found = self._identities.get(rank)
             if found is None:
                 identity = self.identity(rank)
