@@ -25,7 +25,14 @@ from conftest import LiveServer, alert_of, ddpwatch_run, poll_status
 from ddpwatch.agent import publisher as publisher_module
 from ddpwatch.agent.publisher import Publisher
 from ddpwatch.protocol import Batch, Collective, Event, Hello, Sample, decode_wire, encode
-from ddpwatch.relay import RELAY_ENV, Relay, RelayError, find_relay, relay_endpoint
+from ddpwatch.relay import (
+    RELAY_ENV,
+    Relay,
+    RelayError,
+    find_relay,
+    relay_endpoint,
+    relay_listening,
+)
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.relays import note_batch
@@ -187,13 +194,17 @@ def test_a_killed_relay_leaves_its_ranks_to_the_server(server: LiveServer, liste
         relay.kill()
 
 
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
 def test_ranks_go_back_to_a_restarted_relay(
-    server: LiveServer, listen: str, monkeypatch: pytest.MonkeyPatch
+    server: LiveServer, listen: str, monkeypatch: pytest.MonkeyPatch, transport: str
 ) -> None:
     """A relay killed and started again (by hand, or by a supervisor) gets its ranks back:
     they sent to the server meanwhile, and would otherwise stay there for the rest of the
-    job, the load relays exist to take off it."""
+    job, the load relays exist to take off it. Over ``ipc://``, and over ``tcp://`` where
+    ``$DDPWATCH_RELAY`` names one (no ``ipc://`` there)."""
     monkeypatch.setattr(publisher_module, "RELAY_PROBE_S", 0.3)
+    if transport == "tcp":
+        listen = f"tcp://127.0.0.1:{_free_port()}"
     relay = relay_process(server.port, listen)
     ranks = Ranks(server.port, 3, listen)
     try:
@@ -353,6 +364,19 @@ def test_find_relay_follows_the_environment_and_a_live_socket(port: int, tmp_pat
     finally:
         relay.close()
     assert find_relay(server, {}) is None
+
+
+def test_a_tcp_relay_is_seen_listening_by_one_connect() -> None:
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    assert not relay_listening(endpoint)
+    relay = Relay("tcp://127.0.0.1:9", endpoint)
+    try:
+        assert relay_listening(endpoint)
+        assert relay_listening(endpoint.replace("127.0.0.1", "[127.0.0.1]"))
+    finally:
+        relay.close()
+    assert not relay_listening(endpoint)
+    assert not relay_listening("tcp://no-port") and not relay_listening("udp://x:1")
 
 
 def test_ddpwatch_run_with_addr_relays_the_nodes_ranks(server: LiveServer, tmp_path: Path) -> None:

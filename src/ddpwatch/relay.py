@@ -116,15 +116,38 @@ def _ipc_path(endpoint: str) -> str | None:
     return endpoint.removeprefix("ipc://") if endpoint.startswith("ipc://") else None
 
 
+def _tcp_address(endpoint: str) -> tuple[str, int] | None:
+    """``tcp://HOST:PORT`` (``[::1]`` for IPv6) as an address to connect to; None otherwise."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+PROBE_TIMEOUT_S = 0.2
+
+
 def relay_listening(endpoint: str) -> bool:
-    """Whether a process accepts connections on an ``ipc://`` endpoint (False for any other,
-    which cannot be checked without sending)."""
+    """Whether a process accepts connections on a relay's endpoint: ``ipc://`` (a local
+    socket file) or ``tcp://`` (where there is no ``ipc://``, or ``$DDPWATCH_RELAY`` says so:
+    one TCP connect, closed at once, which ZeroMQ takes as a peer that went away)."""
     path = _ipc_path(endpoint)
-    if path is None or not hasattr(pysocket, "AF_UNIX") or not os.path.exists(path):
+    if path is None:
+        address = _tcp_address(endpoint)
+        if address is None:
+            return False
+        try:
+            pysocket.create_connection(address, timeout=PROBE_TIMEOUT_S).close()
+        except OSError:
+            return False
+        return True
+    if not hasattr(pysocket, "AF_UNIX") or not os.path.exists(path):
         return False
     probe = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
     try:
-        probe.settimeout(0.2)
+        probe.settimeout(PROBE_TIMEOUT_S)
         probe.connect(path)
         return True
     except OSError:
