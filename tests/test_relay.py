@@ -641,6 +641,7 @@ def test_what_waits_when_the_server_goes_away_is_coalesced_too(port: int, listen
         deadline = time.monotonic() + 5
         while relay.stats.batches < 2 and time.monotonic() < deadline:
             first.poll(0.01)  # the second beat has just gone: the next is a second away
+        assert relay.stats.batches >= 2
         first.close()
         time.sleep(0.2)  # the relay's connection is gone: its next send fails
         for step in range(burst):
