@@ -269,6 +269,12 @@ def test_a_restarted_relay_takes_over_the_dead_ones_socket(port: int, listen: st
         second.terminate()
         assert second.wait(5) == 0
     assert not Path(listen.removeprefix("ipc://")).exists()
+    assert second.stderr is not None
+    # what it did, said once it stops: nothing came, and no server was there
+    assert second.stderr.read().strip().splitlines()[-1] == (
+        "ddpwatch relay: 0 frames forwarded in 0 batches, 0 heartbeats coalesced while the"
+        " server took none, 0 rejected, 0 dropped"
+    )
 
 
 def test_a_server_restarted_behind_a_relay_hears_every_rank_again(port: int, listen: str) -> None:

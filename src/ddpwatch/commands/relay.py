@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     s = relay.stats
     print(
         f"ddpwatch relay: {s.forwarded} frames forwarded in {s.batches} batches, "
+        f"{s.coalesced} heartbeats coalesced while the server took none, "
         f"{s.rejected} rejected, {s.dropped} dropped",
         file=sys.stderr,
     )
