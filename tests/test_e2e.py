@@ -23,8 +23,9 @@ def all_ranks_stepping(n: int):
 
 
 def test_healthy_run_raises_no_alert(live_server: LiveServer, jobs) -> None:
-    job = jobs("train_ddp.py", 2, ["--steps", "300"], live_server.port)
-    # the document that saw them step: 300 small steps may be over by the next tick's
+    # long enough that its ranks are seen stepping before they exit, even on a loaded machine
+    # (300 steps, under a second here, were twice over before a document saw both step)
+    job = jobs("train_ddp.py", 2, ["--steps", "1500"], live_server.port)
     status = live_server.wait_for(all_ranks_stepping(2), timeout=60)
     assert status["world_size"] == 2
     for rank in status["ranks"]:
