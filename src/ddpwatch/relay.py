@@ -6,8 +6,9 @@ to the server directly when it is not there or goes away (``agent/publisher.py``
 
 What the relay keeps, and why:
 
-- **Every frame, in order.** One PULL socket keeps each rank's order; frames leave in
-  arrival order, in one ``Batch`` per beat, sooner when an event (a crash, an exit) is in.
+- **Every frame, in order, while the server takes them.** One PULL socket keeps each rank's
+  order; frames leave in arrival order, in one ``Batch`` per beat, sooner when an event (a
+  crash, an exit) is in.
 - **What the server cannot take yet.** Here ZeroMQ holds only ``UPSTREAM_HWM`` batches and
   the kernel ``UPSTREAM_KERNEL_BYTES``; past that (the server away, stopped, or its own
   queue full) the relay is *held back* and keeps the rest itself. Held back, a rank's
