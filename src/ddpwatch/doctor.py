@@ -29,6 +29,7 @@ from ddpwatch.agent.identity import identity_from_env
 from ddpwatch.agent.nvml import Nvml, parse_cuda_visible_devices
 from ddpwatch.agent.watcher import resolve_endpoint
 from ddpwatch.client import fetch_status
+from ddpwatch.ports import host_port
 from ddpwatch.protocol import DEFAULT_PORT
 from ddpwatch.security import (
     CLIENT_KEY_FILE_ENV,
@@ -289,14 +290,6 @@ def _next_free_port(port: int) -> int | None:
         if port_in_use(candidate) is None:
             return candidate
     return None
-
-
-def _host_port(endpoint: str) -> tuple[str, int | None]:
-    rest = endpoint.removeprefix("tcp://")
-    host, sep, port = rest.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()):
-        return rest, None
-    return host, int(port)
 
 
 # the checks --------------------------------------------------------------------------------------
@@ -625,7 +618,7 @@ def check_master_port(s: Setup) -> Check:
 
 def check_curve(s: Setup) -> Check:
     """The CurveZMQ keys the agent would use: well-formed, readable, and not half set."""
-    host, _ = _host_port(s.server)
+    host, _ = host_port(s.server)
     if s.curve_error is not None:
         return Check(
             "CURVE",
@@ -683,7 +676,7 @@ def _server_fix(s: Setup, host: str, port: int) -> str:
 
 def check_server(s: Setup) -> Check:
     """The ddpwatch server the ranks will report to answers its status query (port + 1)."""
-    host, port = _host_port(s.server)
+    host, port = host_port(s.server)
     bad: Status = "fail" if s.server_explicit else "warn"
     if port is None or not 0 < port < 65535:
         return Check(

@@ -1,4 +1,5 @@
-"""Finding a free port pair on loopback (the collector uses a port and the next one)."""
+"""Ports: finding a free port pair on loopback (the collector uses a port and the next one),
+and reading one out of a ``tcp://HOST:PORT`` endpoint."""
 
 from __future__ import annotations
 
@@ -32,3 +33,12 @@ def pick_port(preferred: int = DEFAULT_PORT) -> int:
     if port_free(preferred) and port_free(preferred + 1):
         return preferred
     return free_port_pair()
+
+
+def host_port(endpoint: str) -> tuple[str, int | None]:
+    """``[tcp://]HOST:PORT`` as (HOST, PORT); (the rest, None) when it names no port."""
+    rest = endpoint.removeprefix("tcp://")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not (port.isascii() and port.isdigit()):
+        return rest, None
+    return host, int(port)

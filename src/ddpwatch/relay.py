@@ -46,6 +46,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from ddpwatch.ports import host_port
 from ddpwatch.protocol import (
     MAX_BATCH_FRAMES,
     MAX_FRAME_BYTES,
@@ -121,10 +122,10 @@ def _tcp_address(endpoint: str) -> tuple[str, int] | None:
     """``tcp://HOST:PORT`` (``[::1]`` for IPv6) as an address to connect to; None otherwise."""
     if not endpoint.startswith("tcp://"):
         return None
-    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    if not host or not port.isdigit():
+    host, port = host_port(endpoint)
+    if not host or port is None:
         return None
-    return host.strip("[]"), int(port)
+    return host.strip("[]"), port
 
 
 PROBE_TIMEOUT_S = 0.2
