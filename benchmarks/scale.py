@@ -323,12 +323,22 @@ class NodeBatches:
             self.beats.frame(rank, cycle, now - age / 1e6, identity)
             for rank, age in zip(ranks, ages, strict=True)
         ]
-        name = f"node-{first // RANKS_PER_NODE}"
+        return self._encoded(node, now, frames, ages), len(frames)
+
+    def _encoded(
+        self,
+        node: int,
+        now: float,
+        frames: list[bytes] | None = None,
+        ages: list[int] | None = None,
+    ) -> bytes:
+        """Node ``node``'s next batch, named and sequenced as its relay's, with what it owes."""
+        name = f"node-{(self.lo + node * RANKS_PER_NODE) // RANKS_PER_NODE}"
         batch = self.Batch(
-            v=self.v, relay=f"{name}:1", t=now, host=name, seq=self.seq[node], frames=frames,
-            ages_us=ages, coalesced=self.owed[node],
+            v=self.v, relay=f"{name}:1", t=now, host=name, seq=self.seq[node],
+            frames=frames or [], ages_us=ages or [], coalesced=self.owed[node],
         )  # fmt: skip
-        return self.encode(batch), len(frames)
+        return self.encode(batch)
 
     def taken(self, node: int) -> None:
         self.seq[node] += 1
@@ -344,20 +354,14 @@ class NodeBatches:
         sends what it holds until it stops)."""
         import zmq
 
-        for node, owed in enumerate(self.owed):
-            name = f"node-{(self.lo + node * RANKS_PER_NODE) // RANKS_PER_NODE}"
-            while owed and time.time() < deadline:
-                batch = self.Batch(
-                    v=self.v, relay=f"{name}:1", t=time.time(), host=name, seq=self.seq[node],
-                    coalesced=owed,
-                )  # fmt: skip
+        for node in range(self.count):
+            while self.owed[node] and time.time() < deadline:
                 try:
-                    sockets[node].send(self.encode(batch), zmq.NOBLOCK)
+                    sockets[node].send(self._encoded(node, time.time()), zmq.NOBLOCK)
                 except zmq.Again:
                     sockets[node].poll(100, zmq.POLLOUT)
                     continue
                 self.taken(node)
-                break
 
 
 def publisher(conn: Connection, spec: PublisherSpec) -> None:
