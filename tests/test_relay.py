@@ -22,8 +22,10 @@ import pytest
 import zmq
 from conftest import LiveServer, alert_of, ddpwatch_run, poll_status
 
+from ddpwatch import relay as relay_module
 from ddpwatch.agent import publisher as publisher_module
 from ddpwatch.agent.publisher import Publisher
+from ddpwatch.launch import _start_relay
 from ddpwatch.protocol import Batch, Collective, Event, Hello, Sample, decode_wire, encode
 from ddpwatch.relay import (
     RELAY_ENV,
@@ -396,6 +398,32 @@ def test_ddpwatch_run_with_addr_relays_the_nodes_ranks(server: LiveServer, tmp_p
     (entry,) = status["relays"]
     assert entry["ranks"] == [0, 1]
     assert {r["state"] for r in status["ranks"]} == {"exited"}
+
+
+def test_without_ipc_ddpwatch_run_starts_its_relay_on_a_loopback_port_it_tells_the_ranks(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Windows has no ``ipc://``: there the relay ``ddpwatch run --addr`` starts listens on a
+    free port of 127.0.0.1, and the ranks learn it from ``$DDPWATCH_RELAY``."""
+    monkeypatch.setattr(relay_module, "ipc_available", lambda: False)
+    to_server = upstream(server.port)
+    assert relay_endpoint(to_server) is None
+    assert find_relay(to_server, {}) is None  # no socket file to look for: send directly
+    env: dict[str, str] = {}
+    node_relay = _start_relay(f"127.0.0.1:{server.port}", env)
+    assert node_relay is not None
+    try:
+        listen = env[RELAY_ENV]
+        assert listen == node_relay.listen and listen.startswith("tcp://127.0.0.1:")
+        assert relay_listening(listen)  # a real port, not the wildcard asked for
+        ranks = Ranks(server.port, 2, listen)
+        try:
+            server.wait_for(lambda s: [r["ranks"] for r in s["relays"]] == [[0, 1]], 10)
+        finally:
+            ranks.stop()
+    finally:
+        node_relay.stop()
+    assert not relay_listening(listen)
 
 
 def _free_port() -> int:

@@ -84,10 +84,23 @@ otherwise grows it to megabytes, which hold stale batches in order too."""
 _IDENTITY_FIELDS = tuple(n for n in Identity.__struct_fields__ if n not in ("v", "rank", "t"))
 
 
-def relay_endpoint(server: str, uid: int | None = None) -> str:
-    """The local address of the relay for ``server`` (``tcp://HOST:PORT``) on this node.
+LOCAL_TCP = "tcp://127.0.0.1:*"
+"""Where a relay listens when there is no ``ipc://`` (Windows) and it was given no address:
+a free port on the loopback, which ``ddpwatch run`` tells its ranks (``$DDPWATCH_RELAY``)."""
+
+
+def ipc_available() -> bool:
+    """Whether ZeroMQ can listen on ``ipc://`` here and Python can probe it (not Windows)."""
+    return bool(zmq.has("ipc")) and hasattr(pysocket, "AF_UNIX")
+
+
+def relay_endpoint(server: str, uid: int | None = None) -> str | None:
+    """The local address of the relay for ``server`` (``tcp://HOST:PORT``) on this node;
+    None where there is no ``ipc://``: ranks there learn their relay's from ``$DDPWATCH_RELAY``.
 
     A per-user directory (mode 0700) keeps other users from injecting frames."""
+    if not ipc_available():
+        return None
     uid = os.getuid() if uid is None and hasattr(os, "getuid") else (uid or 0)
     name = re.sub(r"[^A-Za-z0-9.-]+", "_", server.removeprefix("tcp://"))
     return f"ipc://{tempfile.gettempdir()}/ddpwatch-{uid}/relay-{name}.sock"
@@ -105,8 +118,9 @@ def find_relay(server: str, environ: Mapping[str, str] | None = None) -> str | N
 
 def relay_home(server: str, environ: Mapping[str, str] | None = None) -> str | None:
     """Where this node's relay for ``server`` is, listening or not: ``$DDPWATCH_RELAY``
-    (``off``: none), else ``relay_endpoint(server)``. A rank that sends to the server directly
-    looks there again now and then, and goes back to a relay that came (back)."""
+    (``off``: none), else ``relay_endpoint(server)`` (None without ``ipc://``). A rank that
+    sends to the server directly looks there again now and then, and goes back to a relay
+    that came (back)."""
     env = os.environ if environ is None else environ
     value = env.get(RELAY_ENV, "").strip()
     if value.lower() in ("off", "0", "none", "no"):
@@ -203,7 +217,7 @@ class Relay:
         host: str | None = None,
     ) -> None:
         self.upstream = upstream
-        self.listen = listen or relay_endpoint(upstream)
+        self.listen = listen or relay_endpoint(upstream) or LOCAL_TCP
         self.beat_s = beat_s
         self.host = host or pysocket.gethostname()
         self.name = f"{self.host}:{os.getpid()}"
@@ -262,6 +276,8 @@ class Relay:
         except zmq.ZMQError as exc:
             reason = "in use" if exc.errno == zmq.EADDRINUSE else exc.strerror
             raise RelayError(f"cannot listen on {self.listen}: {reason}") from None
+        if self.listen.endswith((":*", ":0")):  # a free port: the one taken, for the ranks
+            self.listen = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def start(self) -> Relay:
         """Run on a daemon thread (``ddpwatch run`` does); ``stop()`` ends it."""

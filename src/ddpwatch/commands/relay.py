@@ -28,7 +28,8 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         metavar="ENDPOINT",
         default=None,
         help="where the ranks connect (default: a per-user ipc:// socket the agent finds by "
-        "itself; set DDPWATCH_RELAY in the ranks' environment to anything else)",
+        "itself; where there is no ipc://, Windows, a free port on 127.0.0.1, printed; set "
+        "DDPWATCH_RELAY in the ranks' environment to anything but the ipc:// default)",
     )
     return parser
 
