@@ -630,6 +630,23 @@ def test_step_skew() -> None:
     assert rule_step_skew(state, NOW, TH) == []
 
 
+def test_step_skew_allows_for_a_server_behind_its_queue() -> None:
+    """``benchmarks/scale.py`` with 65,536 ranks for 60 s through per-node relays, on a server
+    short of CPU: it had read some relays' backlogs further than others', so the heartbeats it
+    held were sent up to its lag apart, and step_skew named 64,287 lockstep ranks behind the
+    freshest. Steps sampled that far apart are no evidence of a skew; a gap larger than the
+    lag explains still is."""
+    state = job(4)  # step 500, 0.1 s steps
+    state.heard_until = NOW - 20.0  # its queue last found empty 20 s ago
+    state.ranks[3] = rank(3, step=350)  # last heard 15 s of steps before the others
+    assert rule_step_skew(state, NOW, TH) == []
+    state.ranks[3] = rank(3, step=250)  # 3 + (0.5 + 0.5 + 20) / 0.1 = 213 steps at most
+    assert only(rule_step_skew(state, NOW, TH), "step_skew").ranks == (3,)
+    state.heard_until = None  # caught up: the 50-step gap of test_step_skew is one again
+    state.ranks[3] = rank(3, step=450)
+    assert only(rule_step_skew(state, NOW, TH), "step_skew").ranks == (3,)
+
+
 def test_nan_loss_message() -> None:
     state = job(4)
     state.ranks[2] = rank(2, loss=math.nan, nan_step=311)

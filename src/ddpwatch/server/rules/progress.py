@@ -65,7 +65,10 @@ def rule_step_skew(f: Facts) -> list[Alert]:
     # average still includes a pause the job has just recovered from; the fastest rank's, not
     # the median, because right after a long barrier most ranks' last step is the wait itself
     # while the first one out already runs at full speed (seen: rank 2, last heard at step
-    # 21, named 5 steps behind a rank 0 that had left a 25 s barrier first).
+    # 21, named 5 steps behind a rank 0 that had left a 25 s barrier first). A server behind
+    # its queue (``f.lag``) may have read some ranks' heartbeats up to that much further than
+    # others' (relays' backlogs drain unevenly): their steps were sampled that far apart too
+    # (seen: 64,287 of 65,536 lockstep ranks named behind the freshest, ``scale.py``).
     times = [
         min(values)
         for values in (
@@ -76,7 +79,7 @@ def rule_step_skew(f: Facts) -> list[Alert]:
     ]
     if not times:
         return []
-    allowed = 3 + (th.interval + 0.5) / min(times)
+    allowed = 3 + (th.interval + 0.5 + f.lag) / min(times)
     top = max(r.step or 0 for r in ranks)
     lead = min((r for r in ranks if (r.step or 0) == top), key=lambda r: r.rank)
     behind = sorted((r for r in ranks if (r.step or 0) < top - allowed), key=lambda r: r.rank)
