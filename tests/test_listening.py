@@ -27,7 +27,7 @@ import pytest
 import zmq
 from conftest import ROOT, free_port_pair, push_frames
 
-from ddpwatch.protocol import Sample, encode
+from ddpwatch.protocol import Collective, CollectiveCounts, Sample, encode
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.collector import RECV_BATCH, Collector, PauseWatch
 from ddpwatch.server.rules import diagnose, rank_state
@@ -96,6 +96,53 @@ def test_a_stall_is_not_counted_across_a_pause_either() -> None:
         state.apply(Sample(v=1, rank=rank, t=0.0, step=7), 3610.1)  # same step as before
     alerts = diagnose(state, 3610.3, TH)
     assert [a.kind for a in alerts if a.ranks] == []
+
+
+def straggle_job(reports: dict[int, tuple[float, int, float | None]]) -> ServerState:
+    """Four lockstep ranks, each last read at ``reports[rank]``: (read at, collectives entered,
+    how long it said it had waited in all-reduce #51 then, None: in none)."""
+    state = ServerState(started=0.0)
+    for rank, (read_at, entered, waited) in reports.items():
+        state.apply(Sample(v=1, rank=rank, t=0.0, pid=100 + rank, world_size=4, step=40), 1.0)
+        collective = None
+        if waited is not None:
+            collective = Collective(op="all_reduce", seq=51, since_s=waited, source="py")
+        sample = Sample(
+            v=1, rank=rank, t=0.0, step=50, step_time_s=0.25, avg_step_time_s=0.25,
+            collective=collective, collectives=CollectiveCounts(py=entered),
+        )  # fmt: skip
+        state.apply(sample, read_at)
+    return state
+
+
+def test_a_server_behind_names_no_straggler_on_a_report_sent_before_the_wait() -> None:
+    """``benchmarks/scale.py``, 65,536 ranks for 60 s through per-node relays, on a server
+    short of CPU: rank 55,517 stopped before all-reduce #51 at 100 s; the server, last caught
+    up at 100.2 s, then read some nodes' backlogs further than others'. Rank 2's heartbeat
+    from 99.7 s, before it entered #51, came in at 111.8 s among reports of ranks waiting
+    there for 11 s, and 57,928 such ranks were named stragglers. Only a report sent after
+    the first rank entered #51 says a rank has not, and its arrival does not date it."""
+    state = straggle_job(
+        {
+            0: (111.5, 51, 11.3),  # in #51 since 100.2 s, as it said at 111.5 s
+            1: (111.6, 51, 11.1),
+            2: (111.8, 50, None),  # sent at 99.7 s, before it entered #51: read late
+            3: (100.1, 50, None),  # the straggler, read before the horizon
+        }
+    )
+    state.heard_until = 100.2
+    assert [a.ranks for a in diagnose(state, 112.0, TH) if a.ranks] == []
+    # caught up: rank 2's later reports are in, in #51 with the others, and rank 3's report
+    # of 112.9 s, long after the others entered, says it has not
+    in_51 = Collective(op="all_reduce", seq=51, since_s=12.6, source="py")
+    rank_2 = Sample(
+        v=1, rank=2, t=0.0, step=50, collective=in_51, collectives=CollectiveCounts(py=51)
+    )
+    state.apply(rank_2, 112.8)
+    state.apply(Sample(v=1, rank=3, t=0.0, step=50, collectives=CollectiveCounts(py=50)), 112.9)
+    state.heard_until = 113.0
+    straggler = [a for a in diagnose(state, 113.0, TH) if a.kind == "straggler"]
+    assert [a.ranks for a in straggler] == [(3,)]
 
 
 # --- a rank still starting, a rank behind a relay ---------------------------------------------

@@ -627,6 +627,12 @@ def find_straggle(census: Census, now: float, limit: float, interval: float) -> 
     and a rank whose last report predates the collective waits for its next one.
     Publishers that send no counts fall back to what their in-flight collective and
     their steps suggest.
+
+    "Sent after it began" is judged on what the server can vouch for. The collective began
+    at the latest when its first waiter, as reported, entered it (``_first_entry``); a report
+    read after ``now`` (a server behind its queue judges as of it) may have been sent as
+    early as ``SENT_BEFORE_READ_S`` before ``now``, however late it was read: relays' and
+    ranks' queues drain unevenly, so a stale report can come in among fresh ones.
     """
     most_waited = _most_waited(census, now, limit)
     if most_waited is None:
@@ -634,12 +640,14 @@ def find_straggle(census: Census, now: float, limit: float, interval: float) -> 
     key, age, group, waiting = most_waited
     seq = group.place[2]  # every member reports this number (``Place``)
     op = _usual_op(group, waiting)
-    began = now - age
+    began = _first_entry(group, waiting)
+    sent_by = now - SENT_BEFORE_READ_S  # the latest a report read after ``now`` vouches for
     culprits = []
     legacy: list[RankRecord] = []
     for r in census.live_outside(group):
         evidence = entered(r, key)
-        if evidence is False and (r.sample_seen or 0.0) >= began:
+        seen = r.sample_seen or 0.0
+        if evidence is False and (seen if seen < sent_by else sent_by) >= began:
             culprits.append(r)
         elif evidence is None and r.collectives is None:
             legacy.append(r)
@@ -649,6 +657,25 @@ def find_straggle(census: Census, now: float, limit: float, interval: float) -> 
     timeouts = [r.pg_timeout_s for r in waiting if r.pg_timeout_s]
     left = min(timeouts) - age if timeouts else None
     return Straggle(op, seq, age, waiting, culprits, left, group)
+
+
+SENT_BEFORE_READ_S = 1.0
+"""How long before the server's horizon (``ServerState.heard_until``: its queue found empty) a
+frame it reads later may have been sent: a relay holds frames up to its beat (0.5 s), then
+transit. Its arrival time says no more than that about when the rank reported."""
+
+
+def _first_entry(group: WaitGroup, waiting: list[RankRecord]) -> float:
+    """When the first of ``waiting`` entered the collective, by its own report (when it was
+    seen minus how long it said it had waited): the latest the collective can have begun."""
+    if len(waiting) == len(group):
+        return min(group.starts.values(), default=math.inf)  # kept as they report
+    first = math.inf
+    for r in waiting:
+        c, seen = r.collective, r.collective_seen
+        if c is not None and seen is not None and seen - c.since_s < first:
+            first = seen - c.since_s
+    return first
 
 
 def _usual_op(group: WaitGroup, waiting: list[RankRecord]) -> str:
