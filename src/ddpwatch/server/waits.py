@@ -101,6 +101,11 @@ class WaitGroup:
         when a member was seen after ``now``, and only a pass over the members can tell."""
         if self.latest > now:
             return None
+        return self.first_start()
+
+    def first_start(self) -> float:
+        """When the longest wait began by the members' own reports, however late they were
+        seen: the latest the collective can have begun."""
         return min(self.starts.values(), default=math.inf)
 
     def calls(self) -> dict[Call, int]:

@@ -669,7 +669,7 @@ def _first_entry(group: WaitGroup, waiting: list[RankRecord]) -> float:
     """When the first of ``waiting`` entered the collective, by its own report (when it was
     seen minus how long it said it had waited): the latest the collective can have begun."""
     if len(waiting) == len(group):
-        return min(group.starts.values(), default=math.inf)  # kept as they report
+        return group.first_start()  # kept as they report
     first = math.inf
     for r in waiting:
         c, seen = r.collective, r.collective_seen
