@@ -527,3 +527,112 @@ def test_slow_rank_needs_a_lasting_difference_not_one_noisy_step() -> None:
             *(beat(r, step=step, collective_time_s=w) for r, w in enumerate(waits)),
         )
     assert alerts_at(state, NOW) == []
+
+
+def _stack(line: int) -> Event:
+    """Rank 0's stack in its own validation loop: another line each beat while it works."""
+    text = f'  File "/home/ann/train.py", line {line}, in validate\n    out = model(x)\n'
+    return Event(v=1, rank=0, t=0.0, event="stack", stack=text)
+
+
+def _solo_work(state: ServerState, start: float, seconds: float, moving: bool) -> None:
+    """Rank 0 works alone from ``start`` (its stack moving or not) while ranks 1 and 2 wait
+    in barrier #46 for it, heartbeats every 0.5 s."""
+    t = start
+    while t < start + seconds:
+        waited = t - start
+        feed(
+            state,
+            t,
+            beat(0, step=40, collectives=counts(45)),
+            beat(1, step=40, collective=in_barrier(46, waited), collectives=counts(46)),
+            beat(2, step=40, collective=in_barrier(46, waited), collectives=counts(46)),
+        )
+        if waited >= 5.0:
+            feed(state, t, _stack(60 + int(waited * 2) % 7 if moving else 60))
+        t += 0.5
+
+
+def test_a_rank_working_alone_is_busy_not_stalled_and_still_the_straggler() -> None:
+    """Rank 0 evaluates alone for 14 s while the others wait in a barrier: it is ``busy``
+    (its stack moves), the alert names it as the straggler and says it works, and no
+    ``stalled`` alert calls it stuck."""
+    state = ServerState(started=NOW - 100)
+    feed(state, NOW - 20, *(beat(r, step=40, collectives=counts(45)) for r in range(3)))
+    _solo_work(state, NOW - 14, 14.0, moving=True)
+    alerts = alerts_at(state, NOW)
+    assert {a.kind for a in alerts} == {"straggler"}
+    straggler = alerts[0]
+    assert straggler.ranks == (0,) and straggler.waiting == (1, 2)
+    assert "busy: its stack moves" in straggler.message
+    document = status_document(state, alerts, NOW, TH)
+    assert [r["state"] for r in document["ranks"]] == ["busy", "waiting", "waiting"]
+
+
+def test_a_stuck_rank_shows_the_same_stack_and_is_stalled() -> None:
+    state = ServerState(started=NOW - 100)
+    feed(state, NOW - 20, *(beat(r, step=40, collectives=counts(45)) for r in range(3)))
+    _solo_work(state, NOW - 14, 14.0, moving=False)
+    alerts = alerts_at(state, NOW)
+    assert [(a.kind, a.ranks) for a in alerts] == [("straggler", (0,))]
+    assert "busy" not in alerts[0].message
+    document = status_document(state, alerts, NOW, TH)
+    assert document["ranks"][0]["state"] == "stalled"
+
+
+def test_peers_released_after_the_stragglers_last_report_do_not_make_it_stalled() -> None:
+    """The straggler (stuck-looking: same stack) enters the barrier; ranks 1 and 2 are
+    released and step on before its own next heartbeat: its last report says 12 s without
+    progress, but their release says it has moved since. Named ``stalled`` only if its next
+    heartbeat still shows no progress."""
+    state = ServerState(started=NOW - 100)
+    feed(state, NOW - 20, *(beat(r, step=40, collectives=counts(45)) for r in range(3)))
+    _solo_work(state, NOW - 12, 12.0, moving=False)
+    feed(state, NOW + 0.1, beat(1, step=41, collectives=counts(47)))
+    feed(state, NOW + 0.2, beat(2, step=41, collectives=counts(47)))
+    assert alerts_at(state, NOW + 0.3) == []
+    # its next heartbeat, still at step 40 outside any collective: now it is named
+    feed(state, NOW + 0.45, beat(0, step=40, collectives=counts(45)))
+    feed(state, NOW + 0.6, beat(1, step=41, collectives=counts(47)))
+    assert [(a.kind, a.ranks) for a in alerts_at(state, NOW + 0.7)] == [("stalled", (0,))]
+
+
+def test_data_loading_is_the_cause_only_with_a_worker_to_wait_for() -> None:
+    """With ``num_workers=0`` the batch is made on the main thread: its stack passes through
+    the loader into the dataset's own code, and the loader's worker hint would be wrong."""
+    from ddpwatch.server.rules.text import in_data_loading
+
+    no_workers = """\
+  File "/home/ann/train.py", line 88, in validate
+    for batch in val_loader:
+  File "/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", line 733, in __next__
+    data = self._next_data()
+  File "/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", line 789, in _next_data
+    data = self._dataset_fetcher.fetch(index)
+  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/fetch.py", line 52, in fetch
+    data = [self.dataset[idx] for idx in possibly_batched_index]
+  File "/home/ann/data.py", line 12, in __getitem__
+    return decode(self.paths[i])
+"""
+    pinned = """\
+  File "/home/ann/train.py", line 40, in main
+    for batch in loader:
+  File "/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", line 1448, in _get_data
+    success, data = self._try_get_data()
+  File "/usr/lib/python3.11/queue.py", line 180, in get
+    self.not_empty.wait(remaining)
+"""
+    assert not in_data_loading(no_workers)
+    assert in_data_loading(LOADER_STACK) and in_data_loading(pinned)
+    state = ServerState(started=NOW - 100)
+    feed(
+        state,
+        NOW - 0.2,
+        beat(0, collective=in_barrier(30, 6.0), collectives=counts(30)),
+        beat(1, collectives=counts(29)),
+        beat(2, collective=in_barrier(30, 6.0), collectives=counts(30)),
+        Event(v=1, rank=1, t=0.0, event="stack", stack=no_workers),
+    )
+    alert = next(a for a in alerts_at(state, NOW) if a.kind == "straggler")
+    assert alert.ranks == (1,) and "DataLoader" not in alert.message
+    assert not alert.hint.startswith("data loading") and "data.py:12" in alert.message

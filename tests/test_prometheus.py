@@ -218,8 +218,8 @@ def test_a_large_job_exports_its_worst_ranks_and_counts_them_all(large: Server, 
     assert samples[("ddpwatch_ranks_exported", ())] == 10
     counts = {state: samples[("ddpwatch_ranks_by_state", (("state", state),))] for state in STATES}
     assert counts == {
-        "running": 38, "waiting": 0, "stalled": 4, "silent": 4, "crashed": 2, "stopped": 0,
-        "exited": 0, "not_connected": 2,
+        "running": 38, "waiting": 0, "stalled": 4, "busy": 0, "silent": 4, "crashed": 2,
+        "stopped": 0, "exited": 0, "not_connected": 2,
     }  # fmt: skip
     assert samples[("ddpwatch_alerts", (("kind", "crashed"), ("severity", "error")))] >= 1
     assert samples[("ddpwatch_world_size", ())] == WORLD

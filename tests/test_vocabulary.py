@@ -238,6 +238,7 @@ def test_the_server_gives_every_rank_state_of_the_vocabulary() -> None:
         {},
         {"collective": Collective(op="all_reduce")},
         {"step": 1, "last_progress": -100.0},
+        {"step": 1, "last_progress": -100.0, "stack_moved_at": 0.5},
         {"last_seen": -100.0},
         {"error": ErrorInfo(type="RuntimeError")},
         {"exit_time": 1.0, "exit_signal": "SIGTERM"},

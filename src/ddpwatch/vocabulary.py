@@ -93,6 +93,7 @@ class RankState:
     RUNNING: Final = "running"
     WAITING: Final = "waiting"  # inside a collective
     STALLED: Final = "stalled"  # no progress for the stall threshold
+    BUSY: Final = "busy"  # no step for the stall threshold, but its stack moves: working
     SILENT: Final = "silent"  # no heartbeat
     CRASHED: Final = "crashed"  # raised an exception
     STOPPED: Final = "stopped"  # ended by SIGTERM/SIGINT/SIGHUP from outside
@@ -105,6 +106,7 @@ RANK_STATES: Final = (
     RankState.SILENT,
     RankState.STALLED,
     RankState.NOT_CONNECTED,
+    RankState.BUSY,
     RankState.WAITING,
     RankState.RUNNING,
     RankState.STOPPED,

@@ -28,6 +28,7 @@ STATES = (
     RankState.RUNNING,
     RankState.WAITING,
     RankState.STALLED,
+    RankState.BUSY,
     RankState.SILENT,
     RankState.CRASHED,
     RankState.STOPPED,

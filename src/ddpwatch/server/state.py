@@ -117,8 +117,16 @@ class RankRecord:
     gpu_pids: list[int] | None = None
     last_progress: float = 0.0  # a step ended or a forward pass ran
     last_step_at: float = 0.0  # a step ended
+    wait_ended_at: float = 0.0
+    """When the rank last came out of a collective (server time), and how long it had
+    waited in it: peers released from a long wait after a rank's last report are evidence
+    that it entered that collective since (``rules.progress.rule_stalled``)."""
+    wait_ended_s: float = 0.0
     # trouble
     stack: str | None = None
+    stack_moved_at: float | None = None
+    """When a stack came that differs from the one before it at the same step: the rank is
+    working (``busy``), not stuck, while its stacks keep changing."""
     error: ErrorInfo | None = None
     error_time: float | None = None
     exit_code: int | None = None
@@ -293,6 +301,9 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
         # a forward pass is progress too (evaluation has no steps), and so are collectives:
         # a rank that came out of one, or entered new ones, has not stalled
         record.last_progress = now
+    if record.collective is not None and _left_collective(record.collective, collective):
+        record.wait_ended_at = now
+        record.wait_ended_s = record.collective_age(now) or 0.0
     phase = sample.phase
     if phase and phase != record.phase:
         _set_phase(record, phase, now)
@@ -376,7 +387,7 @@ def _apply_event(record: RankRecord, event: Event, now: float) -> None:
     if event.phase:
         _set_phase(record, event.phase, now)
     if kind == EventKind.STACK:
-        record.stack = event.stack
+        _take_stack(record, event.stack, now)
     elif kind == EventKind.CRASH and event.error is not None:
         if record.error is None:
             record.error = event.error
@@ -394,6 +405,14 @@ def _apply_event(record: RankRecord, event: Event, now: float) -> None:
     elif kind == EventKind.CHECKPOINT and event.path:
         record.checkpoint_paths.append(event.path)
         del record.checkpoint_paths[:-16]
+
+
+def _take_stack(record: RankRecord, stack: str | None, now: float) -> None:
+    """The rank's stack while it idles; one that differs from the last at the same step (the
+    record drops its stack when the step moves) says the rank is working."""
+    if record.stack is not None and stack != record.stack:
+        record.stack_moved_at = now
+    record.stack = stack
 
 
 def _stop_timing(record: RankRecord, collective: Collective | None) -> None:

@@ -176,7 +176,9 @@ def run_duration(seconds: float) -> str:
     return f"{hours} h {minutes} min"
 
 
-def print_summary(document: dict[str, Any], file: Any, prefix: str = "ddpwatch: ") -> None:
+def print_summary(
+    document: dict[str, Any], file: Any, prefix: str = "ddpwatch: ", not_started: str | None = None
+) -> None:
     """Write the summary under a rule line, each line prefixed like the alert stream."""
     print(f"{prefix}── summary " + "─" * 40, file=file)
     for line in summary_lines(document):

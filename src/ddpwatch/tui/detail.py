@@ -20,6 +20,7 @@ STATE_STYLE = {
     RankState.RUNNING: "bold green",
     RankState.WAITING: "bold yellow",
     RankState.STALLED: "bold yellow",
+    RankState.BUSY: "bold cyan",
     RankState.SILENT: "bold red",
     RankState.CRASHED: "bold red",
     RankState.NOT_CONNECTED: "bold red",

@@ -50,6 +50,7 @@ STATES = (
     (RankState.RUNNING, "green", "making progress"),
     (RankState.WAITING, "yellow", "inside a collective, waiting for peers"),
     (RankState.STALLED, "yellow", "no progress for longer than the stall threshold"),
+    (RankState.BUSY, "cyan", "no step for the stall threshold, but its stack moves: working"),
     (RankState.SILENT, "red", "no heartbeat: the process is gone or frozen"),
     (RankState.CRASHED, "red", "raised an exception or died on a signal"),
     (RankState.NOT_CONNECTED, "red", "not_connected: never reported"),
@@ -60,7 +61,7 @@ STATES = (
 
 WORST_FIRST = (
     "culprits of errors, crashed, culprits of warnings, "
-    "silent, stalled, absent, waiting, then running, stopped and exited; ties by rank"
+    "silent, stalled, absent, busy, waiting, then running, stopped and exited; ties by rank"
 )
 """The table's default order: the states in ``vocabulary.RANK_STATES``'s order."""
 

@@ -75,6 +75,7 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
         & > .rank-table--running { color: $text-success; }
         & > .rank-table--waiting { color: $text-warning; }
         & > .rank-table--stalled { color: $text-warning; text-style: bold; }
+        & > .rank-table--busy { color: $text-accent; }
         & > .rank-table--silent { color: $text-error; text-style: bold; }
         & > .rank-table--crashed { color: $text-error; text-style: bold; }
         & > .rank-table--exited { color: $text-disabled; }

@@ -7,6 +7,7 @@ from ddpwatch.server.alerts import Alert, Thresholds
 from ddpwatch.server.rules.facts import Cascade, Facts, Root, is_clean_exit
 from ddpwatch.server.rules.registry import alert, rule
 from ddpwatch.server.rules.text import (
+    STACKS_IN,
     collective_name,
     first_line,
     format_ranks,
@@ -44,7 +45,7 @@ def _root_alert(root: Root, cascade: Cascade | None, now: float) -> Alert:
     hint = (
         signature.hint
         if signature is not None
-        else f"read the traceback of {format_ranks(ranks[:1])} (ddpwatch status --json shows "
+        else f"read the traceback of {format_ranks(ranks[:1])} ({STACKS_IN} shows "
         "it); the other ranks only failed because it died"
     )
     return alert(AlertKind.CRASHED, Severity.ERROR, ranks, waiting, message, hint)

@@ -7,9 +7,17 @@ from collections import Counter, defaultdict
 
 from ddpwatch.server.alerts import Alert
 from ddpwatch.server.knowledge import named_ranks
-from ddpwatch.server.rules.facts import Facts, Mismatch, Straggle, normal_op, world_complete
+from ddpwatch.server.rules.facts import (
+    Facts,
+    Mismatch,
+    Straggle,
+    is_busy,
+    normal_op,
+    world_complete,
+)
 from ddpwatch.server.rules.registry import alert, rule
 from ddpwatch.server.rules.text import (
+    STACKS_IN,
     collective_name,
     duration,
     first_line,
@@ -39,6 +47,8 @@ def rule_straggler(f: Facts) -> list[Alert]:
     detail = f"{subject} {where(first)}"
     if first.collective is not None:
         detail += f", inside {collective_name(first.collective.op, first.collective.seq)}"
+    elif is_busy(first, f.now, f.th):
+        detail += ", busy: its stack moves (working, not stuck)"
     loading = in_data_loading(first.stack)
     if loading:
         detail += ", waiting for its DataLoader"
@@ -63,7 +73,7 @@ def rule_straggler(f: Facts) -> list[Alert]:
         )
     else:
         hint = (
-            f"see where rank {first.rank} is (its stack in ddpwatch status --json): a "
+            f"see where rank {first.rank} is (its stack in {STACKS_IN}): a "
             "rank-dependent branch, slow data loading or I/O, or a collective that not every "
             f"rank calls keeps it from {name}"
         )

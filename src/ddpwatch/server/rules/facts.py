@@ -76,8 +76,19 @@ def rank_state(
     if record.collective is not None:
         return RankState.WAITING
     if record.step is not None and now - max(record.last_progress, since) > stall_after:
-        return RankState.STALLED
+        return RankState.BUSY if is_busy(record, now, th) else RankState.STALLED
     return RankState.RUNNING
+
+
+def is_busy(record: RankRecord, now: float, th: Thresholds) -> bool:
+    """No step, but working: a stack that differs from the last one at the same step came
+    within the silent threshold (the agent samples it every heartbeat once the rank idles).
+
+    A rank evaluating or saving alone moves through Python code; a stuck one (a lock, a
+    dead peer, a hung read) shows the same stack beat after beat. A long call into C++
+    (one big kernel, a GPU sync) looks stuck too: that is the conservative side."""
+    moved = record.stack_moved_at
+    return moved is not None and moved > record.last_progress and now - moved <= th.silent
 
 
 def median(values: Iterable[float | None]) -> float | None:

@@ -8,9 +8,9 @@ import statistics
 from collections import defaultdict
 
 from ddpwatch.server.alerts import Alert
-from ddpwatch.server.rules.facts import Facts
+from ddpwatch.server.rules.facts import Facts, is_busy
 from ddpwatch.server.rules.registry import alert, rule
-from ddpwatch.server.rules.text import format_ranks, record_location, seconds, verb
+from ddpwatch.server.rules.text import STACKS_IN, format_ranks, record_location, seconds, verb
 from ddpwatch.server.state import RankRecord
 from ddpwatch.vocabulary import AlertKind, Severity
 
@@ -26,7 +26,14 @@ def rule_stalled(f: Facts) -> list[Alert]:
         return []
     found = f.straggle
     excluded = {r.rank for r in found.culprits} if found else set()
-    stalled = [r for r in candidates if r.rank not in excluded]
+    released = _latest_release(f)
+    stalled = [
+        r
+        for r in candidates
+        if r.rank not in excluded
+        and not is_busy(r, f.now, f.th)
+        and (r.sample_seen or 0.0) >= released
+    ]
     if not stalled:
         return []
     worst = min(stalled, key=lambda r: (r.last_progress, r.rank))
@@ -44,10 +51,19 @@ def rule_stalled(f: Facts) -> list[Alert]:
         )
     pid = f"py-spy dump --pid {worst.pid}" if worst.pid else "py-spy dump"
     hint = (
-        f"look at rank {worst.rank}'s stack (ddpwatch status --json) or run {pid}: it may "
+        f"look at rank {worst.rank}'s stack ({STACKS_IN}) or run {pid}: it may "
         "wait on data loading, I/O, a lock or a GPU kernel"
     )
     return [alert(AlertKind.STALLED, Severity.ERROR, ranks, [], message, hint)]
+
+
+def _latest_release(f: Facts) -> float:
+    """The last time a live rank came out of a wait long enough to be a straggler's: a
+    rank whose last report is older may be the one they waited for, and their release says
+    it has since entered that collective (seen: the straggler, done with its solo work, named
+    ``stalled`` for 0.3 s, between its peers' release and its own next heartbeat)."""
+    limit = f.collective_limit
+    return max((r.wait_ended_at for r in f.live if r.wait_ended_s > limit), default=0.0)
 
 
 @rule(AlertKind.STEP_SKEW, every="slow")

@@ -105,11 +105,29 @@ def where(record: RankRecord) -> str:
     return f"{text}, {loc}" if loc else text
 
 
+STACKS_IN = "ddpwatch status --json"
+"""Where a hint sends people for a rank's stack and traceback: a shell command. The dashboard
+shows them in its detail pane and writes that in its place (``tui.alerts_panel``)."""
+
 _LOADER_PARTS = ("torch/utils/data/", "torch\\utils\\data\\")
+_WORKER_WAITS = frozenset({"_get_data", "_try_get_data"})
+"""Where ``_MultiProcessingDataLoaderIter`` (torch/utils/data/dataloader.py) waits for a batch."""
+_FRAME_FUNCTION = re.compile(r'File "([^"]+)", line \d+, in (\w+)')
+_MULTIPROCESSING = re.compile(r"[\\/]multiprocessing[\\/]")
 
 
 def in_data_loading(stack: str | None) -> bool:
-    """The rank's main thread is inside a DataLoader's iterator: waiting for a worker's batch."""
+    """The rank's main thread waits for a DataLoader worker's batch: only a loader with
+    ``num_workers > 0`` has workers; with none, the batch is made on the main thread and
+    its stack shows the dataset's own code (the loader is not what to blame)."""
     if not stack:
         return False
-    return any(part in path for path, _ in _FRAME.findall(stack) for part in _LOADER_PARTS)
+    in_loader = False
+    for path, function in _FRAME_FUNCTION.findall(stack):  # outermost first
+        if any(part in path for part in _LOADER_PARTS):
+            if function in _WORKER_WAITS:
+                return True
+            in_loader = True
+        elif in_loader and _MULTIPROCESSING.search(path):
+            return True  # the loader reads a worker's queue
+    return False
