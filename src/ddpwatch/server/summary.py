@@ -17,8 +17,9 @@ ALERTS_LISTED = 20
 DEAD_STATES = frozenset({RankState.CRASHED, RankState.EXITED, RankState.STOPPED, RankState.SILENT})
 
 
-def summary_lines(document: dict[str, Any]) -> list[str]:
-    """The summary, one line per item, without a prefix."""
+def summary_lines(document: dict[str, Any], not_started: str | None = None) -> list[str]:
+    """The summary, one line per item, without a prefix. ``not_started``: why the launcher
+    ended before any rank reported (its own words, ``launch_failure``), when it did."""
     ranks: list[dict[str, Any]] = [r for r in document.get("ranks", []) if isinstance(r, dict)]
     history: list[dict[str, Any]] = document.get("history") or []
     lines = [_overview(document, ranks)]
@@ -35,7 +36,11 @@ def summary_lines(document: dict[str, Any]) -> list[str]:
     ends = [(r["rank"], _ending(r)) for r in ranks]
     if any(end for _, end in ends):
         lines.append("ranks: " + " · ".join(f"{rank} {end}" for rank, end in ends if end))
-    lines.append("verdict: " + verdict(document))
+    seen = any(r.get("state") != RankState.NOT_CONNECTED for r in ranks)
+    if not_started is not None and not seen:
+        lines.append(f"verdict: the job did not start: {not_started}")
+    else:
+        lines.append("verdict: " + verdict(document))
     return lines
 
 
@@ -181,6 +186,6 @@ def print_summary(
 ) -> None:
     """Write the summary under a rule line, each line prefixed like the alert stream."""
     print(f"{prefix}── summary " + "─" * 40, file=file)
-    for line in summary_lines(document):
+    for line in summary_lines(document, not_started):
         print(prefix + line, file=file)
     file.flush()
