@@ -26,6 +26,7 @@ import torch.distributed as dist
 import zmq
 from conftest import LiveServer
 
+import ddpwatch.doctor as doctor_module
 from ddpwatch.cli import main
 from ddpwatch.doctor import MARKS, Check, check_gpus, gather, report, run_checks
 from ddpwatch.ports import free_port_pair
@@ -52,6 +53,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 HOST = socket.gethostname()
+REAL_TORCHRUN_PORT = doctor_module.TORCHRUN_PORT
 SKIP = MARKS["skip"]  # an en dash
 TORCH_LINE = (
     f"✔ torch: {torch.__version__}, a CPU build (no CUDA)"
@@ -71,6 +73,13 @@ CURVE_HINT = "a server with --curve-secret-file answers only with DDPWATCH_SERVE
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "MPI_LOCAL", "TORCHELASTIC_", "CUDA_")
 LAUNCHER_NAMES = {"MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK",
                   "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_SIZE"}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _torchrun_port_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With MASTER_PORT unset doctor checks torchrun's default, 29500, which another job on
+    this shared machine may hold: the tests move that default to a port known to be free."""
+    monkeypatch.setattr(doctor_module, "TORCHRUN_PORT", free_port())
 
 
 @pytest.fixture(autouse=True)
@@ -142,7 +151,8 @@ def test_ascii_log_gets_ascii_marks(live_server: LiveServer) -> None:
         [sys.executable, "-m", "ddpwatch", "doctor", "--timeout", "0.3", "--addr", addr(live_server),
          "--backend", "gloo"],
         capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONIOENCODING": "ascii", "LOCAL_RANK": "x", "CUDA_VISIBLE_DEVICES": "0,x"},
+        env={**os.environ, "PYTHONIOENCODING": "ascii", "LOCAL_RANK": "x", "CUDA_VISIBLE_DEVICES": "0,x",
+             "MASTER_PORT": str(free_port())},
     )  # fmt: skip
     lines = result.stdout.splitlines()
     assert entry(lines, "LOCAL_RANK") == [
@@ -154,7 +164,7 @@ def test_ascii_log_gets_ascii_marks(live_server: LiveServer) -> None:
     )
     assert entry(lines, "NVML")[0] == f"[skip] {NVML_ABSENT}: no NVIDIA driver on this machine"
     assert entry(lines, "CURVE")[0].startswith("[ok] CURVE: ")
-    assert lines[-1] == "4 ok, 1 failed, 1 warning, 4 skipped"
+    assert lines[-1] == "5 ok, 1 failed, 1 warning, 3 skipped"
     assert (result.returncode, result.stderr) == (1, "")
 
 
@@ -328,11 +338,14 @@ def test_busy_master_port_fails_and_a_free_one_passes(
     monkeypatch.setenv("MASTER_PORT", str(port))
     code, lines = doctor(capsys, "--addr", addr(live_server))
     busy = entry(lines, "MASTER_PORT")
-    assert busy[0] == f"✖ MASTER_PORT: {port} is in use on this host (Address already in use)"
+    assert busy[0].startswith(
+        f"✖ MASTER_PORT: {port} is in use on this host (Address already in use): "
+        f"held by pid {os.getpid()} ("  # this test's own process holds it
+    )
     spare = int(busy[1].split("MASTER_PORT=")[1].split(")")[0])
     assert busy[1] == (
-        f"    fix: pick a free one (MASTER_PORT={spare}), or stop what holds it "
-        f"(ss -ltnp 'sport = :{port}' shows it)"
+        f"    fix: pick a free one (MASTER_PORT={spare}), or stop pid {os.getpid()} if it is "
+        "left over from an earlier run"
     )
     assert spare > port
     with socket.create_server(("127.0.0.1", spare)):  # the suggestion is free
@@ -343,6 +356,77 @@ def test_busy_master_port_fails_and_a_free_one_passes(
     code, lines = doctor(capsys, "--addr", addr(live_server))
     assert entry(lines, "MASTER_PORT") == [f"✔ MASTER_PORT: {port} is free on this host"]
     assert code == 0
+
+
+@pytest.fixture
+def http_server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """A real process holding a port: ``python -m http.server PORT`` on 127.0.0.1."""
+    port = free_port_pair()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, "no listener"
+                time.sleep(0.05)
+        yield process, port
+    finally:
+        process.kill()
+        process.wait(10)
+
+
+def test_unset_master_port_checks_torchrun_default(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, live_server: LiveServer
+) -> None:
+    """torchrun listens on 29500 when MASTER_PORT is unset, so that port is checked. This
+    machine's 29500 may be anyone's (the demo job takes it when free): whichever it is, the
+    line says it was checked as torchrun's default."""
+    monkeypatch.setattr(doctor_module, "TORCHRUN_PORT", REAL_TORCHRUN_PORT)
+    code, lines = doctor(capsys, "--addr", addr(live_server))
+    checked = "MASTER_PORT: 29500 (unset: torchrun's default) is "
+    line = entry(lines, "MASTER_PORT")[0]
+    assert line == f"✔ {checked}free on this host" or line.startswith(f"✖ {checked}in use")
+    assert code == (0 if line.startswith("✔") else 1)
+
+
+def test_a_held_master_port_names_the_process_holding_it(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    live_server: LiveServer,
+    http_server: tuple[subprocess.Popen[bytes], int],
+) -> None:
+    """A leftover process on torchrun's default port (here the default is moved to a port a
+    real ``http.server`` holds: 29500 itself cannot be taken on a shared machine)."""
+    process, port = http_server
+    monkeypatch.setattr(doctor_module, "TORCHRUN_PORT", port)
+    code, lines = doctor(capsys, "--addr", addr(live_server))
+    busy = entry(lines, "MASTER_PORT")
+    program = os.path.basename(sys.executable)
+    assert busy[0] == (
+        f"✖ MASTER_PORT: {port} (unset: torchrun's default) is in use on this host (Address "
+        f"already in use): held by pid {process.pid} ({program} -m http.server {port} "
+        "--bind 127.0.0.1)"
+    )
+    spare = int(busy[1].split("MASTER_PORT=")[1].split(")")[0])
+    assert busy[1] == (
+        f"    fix: pick a free one (torchrun --master-port {spare}, or MASTER_PORT={spare}), "
+        f"or stop pid {process.pid} if it is left over from an earlier run"
+    )
+    assert code == 1
+
+    monkeypatch.setenv("MASTER_PORT", str(port))  # named, the same process is named
+    code, lines = doctor(capsys, "--addr", addr(live_server))
+    assert entry(lines, "MASTER_PORT")[0].endswith(
+        f"is in use on this host (Address already in use): held by pid {process.pid} "
+        f"({program} -m http.server {port} --bind 127.0.0.1)"
+    )
 
 
 def test_a_port_left_in_time_wait_is_free_as_for_tcpstore(
@@ -571,7 +655,9 @@ def doctor_without_torch(*args: str, **env: str) -> subprocess.CompletedProcess[
 
 
 def test_without_torch_every_torch_check_is_a_skip(live_server: LiveServer) -> None:
-    result = doctor_without_torch("--addr", addr(live_server), "--nproc-per-node", "2")
+    result = doctor_without_torch(
+        "--addr", addr(live_server), "--nproc-per-node", "2", MASTER_PORT=str(free_port())
+    )
     lines = result.stdout.splitlines()
     assert lines[0] == (
         f"ddpwatch doctor on {HOST}: 2 ranks per node (--nproc-per-node), "
@@ -590,7 +676,7 @@ def test_without_torch_every_torch_check_is_a_skip(live_server: LiveServer) -> N
         "    fix: run doctor with the job's Python, or pip install nvidia-ml-py",
     ]
     assert entry(lines, "server")[0].startswith("✔ server: ")
-    assert lines[-1] == "3 ok, 0 failed, 0 warnings, 7 skipped"
+    assert lines[-1] == "4 ok, 0 failed, 0 warnings, 6 skipped"
     assert (result.returncode, result.stderr) == (0, "")
 
 
@@ -599,8 +685,9 @@ def test_without_torch_the_exit_code_is_the_real_failures(live_server: LiveServe
         port = holder.getsockname()[1]
         result = doctor_without_torch("--addr", addr(live_server), MASTER_PORT=str(port))
     lines = result.stdout.splitlines()
-    assert entry(lines, "MASTER_PORT")[0] == (
-        f"✖ MASTER_PORT: {port} is in use on this host (Address already in use)"
+    assert entry(lines, "MASTER_PORT")[0].startswith(
+        f"✖ MASTER_PORT: {port} is in use on this host (Address already in use): "
+        f"held by pid {os.getpid()} ("
     )
     assert lines[-1] == "3 ok, 1 failed, 0 warnings, 6 skipped"
     assert (result.returncode, result.stderr) == (1, "")

@@ -29,6 +29,7 @@ from ddpwatch.agent.identity import identity_from_env
 from ddpwatch.agent.nvml import Nvml, parse_cuda_visible_devices
 from ddpwatch.agent.watcher import resolve_endpoint
 from ddpwatch.client import fetch_status
+from ddpwatch.port_holder import Holder, find_holder
 from ddpwatch.ports import host_port
 from ddpwatch.protocol import DEFAULT_PORT
 from ddpwatch.security import (
@@ -45,6 +46,7 @@ Status = Literal["ok", "warn", "fail", "skip"]
 MARKS: dict[str, str] = {"ok": "✔", "fail": "✖", "warn": "⚠", "skip": "\u2013"}  # en dash
 ASCII_MARKS: dict[str, str] = {"ok": "[ok]", "fail": "[FAIL]", "warn": "[warn]", "skip": "[skip]"}
 ORDINAL = "'invalid device ordinal'"
+TORCHRUN_PORT = 29500  # torchrun's --master-port when MASTER_PORT is unset
 
 
 @dataclass(frozen=True)
@@ -575,14 +577,27 @@ def check_master_addr(s: Setup) -> Check:
     return Check("MASTER_ADDR", "ok", f"{host} resolves to {shown} ({where})")
 
 
+def _stop_holder(holder: Holder | None, port: int) -> str:
+    """How to free ``port`` from what holds it, as far as this host can tell."""
+    if holder is not None and holder.pids:
+        return f"stop pid {holder.pids[0]} if it is left over from an earlier run"
+    if holder is not None and holder.other_user:
+        return "ask its owner to stop it"
+    return f"stop what holds it (ss -ltnp 'sport = :{port}' shows it)"
+
+
 def check_master_port(s: Setup) -> Check:
     """``MASTER_PORT`` free on the master (a leftover job holding it: ``Address already in
-    use``). Only this host's ports can be tried, so another master's is left to it."""
+    use``), torchrun's default 29500 when it is unset, naming the process that holds it. Only
+    this host's ports can be tried, so another master's is left to it."""
     raw = s.env.get("MASTER_PORT")
     if raw is None:
-        return Check("MASTER_PORT", "skip", "unset: nothing to check (torchrun's default: 29500)")
-    text = raw.strip()
-    port = int(text) if text.isascii() and text.isdigit() else None
+        port: int | None = TORCHRUN_PORT
+        named = f"{TORCHRUN_PORT} (unset: torchrun's default)"
+    else:
+        text = raw.strip()
+        port = int(text) if text.isascii() and text.isdigit() else None
+        named = str(port)
     if port is None or not 0 < port < 65536:
         return Check(
             "MASTER_PORT",
@@ -594,25 +609,32 @@ def check_master_port(s: Setup) -> Check:
     try:
         addresses = _resolve(host)
     except OSError:
-        return Check("MASTER_PORT", "skip", f"{port} not checked: MASTER_ADDR does not resolve")
+        return Check("MASTER_PORT", "skip", f"{named} not checked: MASTER_ADDR does not resolve")
     if not any(_is_local(a) for a in addresses):
         return Check(
             "MASTER_PORT",
             "skip",
-            f"{port} not checked: MASTER_ADDR {host} is another host, "
+            f"{named} not checked: MASTER_ADDR {host} is another host, "
             "the port check applies on that host",
             f"run ddpwatch doctor on {host}",
         )
     error = port_in_use(port)
     if error is None:
-        return Check("MASTER_PORT", "ok", f"{port} is free on this host")
+        return Check("MASTER_PORT", "ok", f"{named} is free on this host")
+    holder = find_holder(port)
+    held = f": held by {holder}" if holder is not None else ""
     spare = _next_free_port(port)
-    instead = f"pick a free one (MASTER_PORT={spare})" if spare else "pick a free one"
+    if spare is None:
+        instead = "pick a free one"
+    elif raw is None:
+        instead = f"pick a free one (torchrun --master-port {spare}, or MASTER_PORT={spare})"
+    else:
+        instead = f"pick a free one (MASTER_PORT={spare})"
     return Check(
         "MASTER_PORT",
         "fail",
-        f"{port} is in use on this host ({error})",
-        f"{instead}, or stop what holds it (ss -ltnp 'sport = :{port}' shows it)",
+        f"{named} is in use on this host ({error}){held}",
+        f"{instead}, or {_stop_holder(holder, port)}",
     )
 
 

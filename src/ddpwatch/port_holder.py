@@ -44,6 +44,11 @@ class Holder:
     command: str | None = None
     own_uid: int | None = None  # this process's uid, to tell another user's socket
 
+    @property
+    def other_user(self) -> bool:
+        """Nobody readable here holds it and another user's process made the socket."""
+        return not self.pids and self.own_uid is not None and self.uid != self.own_uid
+
     def __str__(self) -> str:
         if self.pids:
             text = f"pid {self.pids[0]}" + (f" ({self.command})" if self.command else "")
@@ -51,7 +56,7 @@ class Holder:
             if others:
                 text += f" and {others} other process" + ("es" if others > 1 else "")
             return text
-        if self.own_uid is not None and self.uid != self.own_uid:
+        if self.other_user:
             return f"another user's process ({_user(self.uid)})"
         return "an unknown process (none readable in /proc here holds it)"
 
