@@ -47,6 +47,7 @@ MARKS: dict[str, str] = {"ok": "✔", "fail": "✖", "warn": "⚠", "skip": "\u2
 ASCII_MARKS: dict[str, str] = {"ok": "[ok]", "fail": "[FAIL]", "warn": "[warn]", "skip": "[skip]"}
 ORDINAL = "'invalid device ordinal'"
 TORCHRUN_PORT = 29500  # torchrun's --master-port when MASTER_PORT is unset
+NVIDIA_DEVICE = "/dev/nvidiactl"  # present wherever the NVIDIA driver is loaded (or passed in)
 
 
 @dataclass(frozen=True)
@@ -352,19 +353,29 @@ def check_backend(s: Setup) -> Check:
     return Check("backend", "ok", f"{backend} ({s.backend_source}) is available; {_backends(info)}")
 
 
-def _gpu_job(s: Setup) -> bool:
-    return s.backend == "nccl" or bool(s.gpus) or os.path.exists("/dev/nvidiactl")
+def cpu_job(s: Setup) -> str | None:
+    """Why the job is taken to run on CPU (no GPU expected), or None when it may use GPUs:
+    nccl, a GPU visible, or an NVIDIA device on this machine (a GPU the driver cannot show)."""
+    if s.backend == "nccl" or s.gpus or os.path.exists(NVIDIA_DEVICE):
+        return None
+    return f"{s.backend}, no NVIDIA GPU on this machine"
 
 
 def check_nvml(s: Setup) -> Check:
-    """NVML answers: what the agent reads device UUIDs, memory and processes from."""
-    missing: Status = "warn" if _gpu_job(s) else "skip"
+    """NVML answers: what the agent reads device UUIDs, memory and processes from. A CPU job
+    has no GPU to read: a missing NVML is no problem there, and no driver is to be installed."""
+    on_cpu = cpu_job(s)
+    cpu_line = Check(
+        "NVML", "skip", f"not needed: the job runs on CPU ({on_cpu}), GPU checks skipped"
+    )
     try:
         import pynvml
     except Exception as exc:
+        if on_cpu:
+            return cpu_line
         return Check(
             "NVML",
-            missing,
+            "warn",
             f"nvidia-ml-py not importable ({_describe(exc)}): "
             "GPU UUIDs, memory and processes will read as null",
             "pip install nvidia-ml-py",
@@ -372,11 +383,12 @@ def check_nvml(s: Setup) -> Check:
     try:
         pynvml.nvmlInit()
     except Exception as exc:
-        where = "" if _gpu_job(s) else ": no NVIDIA driver on this machine"
+        if on_cpu:
+            return cpu_line
         return Check(
             "NVML",
-            missing,
-            f"cannot start ({_describe(exc)}){where}",
+            "warn",
+            f"cannot start ({_describe(exc)})",
             "install the NVIDIA driver; in a container, expose the GPUs with the NVIDIA "
             "container toolkit (--gpus all) so libnvidia-ml.so.1 is there",
         )

@@ -26,7 +26,9 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         "--backend",
         choices=("nccl", "gloo"),
         default=None,
-        help="the job's backend (default: nccl when CUDA is available, else gloo)",
+        help="the job's backend (default: nccl when CUDA is available, else gloo); gloo on a "
+        "machine without an NVIDIA GPU is a CPU job: no NVML or driver is needed, GPU checks "
+        "are skipped",
     )
     doctor.add_argument(
         "--addr",
