@@ -521,7 +521,8 @@ def test_unreachable_server_fails_when_named(capsys: pytest.CaptureFixture[str])
     port = free_port_pair()  # nothing listens there
     code, lines = doctor(capsys, "--addr", f"127.0.0.1:{port}")
     assert entry(lines, "server") == [
-        f"✖ server: 127.0.0.1:{port} (--addr): nothing answered on port {port + 1} within 0.3 s",
+        f"✖ server: 127.0.0.1:{port} (--addr): no server answered on 127.0.0.1:{port + 1} within "
+        f"0.3 s: that is the query port of ddpwatch serve (its rank port {port} + 1)",
         f"    fix: start it: ddpwatch serve --port {port}; {CURVE_HINT}",
     ]
     assert code == 1
@@ -535,8 +536,9 @@ def test_unreachable_default_server_only_warns(
     monkeypatch.setenv("MASTER_ADDR", "192.0.2.7")
     code, lines = doctor(capsys)
     assert entry(lines, "server") == [
-        "⚠ server: 192.0.2.7:5599 (the agent's default, $MASTER_ADDR): nothing answered on port "
-        "5600 within 0.3 s",
+        "⚠ server: 192.0.2.7:5599 (the agent's default, $MASTER_ADDR): no server answered on "
+        "192.0.2.7:5600 within 0.3 s: that is the query port of ddpwatch serve (its rank port "
+        "5599 + 1)",
         "    fix: start it: ddpwatch serve --host 0.0.0.0 on 192.0.2.7, ports 5599-5600 open; "
         f"{CURVE_HINT}; without one the ranks train as before, unwatched",
     ]
@@ -578,7 +580,8 @@ def test_curve_server_answers_only_with_its_key(
     where = f"127.0.0.1:{curve_server.port} (--addr)"
     code, lines = doctor(capsys, "--addr", addr(curve_server))
     assert entry(lines, "server") == [
-        f"✖ server: {where}: nothing answered on port {curve_server.port + 1} within 0.3 s",
+        f"✖ server: {where}: no server answered on 127.0.0.1:{curve_server.port + 1} within 0.3 s: "
+        f"that is the query port of ddpwatch serve (its rank port {curve_server.port} + 1)",
         f"    fix: start it: ddpwatch serve --port {curve_server.port}; {CURVE_HINT}",
     ]
     assert code == 1

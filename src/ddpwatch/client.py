@@ -193,6 +193,51 @@ def fetch_status(
         client.close()
 
 
+def no_answer(host: str, port: int, timeout: float) -> str:
+    """What a client found when nothing answered: the port it tried, and that it is the query
+    port of ``ddpwatch serve`` (the rank port + 1), the port the README never names."""
+    return (
+        f"no server answered on {host}:{port + 1} within {timeout:g} s: that is the query port "
+        f"of ddpwatch serve (its rank port {port} + 1)"
+    )
+
+
+def no_server(host: str, port: int, timeout: float, *, curve: bool = False) -> str:
+    """The one line every client prints when no server answered (``status``, ``top``, ``web``;
+    ``doctor`` writes ``no_answer`` with fixes of its own): ``no_answer`` and how to start a
+    server or point at one; with ``curve`` (a server key is set), that the key may be wrong."""
+    serve = "ddpwatch serve" + ("" if port == DEFAULT_PORT else f" --port {port}")
+    text = (
+        f"{no_answer(host, port, timeout)}; start one with `{serve}` (or `ddpwatch run -- "
+        "COMMAND`), or point at a running one with --host/--port"
+    )
+    if curve:
+        from ddpwatch.security import SERVER_KEY_ENV
+
+        text += (
+            f" (with {SERVER_KEY_ENV} set: is it the key of a server started with "
+            "--curve-secret-file?)"
+        )
+    return text
+
+
+def unanswered(
+    host: str, port: int, timeout: float, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """Ask once whether a server answers on ``host:port + 1`` (a page of one rank: cheap at any
+    size; a refused query is an answer too): None when one did, else ``no_server``'s line. A
+    malformed CURVE key raises ``CurveKeyError``."""
+    from ddpwatch.security import client_curve_keys
+
+    curve = client_curve_keys(environ) is not None
+    client = StatusClient(host, port, timeout, environ)
+    try:
+        reply = client.request(status_query(view="page", limit=1))
+    finally:
+        client.close()
+    return None if reply is not None else no_server(host, port, timeout, curve=curve)
+
+
 def _request_bytes(query: str) -> bytes:
     """``status?<query>``, checked against the server's size limit: it drops a longer one
     unanswered, which would read as no server at all."""

@@ -28,7 +28,7 @@ from typing import IO, Any, Literal
 from ddpwatch.agent.identity import identity_from_env
 from ddpwatch.agent.nvml import Nvml, parse_cuda_visible_devices
 from ddpwatch.agent.watcher import resolve_endpoint
-from ddpwatch.client import fetch_status
+from ddpwatch.client import fetch_status, no_answer
 from ddpwatch.port_holder import Holder, find_holder
 from ddpwatch.ports import host_port
 from ddpwatch.protocol import DEFAULT_PORT
@@ -736,7 +736,7 @@ def check_server(s: Setup) -> Check:
         return Check(
             "server",
             bad,
-            f"{where}: nothing answered on port {port + 1} within {s.timeout:g} s",
+            f"{where}: {no_answer(host, port, s.timeout)}",
             _server_fix(s, host, port),
         )
     return Check("server", "ok", f"{where} answered: {_ranks_seen(document)}")

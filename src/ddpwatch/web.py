@@ -12,8 +12,10 @@ import sys
 
 
 def top_command(host: str, port: int) -> str:
-    """The shell command textual-serve runs for every tab."""
-    return f"{shlex.quote(sys.executable)} -m ddpwatch top --host {shlex.quote(host)} --port {port}"
+    """The shell command textual-serve runs for every tab: ``--wait``, as a page stays open
+    while the server restarts."""
+    python = shlex.quote(sys.executable)
+    return f"{python} -m ddpwatch top --host {shlex.quote(host)} --port {port} --wait"
 
 
 def run_web(host: str, port: int, web_host: str = "127.0.0.1", web_port: int = 8000) -> int:

@@ -102,6 +102,38 @@ def add_address(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_wait(parser: argparse.ArgumentParser) -> None:
+    """``--wait``: a dashboard client opens even when no server answers yet."""
+    parser.add_argument(
+        "--wait",
+        action="store_true",
+        help="open even when no server answers yet, and wait for one (default: say that none "
+        "answered, and how to start one, and exit 1)",
+    )
+
+
+def refuse_without_server(name: str, args: argparse.Namespace, timeout: float = 2.0) -> int | None:
+    """Before a dashboard client opens (``top``, ``web``): unless ``--wait``, ask the server
+    once and, when none answers, print ``client.no_server``'s line (as ``status`` does) and
+    give the exit code 1; None when the client may go on."""
+    import sys
+
+    from ddpwatch.client import unanswered
+    from ddpwatch.security import CurveKeyError
+
+    if args.wait:
+        return None
+    try:
+        refusal = unanswered(args.host, args.port, timeout)
+    except CurveKeyError as exc:
+        print(f"ddpwatch {name}: {exc}", file=sys.stderr)
+        return 1
+    if refusal is None:
+        return None
+    print(f"ddpwatch {name}: {refusal}", file=sys.stderr)
+    return 1
+
+
 # The ``Thresholds`` fields that are flags: what each is, and how ``serve`` shows its
 # default (``{}``: the field's default). ``connect_after`` is not a flag.
 THRESHOLD_FLAGS: dict[str, tuple[str, str]] = {

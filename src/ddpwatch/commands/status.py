@@ -91,8 +91,8 @@ def query_of(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpwatch.client import StatusQueryError, fetch_status
-    from ddpwatch.security import SERVER_KEY_ENV, CurveKeyError, client_curve_keys
+    from ddpwatch.client import StatusQueryError, fetch_status, no_server
+    from ddpwatch.security import CurveKeyError, client_curve_keys
 
     try:
         curve = client_curve_keys() is not None
@@ -108,15 +108,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"ddpwatch: the server refused the query: {exc}", file=sys.stderr)
         return 1
     if document is None:
-        hint = (
-            f" (with {SERVER_KEY_ENV} set: is it the key of a server started with "
-            "--curve-secret-file?)"
-            if curve
-            else ""
-        )
         print(
-            f"ddpwatch: no server answered on {args.host}:{args.port + 1} "
-            f"within {args.timeout:g} s{hint}",
+            f"ddpwatch: {no_server(args.host, args.port, args.timeout, curve=curve)}",
             file=sys.stderr,
         )
         return 1
