@@ -52,6 +52,7 @@ CELL_STYLES = frozenset(
 ALERT_LOOKUPS: dict[str, Callable[[AlertIndex, Any], Hashable]] = {
     "culprit": lambda index, rank: index.culprit.get(rank),
     "waiting": lambda index, rank: rank in index.waiting,
+    "waits_for": lambda index, rank: index.waits_for.get(rank),
     "nan": lambda index, rank: rank in index.nan,
 }
 """What a cell may ask the ``AlertIndex`` about its row's rank, by name (``Column.alerts``)."""
@@ -95,11 +96,49 @@ def _plain(field: str) -> Callable[[Row, AlertIndex, int], Cell]:
     return cell
 
 
+CULPRIT_MARK = "▶"
+"""Before the state of a rank an open alert names as its culprit: ``▶ culprit``, ``▶ crashed``."""
+CULPRIT = "culprit"
+"""What a culprit's state cell says where its own state would look healthy: ``running`` (a
+straggler runs while its peers wait for it)."""
+HIDDEN_BY_CULPRIT = frozenset({RankState.RUNNING})
+VICTIM_STATES = frozenset({RankState.RUNNING, RankState.WAITING, RankState.STALLED, RankState.BUSY})
+"""States that a victim's state cell replaces with ``waits for <culprits>``: the rank is alive
+and held by them (a victim that crashed or exited keeps saying so)."""
+WAITS_FOR = "waits for "
+
+
 def _state(row: Row, index: AlertIndex, width: int) -> Cell:
+    """The rank's state; a culprit's marked ``▶`` (``▶ culprit`` where its state looks healthy);
+    a live rank that an alert lists as waiting for culprits: ``waits for 1``."""
     state = row.get("state") or RankState.NOT_CONNECTED
     if state == RankState.EXITED and row.get("exit_code") not in (None, 0):
-        return f"exit {row['exit_code']}", state_style(RankState.CRASHED)
-    return state_text(state), state_style(state)
+        text, style = f"exit {row['exit_code']}", state_style(RankState.CRASHED)
+    else:
+        text, style = state_text(state), state_style(state)
+    rank = row["rank"]
+    score = index.culprit.get(rank)
+    if score is not None:
+        mark = score_style(score)
+        if state in HIDDEN_BY_CULPRIT:
+            return [(f"{CULPRIT_MARK} ", mark), (CULPRIT, mark or style)], mark or style
+        return [(f"{CULPRIT_MARK} ", mark), (text, style)], style
+    culprits = index.waits_for.get(rank)
+    if culprits is not None and state in VICTIM_STATES:
+        return f"{WAITS_FOR}{culprits}", style
+    return text, style
+
+
+def state_width(index: AlertIndex, low: int = 7, high: int = 20) -> int:
+    """The state column's width for the alerts of ``index``: room for ``▶ culprit`` and the
+    longest ``waits for …`` when some rank needs it."""
+    width = low
+    if index.culprit:
+        width = max(width, cell_len(f"{CULPRIT_MARK} {CULPRIT}"))
+    if index.waits_for:
+        longest = max(map(len, set(index.waits_for.values())))
+        width = max(width, len(WAITS_FOR) + longest)
+    return min(width, high)
 
 
 def _loss(row: Row, index: AlertIndex, width: int) -> Cell:
@@ -172,7 +211,15 @@ RANK_COLUMNS: tuple[Column, ...] = (
     _plain_column("host", "host", 6, 1),
     _plain_column("pid", "pid", 7, 7, right=True),
     _plain_column("device", "device", 7, 4, grow=2),
-    Column("state", "state", 7, 0, _state, ("state", "exit_code")),
+    Column(
+        "state",
+        "state",
+        7,
+        0,
+        _state,
+        ("state", "exit_code", "rank"),
+        alerts=("culprit", "waits_for"),
+    ),
     _plain_column("phase", "phase", 9, 0, grow=3),
     _plain_column("step", "step", 7, 0, right=True),
     Column("loss", "loss", 7, 3, _loss, ("loss", "rank"), alerts=("nan",), right=True),

@@ -59,6 +59,16 @@ STATES = (
 )
 """The legend: every rank state (as the views write it), its colour and its meaning."""
 
+MARKS = (
+    (
+        "▶ culprit",
+        "named by an open alert as its culprit: ▶ before its state (▶ crashed, ▶ silent), "
+        "▶ culprit where it runs while others wait for it",
+    ),
+    ("waits for 1", "a live rank that an open alert lists as held up by its culprits (rank 1)"),
+)
+"""The state cell's marks for what the alerts say about a rank (``columns._state``)."""
+
 WORST_FIRST = (
     "culprits of errors, crashed, culprits of warnings, "
     "silent, stalled, absent, busy, waiting, then running, stopped and exited; ties by rank"
@@ -75,6 +85,8 @@ def help_text() -> Table:
     table.add_row("", "")
     for state, colour, meaning in STATES:
         table.add_row(Text(state_text(state), style=f"bold {colour}"), meaning)
+    for mark, meaning in MARKS:
+        table.add_row(Text(mark, style="bold"), meaning)
     table.add_row("", "")
     table.add_row(Text("worst first", style="bold"), WORST_FIRST)
     table.add_row(Text("sim", style="italic magenta"), "a simulated rank (ddpwatch demo)")

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpwatch.ranges import rank_ranges
 from ddpwatch.vocabulary import RANK_STATES, AlertKind, RankState, Severity
 
 Row = dict[str, Any]
@@ -106,22 +107,36 @@ class AlertIndex:
     culprit: dict[int, int] = field(default_factory=dict)
     """rank -> best (lowest) worst-first score an alert naming it as culprit gives."""
     waiting: set[int] = field(default_factory=set)
+    waits_for: dict[int, str] = field(default_factory=dict)
+    """rank -> the culprits it waits for, written short ("1", "0-2"): those of the first alert
+    (the worst: diagnosis orders them) that lists it as waiting and names a culprit."""
     nan: set[int] = field(default_factory=set)
     counts: Counter[str] = field(default_factory=Counter)
 
 
+WAITS_FOR_LISTED = 3
+"""How many pieces of culprit ranks a victim's state cell writes ("waits for 1,4,9 +2")."""
+
+
 def index_alerts(alerts: Iterable[dict[str, Any]]) -> AlertIndex:
     index = AlertIndex()
+    victims: list[tuple[Any, str]] = []
     for alert in alerts:
         severity = alert.get("severity", Severity.INFO)
         index.counts[severity] += 1
         score = CULPRIT_SCORE.get(severity, WORST_INFO_CULPRIT)
-        for rank in alert.get("ranks") or ():
+        culprits = alert.get("ranks") or ()
+        for rank in culprits:
             if score < index.culprit.get(rank, WORST_NONE):
                 index.culprit[rank] = score
             if alert.get("kind") == AlertKind.NAN_LOSS:
                 index.nan.add(rank)
-        index.waiting.update(alert.get("waiting") or ())
+        waiting = alert.get("waiting") or ()
+        index.waiting.update(waiting)
+        if waiting and culprits:
+            victims.append((waiting, rank_ranges(culprits, WAITS_FOR_LISTED)))
+    for waiting, culprits_text in reversed(victims):  # the first alert naming a rank wins
+        index.waits_for.update(dict.fromkeys(waiting, culprits_text))
     return index
 
 

@@ -36,6 +36,7 @@ from ddpwatch.tui.columns import (
     fit_columns,
     row_signature,
     state_style,
+    state_width,
     style_class,
     text_width,
 )
@@ -165,6 +166,8 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
                 "rank": max(5, len(str(max((r["rank"] for r in rows), default=0))) + 1),
                 "host": text_width({r.get("host") or "" for r in rows}),
             }
+        if not grouped:  # room for "▶ culprit" and "waits for 1" when the alerts name some
+            self._widths["state"] = state_width(index)
         height = len(rows) + 1
         if self.virtual_size.height != height:
             self.virtual_size = Size(self.virtual_size.width, height)

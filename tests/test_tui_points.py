@@ -1,0 +1,179 @@
+"""The dashboard points and remembers (issue 25, part 6): the culprit marked in its row, the
+cursor on the culprit of each new alert, its stack below the alerts, hints that name the
+detail pane, and a job that ended still telling its story.
+
+Every test drives a real ``DashboardApp`` through ``run_test`` over the demo's shape: four
+ranks on one host, rank 1 a straggler the others wait for, then rank 3 crashing.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from test_tui import make_app, poll, settle, visible_lines
+from textual.pilot import Pilot
+from tui_fixtures import T0, FixtureSource, rank_entry
+
+from ddpwatch.vocabulary import RankState
+
+WORLD = 4
+STRAGGLER_STACK = """\
+  File "/demo/job.py", line 86, in main
+    loss = ddp(x).pow(2).mean()
+  File "/demo/job.py", line 44, in forward
+    time.sleep(self.sleep_once)  # a straggler: the others wait in DDP's all-reduce"""
+CRASH_TRACEBACK = """\
+Traceback (most recent call last):
+  File "/demo/job.py", line 95, in main
+    raise RuntimeError(str(arg))
+RuntimeError: CUDA error: invalid device ordinal"""
+
+
+def _rank(rank: int, **values: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "local_rank": rank,
+        "host": "box",
+        "pid": 500 + rank,
+        "device": "cpu",
+        "state": RankState.RUNNING,
+        "phase": "forward",
+        "step": 40,
+        "loss": 1.0,
+        "step_time_s": 0.11,
+        "last_seen_s": 0.2,
+    }
+    base.update(values)
+    return rank_entry(rank, WORLD, **base)
+
+
+def healthy(tick: int = 0) -> dict[str, Any]:
+    return {
+        "schema": 1,
+        "server_time": T0 + tick,
+        "world_size": WORLD,
+        "job_started": T0 - 10,
+        "ranks": [_rank(r) for r in range(WORLD)],
+        "alerts": [],
+        "history": [],
+        "stats": {"received": 100 + tick, "rejected": 0},
+    }
+
+
+STRAGGLER = {
+    "kind": "straggler",
+    "severity": "warning",
+    "ranks": [1],
+    "waiting": [0, 2, 3],
+    "message": "rank 1 has not entered all_reduce #20 that ranks 0, 2, 3 have waited in for "
+    "5.5 s; it is in 'forward' at step 19 (sleep, job.py:44)",
+    "hint": "see where rank 1 is (its stack in ddpwatch status --json): a rank-dependent "
+    "branch, slow data loading or I/O, or a collective that not every rank calls keeps it "
+    "from all_reduce #20",
+}
+
+
+def straggling(tick: int = 1) -> dict[str, Any]:
+    """Rank 1 sleeps in forward; ranks 0, 2 and 3 wait for it in all_reduce #20."""
+    doc = healthy(tick)
+    for row in doc["ranks"]:
+        if row["rank"] != 1:
+            row.update(
+                state=RankState.WAITING,
+                phase="backward",
+                collective={"op": "all_reduce", "seq": 20, "since_s": 5.5},
+            )
+    doc["ranks"][1].update(step=39, stack=STRAGGLER_STACK)
+    doc["alerts"] = [copy.deepcopy(STRAGGLER)]
+    doc["history"] = [_entry("raised", 30.0, STRAGGLER)]
+    return doc
+
+
+CRASHED = {
+    "kind": "crashed",
+    "severity": "error",
+    "ranks": [3],
+    "waiting": [0, 1, 2],
+    "message": "rank 3 crashed in 'forward' at step 62 with RuntimeError: CUDA error: invalid "
+    "device ordinal",
+    "hint": "read the traceback of rank 3 (ddpwatch status --json shows it); the other ranks "
+    "only failed because it died",
+}
+
+
+def crashing(tick: int = 2) -> dict[str, Any]:
+    """Rank 3 crashed; the others still wait for it (the job has not ended yet)."""
+    doc = healthy(tick)
+    for row in doc["ranks"]:
+        row.update(
+            state=RankState.WAITING,
+            step=62,
+            collective={"op": "all_reduce", "seq": 63, "since_s": 1.0},
+        )
+    doc["ranks"][3].update(
+        state=RankState.CRASHED,
+        collective=None,
+        error={
+            "type": "RuntimeError",
+            "message": "CUDA error: invalid device ordinal",
+            "traceback": CRASH_TRACEBACK,
+        },
+    )
+    doc["alerts"] = [copy.deepcopy(CRASHED)]
+    doc["history"] = [
+        _entry("raised", 30.0, STRAGGLER),
+        _entry("cleared", 36.0, STRAGGLER, duration_s=6.0),
+        _entry("raised", 70.0, CRASHED),
+    ]
+    return doc
+
+
+def _entry(event: str, elapsed: float, alert: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    clock = f"2026-11-23T19:{int(elapsed) // 60:02d}:{int(elapsed) % 60:02d}.000+00:00"
+    return {"event": event, "time": clock, "elapsed_s": elapsed, "alert": alert, **extra}
+
+
+def row_of(pilot: Pilot[Any], rank: int) -> str:
+    """The table line of ``rank`` as drawn."""
+    return next(line for line in visible_lines(pilot)[1:] if line[1:].split()[:1] == [str(rank)])
+
+
+def state_cell(pilot: Pilot[Any], rank: int) -> str:
+    """The state column's text in the row of ``rank``."""
+    header = visible_lines(pilot)[0]
+    start = header.index("state")
+    phase = header.index("phase")
+    return row_of(pilot, rank)[start:phase].strip()
+
+
+# ----------------------------------------------------------------------------- 1: the culprit's row
+
+
+async def test_the_culprit_is_marked_and_its_victims_say_whom_they_wait_for() -> None:
+    source = FixtureSource([healthy(), straggling(), crashing()])
+    async with make_app(source).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        assert {state_cell(pilot, r) for r in range(WORLD)} == {"running"}
+        await poll(pilot)
+        assert state_cell(pilot, 1) == "▶ culprit"  # running, while the others wait for it
+        assert [state_cell(pilot, r) for r in (0, 2, 3)] == ["waits for 1"] * 3
+        await poll(pilot)
+        assert state_cell(pilot, 3) == "▶ crashed"
+        assert [state_cell(pilot, r) for r in (0, 1, 2)] == ["waits for 3"] * 3
+
+
+async def test_at_80_columns_the_marks_fit_the_state_column() -> None:
+    async with make_app(FixtureSource([straggling()])).run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        assert state_cell(pilot, 1) == "▶ culprit"
+        assert state_cell(pilot, 0) == "waits for 1"
+        assert "…" not in "".join(visible_lines(pilot))
+
+
+async def test_a_culprit_is_no_longer_marked_once_its_alert_clears() -> None:
+    source = FixtureSource([straggling(), healthy(3)])
+    async with make_app(source).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        assert state_cell(pilot, 1) == "▶ culprit"
+        await poll(pilot)
+        assert [state_cell(pilot, r) for r in range(WORLD)] == ["running"] * WORLD
