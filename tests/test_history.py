@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime
 
 from ddpwatch.server.alerts import Alert, Thresholds
-from ddpwatch.server.history import HISTORY_KEPT, AlertTracker, iso_time
+from ddpwatch.server.history import HISTORY_KEPT, AlertTracker, describe, iso_time
 from ddpwatch.server.state import ServerState
 from ddpwatch.server.status import status_document
 
@@ -91,3 +91,37 @@ def test_hints_name_the_servers_port_when_it_is_not_the_default() -> None:
     (moved,) = with_port([hint], 57853)
     assert moved.hint == "its stack in ddpwatch status --port 57853 --json"
     assert moved.key == hint.key  # the same alert, only its words point elsewhere
+
+
+def test_each_episode_keeps_its_own_times() -> None:
+    """The same straggler raised three times (once an epoch) is three episodes: each
+    clearing says how long that one was up, never the last one's figure."""
+    tracker = AlertTracker()
+    for start, up in ((5.0, 28.3), (40.0, 28.8), (75.0, 28.1)):
+        tracker.update([STRAGGLER], T0 + start, T0)
+        tracker.update([STRAGGLER_ERROR], T0 + start + 8, T0)
+        tracker.update([], T0 + start + up, T0)
+    entries = tracker.entries()
+    assert [(e["event"], e["episode"]) for e in entries] == [
+        ("raised", 1), ("escalated", 1), ("cleared", 1),
+        ("raised", 2), ("escalated", 2), ("cleared", 2),
+        ("raised", 3), ("escalated", 3), ("cleared", 3),
+    ]  # fmt: skip
+    assert [e["duration_s"] for e in entries if e["event"] == "cleared"] == [28.3, 28.8, 28.1]
+    assert {e["attempt"] for e in entries} == {1}
+
+
+def test_a_new_attempt_closes_what_was_up_instead_of_clearing_it() -> None:
+    crashed = Alert("crashed", "error", (1,), (0, 2), "rank 1 crashed", "read it")
+    tracker = AlertTracker()
+    tracker.update([crashed], T0 + 10, T0)
+    tracker.update([crashed], T0 + 12, T0)
+    changes = tracker.update([], T0 + 12.5, T0, attempt=2)
+    assert [(c.event, c.closed_by, c.attempt, c.episode) for c in changes] == [
+        ("cleared", "new_attempt", 1, 1)
+    ]
+    entry = changes[0].to_dict()
+    assert entry["closed_by"] == "new_attempt" and entry["duration_s"] == 2.5
+    (again,) = tracker.update([crashed], T0 + 20, T0, attempt=2)
+    assert (again.event, again.attempt, again.episode) == ("raised", 2, 2)
+    assert "attempt 2 began" in describe(changes[0])

@@ -79,7 +79,8 @@ def identity_key(**changed: Any) -> tuple[Any, ...]:
     return (
         ident["local_rank"], ident["world_size"], ident["local_world_size"], ident["node_rank"],
         ident["host"], ident["pid"], ident["launcher"], ident["job_id"], ident["backend"],
-        None, None, ident["device"], None, None, ident["device_uuid"], None, None, None, False,
+        None, None, ident["device"], None, None, ident["device_uuid"], None, None, None, None,
+        False,
     )  # fmt: skip
 
 
@@ -166,7 +167,9 @@ def expected_after_life() -> dict[str, Any]:
         "device_pci_bus_id": None,
         "device_count": None,
         "pg_timeout_s": None,
+        "restart_count": None,
         "simulated": False,
+        "attempt": 1,
         "relayed": False,
         "identity_key": identity_key(device="cuda:1"),
         "phase": "train",
@@ -194,7 +197,10 @@ def expected_after_life() -> dict[str, Any]:
         "gpu_pids": [100],
         "last_progress": 14.0,
         "last_step_at": 14.0,
+        "wait_ended_at": 4.0,  # out of the all-reduce it had waited in for 0.5 s at t=3
+        "wait_ended_s": 1.5,
         "stack": "tb",
+        "stack_moved_at": None,  # one stack, then a step: it never moved at one step
         "error": ErrorInfo(type="RuntimeError", message="boom"),
         "error_time": 13.0,
         "exit_code": 1,
@@ -259,7 +265,9 @@ def test_a_new_process_for_a_rank_starts_its_record_afresh() -> None:
     old = state.ranks[0]
     state.apply(beat(**{**IDENT, "pid": 101}, step=1, loss=3.0, forwards=1), 19.0)
     record = state.ranks[0]
-    assert record is not old and state.generation == 6 + 2  # a new record, a new identity
+    # a new record, a new identity, and a new attempt (the process before had ended)
+    assert record is not old and state.generation == 6 + 3
+    assert (record.attempt, state.attempt, state.past_attempts[0].records[0]) == (2, 2, old)
     expected = snapshot(RankRecord(rank=0, first_seen=19.0, last_seen=19.0))
     expected.update(
         {
@@ -287,6 +295,7 @@ def test_a_new_process_for_a_rank_starts_its_record_afresh() -> None:
             "sample_seen": 19.0,
             "last_progress": 19.0,
             "last_step_at": 19.0,
+            "attempt": 2,
         }
     )
     assert snapshot(record) == expected

@@ -56,6 +56,7 @@ IDENTITY: dict[str, Any] = {
     "device_pci_bus_id": "00000000:19:00.0",
     "device_count": 2,
     "pg_timeout_s": 1800.0,
+    "restart_count": 1,
     "simulated": True,
 }
 

@@ -137,6 +137,33 @@ def test_restarted_worker_starts_a_fresh_record() -> None:
     state.apply(Sample(v=1, rank=0, t=0, pid=2, step=1), 3.0)
     record = state.ranks[0]
     assert record.pid == 2 and record.error is None and record.step == 1
+    assert state.attempt == 2 and record.attempt == 2  # its process before had ended
+
+
+def test_a_launcher_restart_is_a_new_attempt_with_the_last_one_kept() -> None:
+    """torchrun --max-restarts 1: rank 1 crashes, torchrun stops ranks 0 and 2 and starts all
+    three again (TORCHELASTIC_RESTART_COUNT=1). The new processes start attempt 2 afresh; the
+    first attempt's records, a late exit report included, stay as attempt 1."""
+    state = ServerState(started=0.0)
+    for rank in range(3):
+        state.apply(Sample(v=1, rank=rank, t=0, pid=10 + rank, restart_count=0, step=5), 1.0)
+    state.apply(Event(v=1, rank=1, t=0, event="crash", error=ErrorInfo(type="RuntimeError")), 2.0)
+    state.apply(Event(v=1, rank=0, t=0, event="exit", signal="SIGTERM"), 2.1)
+    state.apply(Sample(v=1, rank=0, t=0, pid=20, restart_count=1), 3.0)  # attempt 2 begins
+    assert state.attempt == 2 and sorted(state.ranks) == [0]
+    state.apply(Event(v=1, rank=2, t=0, event="exit", signal="SIGTERM"), 3.1)  # late, old
+    assert sorted(state.ranks) == [0]
+    state.apply(Sample(v=1, rank=1, t=0, pid=21, restart_count=1), 3.2)
+    state.apply(Sample(v=1, rank=2, t=0, pid=22, restart_count=1), 3.3)
+    assert sorted(state.ranks) == [0, 1, 2] and state.attempt == 2
+    document = status_document(state, [], 4.0, Thresholds())
+    assert document["attempt"] == 2 and [r["attempt"] for r in document["ranks"]] == [2, 2, 2]
+    (first,) = document["attempts"]
+    assert (first["attempt"], first["started"], first["ended"]) == (1, 1.0, 3.0)
+    assert [(r["rank"], r["state"]) for r in first["ranks"]] == [
+        (0, "stopped"), (1, "crashed"), (2, "stopped")
+    ]
+    assert first["ranks"][1]["ended_at"] == 2.0 and document["ranks"][0]["ended_at"] is None
 
 
 def test_a_backlog_keeps_each_ranks_order_and_counts_every_frame(port: int) -> None:

@@ -28,7 +28,7 @@ from ddpwatch.vocabulary import RANK_STATES
 
 CONTRACT_KEYS = [
     "schema", "server_time", "world_size", "ranks", "alerts", "stats", "history", "job_started",
-    "relays",
+    "relays", "attempt", "attempts",
 ]  # fmt: skip
 WORLD = 14  # ranks 0-11 report; 12 and 13 never do
 HOSTS = {**dict.fromkeys(range(4), "node-a"), **dict.fromkeys(range(4, 8), "node-b")}

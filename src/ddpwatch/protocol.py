@@ -100,6 +100,7 @@ class Identity(Message):
     device_pci_bus_id: str | None = None
     device_count: NonNegInt | None = None
     pg_timeout_s: float | None = None  # the default process group's collective timeout
+    restart_count: NonNegInt | None = None  # the launcher's restarts so far (torchrun's)
     simulated: bool = False
 
 

@@ -53,6 +53,7 @@ class RankIdentity:
     backend: str | None = None
     torch_version: str | None = None
     pg_timeout_s: float | None = None
+    restart_count: int | None = None
 
     def as_fields(self) -> dict[str, Any]:
         """The ``protocol.Identity`` fields this covers, ready for ``Identity(rank=..., **fields)``.
@@ -73,6 +74,7 @@ class RankIdentity:
             "torch_version": self.torch_version,
             "cuda_visible_devices": self.cuda_visible_devices,
             "pg_timeout_s": self.pg_timeout_s,
+            "restart_count": self.restart_count,
         }
 
 
@@ -275,6 +277,7 @@ def identity_from_env(environ: Mapping[str, str] | None = None) -> RankIdentity:
         env = os.environ if environ is None else environ
         ident.cuda_visible_devices = env.get("CUDA_VISIBLE_DEVICES")
         ident.job_id = _job_id(env)
+        ident.restart_count = _int(env.get("TORCHELASTIC_RESTART_COUNT"))
         if "RANK" in env:
             _from_torch_vars(env, ident)
         elif "OMPI_COMM_WORLD_RANK" in env:

@@ -17,7 +17,12 @@ KINDS = ALERT_KINDS
 
 @dataclass(frozen=True)
 class Alert:
-    """One problem: ``ranks`` are the culprits, ``waiting`` the ranks blocked because of them."""
+    """One problem: ``ranks`` are the culprits, ``waiting`` the ranks blocked because of them.
+
+    ``waited_s``: how long ``waiting`` have waited so far (a straggler's); ``phase``: the
+    culprit's phase. Both are for the end-of-run account (how long the others were held up,
+    and doing what), where the message is only words.
+    """
 
     kind: str
     severity: SeverityName
@@ -25,6 +30,8 @@ class Alert:
     waiting: tuple[int, ...]
     message: str
     hint: str
+    waited_s: float | None = None
+    phase: str | None = None
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
@@ -32,7 +39,7 @@ class Alert:
         return (self.kind, self.ranks)
 
     def to_dict(self) -> dict[str, object]:
-        return {
+        entry: dict[str, object] = {
             "kind": self.kind,
             "severity": self.severity,
             "ranks": list(self.ranks),
@@ -40,6 +47,11 @@ class Alert:
             "message": self.message,
             "hint": self.hint,
         }
+        if self.waited_s is not None:
+            entry["waited_s"] = round(self.waited_s, 3)
+        if self.phase is not None:
+            entry["phase"] = self.phase
+        return entry
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,12 @@ Users look at a job after lunch or after a page; alerts that cleared must still 
 culprits is the same alert), stamps every change with the server's clock and the job's
 elapsed time, and keeps the last ``HISTORY_KEPT`` changes: the ``history`` of the status
 document, the dashboard's timeline (key ``t``) and the end-of-run summary read them.
+
+Each change belongs to an *episode*: one alert from its raise, through its escalations, to
+its clearing, numbered in raise order. The same alert raised again later (a straggler each
+epoch) is a new episode with its own times, never confused with the last one. A job its
+launcher restarted is a new *attempt*: the alerts still up are closed as the attempt ends
+(``closed_by`` ``"new_attempt"``), not silently cleared by the new processes' reports.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ SEVERITY_RANK = {severity: n for n, severity in enumerate(reversed(SEVERITIES))}
 """0 for info, up to the most severe (``vocabulary.SEVERITIES`` is most severe first)."""
 
 Event = Literal["raised", "escalated", "cleared"]
+NEW_ATTEMPT = "new_attempt"
+"""``closed_by`` of an alert the launcher's restart ended (``AlertChange.closed_by``)."""
 
 
 def iso_time(at: float, timespec: str = "milliseconds") -> str:
@@ -40,6 +48,11 @@ def describe(change: AlertChange) -> str:
     if change.event == "cleared":
         who = f" (rank {culprits})" if culprits else ""
         up = f" after {change.duration_s:.1f} s" if change.duration_s is not None else ""
+        if change.closed_by == NEW_ATTEMPT:
+            return (
+                f"ddpwatch: {when} attempt {change.attempt + 1} began: {alert.kind}{who} "
+                f"ends with attempt {change.attempt}{up}"
+            )
         return f"ddpwatch: {when} cleared {alert.kind}{who}{up}"
     what = f"[{alert.severity}] {alert.kind}"
     if change.event == "escalated" and change.previous is not None:
@@ -61,7 +74,10 @@ class AlertChange:
     or a straggler that became ``stalled``) or cleared, at server time ``at``.
 
     ``elapsed_s`` counts from the job's first report; ``previous`` is the alert an
-    escalation replaces; ``duration_s`` says how long a cleared alert was up.
+    escalation replaces; ``duration_s`` says how long a cleared alert was up. ``episode``
+    numbers the alert's raise (its escalations and clearing share it); ``attempt`` is the
+    launcher's attempt it happened in (1 unless the job was restarted); ``closed_by`` is
+    ``NEW_ATTEMPT`` for an alert a restart ended rather than one that cleared.
     """
 
     event: Event
@@ -70,6 +86,9 @@ class AlertChange:
     elapsed_s: float = 0.0
     previous: Alert | None = None
     duration_s: float | None = None
+    episode: int = 0
+    attempt: int = 1
+    closed_by: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON line of ``serve --headless``, ``run``, ``demo --headless``, ``replay``
@@ -79,11 +98,15 @@ class AlertChange:
             "time": iso_time(self.at),
             "elapsed_s": round(self.elapsed_s, 3),
             "alert": self.alert.to_dict(),
+            "episode": self.episode,
+            "attempt": self.attempt,
         }
         if self.previous is not None:
             entry["from"] = {"kind": self.previous.kind, "severity": self.previous.severity}
         if self.duration_s is not None:
             entry["duration_s"] = round(self.duration_s, 3)
+        if self.closed_by is not None:
+            entry["closed_by"] = self.closed_by
         return entry
 
 
@@ -121,52 +144,73 @@ def _merge_escalations(changes: list[AlertChange]) -> list[AlertChange]:
 
 @dataclass
 class AlertTracker:
-    """The alerts up now, when each went up, and the bounded timeline of changes."""
+    """The alerts up now, when each went up (and in which episode), and the bounded
+    timeline of changes."""
 
     active: dict[Any, Alert] = field(default_factory=dict)
-    since: dict[Any, float] = field(default_factory=dict)
+    since: dict[Any, tuple[float, int]] = field(default_factory=dict)
+    """Per active alert: when its episode was raised, and the episode's number."""
     history: deque[AlertChange] = field(default_factory=lambda: deque(maxlen=HISTORY_KEPT))
     total: int = 0
     """Changes ever recorded; ``len(history)`` stops at HISTORY_KEPT."""
+    episodes: int = 0
+    """Episodes ever raised: the last one's number."""
+    attempt: int = 1
     _entries: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY_KEPT))
 
-    def update(self, alerts: list[Alert], now: float, started: float) -> list[AlertChange]:
-        """Take one tick's alerts; return the changes, stamped, in the order they happened."""
-        found = diff_alerts(self.active, alerts)
+    def update(
+        self, alerts: list[Alert], now: float, started: float, attempt: int = 1
+    ) -> list[AlertChange]:
+        """Take one tick's alerts; return the changes, stamped, in the order they happened.
+        ``attempt``: the launcher's attempt the job is in (``ServerState.attempt``); when it
+        moves on, what was up is closed as part of the attempt before."""
         stamped: list[AlertChange] = []
-        for change in found:
+        if attempt > self.attempt:
+            stamped += [
+                self._stamp(AlertChange("cleared", a), now, started, closed_by=NEW_ATTEMPT)
+                for a in self.active.values()
+            ]
+            self.active = {}
+            self.attempt = attempt
+        for change in diff_alerts(self.active, alerts):
             key = change.alert.key
-            if change.event == "cleared":
-                duration = now - self.since.pop(key, now)
-                stamped.append(_stamp(change, now, started, duration))
-                continue
-            if change.previous is not None and change.previous.key != key:
-                # straggler → stalled: one problem, up since the straggler was raised
-                self.since.setdefault(key, self.since.pop(change.previous.key, now))
-            self.since.setdefault(key, now)
-            stamped.append(_stamp(change, now, started, None))
+            if change.event == "raised":
+                self.episodes += 1
+                self.since[key] = (now, self.episodes)
+            elif change.previous is not None and change.previous.key != key:
+                # straggler → stalled: one problem, one episode, up since the straggler
+                self.since[key] = self.since.pop(change.previous.key, (now, 0))
+            stamped.append(self._stamp(change, now, started))
         self.active = {alert.key: alert for alert in alerts}
         self.history.extend(stamped)
         self._entries.extend(change.to_dict() for change in stamped)
         self.total += len(stamped)
         return stamped
 
+    def _stamp(
+        self, change: AlertChange, now: float, started: float, closed_by: str | None = None
+    ) -> AlertChange:
+        key = change.alert.key
+        cleared = change.event == "cleared"
+        raised_at, episode = (self.since.pop if cleared else self.since.get)(key, (now, 0))
+        return AlertChange(
+            change.event,
+            change.alert,
+            at=now,
+            elapsed_s=max(0.0, now - started),
+            previous=change.previous,
+            duration_s=now - raised_at if cleared else None,
+            episode=episode,
+            attempt=self.attempt,
+            closed_by=closed_by,
+        )
+
     def restart(self) -> None:
         """A new server session (replay): nothing is up any more; the timeline stays."""
         self.active.clear()
         self.since.clear()
+        self.attempt = 1
 
     def entries(self) -> list[dict[str, Any]]:
         """The timeline for the status document, oldest first (each entry built once)."""
         return list(self._entries)
-
-
-def _stamp(change: AlertChange, now: float, started: float, duration: float | None) -> AlertChange:
-    return AlertChange(
-        change.event,
-        change.alert,
-        at=now,
-        elapsed_s=max(0.0, now - started),
-        previous=change.previous,
-        duration_s=duration,
-    )

@@ -199,7 +199,7 @@ class ReplayServer:
         with self.lock:
             self._now = max(self._now, now)
             alerts = with_port(self._diagnosis(self.state, now, self.thresholds), self._port)
-            changes = self.tracker.update(alerts, now, self.state.job_started)
+            changes = self.tracker.update(alerts, now, self.state.job_started, self.state.attempt)
             self.alerts = alerts
         for change in changes:
             if change.event == "cleared":

@@ -139,7 +139,7 @@ class Server:
         with self.lock:
             now = self.clock()
             alerts = with_port(self.diagnosis(self.state, now, self.thresholds), self.port)
-            changes = self.tracker.update(alerts, now, self.state.job_started)
+            changes = self.tracker.update(alerts, now, self.state.job_started, self.state.attempt)
             self.alerts = alerts
             self._document = self._encoded = None
             self.queries.clear()

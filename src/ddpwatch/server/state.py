@@ -83,7 +83,11 @@ class RankRecord:
     device_pci_bus_id: str | None = None
     device_count: int | None = None
     pg_timeout_s: float | None = None
+    restart_count: int | None = None
     simulated: bool = False
+    attempt: int = 1
+    """The launcher's attempt this process belongs to: ``restart_count + 1`` where the
+    launcher says, else one more than the rank's last process if that one had ended."""
     relayed: bool = False
     """Its last frame came through a per-node relay, which holds frames up to one beat."""
     identity_key: tuple[object, ...] | None = None
@@ -157,6 +161,19 @@ if _UNDECLARED:  # a wire field added to the protocol but not to the record: fai
     raise TypeError(f"RankRecord does not declare the protocol fields {_UNDECLARED}")
 
 
+@dataclass(frozen=True)
+class PastAttempt:
+    """An attempt the launcher restarted the job after: how each rank's process ended."""
+
+    attempt: int
+    started: float
+    ended: float
+    records: dict[int, RankRecord]
+
+
+PAST_ATTEMPTS_KEPT = 16
+
+
 @dataclass
 class ServerState:
     """All ranks, plus counters. Mutated only by ``apply``; read by diagnosis and views."""
@@ -182,7 +199,16 @@ class ServerState:
     listening_since: float = -math.inf
     """Since when the collector has kept up without a break (a backlog that may have made
     senders drop heartbeats, or the server itself paused): silence counts from here."""
+    attempt: int = 1
+    """The launcher's attempt the job is in: 2 once it restarted the workers (torchrun's
+    ``--max-restarts``, an elastic membership change), and so on."""
+    attempt_started: float | None = None
+    """When the current attempt's first process reported (None: the job's first attempt)."""
+    past_attempts: list[PastAttempt] = field(default_factory=list)
+    """The attempts before this one, oldest first, each with its ranks' last records."""
     waits: WaitIndex = field(default_factory=WaitIndex, repr=False, compare=False)
+    _replaced: dict[int, RankRecord] = field(default_factory=dict, repr=False, compare=False)
+    """Records a rank's new process replaced in this attempt: the attempt's if it ends."""
     """Which collective each unfinished rank is in, kept by ``apply`` (``server/waits.py``):
     a ticking diagnosis reads it. Records changed by hand are not in it: ``WaitIndex.of``."""
 
@@ -230,21 +256,17 @@ class ServerState:
         placed = record is not None  # ``waits`` has it where its last message put it
         pid = getattr(message, "pid", None)  # events have none
         if record is None or (pid is not None and record.pid is not None and pid != record.pid):
+            if record is None and pid is None and self._late_for_past_attempt(message, now):
+                return
             # a new rank, or a restarted worker (its rank with a new pid): start afresh
-            record = RankRecord(rank=rank, first_seen=now, last_seen=now, last_progress=now)
+            record = self._new_record(rank, now, record)
             placed = False
-            self.ranks[rank] = record
-            self.generation += 1
-            if self.first_report is None:
-                self.first_report = now
         record.last_seen = now
         if isinstance(message, Identity):
             key = astuple(message)[_IDENTITY_SLICE]
             # most heartbeats leave the identity out: one compare of Nones tells them
             if key != _NO_IDENTITY and key != record.identity_key:
-                _apply_identity(record, message)
-                record.identity_key = key
-                self.generation += 1
+                self._take_identity(record, message, key, now)
             if isinstance(message, Sample):
                 idle = placed and record.collective is None
                 _apply_sample(record, message, now)
@@ -255,6 +277,60 @@ class ServerState:
             if message.event in _GENERATION_EVENTS:
                 self.generation += 1
         self.waits.place(record)
+
+    def _take_identity(
+        self, record: RankRecord, message: Identity, key: tuple[object, ...], now: float
+    ) -> None:
+        _apply_identity(record, message)
+        record.identity_key = key
+        self.generation += 1
+        if message.restart_count is not None:  # the launcher's own count
+            record.attempt = max(record.attempt, message.restart_count + 1)
+        if record.attempt > self.attempt:
+            self._begin_attempt(record.attempt, now)
+
+    def _new_record(self, rank: int, now: float, previous: RankRecord | None) -> RankRecord:
+        """A fresh record for a new rank or a rank's new process: a process that follows one
+        that ended belongs to the launcher's next attempt (until its own report says)."""
+        record = RankRecord(rank=rank, first_seen=now, last_seen=now, last_progress=now)
+        if previous is None:
+            record.attempt = self.attempt
+        else:
+            record.attempt = previous.attempt + 1 if previous.finished else previous.attempt
+            self._replaced[rank] = previous  # its attempt's last word on the rank, so far
+        if record.attempt > self.attempt:
+            self._begin_attempt(record.attempt, now)
+        self.ranks[rank] = record
+        self.generation += 1
+        if self.first_report is None:
+            self.first_report = now
+        return record
+
+    def _begin_attempt(self, attempt: int, now: float) -> None:
+        """The launcher restarted the job: the ranks' records of the attempts before move to
+        ``past_attempts``; their ranks count again as their new processes report."""
+        old = {r: record for r, record in self._replaced.items() if record.attempt < attempt}
+        self._replaced = {}
+        for rank, record in list(self.ranks.items()):
+            if record.attempt < attempt:
+                old[rank] = record
+                del self.ranks[rank]
+                self.waits.drop(rank)
+        started = self.attempt_started if self.attempt_started is not None else self.job_started
+        self.past_attempts.append(PastAttempt(self.attempt, started, now, old))
+        del self.past_attempts[:-PAST_ATTEMPTS_KEPT]
+        self.attempt, self.attempt_started = attempt, now
+        self.generation += 1
+
+    def _late_for_past_attempt(self, message: AnyMessage, now: float) -> bool:
+        """An event (it carries no pid) for a rank whose record moved to the last attempt:
+        the old process's last words (its exit), applied there, not to a new record."""
+        past = self.past_attempts[-1].records if self.past_attempts else {}
+        record = past.get(message.rank)
+        if record is None or not isinstance(message, Event):
+            return False
+        _apply_event(record, message, now)
+        return True
 
 
 _GENERATION_EVENTS = frozenset({EventKind.CRASH, EventKind.EXIT, EventKind.CHECKPOINT})

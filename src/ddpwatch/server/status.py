@@ -9,7 +9,7 @@ from ddpwatch.protocol import Collective
 from ddpwatch.server.alerts import Alert, Thresholds
 from ddpwatch.server.relays import relay_entry
 from ddpwatch.server.rules import effective_stall_after, rank_state
-from ddpwatch.server.state import RankRecord, ServerState
+from ddpwatch.server.state import PastAttempt, RankRecord, ServerState
 from ddpwatch.vocabulary import RankState
 
 SCHEMA = 1
@@ -91,7 +91,16 @@ def rank_entry(
         "phase_since_s": None if record.phase_since is None else round(now - record.phase_since, 3),
         "log_tail": list(record.log_tail)[-LOG_TAIL_IN_STATUS:],
         "checkpoints": list(record.checkpoint_paths),
+        "attempt": record.attempt,
+        "ended_at": _ended_at(record),
     }
+
+
+def _ended_at(record: RankRecord) -> float | None:
+    """When the rank's process ended (its crash, else its exit), server time; None while
+    it runs. The end-of-run verdict orders failures by it."""
+    times = [t for t in (record.error_time, record.exit_time) if t is not None]
+    return min(times) if times else None
 
 
 def _collective(c: Collective | None) -> dict[str, Any] | None:
@@ -128,7 +137,8 @@ def status_document(
         ranks = sorted(
             ranks + [missing_entry(r, world_size) for r in missing], key=lambda e: e["rank"]
         )
-    return document_around(ranks, state, alerts, now, history)
+    attempts = [_past_attempt(past, now, state) for past in state.past_attempts]
+    return document_around(ranks, state, alerts, now, history, attempts)
 
 
 def document_around(
@@ -137,9 +147,11 @@ def document_around(
     alerts: list[Alert],
     now: float,
     history: list[dict[str, Any]] | None = None,
+    attempts: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The document with these rank entries: ``status_document`` gives every rank, the paged
-    queries (``server/query.py``) some, in the same envelope."""
+    """The document with these rank entries: ``status_document`` gives every rank (and the
+    past attempts' ranks), the paged queries (``server/query.py``) some, in the same
+    envelope."""
     return {
         "schema": SCHEMA,
         "server_time": now,
@@ -155,6 +167,22 @@ def document_around(
         "history": history or [],
         "job_started": state.job_started,
         "relays": [relay_entry(relay, now) for relay in state.relays.values()],
+        "attempt": state.attempt,
+        "attempts": attempts or [],
+    }
+
+
+def _past_attempt(past: PastAttempt, now: float, state: ServerState) -> dict[str, Any]:
+    """An attempt the launcher restarted the job after, as its ranks ended."""
+    th = Thresholds()  # every rank of it ended: no threshold changes how it reads
+    return {
+        "attempt": past.attempt,
+        "started": past.started,
+        "ended": past.ended,
+        "ranks": [
+            rank_entry(past.records[r], now, th, th.stall_after, since=state.listening_since)
+            for r in sorted(past.records)
+        ],
     }
 
 

@@ -192,25 +192,28 @@ class WaitIndex:
                     return
         self._move(record)
 
-    def _move(self, record: RankRecord) -> None:
-        """The rank is somewhere new: in another collective, in none, or finished; or it is
-        a new record for the rank (a restarted worker)."""
-        rank = record.rank
+    def drop(self, rank: int) -> None:
+        """The rank is no longer in the job's state (its attempt ended): forget it."""
         group = self._group_of.pop(rank, None)
         if group is not None:
             group._remove(rank)
             if not group.members:
                 del self.groups[group.place]
+        self.idle.pop(rank, None)
+        self.finished.pop(rank, None)
+
+    def _move(self, record: RankRecord) -> None:
+        """The rank is somewhere new: in another collective, in none, or finished; or it is
+        a new record for the rank (a restarted worker)."""
+        rank = record.rank
+        self.drop(rank)
         if record.error is not None or record.exit_time is not None:
-            self.idle.pop(rank, None)
             self.finished[rank] = record
             return
-        self.finished.pop(rank, None)
         c = record.collective
         if c is None:
             self.idle[rank] = record
             return
-        self.idle.pop(rank, None)
         where = place_of(c)
         joined = self.groups.get(where)
         if joined is None:

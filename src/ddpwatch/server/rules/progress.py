@@ -54,7 +54,7 @@ def rule_stalled(f: Facts) -> list[Alert]:
         f"look at rank {worst.rank}'s stack ({STACKS_IN}) or run {pid}: it may "
         "wait on data loading, I/O, a lock or a GPU kernel"
     )
-    return [alert(AlertKind.STALLED, Severity.ERROR, ranks, [], message, hint)]
+    return [alert(AlertKind.STALLED, Severity.ERROR, ranks, [], message, hint, phase=worst.phase)]
 
 
 def _latest_release(f: Facts) -> float:

@@ -62,6 +62,9 @@ def alert(
     waiting: Iterable[int],
     message: str,
     hint: str,
+    *,
+    waited_s: float | None = None,
+    phase: str | None = None,
 ) -> Alert:
     """An alert with sorted culprits, and no culprit listed as waiting on itself."""
     culprits = tuple(sorted(set(ranks)))
@@ -74,4 +77,6 @@ def alert(
         waiting=tuple(sorted(others)),
         message=message,
         hint=hint,
+        waited_s=waited_s,
+        phase=phase,
     )
