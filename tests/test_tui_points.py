@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from test_tui import make_app, poll, settle, visible_lines
+from test_tui import header_text, make_app, poll, settle, table, visible_lines
 from textual.pilot import Pilot
 from tui_fixtures import T0, FixtureSource, rank_entry
 
@@ -177,3 +177,70 @@ async def test_a_culprit_is_no_longer_marked_once_its_alert_clears() -> None:
         assert state_cell(pilot, 1) == "▶ culprit"
         await poll(pilot)
         assert [state_cell(pilot, r) for r in range(WORLD)] == ["running"] * WORLD
+
+
+# ----------------------------------------------------------------------------- 2: the cursor follows
+
+
+def cursor(pilot: Pilot[Any]) -> Any:
+    return table(pilot).cursor_key
+
+
+async def test_the_cursor_goes_to_the_culprit_of_each_new_alert() -> None:
+    source = FixtureSource([healthy(), straggling(), crashing()])
+    async with make_app(source).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        assert cursor(pilot) == 0  # all healthy: the first rank
+        await poll(pilot)
+        assert cursor(pilot) == 1  # the straggler (a warning, and no error open)
+        await poll(pilot)
+        assert cursor(pilot) == 3  # the crashed rank
+        assert "cursor yours" not in header_text(pilot)
+
+
+async def test_after_the_user_moves_the_cursor_it_stays_until_f() -> None:
+    later = crashing(3)
+    later["ranks"][0].update(state=RankState.CRASHED, collective=None)  # a second crash
+    later["alerts"].append(
+        {**CRASHED, "ranks": [0], "waiting": [1, 2], "message": "rank 0 crashed too"}
+    )
+    source = FixtureSource([healthy(), straggling(), crashing(), later])
+    async with make_app(source).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        await poll(pilot)
+        assert cursor(pilot) == 1
+        await pilot.press("down")  # the user looks elsewhere
+        await pilot.pause()
+        mine = cursor(pilot)
+        assert mine != 1
+        assert "cursor yours (f: follow culprits)" in header_text(pilot)
+        await poll(pilot)
+        assert cursor(pilot) == mine  # rank 3 crashed, but the cursor is the user's
+        await pilot.press("f")
+        await pilot.pause()
+        assert cursor(pilot) == 3  # the worst rank now
+        assert "cursor yours" not in header_text(pilot)
+        await poll(pilot)
+        assert cursor(pilot) == 0  # and the culprit of the next new error
+
+
+async def test_a_new_warning_does_not_pull_the_cursor_off_an_open_error() -> None:
+    both = crashing(3)
+    both["alerts"].append({**STRAGGLER, "ranks": [2], "waiting": [0, 1]})
+    source = FixtureSource([healthy(), crashing(), both])
+    async with make_app(source).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        await poll(pilot)
+        assert cursor(pilot) == 3
+        await poll(pilot)
+        assert cursor(pilot) == 3
+
+
+def test_help_says_how_the_cursor_follows() -> None:
+    from ddpwatch.tui.help import KEYS
+    from ddpwatch.tui.screen import DashboardScreen
+
+    keys = dict(KEYS)
+    assert "culprit of each new error" in keys["f"] and "until you move it" in keys["f"]
+    bindings = {b.key: b.action for b in DashboardScreen.BINDINGS if hasattr(b, "key")}
+    assert bindings["f"] == "follow"  # named in the header once the user moved the cursor

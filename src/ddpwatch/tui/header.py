@@ -46,6 +46,8 @@ class HeaderInfo:
     """A summary's rank entries (its worst ranks): the table holds these, not every rank."""
     has_document: bool = False
     """False until a first document arrived: then there is nothing to count yet."""
+    following: bool = True
+    """The cursor follows the culprits of new alerts; False once the user moved it."""
 
 
 def summarize(document: dict[str, Any]) -> dict[str, Any]:
@@ -180,6 +182,8 @@ def _view_parts(info: HeaderInfo) -> list[Text]:
         view.append(_kv("shown", str(info.shown)))
     if info.listed is not None:  # a large job: the table holds the worst ranks only
         view.append(_kv("worst", f"{info.listed} of {info.total_ranks}", "bold yellow"))
+    if not info.following:
+        view.append(_kv("cursor", "yours (f: follow culprits)"))
     return view
 
 

@@ -22,7 +22,15 @@ KEYS = (
         "detach (it runs on, unwatched) or cancel",
     ),
     ("?", "this help (esc closes it)"),
-    ("↑ ↓ PgUp PgDn Home End", "move the cursor (also k / j)"),
+    (
+        "↑ ↓ PgUp PgDn Home End",
+        "move the cursor (also k / j); from then on it stays where you put it",
+    ),
+    (
+        "f",
+        "follow: the cursor goes to the worst rank now, then to the culprit of each new error "
+        "(or warning, while no error names one) until you move it; on at start",
+    ),
     ("enter", "detail pane of the cursor rank; on a host row (g): show that host's ranks"),
     ("/", "filter: words match host, state or phase; r:0-15 or 3,5-7 selects ranks"),
     ("esc", "clear the filter"),

@@ -98,6 +98,14 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
             self.table = table
             self.key = key
 
+    class UserMoved(Message):
+        """The user moved the cursor (a key or a click), as opposed to the dashboard."""
+
+        def __init__(self, table: RankTable, key: Any) -> None:
+            super().__init__()
+            self.table = table
+            self.key = key
+
     class Selected(Message):
         """Enter (or a click) on the cursor row."""
 
@@ -218,7 +226,9 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
         self.set_cursor(found, center=True)
         return True
 
-    def set_cursor(self, index: int, *, center: bool = False) -> None:
+    def set_cursor(self, index: int, *, center: bool = False, by_user: bool = False) -> None:
+        """Put the cursor on row ``index``; ``by_user``: a key or click of the user's did it
+        (``UserMoved``), which the dashboard takes as "leave my cursor where I put it"."""
         if not self.rows:
             return
         index = max(0, min(index, len(self.rows) - 1))
@@ -226,6 +236,8 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
         self._set_cursor_key(self.rows[index][self._key_field])
         self._scroll_to_cursor(center)
         self.refresh()
+        if by_user:
+            self.post_message(self.UserMoved(self, self.cursor_key))
 
     @property
     def page_height(self) -> int:
@@ -245,13 +257,13 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
     # ------------------------------------------------------------------ actions
 
     def action_cursor(self, delta: int) -> None:
-        self.set_cursor(self.cursor + delta)
+        self.set_cursor(self.cursor + delta, by_user=True)
 
     def action_page(self, direction: int) -> None:
-        self.set_cursor(self.cursor + direction * self.page_height)
+        self.set_cursor(self.cursor + direction * self.page_height, by_user=True)
 
     def action_jump(self, where: int) -> None:
-        self.set_cursor(len(self.rows) - 1 if where < 0 else 0)
+        self.set_cursor(len(self.rows) - 1 if where < 0 else 0, by_user=True)
 
     def action_select_cursor(self) -> None:
         if self.rows:
@@ -269,7 +281,7 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
             if index == self.cursor:
                 self.action_select_cursor()
             else:
-                self.set_cursor(index)
+                self.set_cursor(index, by_user=True)
 
     def _column_at(self, x: int) -> str | None:
         offset = 1

@@ -72,6 +72,8 @@ class DashboardScreen(Screen[None]):
         # q and ? are the App's; repeated here so the footer lists them first
         Binding("q", "app.quit", "Quit", id="quit"),
         Binding("question_mark", "app.help", "Help", key_display="?", id="help"),
+        # f: not in the footer; the header names it once the user has moved the cursor
+        Binding("f", "follow", "Follow", show=False, id="follow"),
         Binding("slash", "filter", "Filter", key_display="/", id="filter"),
         Binding(
             "less_than_sign", "sort(-1)", "Sort", key_display="<", show=False, id="sort.previous"
@@ -99,6 +101,10 @@ class DashboardScreen(Screen[None]):
         self.interval = interval
         self.bell = bell
         self._errors: set[tuple[Any, ...]] | None = None  # error alerts of the last document
+        self._warned: set[tuple[Any, ...]] = set()  # its error and warning alerts
+        self.following = True
+        """The cursor goes to the culprit of each new alert (``follow_new_alerts``) until the
+        user moves it; ``f`` turns this back on."""
         self.document: dict[str, Any] | None = None
         self.connected: bool | None = None
         self.paused = False
@@ -227,13 +233,16 @@ class DashboardScreen(Screen[None]):
         ranks = document.get("ranks") or []
         self._rank_pos = {}
         self._summary = summarize(document)
-        self.index = index_alerts(document.get("alerts") or [])
-        self._ring_on_new_errors(document.get("alerts") or [])
+        alerts = document.get("alerts") or []
+        self.index = index_alerts(alerts)
+        news = self._new_alerts(alerts)
         self.history.update(ranks)
         self.refresh_view()
         if not self._cursor_placed and self.table.rows:
             self._cursor_placed = True
             self._cursor_to_worst()
+        elif self.following:
+            self.follow_new_alerts(news, alerts)
 
     def _cursor_to_worst(self) -> None:
         """Start the cursor on the worst rank (host, when grouped) whatever the sort, so enter
@@ -245,18 +254,57 @@ class DashboardScreen(Screen[None]):
             key = worst_first(table.rows, self.index)[0]["rank"]
         table.move_cursor_to_key(key)
 
-    def _ring_on_new_errors(self, alerts: list[dict[str, Any]]) -> None:
-        """Ring the terminal bell once when an error alert (kind and culprits) appears that the
-        last document did not have as an error, so a hang at 3 am is heard; warnings stay quiet,
-        and so does the first document (its errors were there before anyone looked)."""
-        errors = {
-            (alert.get("kind"), tuple(alert.get("ranks") or ()))
-            for alert in alerts
-            if alert.get("severity") == Severity.ERROR
-        }
-        if self.bell and self._errors is not None and not errors <= self._errors:
+    def _new_alerts(self, alerts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The error and warning alerts (kind and culprits) that the last document did not have
+        at their severity or above, in the document's order (errors first); none for the first
+        document (its alerts were there before anyone looked).
+
+        Rings the terminal bell once when a new one is an error, so a hang at 3 am is heard;
+        warnings stay quiet."""
+        errors: set[tuple[Any, ...]] = set()
+        warned: set[tuple[Any, ...]] = set()
+        news: list[dict[str, Any]] = []
+        first = self._errors is None
+        for alert in alerts:
+            severity = alert.get("severity")
+            if severity not in (Severity.ERROR, Severity.WARNING):
+                continue
+            key = (alert.get("kind"), tuple(alert.get("ranks") or ()))
+            warned.add(key)
+            if severity == Severity.ERROR:
+                errors.add(key)
+                if not first and key not in (self._errors or ()):
+                    news.append(alert)
+            elif not first and key not in self._warned:
+                news.append(alert)
+        if self.bell and any(a.get("severity") == Severity.ERROR for a in news):
             self.app.bell()
-        self._errors = errors
+        self._errors, self._warned = errors, warned
+        return news
+
+    def follow_new_alerts(self, news: list[dict[str, Any]], alerts: list[dict[str, Any]]) -> None:
+        """Put the cursor on the first culprit of the first new error alert; with no error
+        alert naming a culprit open, of the first new warning. Not on a host row, and not
+        through a filter: a culprit the table does not show is left to the alert's jump."""
+        if not news or self.table.grouped:
+            return
+        errors = [a for a in news if a.get("severity") == Severity.ERROR and a.get("ranks")]
+        held = any(a.get("severity") == Severity.ERROR and a.get("ranks") for a in alerts)
+        candidates = errors or ([] if held else [a for a in news if a.get("ranks")])
+        if candidates:
+            self.table.move_cursor_to_key(candidates[0]["ranks"][0])
+
+    def action_follow(self) -> None:
+        """``f``: the cursor follows the culprits again, starting on the worst rank now."""
+        self.following = True
+        if self.table.rows:
+            self._cursor_to_worst()
+        self._update_header()
+        self.notify(
+            "the cursor now goes to the culprit of each new alert (until you move it)",
+            title="following culprits",
+            timeout=4,
+        )
 
     def refresh_view(self) -> None:
         """Re-select and re-order rows for the current query, then redraw once."""
@@ -301,6 +349,7 @@ class DashboardScreen(Screen[None]):
             paused=self.paused,
             msg_rate=self.msg_rate,
             shown=len(self.table.rows) if self.is_mounted else 0,
+            following=self.following,
         )
         titles = _GROUP_TITLES if query.grouped else _TITLES
         info.sort_title = (
@@ -344,6 +393,16 @@ class DashboardScreen(Screen[None]):
     def _cursor_moved(self, event: RankTable.CursorMoved) -> None:
         self._update_detail()
 
+    @on(RankTable.UserMoved)
+    def _user_moved(self, event: RankTable.UserMoved) -> None:
+        self._hold_cursor()
+
+    def _hold_cursor(self) -> None:
+        """The user put the cursor somewhere: new alerts no longer move it (``f`` undoes)."""
+        if self.following:
+            self.following = False
+            self._update_header()
+
     @on(RankTable.Selected)
     def _row_selected(self, event: RankTable.Selected) -> None:
         if self.table.grouped:
@@ -368,6 +427,7 @@ class DashboardScreen(Screen[None]):
 
     @on(AlertList.Jump)
     def _jump(self, event: AlertList.Jump) -> None:
+        self._hold_cursor()
         self.select_rank(event.rank)
 
     def select_rank(self, rank: int) -> bool:
