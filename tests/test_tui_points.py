@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from test_tui import header_text, make_app, poll, settle, table, visible_lines
+from test_tui import dashboard, header_text, make_app, poll, settle, table, visible_lines
 from textual.pilot import Pilot
 from tui_fixtures import T0, FixtureSource, rank_entry
 
@@ -244,3 +244,62 @@ def test_help_says_how_the_cursor_follows() -> None:
     assert "culprit of each new error" in keys["f"] and "until you move it" in keys["f"]
     bindings = {b.key: b.action for b in DashboardScreen.BINDINGS if hasattr(b, "key")}
     assert bindings["f"] == "follow"  # named in the header once the user moved the cursor
+
+
+# ----------------------------------------------------------------------------- 3: the stack below
+
+
+def stack_panel(pilot: Pilot[Any]) -> Any:
+    from ddpwatch.tui.stack_panel import StackPanel
+
+    return dashboard(pilot).query_one(StackPanel)
+
+
+def stack_shown(pilot: Pilot[Any]) -> str:
+    from textual.widgets import Static
+
+    panel = stack_panel(pilot)
+    return f"{panel.border_title}\n{panel.query_one('#stack-text', Static).content}"
+
+
+async def test_the_space_under_the_alerts_shows_the_culprits_stack() -> None:
+    source = FixtureSource([healthy(), straggling(), crashing()])
+    async with make_app(source).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        await poll(pilot)
+        panel = stack_panel(pilot)
+        alerts = dashboard(pilot).alert_list
+        assert panel.display and alerts.display
+        assert panel.region.height >= 5 and panel.region.y >= alerts.region.bottom
+        shown = stack_shown(pilot)
+        assert shown.startswith("stack of rank 1 (culprit)")
+        assert "time.sleep(self.sleep_once)" in shown
+        await poll(pilot)
+        shown = stack_shown(pilot)
+        assert shown.startswith("traceback of rank 3 (culprit)")
+        assert "RuntimeError: CUDA error: invalid device ordinal" in shown
+        await pilot.press("down")  # a victim: its own stack, and whom it waits for
+        await pilot.pause()
+        assert stack_shown(pilot).startswith(f"stack of rank {cursor(pilot)} (waits for 3)")
+
+
+async def test_the_detail_pane_takes_over_the_stack_and_hides_no_other_panel() -> None:
+    async with make_app(FixtureSource([crashing()])).run_test(size=(160, 40)) as pilot:
+        await settle(pilot)
+        assert cursor(pilot) == 3
+        await pilot.press("enter")
+        await pilot.pause()
+        screen = dashboard(pilot)
+        assert screen.detail.display and screen.alert_list.display  # wide: side by side
+        assert not stack_panel(pilot).display  # the detail pane shows the same traceback
+        await pilot.press("enter")
+        await pilot.pause()
+        assert stack_panel(pilot).display
+
+
+async def test_on_a_host_row_the_stack_panel_says_to_select_a_rank() -> None:
+    async with make_app(FixtureSource([crashing()])).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        await pilot.press("g")
+        await pilot.pause()
+        assert "select a rank" in stack_shown(pilot)

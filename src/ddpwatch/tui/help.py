@@ -50,7 +50,7 @@ KEYS = (
         "last lines are in its detail pane)",
     ),
     ("t", "timeline: every alert raised, escalated and cleared, when and for how long"),
-    ("tab", "focus the next panel: table, alerts, detail"),
+    ("tab", "focus the next panel: table, alerts, the stack under them, detail"),
     ("alerts: enter / click", "select the alert's first culprit rank in the table"),
 )
 

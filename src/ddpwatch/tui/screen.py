@@ -43,6 +43,7 @@ from ddpwatch.tui.model import (
 )
 from ddpwatch.tui.rank_table import RankTable
 from ddpwatch.tui.sources import StatusSource
+from ddpwatch.tui.stack_panel import StackPanel
 from ddpwatch.vocabulary import Severity
 
 MIN_WIDTH, MIN_HEIGHT = 60, 15
@@ -130,7 +131,9 @@ class DashboardScreen(Screen[None]):
         with Vertical(id="main"):
             yield RankTable(id="ranks")
             with Horizontal(id="bottom"):
-                yield AlertList(id="alerts")
+                with Vertical(id="left"):
+                    yield AlertList(id="alerts")
+                    yield StackPanel(id="stack")
                 yield RankDetail(id="detail")
         yield Input(
             placeholder="filter: host/state/phase words, or ranks r:0-15 or 3,5-7 (esc clears)",
@@ -378,11 +381,12 @@ class DashboardScreen(Screen[None]):
         return None if pos is None else ranks[pos]
 
     def _update_detail(self) -> None:
-        if not self.show_detail:
-            return
         table = self.table
         rank = None if table.grouped else table.cursor_key
         row = None if rank is None else self.rank_row(rank)
+        if not self.show_detail:
+            self.query_one(StackPanel).show(row, self.index)
+            return
         series = {m: self.history.series(rank, m) for m in METRICS} if rank is not None else {}
         alerts = (self.document or {}).get("alerts") or []
         self.detail.show(row, series, alerts)
