@@ -4,6 +4,7 @@ two runs compared: "did my fix help?"."""
 
 from __future__ import annotations
 
+import html
 import json
 import shutil
 import subprocess
@@ -84,6 +85,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return record_run(base / "slow.ddpw", True), record_run(base / "fixed.ddpw", False)
 
 
+SLOW_VERDICT = (
+    'rank 1 crashed with ValueError (bad batch <id=7> & "labels") at step 20, which ended the '
+    "job; ranks 0, 2 were stopped because of it"
+)
+FIXED_VERDICT = "the job finished: every rank exited 0; no problems seen"
+
+
 def report(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "ddpwatch", "report", *args],
@@ -142,11 +150,11 @@ def test_markdown_report_tells_the_story(runs: tuple[Path, Path]) -> None:
     result = report(str(runs[0]))
     assert result.returncode == 0, result.stderr
     md = result.stdout
-    assert "verdict: rank 1 crashed with ValueError at step 20" in md
-    assert "**Verdict:** rank 1 crashed with ValueError at step 20" in md
+    assert f"verdict: {SLOW_VERDICT}" in md
+    assert f"**Verdict:** {SLOW_VERDICT.replace('<', chr(92) + '<')}" in md
     timeline = md.split("## Timeline")[1].split("## Ranks")[0]
     rows = [line for line in timeline.splitlines() if line.startswith("| +")]
-    assert len(rows) == 1 and "| raised | error | crashed | 1 |" in rows[0], timeline
+    assert len(rows) == 1 and "| raised #1 | error | crashed | 1 |" in rows[0], timeline
     assert "\\<id=7>" in rows[0]  # a viewer must not take it for a tag
     ranks = md.split("## Ranks")[1].split("## Culprits")[0]
     assert "| 1 | node-a | crashed | 20 | 0.400 s | 1.27 GiB | crashed |" in ranks, ranks
@@ -179,17 +187,19 @@ def test_html_report_is_one_well_formed_page_with_a_line_per_rank(
     assert "if scale < limit & mask" not in result.stdout
     for fetches in ("<script", "src=", "href=", "@import"):
         assert fetches not in result.stdout  # self-contained: nothing to fetch
-    assert "rank 1 crashed with ValueError at step 20" in result.stdout
+    assert html.escape(SLOW_VERDICT) in result.stdout
 
 
 def test_json_report_has_every_ranks_series(runs: tuple[Path, Path]) -> None:
     result = report(str(runs[0]), "--format", "json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert (
-        data["verdict"]
-        == "rank 1 crashed with ValueError at step 20; ranks 0, 2 failed because of it"
-    )
+    assert data["verdict"] == SLOW_VERDICT
+    assert [(e["kind"], e["ranks"], e["cleared_s"]) for e in data["episodes"]] == [
+        ("crashed", [1], None)
+    ]
+    assert data["attempts"] == [{"attempt": 1, "verdict": SLOW_VERDICT}]
+    assert data["time_lost"] == []
     assert sorted(data["series"]) == ["0", "1", "2"]
     for rank, series in data["series"].items():
         assert [v for _, v in series["step"]] == list(range(1, STEPS + 1))
@@ -240,10 +250,8 @@ def test_comparison_shows_the_step_time_change(runs: tuple[Path, Path]) -> None:
         in md.stdout
     )
     assert f"| median step time, all ranks | 0.100 s | 0.100 s | +0.0% ({TIMES}1.00) |" in md.stdout
-    assert (
-        "| verdict | rank 1 crashed with ValueError at step 20; ranks 0, 2 failed because of it | no problems seen |  |"
-        in md.stdout
-    )
+    slow_cell = SLOW_VERDICT.replace("<", "\\<")
+    assert f"| verdict | {slow_cell} | {FIXED_VERDICT} |  |" in md.stdout
     assert (
         f"| 1 | 20 | 20 | 0.400 s | 0.100 s | -75.0% ({TIMES}0.25) | 1.27 GiB | 1.27 GiB |"
         in md.stdout

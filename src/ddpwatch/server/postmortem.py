@@ -13,13 +13,16 @@ import os
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from ddpwatch.protocol import ProtocolError, Sample, decode
+from ddpwatch.server.history import NEW_ATTEMPT
 from ddpwatch.server.recording import RecordingError, RecordingReader
 from ddpwatch.server.replay import ReplayServer
-from ddpwatch.server.summary import run_duration, summary_lines, verdict
+from ddpwatch.server.summary import summary_lines
+from ddpwatch.server.verdict import Run, duration, read_run
 from ddpwatch.vocabulary import Severity
 
 SERIES_POINTS = 400  # per rank and metric: enough for a chart, small in JSON
@@ -197,9 +200,14 @@ class RunReport:
             return max(0.0, now - started)
         return None
 
+    @cached_property
+    def run(self) -> Run:
+        """The run judged (``server/verdict.py``): episodes, time lost, each attempt's verdict."""
+        return read_run(self.document)
+
     @property
     def verdict(self) -> str:
-        return verdict(self.document)
+        return self.run.text
 
     @property
     def summary(self) -> list[str]:
@@ -408,6 +416,21 @@ def ratio(before: float | None, after: float | None) -> float | None:
 # ------------------------------------------------------------------ formatting
 
 
+def event_text(entry: dict[str, Any]) -> str:
+    """A timeline entry's event with its episode and, once it ended, how long it was up:
+    "raised #2", "escalated #2", "cleared #2 after 28.3 s", "ended with attempt 1 #3 after
+    2.5 s" (``history.AlertChange``)."""
+    event = str(entry.get("event", ""))
+    if entry.get("closed_by") == NEW_ATTEMPT:
+        event = f"ended with attempt {entry.get('attempt', 1)}"
+    episode = entry.get("episode")
+    if isinstance(episode, int) and episode > 0:
+        event += f" #{episode}"
+    if entry.get("event") == "cleared" and entry.get("duration_s") is not None:
+        event += f" after {fmt_seconds(entry['duration_s'])}"
+    return event
+
+
 def fmt_seconds(value: float | None) -> str:
     if value is None:
         return "—"
@@ -418,7 +441,7 @@ def fmt_seconds(value: float | None) -> str:
 
 def fmt_duration(value: float | None) -> str:
     """How long a run took, as the summary writes it; "—" when not known."""
-    return "—" if value is None else run_duration(value)
+    return "—" if value is None else duration(value)
 
 
 def fmt_bytes(value: float | None) -> str:

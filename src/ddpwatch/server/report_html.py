@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from html import escape
 
-from ddpwatch.server.postmortem import Culprit, RunReport, fmt_bytes, fmt_change, fmt_seconds
+from ddpwatch.server.postmortem import (
+    Culprit,
+    RunReport,
+    event_text,
+    fmt_bytes,
+    fmt_change,
+    fmt_seconds,
+)
 from ddpwatch.server.report_svg import PALETTE, Line, line_chart
 from ddpwatch.server.report_text import (
     CULPRITS_SHOWN,
@@ -201,9 +208,7 @@ def _timeline(report: RunReport) -> str:
     rows = []
     for entry in report.history:
         alert = entry.get("alert") or {}
-        event = str(entry.get("event", ""))
-        if event == "cleared" and entry.get("duration_s") is not None:
-            event = f"cleared after {fmt_seconds(entry['duration_s'])}"
+        event = event_text(entry)
         severity = str(alert.get("severity", ""))
         rows.append(
             [

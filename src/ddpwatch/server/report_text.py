@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import asdict
 from typing import Any
 
 from ddpwatch.server.history import iso_time
@@ -13,6 +14,7 @@ from ddpwatch.server.postmortem import (
     Culprit,
     RankStats,
     RunReport,
+    event_text,
     fmt_bytes,
     fmt_change,
     fmt_duration,
@@ -128,9 +130,7 @@ def to_markdown(report: RunReport) -> str:
         lines.append("|---:|---|---|---|---|---|---|")
         for entry in report.history:
             alert = entry.get("alert") or {}
-            event = entry.get("event", "")
-            if event == "cleared" and entry.get("duration_s") is not None:
-                event = f"cleared after {fmt_seconds(entry['duration_s'])}"
+            event = event_text(entry)
             lines.append(
                 _row(
                     [
@@ -373,10 +373,11 @@ def run_data(report: RunReport) -> dict[str, Any]:
         }
         for rank, s in sorted(report.series.items())
     }
+    run = report.run
     return {
         "report": REPORT_SCHEMA,
         "file": report.path,
-        "verdict": report.verdict,
+        "verdict": run.text,
         "summary": report.summary,
         "notes": report.notes(),
         "duration_s": report.duration_s,
@@ -402,6 +403,9 @@ def run_data(report: RunReport) -> dict[str, Any]:
             for c in report.culprits
         ],
         "hints": [{"kind": kind, "hint": hint} for kind, hint in report.hints()],
+        "episodes": [asdict(e) for e in run.episodes],
+        "time_lost": [asdict(h) for a in run.accounts for h in a.held],
+        "attempts": [{"attempt": a.attempt, "verdict": a.text} for a in run.accounts],
         "series": series,
         "status": report.document,
     }

@@ -1,0 +1,488 @@
+"""How a run ended, as one true account: what ended the job, which ranks finished, who held
+the others up and for how long. The summary, the report and the dashboard's end state all
+read it, so they tell the same story.
+
+A pure function of the status document: its ``history`` (every alert episode in time order,
+``server/history.py``), how each rank ended (``ranks``: ``state``, ``exit_code``,
+``ended_at``, ...) and the attempts its launcher restarted it after (``attempts``). It judges
+from the whole run, not from the last state: an alert that cleared still happened, a rank
+that exited 0 after its work finished (it did not fail), and the failure that ended the job
+is the first rank to fail, in time, that the live diagnosis named as a cause, not the first
+alert raised (a NaN loss an hour earlier did not end it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ddpwatch.server.rules.text import format_ranks
+from ddpwatch.vocabulary import AlertKind, RankState, Severity
+
+ENDINGS = frozenset({AlertKind.CRASHED, AlertKind.EXITED, AlertKind.SILENT})
+"""Alert kinds that name a rank whose process failed: the candidates for what ended a job."""
+HOLDING = frozenset({AlertKind.STRAGGLER, AlertKind.STALLED})
+"""Alert kinds whose culprit holds the ``waiting`` ranks up."""
+_TERM_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
+_LIVE_STATES = frozenset({RankState.RUNNING, RankState.WAITING, RankState.STALLED, RankState.BUSY})
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One alert from its raise to its clearing (or the end of what was seen): its own times,
+    in seconds of the job's elapsed time, and the alert as it last stood."""
+
+    kind: str
+    severity: str  # the most severe it reached
+    ranks: tuple[int, ...]
+    waiting: tuple[int, ...]  # every rank it ever said waited
+    message: str
+    raised_s: float
+    attempt: int = 1
+    first_severity: str | None = None  # what it was raised as, when it escalated since
+    first_kind: str | None = None  # a straggler that became ``stalled``: what it began as
+    escalated_s: float | None = None
+    cleared_s: float | None = None
+    closed_by: str | None = None  # ``history.NEW_ATTEMPT``: its attempt ended, it did not clear
+    waited_s: float | None = None  # how long ``waiting`` waited, to its clearing (stragglers)
+    phase: str | None = None
+
+    def duration_s(self, end_s: float) -> float:
+        """How long it was up: to its clearing, else to ``end_s`` (the end of the run)."""
+        return max(0.0, (self.cleared_s if self.cleared_s is not None else end_s) - self.raised_s)
+
+
+def episodes(history: Iterable[dict[str, Any]]) -> list[Episode]:
+    """The timeline's entries paired into episodes, in raise order. An escalation continues
+    its episode (under its new kind); an entry whose raise fell off the bounded timeline
+    starts one from what it says."""
+    found: list[_Open] = []
+    open_by_key: dict[tuple[str, tuple[int, ...]], _Open] = {}
+    for entry in history:
+        alert = entry.get("alert") or {}
+        key = _key(alert)
+        event = entry.get("event")
+        elapsed = _float(entry.get("elapsed_s"))
+        current = open_by_key.pop(key, None)
+        if event == "escalated":
+            previous = entry.get("from") or {}
+            current = current or open_by_key.pop((str(previous.get("kind")), key[1]), None)
+        if current is None:
+            since = elapsed - _float(entry.get("duration_s")) if event == "cleared" else elapsed
+            current = _Open(since, int(entry.get("attempt") or 1))
+            found.append(current)
+        current.take(entry, alert, elapsed)
+        if event != "cleared":
+            open_by_key[key] = current
+    return [e.episode() for e in found if e.alert]
+
+
+class _Open:
+    """An episode while its entries are read."""
+
+    def __init__(self, raised_s: float, attempt: int) -> None:
+        self.raised_s, self.attempt = raised_s, attempt
+        self.alert: dict[str, Any] = {}
+        self.first: dict[str, Any] = {}
+        self.severity = Severity.INFO
+        self.waiting: set[int] = set()
+        self.escalated_s: float | None = None
+        self.cleared_s: float | None = None
+        self.closed_by: str | None = None
+        self.waited: tuple[float, float] | None = None  # the last wait measured, and when
+
+    def take(self, entry: dict[str, Any], alert: dict[str, Any], elapsed: float) -> None:
+        self.first = self.first or alert
+        self.alert = alert
+        self.waiting.update(alert.get("waiting") or ())
+        if _SEVERITY_ORDER.get(str(alert.get("severity")), 0) > _SEVERITY_ORDER[self.severity]:
+            self.severity = str(alert.get("severity"))
+        event = entry.get("event")
+        if event == "escalated":
+            self.escalated_s = elapsed
+        elif event == "cleared":
+            self.cleared_s = elapsed
+            self.closed_by = entry.get("closed_by")
+        waited = alert.get("waited_s")
+        if isinstance(waited, (int, float)):
+            self.waited = (float(waited), elapsed)
+
+    def episode(self) -> Episode:
+        alert, first = self.alert, self.first
+        waited = None
+        if self.waited is not None:  # the wait, carried on to when the episode ended
+            measured, at = self.waited
+            end = self.cleared_s if self.cleared_s is not None else at
+            waited = measured + max(0.0, end - at)
+        changed = self.escalated_s is not None
+        return Episode(
+            kind=str(alert.get("kind")),
+            severity=self.severity,
+            ranks=tuple(alert.get("ranks") or ()),
+            waiting=tuple(sorted(self.waiting - set(alert.get("ranks") or ()))),
+            message=str(alert.get("message") or ""),
+            raised_s=self.raised_s,
+            attempt=self.attempt,
+            first_severity=str(first.get("severity")) if changed else None,
+            first_kind=str(first.get("kind")) if first.get("kind") != alert.get("kind") else None,
+            escalated_s=self.escalated_s,
+            cleared_s=self.cleared_s,
+            closed_by=self.closed_by,
+            waited_s=waited,
+            phase=alert.get("phase") or first.get("phase"),
+        )
+
+
+_SEVERITY_ORDER = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2}
+
+
+@dataclass(frozen=True)
+class HeldUp:
+    """One culprit's account: how often and how long it held the others up."""
+
+    rank: int
+    waiting: tuple[int, ...]
+    times: int
+    seconds: float
+    phases: tuple[str, ...]
+    stopped: bool  # at least once it stopped making progress (``stalled``), not only slow
+
+
+def held_up(found: Sequence[Episode], end_s: float) -> list[HeldUp]:
+    """Per culprit, the episodes in which others waited on it, the waits added up (one
+    culprit per episode: a straggler alert naming several shares its wait among none)."""
+    by_rank: dict[int, list[Episode]] = {}
+    for e in found:
+        if e.kind in HOLDING and len(e.ranks) == 1 and e.waiting:
+            by_rank.setdefault(e.ranks[0], []).append(e)
+    accounts = []
+    for rank, held in sorted(by_rank.items()):
+        seconds = sum(e.waited_s if e.waited_s is not None else e.duration_s(end_s) for e in held)
+        accounts.append(
+            HeldUp(
+                rank=rank,
+                waiting=tuple(sorted({r for e in held for r in e.waiting})),
+                times=len(held),
+                seconds=seconds,
+                phases=tuple(dict.fromkeys(e.phase for e in held if e.phase)),
+                stopped=any(AlertKind.STALLED in (e.kind, e.first_kind) for e in held),
+            )
+        )
+    return sorted(accounts, key=lambda a: (-a.seconds, a.rank))
+
+
+def held_up_text(account: HeldUp, run_s: float | None) -> str:
+    """ "rank 0 held ranks 1, 2 up 3 times, 85.0 s in all (87 % of a 98.0 s run), in 'eval'"."""
+    times = "once" if account.times == 1 else f"{account.times} times"
+    text = f"rank {account.rank} held {format_ranks(account.waiting)} up {times}, "
+    text += f"{duration(account.seconds)}{' in all' if account.times > 1 else ''}"
+    if run_s:
+        share = min(100.0, 100.0 * account.seconds / run_s)
+        text += f" ({share:.0f} % of a {duration(run_s)} run)"
+    if account.phases:
+        text += ", in " + ", ".join(f"'{p}'" for p in account.phases)
+    if account.stopped:
+        text += "; it stopped making progress"
+    return text
+
+
+# ------------------------------------------------------------------------------ the verdict
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one rank's process ended, in words, and whether that is a failure."""
+
+    rank: int
+    word: str  # finished, crashed, exited, killed, stopped, silent, running, absent
+    failed: bool
+    ended_at: float | None
+    text: str  # "crashed with RuntimeError (boom)", "exited with code 3", ...
+
+
+def outcome(rank: dict[str, Any]) -> Outcome:
+    """What a rank entry of the status document says about how its process ended."""
+    number = int(rank.get("rank", -1))
+    state = rank.get("state")
+    ended = rank.get("ended_at")
+    ended_at = float(ended) if isinstance(ended, (int, float)) else None
+    code, signal = rank.get("exit_code"), rank.get("exit_signal")
+    if state == RankState.CRASHED:
+        error = rank.get("error") or {}
+        text = f"crashed with {error['type']}" if error.get("type") else "crashed"
+        message = " ".join(str(error.get("message") or "").split())
+        if message:
+            text += f" ({message[:120]}{'…' if len(message) > 120 else ''})"
+        return Outcome(number, "crashed", True, ended_at, text)
+    if state == RankState.STOPPED:
+        how = signal or (f"code {code}" if code is not None else "a signal")
+        return Outcome(number, "stopped", False, ended_at, f"was stopped ({how})")
+    if state == RankState.EXITED:
+        if signal and signal not in _TERM_SIGNALS:
+            return Outcome(number, "killed", True, ended_at, f"was killed by {signal}")
+        if code not in (0, None):
+            return Outcome(number, "exited", True, ended_at, f"exited with code {code}")
+        return Outcome(number, "finished", False, ended_at, "finished (exit 0)")
+    if state == RankState.SILENT:
+        return Outcome(number, "silent", True, ended_at, "fell silent")
+    if state == RankState.NOT_CONNECTED:
+        return Outcome(number, "absent", False, None, "never reported")
+    return Outcome(number, "running", False, None, "was still running")
+
+
+@dataclass(frozen=True)
+class Account:
+    """One attempt of the job, judged: the sentence and what it rests on."""
+
+    attempt: int
+    text: str
+    ending: Outcome | None  # the failure that ended it, if one did
+    held: tuple[HeldUp, ...]
+    episodes: tuple[Episode, ...]
+
+
+def judge(
+    ranks: Sequence[dict[str, Any]],
+    found: Sequence[Episode],
+    run_s: float | None,
+    end_s: float,
+    attempt: int = 1,
+) -> Account:
+    """One attempt's verdict from its ranks' endings and its alert episodes."""
+    outcomes = {o.rank: o for o in map(outcome, ranks)}
+    seen = [o for o in outcomes.values() if o.word != "absent"]
+    held = held_up(found, end_s)
+    if not seen:
+        return Account(attempt, "no rank reported", None, tuple(held), tuple(found))
+    ending = _what_ended(outcomes, found)
+    parts: list[str] = []
+    if ending is not None:
+        parts.append(_ending_text(ending, outcomes, found, ranks))
+    else:
+        parts.append(_no_failure_text(seen, found))
+    steps = {int(r["rank"]): r.get("nan_step") for r in ranks if isinstance(r.get("rank"), int)}
+    before = _other_problems(found, held, ending, run_s, end_s, steps)
+    if before:
+        parts.append(("before that: " if ending is not None else "") + "; ".join(before))
+    elif ending is None:
+        parts.append("no problems seen")
+    return Account(attempt, "; ".join(parts), ending, tuple(held), tuple(found))
+
+
+def _what_ended(outcomes: dict[int, Outcome], found: Sequence[Episode]) -> Outcome | None:
+    """The first failure, in time, that an ending alert named as a cause (a crash, an exit,
+    a kill, silence); else the first failure; None when no rank failed. A rank that exited 0
+    fails only where an ending error named it: it left while the others still needed it (so
+    does one stopped from outside, alone, that the others waited for)."""
+    named = {
+        rank
+        for e in found
+        if e.kind in ENDINGS and e.severity == Severity.ERROR
+        for rank in e.ranks
+    }
+    failed = [o for o in outcomes.values() if o.failed]
+    early = [
+        Outcome(o.rank, o.word, True, o.ended_at, f"{_early[o.word]} while the others needed it")
+        for o in outcomes.values()
+        if o.word in _early and o.rank in named
+    ]
+    failures = failed + early
+    if not failures:
+        return None
+    causes = [o for o in failures if o.rank in named] or failures
+    return min(causes, key=lambda o: (*_when(o, found), o.rank))
+
+
+_early = {"finished": "exited (code 0)", "stopped": "was stopped from outside"}
+
+
+def _when(o: Outcome, found: Sequence[Episode]) -> tuple[bool, float]:
+    """When a failure happened: its process's end; a silent rank (no end known) after every
+    dated one, ordered by when an alert first said so."""
+    if o.ended_at is not None:
+        return (False, o.ended_at)
+    raised = [e.raised_s for e in found if o.rank in e.ranks and e.kind in ENDINGS]
+    return (True, min(raised, default=math.inf))
+
+
+def _ending_text(
+    ending: Outcome,
+    outcomes: dict[int, Outcome],
+    found: Sequence[Episode],
+    ranks: Sequence[dict[str, Any]],
+) -> str:
+    entry = next((r for r in ranks if r.get("rank") == ending.rank), {})
+    step = entry.get("step")
+    text = f"rank {ending.rank} {ending.text}"
+    if isinstance(step, int):
+        text += f" at step {step}"
+    text += ", which ended the job"
+    others = [o for o in outcomes.values() if o.rank != ending.rank and o.word != "absent"]
+    failed = [o.rank for o in others if o.failed]
+    stopped = [o.rank for o in others if o.word == "stopped"]
+    running = [o.rank for o in others if o.word == "running"]
+    if failed:
+        text += f"; {format_ranks(failed)} failed because of it"
+    if stopped:
+        text += f"; {format_ranks(stopped)} {_were(stopped)} stopped because of it"
+    if running:
+        text += f"; {format_ranks(running)} {_were(running)} still waiting for it"
+    finished = [o.rank for o in others if o.word == "finished"]
+    if finished:
+        text += f"; {format_ranks(finished)} had finished"
+    return text
+
+
+def _were(ranks: list[int]) -> str:
+    return "was" if len(ranks) == 1 else "were"
+
+
+def _no_failure_text(seen: list[Outcome], found: Sequence[Episode]) -> str:
+    words = {o.word for o in seen}
+    if words == {"finished"}:
+        return "the job finished: every rank exited 0" if len(seen) > 1 else "the job finished"
+    if "running" in words:
+        live = [o.rank for o in seen if o.word == "running"]
+        if len(live) == len(seen):
+            return "the job was still running when the watch ended"
+        return f"{format_ranks(live)} {_were(live)} still running when the watch ended"
+    stopped = [o.rank for o in seen if o.word == "stopped"]
+    text = f"the job was stopped from outside ({format_ranks(stopped)})"
+    finished = [o.rank for o in seen if o.word == "finished"]
+    if finished:
+        text += f"; {format_ranks(finished)} had finished"
+    return text
+
+
+def _other_problems(
+    found: Sequence[Episode],
+    held: Sequence[HeldUp],
+    ending: Outcome | None,
+    run_s: float | None,
+    end_s: float,
+    nan_steps: dict[int, Any],
+) -> list[str]:
+    """Everything else worth a line, in time order: who held the others up (added up per
+    culprit), then each other error episode, then how many warnings."""
+    problems = [held_up_text(account, run_s) for account in held]
+    holders = {a.rank for a in held}
+    said: set[tuple[str, tuple[int, ...]]] = set()
+    warnings: list[str] = []
+    for e in found:
+        if e.kind in HOLDING and len(e.ranks) == 1 and e.ranks[0] in holders:
+            continue  # added up above
+        if ending is not None and _is_the_ending(e, ending, found):
+            continue
+        if e.severity != Severity.ERROR:
+            warnings.append(e.kind)
+            continue
+        if (e.kind, e.ranks) in said:
+            continue
+        said.add((e.kind, e.ranks))
+        problems.append(_episode_text(e, end_s, nan_steps))
+    if warnings:
+        kinds = ", ".join(dict.fromkeys(warnings))
+        problems.append(f"{len(warnings)} warning{'s' if len(warnings) > 1 else ''} ({kinds})")
+    return problems
+
+
+def _is_the_ending(e: Episode, ending: Outcome, found: Sequence[Episode]) -> bool:
+    """An alert about the failure that ended the job (told already), unless it is a silence
+    of that rank which cleared (it reported again) before a later ending alert: a frozen
+    spell it came back from is a story of its own."""
+    if e.kind not in ENDINGS or ending.rank not in e.ranks:
+        return False
+    if e.kind != AlertKind.SILENT or e.cleared_s is None or e.closed_by is not None:
+        return True
+    ends = [x.raised_s for x in found if x.kind in ENDINGS and ending.rank in x.ranks]
+    return e.cleared_s >= max(ends)  # ``e`` is among them: true when none came after it
+
+
+def _episode_text(e: Episode, end_s: float, nan_steps: dict[int, Any]) -> str:
+    who = format_ranks(e.ranks) if e.ranks else "no single rank"
+    if e.kind == AlertKind.NAN_LOSS:
+        step = nan_steps.get(e.ranks[0]) if e.ranks else None
+        when = f"at step {step}" if isinstance(step, int) else f"at +{e.raised_s:.1f} s"
+        return f"{who} produced the first non-finite loss {when}"
+    if e.kind == AlertKind.SILENT and e.cleared_s is not None:
+        return f"{who} fell silent for {duration(e.duration_s(end_s))} and came back"
+    if e.kind == AlertKind.STALLED:
+        return f"{who} stopped making progress for {duration(e.duration_s(end_s))}"
+    if not e.ranks:
+        return f"{e.kind}: {e.message}"
+    return f"{e.kind} about {who} (+{e.raised_s:.1f} s, {duration(e.duration_s(end_s))})"
+
+
+def duration(seconds: float) -> str:
+    """How long a run took or an alert was up: "2.3 s", "4 min 12 s", "3 h 5 min"."""
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"
+
+
+# ------------------------------------------------------------------------------ a document
+
+
+@dataclass(frozen=True)
+class Run:
+    """A whole run as the document tells it: each attempt's account, oldest first."""
+
+    accounts: tuple[Account, ...]
+    run_s: float | None
+    episodes: tuple[Episode, ...]
+
+    @property
+    def text(self) -> str:
+        """The verdict in one line (each attempt's, when the launcher restarted the job)."""
+        if len(self.accounts) == 1:
+            return self.accounts[0].text
+        total = len(self.accounts)
+        return " · ".join(f"attempt {a.attempt} of {total}: {a.text}" for a in self.accounts)
+
+
+def read_run(document: dict[str, Any]) -> Run:
+    """Judge every attempt the document holds (the current one from ``ranks``)."""
+    history = [e for e in document.get("history") or [] if isinstance(e, dict)]
+    found = episodes(history)
+    started = _float(document.get("job_started"), math.nan)
+    ranks = [r for r in document.get("ranks") or [] if isinstance(r, dict)]
+    end = _run_end(document, ranks)
+    run_s = end - started if math.isfinite(started) and math.isfinite(end) else None
+    end_s = run_s if run_s is not None else max((e.raised_s for e in found), default=0.0)
+    pasts = [a for a in document.get("attempts") or [] if isinstance(a, dict)]
+    current = int(document.get("attempt") or 1)
+    accounts = []
+    for past in pasts:
+        number = int(past.get("attempt") or 1)
+        mine = [e for e in found if e.attempt == number]
+        ended = _float(past.get("ended"), math.nan) - started
+        ended = ended if math.isfinite(ended) else end_s
+        accounts.append(judge(past.get("ranks") or [], mine, run_s, ended, number))
+    mine = [e for e in found if e.attempt == current] if pasts else found
+    accounts.append(judge(ranks, mine, run_s, end_s, current))
+    return Run(tuple(accounts), run_s, tuple(found))
+
+
+def _run_end(document: dict[str, Any], ranks: list[dict[str, Any]]) -> float:
+    """When the run ended: its last rank's end where every rank seen has ended, else the
+    document's time (the watch ended with ranks still running)."""
+    seen = [r for r in ranks if r.get("state") != RankState.NOT_CONNECTED]
+    ends = [r.get("ended_at") for r in seen]
+    if seen and all(isinstance(t, (int, float)) for t in ends):
+        return max(float(t) for t in ends if isinstance(t, (int, float)))
+    return _float(document.get("server_time"), math.nan)
+
+
+def _key(alert: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
+    return (str(alert.get("kind")), tuple(alert.get("ranks") or ()))
+
+
+def _float(value: Any, default: float = 0.0) -> float:
+    return float(value) if isinstance(value, (int, float)) else default
