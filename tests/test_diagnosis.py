@@ -890,6 +890,110 @@ def test_device_ordinal_from_a_live_rank() -> None:
     assert rule_device_ordinal(node0, NOW, TH) == []
 
 
+ORDINAL_CRASH = {"error": ORDINAL, "error_time": NOW - 1, "exit_time": NOW - 0.5, "exit_code": 1}
+NO_GPU_FIX = (
+    "the machine or container shows this rank no GPU: check the driver (nvidia-smi), the "
+    "container's GPUs (docker --gpus) and CUDA_VISIBLE_DEVICES, or the job's GPU allocation; "
+    "or run on CPU: the gloo backend and no cuda device"
+)
+
+
+def ordinal_alerts(state: ServerState) -> tuple[Alert, Alert]:
+    """The device_ordinal alert and the crash's own: both give the same fix."""
+    alerts = diagnose(state, NOW, TH)
+    ordinal, crashed = only(alerts, "device_ordinal"), only(alerts, "crashed")
+    assert crashed.hint == ordinal.hint
+    return ordinal, crashed
+
+
+@pytest.mark.parametrize(
+    ("seen", "why"),
+    [
+        ({"device_count": 0}, "it counts 0 CUDA devices"),
+        ({"cuda_visible_devices": "-1"}, "CUDA_VISIBLE_DEVICES='-1' hides every GPU"),
+        ({"cuda_visible_devices": ""}, "CUDA_VISIBLE_DEVICES='' hides every GPU"),
+        (
+            {"cuda_visible_devices": "NoDevFiles"},
+            "CUDA_VISIBLE_DEVICES='NoDevFiles' hides every GPU",
+        ),
+    ],
+)
+def test_device_ordinal_on_a_rank_that_sees_no_gpu(seen: dict[str, Any], why: str) -> None:
+    """One node, local rank 3 == global rank 3, no GPU visible: set_device(local_rank) would
+    crash the same way, so the fix is the GPUs (or CPU), not the index."""
+    state = job(4, **seen)
+    state.ranks[3] = rank(3, 4, **seen, **ORDINAL_CRASH)
+    ordinal, crashed = ordinal_alerts(state)
+    assert ordinal.ranks == (3,)
+    assert ordinal.message == (
+        "rank 3 crashed with RuntimeError: CUDA error: invalid device ordinal — rank 3 sees no "
+        f"GPU on host node0 ({why})"
+    )
+    assert ordinal.hint == NO_GPU_FIX
+    assert "set_device" not in ordinal.hint and "global rank" not in crashed.message
+
+
+def test_device_ordinal_with_more_ranks_per_node_than_gpus() -> None:
+    """One GPU, two ranks per node: local rank 1 is global rank 1, and cuda:1 is not there."""
+    state = state_of(
+        rank(0, 2, device="cuda:0", device_index=0, device_count=1),
+        rank(1, 2, device_count=1, **ORDINAL_CRASH),
+    )
+    ordinal, crashed = ordinal_alerts(state)
+    assert ordinal.ranks == (1,)
+    assert ordinal.message == (
+        "rank 1 crashed with RuntimeError: CUDA error: invalid device ordinal — host node0 runs "
+        "2 ranks but rank 1 sees 1 GPU: local rank 1 has no cuda:1"
+    )
+    assert ordinal.hint == (
+        "this node runs more ranks than it has GPUs (--nproc-per-node 2 for 1 GPU): lower "
+        "--nproc-per-node to 1, or expose 2 GPUs to each node (the job's GPU allocation, "
+        "CUDA_VISIBLE_DEVICES)"
+    )
+    assert crashed.message.endswith("local rank 1 has no cuda:1")
+
+
+def test_device_ordinal_from_the_global_rank_on_the_second_node() -> None:
+    """Two nodes of four GPUs: rank 5 (local rank 1) asked for cuda:5. Here, and only here,
+    set_device(local_rank) is the fix."""
+    per_node = {"local_world_size": 4, "device_count": 4}
+    state = state_of(
+        *(
+            rank(r, 8, local_rank=r % 4, node_rank=r // 4, host=f"node{r // 4}",
+                 device=f"cuda:{r % 4}", device_index=r % 4, **per_node)
+            for r in range(8)
+        )
+    )  # fmt: skip
+    state.ranks[5] = rank(
+        5, 8, local_rank=1, node_rank=1, host="node1", **per_node, **ORDINAL_CRASH
+    )
+    alerts = diagnose(state, NOW, TH)
+    ordinal = only(alerts, "device_ordinal")
+    assert ordinal.ranks == (5,)
+    assert ordinal.message == (
+        "rank 5 crashed with RuntimeError: CUDA error: invalid device ordinal — the global rank "
+        "was used as the CUDA device index; host node1 has 4 GPUs"
+    )
+    assert ordinal.hint == (
+        "use torch.cuda.set_device(local_rank) — LOCAL_RANK is 1 on this rank — not the global rank"
+    )
+    assert only(alerts, "crashed").hint.startswith("use torch.cuda.set_device(local_rank)")
+
+
+def test_device_ordinal_fixes_per_case_when_ranks_differ() -> None:
+    """Ranks in different cases get each case's fix with their ranks."""
+    per_node = {"local_world_size": 2, "world": 4}
+    state = state_of(
+        rank(0, local_rank=0, device_count=0, **per_node, **ORDINAL_CRASH),
+        rank(3, local_rank=1, node_rank=1, device_count=2, **per_node, **ORDINAL_CRASH),
+    )
+    hint = only(rule_device_ordinal(state, NOW, TH), "device_ordinal").hint
+    assert hint == (
+        f"rank 0: {NO_GPU_FIX}; rank 3: use torch.cuda.set_device(local_rank) — LOCAL_RANK is "
+        "1 on this rank — not the global rank"
+    )
+
+
 def test_local_rank_mismatch() -> None:
     state = state_of(gpu(0, 0), gpu(1, 2), gpu(2, 1), gpu(3, 3))
     alert = only(diagnose(state, NOW, TH), "local_rank_mismatch")

@@ -11,6 +11,7 @@ from ddpwatch.server.rules.text import (
     collective_name,
     first_line,
     format_ranks,
+    ordinal_advice,
     seconds,
     verb,
     where,
@@ -39,12 +40,18 @@ def _root_alert(root: Root, cascade: Cascade | None, now: float) -> Alert:
         message = f"{reporters} failed with {error}, naming {who}"
     else:
         message = f"{who} crashed {where(first)} with {error}"
-    if signature is not None:
-        message += f" — {signature.cause}"
+    # (cause, fix): a device index that did not exist is explained from what the rank saw
+    known = (
+        ordinal_advice(first) if signature and signature.kind == AlertKind.DEVICE_ORDINAL else None
+    )
+    if known is None and signature is not None:
+        known = (signature.cause, signature.hint)
+    if known is not None:
+        message += f" — {known[0]}"
     message += after
     hint = (
-        signature.hint
-        if signature is not None
+        known[1]
+        if known is not None
         else f"read the traceback of {format_ranks(ranks[:1])} ({STACKS_IN} shows "
         "it); the other ranks only failed because it died"
     )

@@ -13,7 +13,15 @@ from ddpwatch.devices import parse_cuda_visible_devices
 from ddpwatch.server.alerts import Alert
 from ddpwatch.server.rules.facts import Facts
 from ddpwatch.server.rules.registry import alert, rule
-from ddpwatch.server.rules.text import GIB, MAX_LISTED, first_line, format_ranks, gib, verb
+from ddpwatch.server.rules.text import (
+    GIB,
+    MAX_LISTED,
+    first_line,
+    format_ranks,
+    gib,
+    ordinal_advice,
+    verb,
+)
 from ddpwatch.server.state import RankRecord
 from ddpwatch.vocabulary import AlertKind, Severity
 
@@ -144,10 +152,15 @@ def rule_device_ordinal(f: Facts) -> list[Alert]:
     if crashed:
         first = crashed[0]
         assert first.error is not None
+        advice = ordinal_advice(first)
+        cause = (
+            advice[0]
+            if advice is not None
+            else f"the global rank was used as the CUDA device index{_gpus_on(first)}"
+        )
         parts.append(
             f"{format_ranks(r.rank for r in crashed)} crashed with {first.error.type}: "
-            f"{first_line(first.error.message)} — the global rank was used as the CUDA "
-            f"device index{_gpus_on(first)}"
+            f"{first_line(first.error.message)} — {cause}"
         )
     live = [r for r in suspects if r.error is None]
     if live:
@@ -158,15 +171,40 @@ def rule_device_ordinal(f: Facts) -> list[Alert]:
             f"local rank {first.local_rank}){_gpus_on(first)}"
         )
     message = "; ".join(parts)
-    hint = (
-        f"use torch.cuda.set_device(local_rank) — {_local_rank_clause(records)} — "
-        "not the global rank"
-    )
     return [
         alert(
-            AlertKind.DEVICE_ORDINAL, Severity.ERROR, [r.rank for r in records], [], message, hint
+            AlertKind.DEVICE_ORDINAL,
+            Severity.ERROR,
+            [r.rank for r in records],
+            [],
+            message,
+            _ordinal_hint(records),
         )
     ]
+
+
+def _ordinal_hint(records: list[RankRecord]) -> str:
+    """The fix, built from what each rank saw (``text.ordinal_advice``): set_device(local_rank)
+    only for ranks whose local rank differs from the global rank and fits their GPUs; with
+    ranks in several cases, each case's fix with its ranks."""
+    fixes: dict[str, list[int]] = {}
+    global_index = []
+    for r in records:
+        advice = ordinal_advice(r)
+        if advice is None:
+            global_index.append(r)
+        else:
+            fixes.setdefault(advice[1], []).append(r.rank)
+    if global_index:
+        set_device = (
+            f"use torch.cuda.set_device(local_rank) — {_local_rank_clause(global_index)} — "
+            "not the global rank"
+        )
+        fixes[set_device] = [r.rank for r in global_index]
+    if len(fixes) == 1:
+        return next(iter(fixes))
+    ordered = sorted(fixes.items(), key=lambda item: min(item[1]))
+    return "; ".join(f"{format_ranks(ranks)}: {fix}" for fix, ranks in ordered)
 
 
 def _gpus_on(record: RankRecord) -> str:

@@ -1,10 +1,12 @@
-"""Words for alerts: rank lists, durations, sizes, op names and where in the code a rank is."""
+"""Words for alerts: rank lists, durations, sizes, op names, where in the code a rank is, and
+why a rank's CUDA device index did not exist."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
 
+from ddpwatch.devices import parse_cuda_visible_devices
 from ddpwatch.ranges import sorted_ranges
 from ddpwatch.server.state import RankRecord
 
@@ -131,3 +133,71 @@ def in_data_loading(stack: str | None) -> bool:
         elif in_loader and _MULTIPROCESSING.search(path):
             return True  # the loader reads a worker's queue
     return False
+
+
+def gpus_seen(record: RankRecord) -> int | None:
+    """How many GPUs the rank saw: its device count, else what its ``CUDA_VISIBLE_DEVICES``
+    lets CUDA show (none when it hides every GPU, at most the ones it lists); None: unknown."""
+    if record.device_count is not None:
+        return record.device_count
+    listed = parse_cuda_visible_devices(record.cuda_visible_devices)
+    return None if listed is None else len(listed)
+
+
+def _gpus(count: int) -> str:
+    return f"{count} GPU" if count == 1 else f"{count} GPUs"
+
+
+def ordinal_advice(record: RankRecord) -> tuple[str, str] | None:
+    """Why the rank's ``cuda:<index>`` did not exist, and what to do, from what the rank saw
+    (``invalid device ordinal``): (cause, fix), or None when the global rank used as the index
+    is the explanation, or too little is known (then ``set_device(local_rank)`` is the fix).
+
+    Only a local rank that differs from the global rank and lies within the rank's GPUs makes
+    ``set_device(local_rank)`` right: a rank that sees no GPU, or a node that runs more ranks
+    than it has GPUs, would crash the same way with it.
+    """
+    seen, local, host = gpus_seen(record), record.local_rank, record.host or "?"
+    if seen == 0:
+        hidden = parse_cuda_visible_devices(record.cuda_visible_devices) == []
+        why = (
+            f"CUDA_VISIBLE_DEVICES={record.cuda_visible_devices!r} hides every GPU"
+            if hidden
+            else "it counts 0 CUDA devices"
+        )
+        return (
+            f"rank {record.rank} sees no GPU on host {host} ({why})",
+            "the machine or container shows this rank no GPU: check the driver (nvidia-smi), "
+            "the container's GPUs (docker --gpus) and CUDA_VISIBLE_DEVICES, or the job's GPU "
+            "allocation; or run on CPU: the gloo backend and no cuda device",
+        )
+    if local is None:
+        return None
+    per_node = record.local_world_size
+    if seen is not None and local >= seen:
+        ranks = f"{per_node} ranks" if per_node else f"at least {local + 1} ranks"
+        wanted = per_node or local + 1
+        return (
+            f"host {host} runs {ranks} but rank {record.rank} sees {_gpus(seen)}: local rank "
+            f"{local} has no cuda:{local}",
+            f"this node runs more ranks than it has GPUs (--nproc-per-node {wanted} for "
+            f"{_gpus(seen)}): lower --nproc-per-node to {seen}, or expose {wanted} GPUs to "
+            "each node (the job's GPU allocation, CUDA_VISIBLE_DEVICES)",
+        )
+    if local != record.rank:
+        return None  # the global rank as the index: set_device(local_rank)
+    if seen is None:
+        return (
+            f"its local rank is its global rank ({local}), so the index was its local rank, "
+            f"past the GPUs host {host} shows it",
+            "this node runs more ranks than it has GPUs: lower --nproc-per-node to the GPU "
+            "count (nvidia-smi -L), or expose more GPUs (the job's GPU allocation, "
+            "CUDA_VISIBLE_DEVICES)",
+        )
+    return (
+        f"cuda:{local}, rank {record.rank}'s own index, exists ({_gpus(seen)} on host {host}): "
+        "another index was asked for",
+        "look for a hard-coded device index (cuda:N), one read from a config, or a checkpoint "
+        "loaded onto the GPU it was saved from (torch.load(..., "
+        "map_location=f'cuda:{local_rank}'))",
+    )
