@@ -15,6 +15,7 @@ from test_tui import dashboard, header_text, make_app, poll, settle, table, visi
 from textual.pilot import Pilot
 from tui_fixtures import T0, FixtureSource, rank_entry
 
+from ddpwatch.server.rules.text import STACKS_IN
 from ddpwatch.vocabulary import RankState
 
 WORLD = 4
@@ -67,7 +68,7 @@ STRAGGLER = {
     "waiting": [0, 2, 3],
     "message": "rank 1 has not entered all_reduce #20 that ranks 0, 2, 3 have waited in for "
     "5.5 s; it is in 'forward' at step 19 (sleep, job.py:44)",
-    "hint": "see where rank 1 is (its stack in ddpwatch status --json): a rank-dependent "
+    "hint": f"see where rank 1 is (its stack in {STACKS_IN}): a rank-dependent "
     "branch, slow data loading or I/O, or a collective that not every rank calls keeps it "
     "from all_reduce #20",
 }
@@ -96,7 +97,7 @@ CRASHED = {
     "waiting": [0, 1, 2],
     "message": "rank 3 crashed in 'forward' at step 62 with RuntimeError: CUDA error: invalid "
     "device ordinal",
-    "hint": "read the traceback of rank 3 (ddpwatch status --json shows it); the other ranks "
+    "hint": f"read the traceback of rank 3 ({STACKS_IN} shows it); the other ranks "
     "only failed because it died",
 }
 
@@ -303,3 +304,56 @@ async def test_on_a_host_row_the_stack_panel_says_to_select_a_rank() -> None:
         await pilot.press("g")
         await pilot.pause()
         assert "select a rank" in stack_shown(pilot)
+
+
+# ----------------------------------------------------------------------------- 4: hints
+
+
+def alert_texts(pilot: Pilot[Any]) -> list[str]:
+    """Each option of the alerts panel as plain text, as drawn 200 cells wide."""
+    import io
+
+    from rich.console import Console
+
+    alerts = dashboard(pilot).alert_list
+    texts = []
+    for i in range(alerts.option_count):
+        console = Console(width=200, file=io.StringIO(), record=True)
+        console.print(alerts.get_option_at_index(i).prompt)
+        texts.append(" ".join(console.export_text().split()))
+    return texts
+
+
+async def test_hints_in_the_dashboard_name_the_key_not_a_shell_command() -> None:
+    source = FixtureSource([straggling(), crashing()])
+    async with make_app(source).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        (straggler,) = alert_texts(pilot)
+        assert STACKS_IN not in straggler
+        assert "(its stack in the detail pane: press enter on rank 1): a rank-dependent" in (
+            straggler
+        )
+        await poll(pilot)
+        (crash,) = alert_texts(pilot)
+        assert STACKS_IN not in crash
+        assert "(press enter on rank 3: the detail pane shows it); the other ranks" in crash
+        assert cursor(pilot) == 3  # the cursor followed the crash
+        await pilot.press("enter")  # as the hint says: the detail pane, with the traceback
+        await pilot.pause()
+        screen = dashboard(pilot)
+        assert screen.show_detail and screen.detail.rank == 3
+
+
+def test_every_phrasing_of_the_servers_hints_is_rewritten() -> None:
+    from ddpwatch.tui.alerts_panel import dashboard_hint
+
+    assert dashboard_hint(f"look at rank 7's stack ({STACKS_IN}) or run py-spy", [2, 7]) == (
+        "look at rank 7's stack (the detail pane: press enter on rank 7) or run py-spy"
+    )
+    assert dashboard_hint(f"the traceback ({STACKS_IN} shows it)", [4]) == (
+        "the traceback (press enter on rank 4: the detail pane shows it)"
+    )
+    assert dashboard_hint(f"stacks ({STACKS_IN})", []) == (
+        "stacks (the detail pane: press enter on its row)"
+    )
+    assert dashboard_hint("lower the learning rate", [1]) == "lower the learning rate"

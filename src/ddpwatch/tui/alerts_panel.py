@@ -6,6 +6,8 @@ culprit rank (or first waiting rank), which the screen selects in the table.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Group
@@ -16,9 +18,36 @@ from textual.message import Message
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
+from ddpwatch.server.rules.text import STACKS_IN
 from ddpwatch.tui.fmt import rank_ranges
 from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
 from ddpwatch.vocabulary import Severity
+
+_RANK_NAMED = re.compile(r"\brank (\d+)")
+_SHOWS_IT = " shows it"
+
+
+def dashboard_hint(hint: str, culprits: Sequence[int] = ()) -> str:
+    """``hint`` as the dashboard writes it: where the server sends people to a shell for a
+    rank's stack or traceback (``rules.text.STACKS_IN``, "ddpwatch status --json"), the key
+    that shows it here, for the rank the hint names just before (else the first culprit).
+
+    "look at rank 3's stack (ddpwatch status --json) or …" becomes "look at rank 3's stack
+    (the detail pane: press enter on rank 3) or …"; "(ddpwatch status --json shows it)"
+    becomes "(press enter on rank 3: the detail pane shows it)"."""
+    if STACKS_IN not in hint:
+        return hint
+    first, *rest = hint.split(STACKS_IN)
+    text = first
+    for after in rest:
+        named = _RANK_NAMED.findall(text)
+        rank = int(named[-1]) if named else (culprits[0] if culprits else None)
+        key = "press enter on its row" if rank is None else f"press enter on rank {rank}"
+        if after.startswith(_SHOWS_IT):
+            text += f"{key}: the detail pane shows it{after[len(_SHOWS_IT) :]}"
+        else:
+            text += f"the detail pane: {key}{after}"
+    return text
 
 
 def alert_prompt(alert: dict[str, Any]) -> Group:
@@ -37,6 +66,7 @@ def alert_prompt(alert: dict[str, Any]) -> Group:
     hint = alert.get("hint")
     if hint:
         body.append("\n")
+        hint = dashboard_hint(hint, alert.get("ranks") or ())
         body.append_text(Text.assemble(("→ ", "green"), (hint, "italic dim")))
     return Group(head, Padding(body, (0, 0, 0, 2)))
 
