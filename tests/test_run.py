@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import LiveServer, ddpwatch_run, free_port_pair
 
-from ddpwatch.agent.auto import bootstrap, started_by_launcher
+from ddpwatch.agent.auto import bootstrap, script_missing, started_by_launcher
 from ddpwatch.launch import BOOT_DIR, job_environment
 
 JOBS = Path(__file__).parent / "jobs"
@@ -47,6 +47,22 @@ def test_bootstrap_decides_now_deferred_or_off(monkeypatch) -> None:
     assert bootstrap({"DDPWATCH_AUTO": "1"}, parent="torchrun x", attach=attach) == "deferred"
     assert hooked == ["torch.distributed", "torch.distributed"]
     assert attached == []  # deferred: attached by init_process_group, not now
+
+
+def test_a_process_whose_script_is_missing_is_no_rank(tmp_path: Path) -> None:
+    """Python says "can't open file" only after the boot hook ran: attached, such a process
+    was a rank that reported and "exited 0", and ``ddpwatch run`` no longer saw a job that
+    did not start (``tests/test_not_started.py``)."""
+    python = sys.executable
+    assert script_missing([python, str(tmp_path / "missing.py")])
+    assert script_missing([python, "-u", "-X", "utf8", str(tmp_path / "missing.py"), "--x"])
+    assert not script_missing([python, __file__])
+    assert not script_missing([python, "-m", "no.such.module"])
+    assert not script_missing([python, "-c", "pass"])
+    assert not script_missing([python, "-"]) and not script_missing([python])
+    env = {"DDPWATCH_AUTO": "1", "RANK": "0", "WORLD_SIZE": "2"}
+    argv = [python, str(tmp_path / "missing.py")]
+    assert bootstrap(env, parent="torchrun x", argv=argv, attach=lambda: None) == "off"
 
 
 def test_job_environment_prepends_the_boot_hook() -> None:

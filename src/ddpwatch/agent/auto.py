@@ -70,22 +70,41 @@ def started_by_launcher(command: str) -> bool:
     return any(name in command for name in LAUNCHERS)
 
 
+def _what_runs(argv: Sequence[str]) -> tuple[str, str | None]:
+    """What an interpreter's command line (``sys.orig_argv``) runs: ("-m", module),
+    ("-c", None), ("script", path), or ("", None) for nothing named (a prompt, stdin)."""
+    args = list(argv[1:])
+    while args and args[0].startswith("-") and args[0] != "-":
+        option = args.pop(0)
+        if option == "-m":
+            return "-m", args[0] if args else None
+        if option == "-c":
+            return "-c", None
+        if option in _PYTHON_OPTIONS_WITH_VALUE and args:
+            args.pop(0)
+    return ("script", args[0]) if args else ("", None)
+
+
 def runs_a_launcher(argv: Sequence[str]) -> bool:
     """Whether this interpreter runs a launcher itself (``sys.orig_argv``).
 
     ``srun torchrun ...`` gives the torchrun process SLURM rank variables: it
     looks like a rank started by a launcher, but its children are the ranks.
     """
-    args = list(argv[1:])
-    while args and args[0].startswith("-"):
-        option = args.pop(0)
-        if option == "-m":
-            return bool(args) and args[0] in LAUNCHER_MODULES
-        if option == "-c":
-            return False
-        if option in _PYTHON_OPTIONS_WITH_VALUE and args:
-            args.pop(0)
-    return bool(args) and os.path.basename(args[0]) in LAUNCHER_SCRIPTS
+    kind, target = _what_runs(argv)
+    if kind == "-m":
+        return target in LAUNCHER_MODULES
+    return kind == "script" and target is not None and os.path.basename(target) in LAUNCHER_SCRIPTS
+
+
+def script_missing(argv: Sequence[str]) -> bool:
+    """Whether this interpreter was given a script that is not there (``sys.orig_argv``):
+    Python then says "can't open file" and exits 2 having run nothing, after this boot hook.
+    Such a process is no rank: attached, it would report a rank that never started, and end
+    it with an exit it did not have; left alone, ``ddpwatch run`` sees a job that did not
+    start and says why (``launch_failure.py``)."""
+    kind, target = _what_runs(argv)
+    return kind == "script" and target not in (None, "-") and not os.path.exists(target or "")
 
 
 def bootstrap(
@@ -100,7 +119,8 @@ def bootstrap(
     ``attach`` is ``ddpwatch.attach``, handed in by the boot hook: the agent never imports the
     package above it."""
     env = os.environ if environ is None else environ
-    if env.get(AUTO_ENV) != "1" or runs_a_launcher(argv if argv is not None else sys.orig_argv):
+    command = argv if argv is not None else sys.orig_argv
+    if env.get(AUTO_ENV) != "1" or runs_a_launcher(command) or script_missing(command):
         return "off"
     _install_integrations()
     launched = started_by_launcher(parent if parent is not None else parent_command())
