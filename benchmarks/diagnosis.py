@@ -20,7 +20,10 @@ Per mode the table shows:
   not an expected culprit (a few examples are printed);
 * detection latency: median seconds from the fault line to the first alert that names
   exactly the culprits with an allowed kind;
-* false alerts on the healthy run: every alert it raised.
+* false alerts on the healthy run: every alert it raised;
+* verdict: runs whose end-of-run verdict (``server/verdict.py``, what ``run``'s summary and
+  ``report`` print) blames exactly the expected culprits (for ``healthy``: nobody), judged on
+  the ranks it names (``Account.named``).
 
 Then one ``RATIO diagnosis right_culprit=x/n wrong_blames=k ...`` line. ``--show`` prints
 every alert of every run (time from the fault, kind, ranks, waiting, message) and the job's
@@ -52,6 +55,7 @@ from ddpwatch.ports import free_port_pair
 from ddpwatch.relay import Relay
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.service import AlertChange, Server
+from ddpwatch.server.verdict import read_run
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "failures.py"
@@ -187,6 +191,8 @@ class RunResult:
     stopped_at: float | None = None  # when the harness began stopping the job, if it did
     ended_at: float = 0.0
     ranks: list[dict[str, Any]] = field(default_factory=list)  # the last status, per rank
+    verdict: str = ""  # the end-of-run verdict on the last status
+    verdict_named: list[int] = field(default_factory=list)  # the ranks it blames
     relayed: int = 0  # frames the server took inside relays' batches (``--relay``)
 
     def scored(self) -> list[Stamped]:
@@ -277,6 +283,9 @@ def run_mode(
         reader.join(5)
         status = server.status()
         result.ranks = [_rank_summary(r) for r in status["ranks"]]
+        judged = read_run(status)
+        result.verdict = judged.text
+        result.verdict_named = sorted(judged.accounts[-1].named)
         result.relayed = sum(relay["frames"] for relay in status["relays"])
     finally:
         if proc is not None:
@@ -335,6 +344,7 @@ class Score:
     wrong: tuple[Stamped, ...]  # alerts naming a rank that is not a culprit
     latency: float | None  # fault line -> first right alert
     alerts: int  # alerts raised (scored ones)
+    verdict_right: bool = False  # the verdict blames exactly the culprits (healthy: nobody)
 
 
 def score(result: RunResult, mode: Mode | str | None = None) -> Score:
@@ -353,7 +363,8 @@ def score(result: RunResult, mode: Mode | str | None = None) -> Score:
     latency = None
     if found is not None and result.fault_at is not None:
         latency = found.at - result.fault_at
-    return Score(right, first, wrong, latency, len(raised))
+    verdict_right = set(result.verdict_named) == set(mode.culprits)
+    return Score(right, first, wrong, latency, len(raised), verdict_right)
 
 
 # --------------------------------------------------------------------------------- reporting
@@ -389,6 +400,7 @@ def describe(result: RunResult, lines: int = 40) -> str:
         out.append("  (no alert)")
     for rank in result.ranks:
         out.append(f"  rank {rank['rank']}: {rank}")
+    out.append(f"  verdict (names {result.verdict_named}): {result.verdict}")
     notable = [(t, line) for t, line in result.output if _JOB_LINES.search(line)]
     for t, line in notable[-lines:]:
         out.append(f"  | {t - zero:+6.1f} s {line[:240]}")
@@ -421,17 +433,23 @@ def main(argv: list[str] | None = None) -> int:
         f"stall_after {THRESHOLDS.stall_after} s, heartbeat {THRESHOLDS.interval} s"
         + (", ranks through a per-node relay" if args.relay else "")
     )
-    header = f"  {'mode':<22} {'runs':>4} {'right':>6} {'wrong':>6} {'latency':>9} {'alerts':>7}"
+    header = (
+        f"  {'mode':<22} {'runs':>4} {'right':>6} {'wrong':>6} {'latency':>9} {'alerts':>7} "
+        f"{'verdict':>7}"
+    )
     print(header)
     everything: list[dict[str, Any]] = []
-    right = runs = wrong = healthy_alerts = 0
+    right = runs = wrong = healthy_alerts = verdicts = 0
     latencies: list[float] = []
     examples: list[str] = []
+    misses: list[str] = []
     for name in names:
         mode = MODES[name]
         results = [run_mode(mode, relay=args.relay) for _ in range(args.reps)]
         scores = [score(r, mode) for r in results]
         mode_right = sum(s.right for s in scores)
+        mode_verdicts = sum(s.verdict_right for s in scores)
+        verdicts += mode_verdicts
         mode_wrong = sum(len(s.wrong) for s in scores)
         mode_lat = [s.latency for s in scores if s.latency is not None]
         alerts = sum(s.alerts for s in scores)
@@ -444,8 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         examples += [f"{name}: {c.kind} ranks={list(c.ranks)}" for s in scores for c in s.wrong]
         print(
             f"  {name:<22} {len(results):>4} {mode_right:>3}/{len(results):<2} {mode_wrong:>6} "
-            f"{_median(mode_lat):>9} {alerts:>7}"
+            f"{_median(mode_lat):>9} {alerts:>7} {mode_verdicts:>4}/{len(results):<2}"
         )
+        bad = [r for r, s in zip(results, scores, strict=True) if not s.verdict_right]
+        misses += [f"{name} (names {r.verdict_named}): {r.verdict}" for r in bad]
         for result in results if args.show else []:
             print(describe(result))
         everything += [
@@ -453,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if examples:
         print("  wrong blames, e.g.: " + "; ".join(list(dict.fromkeys(examples))[:6]))
+    for miss in misses:
+        print(f"  verdict missed: {miss}")
     if args.relay:
         relayed = [e["result"]["relayed"] for e in everything]
         print(f"  frames taken through relays: {sum(relayed)}, at least {min(relayed)} a run")
@@ -460,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(everything, indent=1, default=str))
     print(
         f"RATIO diagnosis right_culprit={right}/{runs} wrong_blames={wrong} "
+        f"right_verdict={verdicts}/{runs} "
         f"median_latency={_median(latencies)} healthy_false_alerts={healthy_alerts} "
         f"(modes={len(names)}, reps={args.reps}{', relay' if args.relay else ''})"
     )

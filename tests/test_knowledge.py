@@ -329,6 +329,13 @@ CASES = [
         "gloo_timeout",
         False,
     ),
+    (  # seen here: torchrun --max-restarts 1, the second attempt's init_process_group
+        "RuntimeError: Gloo connectFullMesh failed with [/__w/pytorch/pytorch/third_party/gloo/"
+        "gloo/transport/tcp/pair.cc:152] timed out connecting: SO_ERROR: Connection refused, "
+        "remote=[127.0.0.1]:39329",
+        "gloo_connect",
+        False,
+    ),
     (MONITORED_ONE, "monitored_barrier", False),
     (MONITORED_ALL, "monitored_barrier", False),
     (MONITORED_PEER, "monitored_barrier_peer", True),

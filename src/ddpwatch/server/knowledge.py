@@ -105,6 +105,18 @@ LOCAL_FIRST = (
         "raise DataLoader's timeout for legitimately slow batches",
         family="data_loading",
     ),
+    _sig(
+        "gloo_connect",
+        r"connectFullMesh failed[^\n]*(?:timed out connecting|Connection refused)",
+        "the ranks could not open their gloo connections to each other in "
+        "init_process_group: a peer refused or never answered (it had died or left before "
+        "connecting, as after a restart, or a firewall or the wrong network interface blocks "
+        "it)",
+        "check that every rank of this attempt started and reached init_process_group; on "
+        "several hosts set GLOO_SOCKET_IFNAME to the interface they share and open the ports "
+        "between them",
+        family="rendezvous",
+    ),
 )
 
 _PEER_HINT = (

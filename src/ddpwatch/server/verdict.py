@@ -242,6 +242,16 @@ class Account:
     held: tuple[HeldUp, ...]
     episodes: tuple[Episode, ...]
 
+    @property
+    def named(self) -> frozenset[int]:
+        """Every rank the verdict blames for something: the one whose failure ended the job,
+        the ones that held the others up, the culprits of its other errors."""
+        ranks = {a.rank for a in self.held}
+        ranks.update(r for e in self.episodes if e.severity == Severity.ERROR for r in e.ranks)
+        if self.ending is not None:
+            ranks.add(self.ending.rank)
+        return frozenset(ranks)
+
 
 def judge(
     ranks: Sequence[dict[str, Any]],
