@@ -334,7 +334,8 @@ async def test_hints_in_the_dashboard_name_the_key_not_a_shell_command() -> None
             straggler
         )
         await poll(pilot)
-        (crash,) = alert_texts(pilot)
+        crash, cleared = alert_texts(pilot)  # the straggler cleared a moment ago
+        assert cleared.startswith("✔ straggler")
         assert STACKS_IN not in crash
         assert "(press enter on rank 3: the detail pane shows it); the other ranks" in crash
         assert cursor(pilot) == 3  # the cursor followed the crash
@@ -357,3 +358,107 @@ def test_every_phrasing_of_the_servers_hints_is_rewritten() -> None:
         "stacks (the detail pane: press enter on its row)"
     )
     assert dashboard_hint("lower the learning rate", [1]) == "lower the learning rate"
+
+
+# ----------------------------------------------------------------------------- 5: after the job
+
+
+NAN = {
+    "kind": "nan_loss",
+    "severity": "error",
+    "ranks": [2],
+    "waiting": [],
+    "message": "rank 2's loss is nan since step 60 while ranks 0, 1, 3 are finite",
+    "hint": "lower the learning rate",
+}
+SILENT = {
+    "kind": "silent",
+    "severity": "error",
+    "ranks": [3],
+    "waiting": [0, 1, 2],
+    "message": "rank 3 sent nothing for 4.0 s",
+    "hint": "the process is frozen or gone",
+}
+
+
+def finished(tick: int = 30) -> dict[str, Any]:
+    """The demo after rank 3's crash: torchrun stopped the others; five alerts were raised,
+    four came and went."""
+    doc = crashing(tick)
+    for row in doc["ranks"]:
+        if row["rank"] != 3:
+            row.update(state=RankState.STOPPED, collective=None, exit_signal="SIGTERM")
+    doc["alerts"] = []
+    doc["history"] = [
+        _entry("raised", 30.0, STRAGGLER),
+        _entry("cleared", 36.0, STRAGGLER, duration_s=6.0),
+        _entry("raised", 50.0, NAN),
+        _entry("cleared", 60.0, NAN, duration_s=10.0),
+        _entry("raised", 72.0, SILENT),
+        _entry("cleared", 82.0, SILENT, duration_s=10.0),
+        _entry("raised", 90.0, CRASHED),
+        _entry("raised", 91.0, STRAGGLER),  # a second time
+        _entry("cleared", 91.5, STRAGGLER, duration_s=0.5),
+    ]
+    doc["alerts"] = [copy.deepcopy(CRASHED)]  # still open, as the server leaves it
+    return doc
+
+
+async def test_a_finished_job_says_so_with_its_verdict_and_its_alerts() -> None:
+    """serve/top: every rank seen has finished, so the job has."""
+    from ddpwatch.server.summary import verdict
+
+    ended = finished(30)
+    later = copy.deepcopy(ended)
+    later["server_time"] += 12
+    source = FixtureSource([straggling(), ended, later])
+    async with make_app(source).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        assert "job finished" not in header_text(pilot)
+        await poll(pilot)
+        await poll(pilot)
+        assert "job finished 12s ago" in header_text(pilot)
+        texts = alert_texts(pilot)
+        assert texts[0] == (f"■ the job finished: 5 alerts in its run · verdict: {verdict(later)}")
+        assert not any("every rank looks healthy" in t for t in texts)
+        assert texts[1].startswith("✖ crashed rank 3")  # still open
+        cleared = texts[2:]
+        assert [t.split()[1] for t in cleared] == ["straggler", "nan_loss", "silent", "straggler"]
+        assert "cleared after 6.0 s, at +36.0 s" in cleared[0]
+        assert "cleared after 10.0 s, at +60.0 s" in cleared[1]
+        assert "cleared after 0.5 s, at +91.5 s" in cleared[3]
+        assert dashboard(pilot).alert_list.border_title == "alerts 1 · 4 cleared"
+
+
+async def test_a_job_that_ended_by_its_process_says_so_even_with_ranks_left() -> None:
+    """run --tui and demo: the job process ended; a rank that never said so does not matter."""
+
+    class JobEnds(FixtureSource):
+        ended = False
+
+    doc = crashing(5)
+    doc["history"] = doc["history"][:2]
+    doc["alerts"] = []
+    source = JobEnds([doc])
+    async with make_app(source).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        texts = alert_texts(pilot)
+        assert "every rank looks healthy now" in texts[0]  # running: nothing open...
+        assert texts[1].startswith("✔ straggler rank 1 cleared after 6.0 s")  # ...one came, went
+        JobEnds.ended = True
+        await poll(pilot)
+        texts = alert_texts(pilot)
+        assert texts[0].startswith("■ the job finished: 1 alert in its run · verdict:")
+        assert "job finished 0s ago" in header_text(pilot)
+        JobEnds.ended = False  # restarted (an elastic job): the story is live again
+        await poll(pilot)
+        assert not alert_texts(pilot)[0].startswith("■")
+
+
+async def test_while_the_job_runs_only_recently_cleared_alerts_stay_listed() -> None:
+    doc = crashing(5)
+    doc["alerts"] = []
+    doc["job_started"] = doc["server_time"] - 200  # the straggler cleared at +36 s: long ago
+    async with make_app(FixtureSource([doc])).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        assert alert_texts(pilot) == ["✔ no alerts: every rank looks healthy"]

@@ -71,6 +71,21 @@ def alert_prompt(alert: dict[str, Any]) -> Group:
     return Group(head, Padding(body, (0, 0, 0, 2)))
 
 
+def cleared_prompt(entry: dict[str, Any]) -> Group:
+    """An alert that came and went (a ``cleared`` history entry): dimmed, with how long it was
+    up and when it cleared, in the job's seconds."""
+    alert = entry.get("alert") or {}
+    head = Text.assemble(("✔ ", "green"), (str(alert.get("kind", "?")), "bold dim"))
+    ranks = alert.get("ranks") or []
+    if ranks:
+        head.append(f"  rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}", style="dim")
+    up = entry.get("duration_s")
+    when = f"+{float(entry.get('elapsed_s') or 0.0):.1f} s"
+    cleared = f"cleared after {up:.1f} s, at {when}" if isinstance(up, (int, float)) else when
+    head.append(f"  {cleared}", style="green")
+    return Group(head, Padding(Text(alert.get("message") or "", style="dim"), (0, 0, 0, 2)))
+
+
 def alert_signature(alert: dict[str, Any]) -> tuple[Any, ...]:
     return (
         alert.get("kind"),
@@ -82,8 +97,12 @@ def alert_signature(alert: dict[str, Any]) -> tuple[Any, ...]:
     )
 
 
+HEALTHY = "✔ no alerts: every rank looks healthy"
+
+
 class AlertList(OptionList):
-    """The current alerts, worst first (the order diagnosis gives them)."""
+    """The current alerts, worst first (the order diagnosis gives them); below them the alerts
+    that cleared (recently, or all of them once the job ended, under a banner that says so)."""
 
     class Jump(Message):
         """Select ``rank`` in the rank table."""
@@ -96,40 +115,71 @@ class AlertList(OptionList):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.alerts: list[dict[str, Any]] = []
+        """The open alerts shown."""
+        self.past: list[dict[str, Any]] = []
+        """The ``cleared`` history entries shown below them."""
+        self._targets: list[dict[str, Any] | None] = []  # the alert of each option, if any
         self._signature: tuple[Any, ...] | None = None
 
-    def show(self, alerts: list[dict[str, Any]], empty: str | None = None) -> None:
-        """Replace the options only when the alerts changed; keep the highlight.
+    def show(
+        self,
+        alerts: list[dict[str, Any]],
+        empty: str | None = None,
+        *,
+        past: list[dict[str, Any]] | None = None,
+        banner: str | None = None,
+    ) -> None:
+        """Replace the options only when what they show changed; keep the highlight.
 
         ``empty``: the line to show instead of "every rank looks healthy" when there is no
-        rank to be healthy (such as where ranks should report)."""
-        signature = (*(alert_signature(a) for a in alerts), empty)
+        rank to be healthy (such as where ranks should report). ``past``: ``cleared`` history
+        entries to list after the open alerts. ``banner``: a first line (the job ended)."""
+        past = past or []
+        signature = (
+            *(alert_signature(a) for a in alerts),
+            empty,
+            banner,
+            *((e.get("elapsed_s"), e.get("duration_s"), alert_signature(e["alert"])) for e in past),
+        )
         if signature == self._signature:
             return
         keep = self.highlighted
         self._signature = signature
-        self.alerts = list(alerts)
+        self.alerts, self.past = list(alerts), list(past)
         self.clear_options()
-        if alerts:
-            self.add_options(Option(alert_prompt(a), id=f"alert-{i}") for i, a in enumerate(alerts))
-            if keep is not None:
-                self.highlighted = min(keep, len(alerts) - 1)
-        elif empty is not None:
-            self.add_option(Option(Text(empty, style="yellow"), disabled=True))
-        else:
-            self.add_option(
-                Option(Text("✔ no alerts: every rank looks healthy", style="green"), disabled=True)
-            )
-        counts = len(alerts)
-        self.border_title = f"alerts {counts}" if counts else "alerts"
+        options: list[Option] = []
+        targets: list[dict[str, Any] | None] = []
+        if banner is not None:
+            options.append(Option(Text(f"■ {banner}", style="bold"), disabled=True))
+            targets.append(None)
+        for i, alert in enumerate(alerts):
+            options.append(Option(alert_prompt(alert), id=f"alert-{i}"))
+            targets.append(alert)
+        if not alerts and empty is not None:
+            options.append(Option(Text(empty, style="yellow"), disabled=True))
+            targets.append(None)
+        elif not alerts and banner is None:
+            line = f"{HEALTHY} now" if past else HEALTHY
+            options.append(Option(Text(line, style="green"), disabled=True))
+            targets.append(None)
+        for i, entry in enumerate(past):
+            options.append(Option(cleared_prompt(entry), id=f"cleared-{i}"))
+            targets.append(entry["alert"])
+        self._targets = targets
+        self.add_options(options)
+        enabled = [i for i, target in enumerate(targets) if target is not None]
+        if keep is not None and enabled:
+            self.highlighted = min(enabled, key=lambda i: abs(i - keep))
+        title = f"alerts {len(alerts)}" if alerts else "alerts"
+        self.border_title = f"{title} · {len(past)} cleared" if past else title
 
     @on(OptionList.OptionSelected)
     def _selected(self, event: OptionList.OptionSelected) -> None:
         event.stop()
         index = event.option_index
-        if not 0 <= index < len(self.alerts):
+        alert = self._targets[index] if 0 <= index < len(self._targets) else None
+        if alert is None:
             return
-        alert = self.alerts[index]
         targets = list(alert.get("ranks") or []) or list(alert.get("waiting") or [])
         if targets:
             self.post_message(self.Jump(targets[0], alert))

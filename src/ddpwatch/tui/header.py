@@ -46,6 +46,8 @@ class HeaderInfo:
     """A summary's rank entries (its worst ranks): the table holds these, not every rank."""
     has_document: bool = False
     """False until a first document arrived: then there is nothing to count yet."""
+    ended_s: float | None = None
+    """How long ago the job ended (``story``), or None while it runs."""
     following: bool = True
     """The cursor follows the culprits of new alerts; False once the user moved it."""
 
@@ -150,7 +152,11 @@ def _connection_parts(info: HeaderInfo) -> list[Text]:
 
 
 def _alert_parts(info: HeaderInfo) -> list[Text]:
-    """The alert counts by severity, "no alerts" once a document says so, else nothing."""
+    """That the job finished, when it has; the alert counts by severity, "no alerts" once a
+    document says so (while the job runs), else nothing."""
+    ended = []
+    if info.ended_s is not None:
+        ended = [Text(f" job finished {uptime(info.ended_s)} ago ", style="bold reverse")]
     if sum(info.alerts.values()):
         parts = [Text("alerts", style="dim")]
         for severity in SEVERITIES:
@@ -162,7 +168,9 @@ def _alert_parts(info: HeaderInfo) -> list[Text]:
                         style=SEVERITY_STYLE[severity],
                     )
                 )
-        return [Text(" ").join(parts)]
+        return [*ended, Text(" ").join(parts)]
+    if ended:
+        return ended
     if info.has_document:
         return [Text("✔ no alerts", style="bold green")]
     return []

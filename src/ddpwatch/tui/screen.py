@@ -44,6 +44,7 @@ from ddpwatch.tui.model import (
 from ddpwatch.tui.rank_table import RankTable
 from ddpwatch.tui.sources import StatusSource
 from ddpwatch.tui.stack_panel import StackPanel
+from ddpwatch.tui.story import cleared_alerts, ended_banner, ranks_finished
 from ddpwatch.vocabulary import Severity
 
 MIN_WIDTH, MIN_HEIGHT = 60, 15
@@ -123,6 +124,8 @@ class DashboardScreen(Screen[None]):
         self._poll_started = 0.0
         self._summary: dict[str, Any] = {}
         self._cursor_placed = False  # on the worst rank, at the first document with ranks
+        self.ended_at: float | None = None
+        """The server's time when the dashboard first saw the job ended (``story``), else None."""
 
     # ------------------------------------------------------------------ layout
 
@@ -236,6 +239,7 @@ class DashboardScreen(Screen[None]):
         ranks = document.get("ranks") or []
         self._rank_pos = {}
         self._summary = summarize(document)
+        self._note_ending(document)
         alerts = document.get("alerts") or []
         self.index = index_alerts(alerts)
         news = self._new_alerts(alerts)
@@ -246,6 +250,23 @@ class DashboardScreen(Screen[None]):
             self._cursor_to_worst()
         elif self.following:
             self.follow_new_alerts(news, alerts)
+
+    @property
+    def job_ended(self) -> bool:
+        """Whether the job is over: the source's job process ended (``run --tui``, ``demo``:
+        its ``ended``), else every rank seen has finished (``story.ranks_finished``)."""
+        ended = getattr(self.source, "ended", None)
+        if ended is not None:
+            return bool(ended)
+        return self.document is not None and ranks_finished(self.document)
+
+    def _note_ending(self, document: dict[str, Any]) -> None:
+        """Remember when the job was first seen ended (forget it if it runs again)."""
+        if not self.job_ended:
+            self.ended_at = None
+        elif self.ended_at is None:
+            now = document.get("server_time")
+            self.ended_at = float(now) if isinstance(now, (int, float)) else time.time()
 
     def _cursor_to_worst(self) -> None:
         """Start the cursor on the worst rank (host, when grouped) whatever the sort, so enter
@@ -328,7 +349,13 @@ class DashboardScreen(Screen[None]):
         self.table.set_rows(
             rows, self.index, grouped=query.grouped, sort_key=sort_key, sort_reverse=query.reverse
         )
-        self.alert_list.show(document.get("alerts") or [], empty=None if ranks else self.no_ranks)
+        ended = self.ended_at is not None
+        self.alert_list.show(
+            document.get("alerts") or [],
+            empty=None if ranks or ended else self.no_ranks,
+            past=cleared_alerts(document, everything=ended),
+            banner=ended_banner(document) if ended else None,
+        )
         self._update_header()
         self._update_detail()
 
@@ -366,6 +393,8 @@ class DashboardScreen(Screen[None]):
             now = document.get("server_time")
             if isinstance(now, (int, float)) and self.started is not None:
                 info.uptime_s = now - self.started
+            if self.ended_at is not None and isinstance(now, (int, float)):
+                info.ended_s = max(0.0, now - self.ended_at)
         self.query_one(StatusHeader).show(info)
 
     def rank_row(self, rank: int) -> Row | None:

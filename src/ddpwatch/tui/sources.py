@@ -8,6 +8,10 @@ thread, one call at a time, and returns None when no document could be had. For 
 more than ``PAGED_ABOVE`` ranks both ask for the summary (the worst ranks, counts for all),
 narrowed to the source's ``scope`` (the ranks or host the filter box names) when it has one;
 ``whole`` fetches the whole document once, for an export.
+
+A source that runs the job (``JobSource``, the demo's ``DemoSource``) says when its process
+ended (``ended``); the dashboard then shows the run's story (``story.py``). Without one, the
+job has ended once every rank seen has finished.
 """
 
 from __future__ import annotations
@@ -141,6 +145,11 @@ class JobSource(LocalSource):
     def detach(self) -> None:
         """Leave the job running when the dashboard exits (``ddpwatch run`` says where it is)."""
         self.detached = True
+
+    @property
+    def ended(self) -> bool:
+        """The job process has ended: the dashboard says so and shows the run's story."""
+        return self.job.poll() is not None
 
     def fetch(self) -> dict[str, Any] | None:
         self._update_label()

@@ -1,0 +1,97 @@
+"""What the dashboard remembers of a run: whether the job ended, the alerts that came and went,
+and the verdict once it is over.
+
+Pure functions of the status document (its ``history``, ``docs/status.md`` "The timeline"), so
+the alerts panel keeps telling the story after the ranks are gone.
+
+When a job has *ended*:
+
+- under ``ddpwatch run --tui`` and ``ddpwatch demo``, the job process ended (the source's
+  ``ended``: ``JobSource``, ``DemoSource``);
+- under ``serve`` and ``top`` (no job process to watch), every rank seen has finished: each one
+  that reported is ``crashed``, ``exited`` or ``stopped`` (``ranks_finished``). A rank that never
+  connected does not hold it open, and one that is ``silent`` does (it may come back).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpwatch.vocabulary import RankState
+
+FINISHED_STATES = frozenset({RankState.CRASHED, RankState.EXITED, RankState.STOPPED})
+"""A rank in one of these will not report again: a job whose ranks all are has ended."""
+RECENT_S = 60.0
+"""While the job runs, the alerts panel keeps an alert that cleared this long (job seconds)."""
+PAST_LISTED = 50
+"""At most this many cleared alerts are listed (the timeline, ``t``, has them all)."""
+
+Entry = dict[str, Any]
+
+
+def ranks_finished(document: dict[str, Any]) -> bool:
+    """Every rank that reported has finished (crashed, exited or stopped), and one did."""
+    counts = document.get("summary")
+    if isinstance(counts, dict) and isinstance(counts.get("states"), dict):
+        states = {s for s, n in counts["states"].items() if n and s != RankState.NOT_CONNECTED}
+    else:
+        states = {
+            row.get("state")
+            for row in document.get("ranks") or ()
+            if row.get("state") != RankState.NOT_CONNECTED
+        }
+    return bool(states) and states <= FINISHED_STATES
+
+
+def _key(alert: dict[str, Any]) -> tuple[Any, tuple[int, ...]]:
+    return alert.get("kind"), tuple(alert.get("ranks") or ())
+
+
+def job_elapsed(document: dict[str, Any]) -> float | None:
+    """Seconds since ``job_started`` by the server's clock (what ``elapsed_s`` counts)."""
+    now, started = document.get("server_time"), document.get("job_started")
+    if isinstance(now, (int, float)) and isinstance(started, (int, float)):
+        return float(now - started)
+    return None
+
+
+def cleared_alerts(document: dict[str, Any], everything: bool) -> list[Entry]:
+    """The ``cleared`` entries of the history whose alert is not open again, oldest first:
+    all of them (``everything``: the job ended), else those that cleared in the last
+    ``RECENT_S`` seconds of the job; at most ``PAST_LISTED``, the newest."""
+    history: list[Entry] = document.get("history") or []
+    open_now = {_key(a) for a in document.get("alerts") or ()}
+    since = None
+    if not everything:
+        elapsed = job_elapsed(document)
+        if elapsed is None:  # no job clock to tell recent from old
+            return []
+        since = elapsed - RECENT_S
+    found = [
+        entry
+        for entry in history
+        if entry.get("event") == "cleared"
+        and isinstance(entry.get("alert"), dict)
+        and _key(entry["alert"]) not in open_now
+        and (since is None or float(entry.get("elapsed_s") or 0.0) >= since)
+    ]
+    return found[-PAST_LISTED:]
+
+
+def alerts_raised(document: dict[str, Any]) -> int:
+    """How many alerts the run raised (an escalation is the same alert)."""
+    return sum(1 for entry in document.get("history") or () if entry.get("event") == "raised")
+
+
+def ended_banner(document: dict[str, Any]) -> str:
+    """The alerts panel's first line once the job ended: how many alerts, and the verdict
+    (``server.summary.verdict``, what the end-of-run summary says)."""
+    from ddpwatch.server.summary import verdict
+
+    if not any(
+        row.get("state") != RankState.NOT_CONNECTED for row in document.get("ranks") or ()
+    ) and not isinstance(document.get("summary"), dict):
+        return "the job ended before any rank reported: its own output says why"
+    count = alerts_raised(document)
+    alerts = f"{count} alert{'s' if count != 1 else ''}" if count else "no alerts"
+    return f"the job finished: {alerts} in its run · verdict: {verdict(document)}"
