@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -73,3 +74,85 @@ def test_demo_rejects_a_single_rank(capsys) -> None:
 
     assert main(["demo", "--ranks", "1"]) == 2
     assert "at least 2" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the fault script
+
+
+def test_the_script_keeps_its_faults_and_leaves_time_to_read_each() -> None:
+    from ddpwatch.demo.script import ALERT_AFTER_S, READ_S, SCRIPT, STEP_TIME_S, fault_starts
+
+    assert [(f.kind, f.rank) for f in SCRIPT] == [
+        ("straggler", 1), ("nan", 2), ("stop", 3), ("crash", 3),
+    ]  # fmt: skip
+    assert SCRIPT[-1].arg == "CUDA error: invalid device ordinal"
+    for step_time in (STEP_TIME_S, 0.12, 0.2):  # the fastest steps leave the least time
+        starts = fault_starts(step_time)
+        for fault, start, next_start in zip(SCRIPT[:-1], starts, starts[1:], strict=False):
+            alerted = start + ALERT_AFTER_S[fault.kind]
+            assert next_start - alerted >= READ_S, (step_time, fault)
+    assert fault_starts(0.12)[-1] < 60  # and the demo stays short: a minute of training
+
+
+class FakeServer:
+    def __init__(self, document: dict[str, Any]) -> None:
+        self.document = document
+
+    def status(self) -> dict[str, Any]:
+        return self.document
+
+
+class FakeJob:
+    code: int | None = None
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+def _demo_document(step: int | None, world: int = 4) -> dict[str, Any]:
+    from tui_fixtures import T0, rank_entry
+
+    ranks = [
+        rank_entry(r, world, state="running", host="box", step=step, phase="forward")
+        for r in range(world)
+    ]
+    return {
+        "schema": 1, "server_time": T0, "world_size": world, "job_started": T0 - 5,
+        "ranks": ranks, "alerts": [], "history": [], "stats": {"received": 10, "rejected": 0},
+    }  # fmt: skip
+
+
+async def test_the_dashboard_says_which_fault_comes_next_and_when_the_demo_ended() -> None:
+    from test_tui import header_text, make_app, poll, settle
+
+    from ddpwatch.demo.source import DemoSource
+
+    now = [100.0]
+    server, job = FakeServer(_demo_document(None)), FakeJob()
+    source = DemoSource(server, job, 4, clock=lambda: now[0])
+    async with make_app(source).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        assert "demo: 4 faults to come once the ranks train" in header_text(pilot)
+        server.document = _demo_document(10)
+        now[0] += 1
+        await poll(pilot)
+        server.document = _demo_document(15)  # 5 steps in 0.6 s: 0.12 s a step
+        now[0] += 0.6
+        await poll(pilot)
+        text = header_text(pilot)
+        assert "demo: next — rank 1 straggles: sleeps 8 s while the others wait in ~1 s" in text
+        server.document = _demo_document(19)
+        now[0] += 0.5
+        await poll(pilot)
+        now[0] += 3.0  # the straggler sleeps: no step moves
+        await poll(pilot)
+        text = header_text(pilot)
+        assert "now — rank 1 straggles" in text
+        assert "next — rank 2's loss turns NaN for 100 steps in ~" in text
+        server.document = _demo_document(200)
+        await poll(pilot)
+        assert "now — rank 3 stops (SIGSTOP) for 14 s" in header_text(pilot)
+        job.code = 1  # rank 3 crashed; torchrun ended the job
+        await poll(pilot)
+        text = header_text(pilot)
+        assert "demo:" not in text and "job finished" in text and "job exited 1" in text

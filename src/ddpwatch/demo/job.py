@@ -4,6 +4,7 @@ Run by ``ddpwatch demo`` as ``torchrun -m ddpwatch.demo.job``. Each fault is
 real: a rank really sleeps inside forward while the others wait in DDP's
 all-reduce, really stops (SIGSTOP), really raises. Only the NaN is staged: the
 rank's loss is NaN but its gradients are zeroed so the others stay finite.
+The script (which fault, on which rank, at which step) is ``demo/script.py``.
 """
 
 from __future__ import annotations
@@ -21,15 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import ddpwatch
-
-# step -> (fault, rank (the last rank if the job is smaller), argument)
-SCRIPT: dict[int, tuple[str, int, float | str]] = {
-    20: ("straggler", 1, 7.0),
-    32: ("nan", 2, 6),
-    45: ("stop", 3, 6.0),
-    62: ("crash", 3, "CUDA error: invalid device ordinal"),
-}
-NO_FAULT: tuple[None, int, float] = (None, -1, 0.0)  # a step without one
+from ddpwatch.demo.script import BY_STEP, CRASH, NAN, STEP_TIME_S, STOP, STRAGGLER
 
 
 class Model(nn.Module):
@@ -58,7 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--faults", action="store_true", help="play the fault script")
     parser.add_argument("--steps", type=int, default=100_000)
-    parser.add_argument("--step-time", type=float, default=0.1)
+    parser.add_argument("--step-time", type=float, default=STEP_TIME_S)
     args = parser.parse_args()
 
     ddpwatch.attach()
@@ -71,11 +64,13 @@ def main() -> None:
     torch.manual_seed(rank)
     nan_until = 0
     for step in range(1, args.steps + 1):
-        fault, target, arg = SCRIPT.get(step, NO_FAULT) if args.faults else NO_FAULT
-        mine = fault is not None and rank == min(target, world - 1)
-        if mine and fault == "straggler":
+        fault = BY_STEP.get(step) if args.faults else None
+        if fault is not None and rank != fault.target(world):
+            fault = None  # another rank's
+        kind, arg = (None, 0.0) if fault is None else (fault.kind, fault.arg)
+        if kind == STRAGGLER:
             model.sleep_once = float(arg)
-        if mine and fault == "nan":
+        if kind == NAN:
             nan_until = step + int(arg)
         x = torch.randn(32, 128)
         loss = ddp(x).pow(2).mean()
@@ -85,9 +80,9 @@ def main() -> None:
             loss = loss * float("nan")  # what this rank logs; its gradients stay finite
         optimizer.step()
         ddpwatch.step(loss)
-        if mine and fault == "stop":
+        if kind == STOP:
             stop_for(float(arg))
-        if mine and fault == "crash":
+        if kind == CRASH:
             raise RuntimeError(str(arg))
         time.sleep(args.step_time)
     dist.destroy_process_group()

@@ -89,9 +89,13 @@ def run_demo(options: DemoOptions) -> int:
         try:
             if options.headless:
                 return _run_headless(server, job, options.duration)
+            from ddpwatch.demo.source import DemoSource
             from ddpwatch.tui.app import run_dashboard
 
-            return run_dashboard(server, bell=options.bell)
+            source = None
+            if job is not None:
+                source = DemoSource(server, job, options.ranks, faults=options.faults)
+            return run_dashboard(server, source, bell=options.bell)
         finally:
             if cluster is not None:
                 cluster.stop()

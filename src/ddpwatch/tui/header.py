@@ -20,6 +20,8 @@ SEVERITY_STYLE = {
     Severity.INFO: "bold cyan",
 }
 SEVERITY_GLYPH = {Severity.ERROR: "✖", Severity.WARNING: "▲", Severity.INFO: "●"}
+NOTE_SEP = " · "
+"""Between the parts of a source's ``note``: the header breaks its line there first."""
 
 
 @dataclass
@@ -48,6 +50,8 @@ class HeaderInfo:
     """False until a first document arrived: then there is nothing to count yet."""
     ended_s: float | None = None
     """How long ago the job ended (``story``), or None while it runs."""
+    note: str | None = None
+    """A line of the source's own (``ddpwatch demo``: which fault is under way, which next)."""
     following: bool = True
     """The cursor follows the culprits of new alerts; False once the user moved it."""
 
@@ -110,7 +114,13 @@ def header_lines(info: HeaderInfo, width: int) -> list[Text]:
         bottom.append(Text(" PAUSED ", style="bold black on yellow"))
     if info.connected:
         bottom.append(Text(info.source, style="dim"))
-    return pack(_job_parts(info), width) + pack(bottom, width)
+    lines = pack(_job_parts(info), width) + pack(bottom, width)
+    if info.note:  # its parts (" · ") whole where they fit, each line cut at the width
+        parts = [Text(part, style="bold cyan") for part in info.note.split(NOTE_SEP)]
+        for line in pack(parts, width, sep=NOTE_SEP):
+            line.truncate(width, overflow="ellipsis")
+            lines.append(line)
+    return lines
 
 
 def _kv(label: str, value: str, style: str = "bold") -> Text:
@@ -201,7 +211,7 @@ class StatusHeader(Widget):
     DEFAULT_CSS = """
     StatusHeader {
         height: auto;
-        max-height: 4;
+        max-height: 5;
         padding: 0 1;
         background: $panel;
     }

@@ -380,6 +380,7 @@ class DashboardScreen(Screen[None]):
             msg_rate=self.msg_rate,
             shown=len(self.table.rows) if self.is_mounted else 0,
             following=self.following,
+            note=getattr(self.source, "note", None),
         )
         titles = _GROUP_TITLES if query.grouped else _TITLES
         info.sort_title = (
