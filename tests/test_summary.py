@@ -157,7 +157,9 @@ def test_a_rank_that_held_the_others_up_three_times_and_finished_is_not_a_failur
         "  +38.0 s [error] straggler (warning until +46.0 s), cleared after 28.8 s",
         "  +70.0 s [error] straggler (warning until +78.0 s), cleared after 27.6 s",
     ]
-    lost = "rank 0 held ranks 1, 2 up 3 times, 1 min 29 s in all (92 % of a 1 min 38 s run), in 'eval'"
+    lost = (
+        "rank 0 held ranks 1, 2 up 3 times, 1 min 29 s in all (92 % of a 1 min 38 s run), in 'eval'"
+    )
     assert lines[5] == f"time lost: {lost}"
     assert lines[6] == "ranks: 0 finished · 1 finished · 2 finished"
     assert lines[7] == f"verdict: the job finished: every rank exited 0; {lost}"
@@ -236,4 +238,49 @@ def test_a_hang_stopped_from_outside_names_the_rank_that_held_the_others() -> No
     assert verdict(doc) == (
         "the job was stopped from outside (ranks 0-2); rank 1 held ranks 0, 2 up once, 30.0 s "
         "(60 % of a 50.0 s run); it stopped making progress"
+    )
+
+
+def test_a_victims_error_is_not_the_cause_the_rank_an_error_named_is() -> None:
+    """allgather-size (4 ranks): rank 2 gathers another size; gloo aborts it and rank 0
+    reports first, with a lost peer. The mismatch named rank 2: it ended the job."""
+    mismatch = Alert("collective_mismatch", "error", (2,), (0, 1, 3), "rank 2 gathers 5", "fix")
+    tracker = AlertTracker()
+    tracker.update([mismatch], T0 + 3.6, T0)
+    lost = {
+        "type": "RuntimeError",
+        "message": "[pair.cc:553] Connection closed by peer [127.0.0.1]:1946",
+    }
+    ranks = [
+        rank(0, "crashed", error=lost, step=20, ended_at=T0 + 6.8),
+        rank(1, "stopped", exit_signal="SIGTERM", ended_at=T0 + 7.5),
+        rank(2, "exited", exit_signal="SIGABRT", step=20, ended_at=T0 + 7.0),
+        rank(3, "exited", exit_signal="SIGABRT", step=20, ended_at=T0 + 7.1),
+    ]
+    doc = {"server_time": T0 + 9, "job_started": T0, "world_size": 4, "ranks": ranks,
+           "history": tracker.entries()}  # fmt: skip
+    assert verdict(doc).startswith(
+        "rank 2 was killed by SIGABRT at step 20, which ended the job; ranks 0, 3 failed because "
+        "of it; rank 1 was stopped because of it; before that: rank 2 made a collective call "
+        "the others did not (+3.6 s)"
+    )
+
+
+def test_a_rank_that_never_came_is_what_the_others_timed_out_waiting_for() -> None:
+    """missing-rank: the script says 3 ranks, torchrun starts 2; both time out in the
+    rendezvous store waiting for rank 2, which ddpwatch named as never connected."""
+    absent = Alert("not_connected", "error", (2,), (0, 1), "rank 2 never connected", "fix")
+    tracker = AlertTracker()
+    tracker.update([absent], T0 + 10, T0)
+    wait = {
+        "type": "DistStoreError",
+        "message": "wait timeout after 30000ms, keys: /default_pg/0//cpu//0/2",
+    }
+    ranks = [rank(r, "crashed", step=None, error=wait, ended_at=T0 + 30 + r) for r in (0, 1)]
+    ranks.append({"rank": 2, "state": "not_connected"})
+    doc = {"server_time": T0 + 33, "job_started": T0, "world_size": 3, "ranks": ranks,
+           "history": tracker.entries()}  # fmt: skip
+    assert verdict(doc) == (
+        "rank 2 never reported (it did not start, or could not reach ddpwatch or the other "
+        "ranks), which ended the job; ranks 0, 1 failed because of it"
     )

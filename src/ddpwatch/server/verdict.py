@@ -18,11 +18,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ddpwatch.protocol import ErrorInfo
+from ddpwatch.server.knowledge import WAIT_NAMES, explain_error
 from ddpwatch.server.rules.text import format_ranks
 from ddpwatch.vocabulary import AlertKind, RankState, Severity
 
 ENDINGS = frozenset({AlertKind.CRASHED, AlertKind.EXITED, AlertKind.SILENT})
 """Alert kinds that name a rank whose process failed: the candidates for what ended a job."""
+CAUSES = ENDINGS | {AlertKind.COLLECTIVE_MISMATCH}
+"""Error kinds whose culprit, once it failed, is the cause of the failures after it."""
+ABSENCES = frozenset({AlertKind.NOT_CONNECTED, AlertKind.STARTUP_HANG})
+"""Error kinds about a rank that never came: the others' failures waiting for it are its."""
 HOLDING = frozenset({AlertKind.STRAGGLER, AlertKind.STALLED})
 """Alert kinds whose culprit holds the ``waiting`` ranks up."""
 _TERM_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
@@ -200,6 +206,7 @@ class Outcome:
     failed: bool
     ended_at: float | None
     text: str  # "crashed with RuntimeError (boom)", "exited with code 3", ...
+    waited: bool = False  # its error only says it waited for, or lost, another rank
 
 
 def outcome(rank: dict[str, Any]) -> Outcome:
@@ -215,7 +222,7 @@ def outcome(rank: dict[str, Any]) -> Outcome:
         message = " ".join(str(error.get("message") or "").split())
         if message:
             text += f" ({message[:120]}{'…' if len(message) > 120 else ''})"
-        return Outcome(number, "crashed", True, ended_at, text)
+        return Outcome(number, "crashed", True, ended_at, text, _only_waited(error))
     if state == RankState.STOPPED:
         how = signal or (f"code {code}" if code is not None else "a signal")
         return Outcome(number, "stopped", False, ended_at, f"was stopped ({how})")
@@ -230,6 +237,18 @@ def outcome(rank: dict[str, Any]) -> Outcome:
     if state == RankState.NOT_CONNECTED:
         return Outcome(number, "absent", False, None, "never reported")
     return Outcome(number, "running", False, None, "was still running")
+
+
+def _only_waited(error: dict[str, Any]) -> bool:
+    """The error says only that the rank timed out waiting for others or lost a peer
+    (``knowledge``: a wait or a peer failure): a victim's words, not a cause."""
+    info = ErrorInfo(
+        type=str(error.get("type") or ""),
+        message=str(error.get("message") or ""),
+        traceback=str(error.get("traceback") or ""),
+    )
+    found = explain_error(info)
+    return found is not None and (found.peer_failure or found.name in WAIT_NAMES)
 
 
 @dataclass(frozen=True)
@@ -282,27 +301,48 @@ def judge(
 
 
 def _what_ended(outcomes: dict[int, Outcome], found: Sequence[Episode]) -> Outcome | None:
-    """The first failure, in time, that an ending alert named as a cause (a crash, an exit,
-    a kill, silence); else the first failure; None when no rank failed. A rank that exited 0
-    fails only where an ending error named it: it left while the others still needed it (so
-    does one stopped from outside, alone, that the others waited for)."""
-    named = {
-        rank
-        for e in found
-        if e.kind in ENDINGS and e.severity == Severity.ERROR
-        for rank in e.ranks
-    }
+    """What ended the job, None when no rank failed. In order of evidence:
+
+    1. the first failure, in time, of a rank an error named as a cause (a crash, an exit, a
+       kill, silence, a collective the others did not call), whose own error is not only a
+       victim's (a timeout waiting for others, a lost peer);
+    2. a rank that never reported, named by an error, when others failed (they waited for it);
+    3. the first failure of a rank an error named; 4. the first failure that is not only a
+       victim's; 5. the first failure.
+
+    A rank that exited 0 fails only where an ending error named it: it left while the others
+    still needed it (so does one stopped from outside, alone, that the others waited for)."""
+    named = _named(found, CAUSES)
     failed = [o for o in outcomes.values() if o.failed]
     early = [
         Outcome(o.rank, o.word, True, o.ended_at, f"{_early[o.word]} while the others needed it")
         for o in outcomes.values()
-        if o.word in _early and o.rank in named
+        if o.word in _early and o.rank in _named(found, ENDINGS)
     ]
     failures = failed + early
     if not failures:
         return None
-    causes = [o for o in failures if o.rank in named] or failures
-    return min(causes, key=lambda o: (*_when(o, found), o.rank))
+    absent = sorted(
+        _named(found, ABSENCES) & {o.rank for o in outcomes.values() if o.word == "absent"}
+    )
+    for causes in (
+        [o for o in failures if o.rank in named and not o.waited],
+        [Outcome(r, "absent", True, None, _NEVER) for r in absent],
+        [o for o in failures if o.rank in named],
+        [o for o in failures if not o.waited],
+        failures,
+    ):
+        if causes:
+            return min(causes, key=lambda o: (*_when(o, found), o.rank))
+    return None
+
+
+_NEVER = "never reported (it did not start, or could not reach ddpwatch or the other ranks)"
+
+
+def _named(found: Sequence[Episode], kinds: frozenset[str]) -> set[int]:
+    """The culprits of the error episodes of these kinds."""
+    return {r for e in found if e.kind in kinds and e.severity == Severity.ERROR for r in e.ranks}
 
 
 _early = {"finished": "exited (code 0)", "stopped": "was stopped from outside"}
@@ -402,7 +442,11 @@ def _is_the_ending(e: Episode, ending: Outcome, found: Sequence[Episode]) -> boo
     """An alert about the failure that ended the job (told already), unless it is a silence
     of that rank which cleared (it reported again) before a later ending alert: a frozen
     spell it came back from is a story of its own."""
-    if e.kind not in ENDINGS or ending.rank not in e.ranks:
+    if ending.rank not in e.ranks:
+        return False
+    if ending.word == "absent":
+        return e.kind in ABSENCES
+    if e.kind not in ENDINGS:
         return False
     if e.kind != AlertKind.SILENT or e.cleared_s is None or e.closed_by is not None:
         return True
@@ -422,7 +466,22 @@ def _episode_text(e: Episode, end_s: float, nan_steps: dict[int, Any]) -> str:
         return f"{who} stopped making progress for {duration(e.duration_s(end_s))}"
     if not e.ranks:
         return f"{e.kind}: {e.message}"
+    did = _DID.get(e.kind)
+    if did is not None:
+        return f"{who} {did} (+{e.raised_s:.1f} s)"
     return f"{e.kind} about {who} (+{e.raised_s:.1f} s, {duration(e.duration_s(end_s))})"
+
+
+_DID = {
+    AlertKind.COLLECTIVE_MISMATCH: "made a collective call the others did not",
+    AlertKind.NOT_CONNECTED: "never reported",
+    AlertKind.STARTUP_HANG: "hung while starting",
+    AlertKind.DUPLICATE_DEVICE: "shared one GPU",
+    AlertKind.DEVICE_ORDINAL: "asked for a GPU index it does not have",
+    AlertKind.LOCAL_RANK_MISMATCH: "computed on another GPU than its local rank",
+    AlertKind.CHECKPOINT_CONFLICT: "wrote the same checkpoint file",
+}
+"""What an error episode's culprits did, in words, where the kind alone says it."""
 
 
 def duration(seconds: float) -> str:
