@@ -1,4 +1,5 @@
-"""The dashboard's timeline (key ``t``): alerts that came and went stay findable."""
+"""The dashboard's timeline (key ``t``): alerts that came and went stay findable; the list
+scrolls with the usual keys and shows the selected change whole."""
 
 from __future__ import annotations
 
@@ -99,3 +100,105 @@ def test_snapshot_timeline(snap_compare: Any) -> None:
 
     app = make_app(FixtureSource([doc]))
     assert snap_compare(app, terminal_size=(120, 24), run_before=open_timeline)
+
+
+# ----------------------------------------------------------------------------- scrolling, whole messages
+
+LONG = (
+    "rank {n} has not entered all_reduce #{n} that ranks 0-2, 4-7 have waited in for 12.5 s; it "
+    "is in 'data' at step {n} (fetch_shard, shards.py:57); ranks 0-2, 4-7 will time out in 30 min"
+)
+
+
+def _long_history(count: int) -> list[dict[str, Any]]:
+    """``count`` changes, each a straggler with its own long message (the newest: ``count - 1``)."""
+    return [
+        _entry(
+            "raised",
+            10.0 + n,
+            Alert("straggler", "warning", (3,), (0, 1, 2), LONG.format(n=n), f"see rank 3 ({n})"),
+        )
+        for n in range(count)
+    ]
+
+
+def _timeline(pilot: Any) -> tuple[TimelineScreen, DataTable[str]]:
+    screen = pilot.app.screen
+    assert isinstance(screen, TimelineScreen)
+    return screen, screen.query_one(DataTable)
+
+
+def _panel(screen: TimelineScreen) -> str:
+    from textual.widgets import Static
+
+    return str(screen.query_one("#timeline-message", Static).content)
+
+
+async def test_the_timeline_scrolls_with_the_usual_keys_at_120x35() -> None:
+    doc = copy.deepcopy(document(0))
+    doc["history"] = _long_history(80)
+    async with make_app(FixtureSource([doc])).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        await pilot.press("t")
+        await pilot.pause()
+        _, table = _timeline(pilot)
+        assert table.row_count == 80 and table.cursor_row == 0
+
+        async def press(*keys: str) -> int:
+            await pilot.press(*keys)
+            await pilot.pause()
+            return table.cursor_row
+
+        assert await press("down") == 1
+        assert await press("j") == 2
+        assert await press("j", "j") == 4
+        assert await press("up") == 3
+        assert await press("k") == 2
+        page = await press("pagedown")
+        assert page > 10
+        assert await press("pageup") < page
+        assert await press("end") == 79
+        assert table.is_valid_row_index(79) and table.scroll_y > 0  # scrolled to it
+        assert await press("home") == 0
+        assert table.scroll_y == 0
+
+
+async def test_the_selected_change_is_shown_whole_under_the_list() -> None:
+    doc = copy.deepcopy(document(0))
+    doc["history"] = _long_history(30)
+    async with make_app(FixtureSource([doc])).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        await pilot.press("t")
+        await pilot.pause()
+        screen, table = _timeline(pilot)
+        cell = table.get_row_at(0)[7]
+        assert cell.endswith("…") and len(cell) < len(LONG.format(n=29))  # cut to fit...
+        columns = sum(c.get_render_width(table) for c in table.columns.values())
+        assert columns <= table.scrollable_content_region.width  # ...no column past the edge
+        assert LONG.format(n=29) in " ".join(_panel(screen).split())  # ...and whole below
+        assert "see rank 3 (29)" in _panel(screen)  # with its hint
+        await pilot.press("j", "j")
+        await pilot.pause()
+        assert LONG.format(n=27) in " ".join(_panel(screen).split())
+
+
+async def test_the_cursor_stays_on_its_change_as_new_ones_arrive() -> None:
+    doc = copy.deepcopy(document(0))
+    doc["history"] = _long_history(10)
+    source = FixtureSource([doc])
+    async with make_app(source).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        await pilot.press("t")
+        await pilot.pause()
+        screen, table = _timeline(pilot)
+        await pilot.press("j", "j", "j")  # the change of n = 6
+        await pilot.pause()
+        later = copy.deepcopy(doc)
+        later["history"] = _long_history(12)
+        source.push(later)
+        await poll(pilot)
+        screen.follow()
+        await pilot.pause()
+        assert table.row_count == 12
+        assert table.cursor_row == 5  # two newer rows above it: still n = 6
+        assert LONG.format(n=6) in " ".join(_panel(screen).split())

@@ -49,7 +49,11 @@ KEYS = (
         "the job's output, followed live (ddpwatch run --tui only; elsewhere each rank's "
         "last lines are in its detail pane)",
     ),
-    ("t", "timeline: every alert raised, escalated and cleared, when and for how long"),
+    (
+        "t",
+        "timeline: every alert raised, escalated and cleared, when and for how long; "
+        "↑ ↓ j k PgUp PgDn Home End move in it, the selected change is shown whole below",
+    ),
     ("tab", "focus the next panel: table, alerts, the stack under them, detail"),
     ("alerts: enter / click", "select the alert's first culprit rank in the table"),
 )
