@@ -365,7 +365,15 @@ def _ending_text(
 ) -> str:
     entry = next((r for r in ranks if r.get("rank") == ending.rank), {})
     step = entry.get("step")
-    text = f"rank {ending.rank} {ending.text}"
+    reasons = {  # what else the rank did, told beside its end (``_is_the_ending``)
+        _DID[e.kind]: None
+        for e in found
+        if e.ranks == (ending.rank,)
+        and e.cleared_s is None
+        and e.kind in _DID
+        and e.kind not in ABSENCES
+    }
+    text = f"rank {ending.rank} " + " and ".join([*reasons, ending.text])
     if isinstance(step, int):
         text += f" at step {step}"
     text += ", which ended the job"
@@ -441,9 +449,12 @@ def _other_problems(
 def _is_the_ending(e: Episode, ending: Outcome, found: Sequence[Episode]) -> bool:
     """An alert about the failure that ended the job (told already), unless it is a silence
     of that rank which cleared (it reported again) before a later ending alert: a frozen
-    spell it came back from is a story of its own."""
+    spell it came back from is a story of its own. An error about that rank alone still up
+    at the end (``device_ordinal`` beside its crash) tells the same failure."""
     if ending.rank not in e.ranks:
         return False
+    if e.ranks == (ending.rank,) and e.cleared_s is None and e.kind not in HOLDING:
+        return True
     if ending.word == "absent":
         return e.kind in ABSENCES
     if e.kind not in ENDINGS:
