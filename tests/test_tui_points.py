@@ -346,6 +346,8 @@ async def test_hints_in_the_dashboard_name_the_key_not_a_shell_command() -> None
 
 
 def test_every_phrasing_of_the_servers_hints_is_rewritten() -> None:
+    from ddpwatch.server.alerts import Alert
+    from ddpwatch.server.service import with_port
     from ddpwatch.tui.alerts_panel import dashboard_hint
 
     assert dashboard_hint(f"look at rank 7's stack ({STACKS_IN}) or run py-spy", [2, 7]) == (
@@ -358,6 +360,13 @@ def test_every_phrasing_of_the_servers_hints_is_rewritten() -> None:
         "stacks (the detail pane: press enter on its row)"
     )
     assert dashboard_hint("lower the learning rate", [1]) == "lower the learning rate"
+    moved = with_port(
+        [Alert("stalled", "error", (5,), (), "m", f"rank 5's stack ({STACKS_IN})")], 6001
+    )
+    assert "--port 6001" in moved[0].hint  # ddpwatch run moved off a busy 5599
+    assert dashboard_hint(moved[0].hint, [5]) == (
+        "rank 5's stack (the detail pane: press enter on rank 5)"
+    )
 
 
 # ----------------------------------------------------------------------------- 5: after the job

@@ -18,7 +18,7 @@ from textual.message import Message
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
-from ddpwatch.server.rules.text import STACKS_IN
+from ddpwatch.server.rules.text import STACKS_IN_ANY_PORT
 from ddpwatch.tui.fmt import rank_ranges
 from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
 from ddpwatch.vocabulary import Severity
@@ -29,15 +29,14 @@ _SHOWS_IT = " shows it"
 
 def dashboard_hint(hint: str, culprits: Sequence[int] = ()) -> str:
     """``hint`` as the dashboard writes it: where the server sends people to a shell for a
-    rank's stack or traceback (``rules.text.STACKS_IN``, "ddpwatch status --json"), the key
+    rank's stack or traceback (``rules.text.STACKS_IN``, "ddpwatch status --json", with
+    ``--port N`` where the server is not on the default one), the key
     that shows it here, for the rank the hint names just before (else the first culprit).
 
     "look at rank 3's stack (ddpwatch status --json) or …" becomes "look at rank 3's stack
     (the detail pane: press enter on rank 3) or …"; "(ddpwatch status --json shows it)"
     becomes "(press enter on rank 3: the detail pane shows it)"."""
-    if STACKS_IN not in hint:
-        return hint
-    first, *rest = hint.split(STACKS_IN)
+    first, *rest = STACKS_IN_ANY_PORT.split(hint)
     text = first
     for after in rest:
         named = _RANK_NAMED.findall(text)
