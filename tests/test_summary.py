@@ -285,3 +285,16 @@ def test_a_rank_that_never_came_is_what_the_others_timed_out_waiting_for() -> No
         "rank 2 never reported (it did not start, or could not reach ddpwatch or the other "
         "ranks), which ended the job; ranks 0, 1 failed because of it"
     )
+
+
+def test_a_wait_still_open_when_the_job_was_stopped_counts_to_its_end() -> None:
+    """Ranks 0, 2 waited for rank 1 from +18 s; the last alert said 10 s at +28 s; the job
+    was stopped at +50 s with the wait still open: they waited 32 s, not 10."""
+    tracker = AlertTracker()
+    for t, severity in ((20.0, "warning"), (28.0, "error")):
+        a = Alert("straggler", severity, (1,), (0, 2), "rank 1 …", "fix", waited_s=t - 18.0)
+        tracker.update([a], T0 + t, T0)
+    ranks = [rank(r, "stopped", exit_signal="SIGTERM", ended_at=T0 + 50) for r in range(3)]
+    doc = {"server_time": T0 + 52, "job_started": T0, "world_size": 3, "ranks": ranks,
+           "history": tracker.entries()}  # fmt: skip
+    assert "rank 1 held ranks 0, 2 up once, 32.0 s (64 % of a 50.0 s run)" in verdict(doc)

@@ -32,7 +32,6 @@ ABSENCES = frozenset({AlertKind.NOT_CONNECTED, AlertKind.STARTUP_HANG})
 HOLDING = frozenset({AlertKind.STRAGGLER, AlertKind.STALLED})
 """Alert kinds whose culprit holds the ``waiting`` ranks up."""
 _TERM_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
-_LIVE_STATES = frozenset({RankState.RUNNING, RankState.WAITING, RankState.STALLED, RankState.BUSY})
 
 
 @dataclass(frozen=True)
@@ -52,12 +51,23 @@ class Episode:
     escalated_s: float | None = None
     cleared_s: float | None = None
     closed_by: str | None = None  # ``history.NEW_ATTEMPT``: its attempt ended, it did not clear
-    waited_s: float | None = None  # how long ``waiting`` waited, to its clearing (stragglers)
+    waited_s: float | None = None  # how long ``waiting`` had waited at ``waited_at_s``
+    waited_at_s: float | None = None  # the last time an entry said (stragglers)
     phase: str | None = None
 
     def duration_s(self, end_s: float) -> float:
         """How long it was up: to its clearing, else to ``end_s`` (the end of the run)."""
-        return max(0.0, (self.cleared_s if self.cleared_s is not None else end_s) - self.raised_s)
+        return max(0.0, self._end(end_s) - self.raised_s)
+
+    def wait_s(self, end_s: float) -> float:
+        """How long its ``waiting`` ranks waited: the last wait measured, carried on to its
+        clearing (else ``end_s``); without a measure, how long it was up."""
+        if self.waited_s is None or self.waited_at_s is None:
+            return self.duration_s(end_s)
+        return self.waited_s + max(0.0, self._end(end_s) - self.waited_at_s)
+
+    def _end(self, end_s: float) -> float:
+        return self.cleared_s if self.cleared_s is not None else end_s
 
 
 def episodes(history: Iterable[dict[str, Any]]) -> list[Episode]:
@@ -117,11 +127,7 @@ class _Open:
 
     def episode(self) -> Episode:
         alert, first = self.alert, self.first
-        waited = None
-        if self.waited is not None:  # the wait, carried on to when the episode ended
-            measured, at = self.waited
-            end = self.cleared_s if self.cleared_s is not None else at
-            waited = measured + max(0.0, end - at)
+        waited, waited_at = self.waited if self.waited is not None else (None, None)
         changed = self.escalated_s is not None
         return Episode(
             kind=str(alert.get("kind")),
@@ -137,6 +143,7 @@ class _Open:
             cleared_s=self.cleared_s,
             closed_by=self.closed_by,
             waited_s=waited,
+            waited_at_s=waited_at,
             phase=alert.get("phase") or first.get("phase"),
         )
 
@@ -165,7 +172,7 @@ def held_up(found: Sequence[Episode], end_s: float) -> list[HeldUp]:
             by_rank.setdefault(e.ranks[0], []).append(e)
     accounts = []
     for rank, held in sorted(by_rank.items()):
-        seconds = sum(e.waited_s if e.waited_s is not None else e.duration_s(end_s) for e in held)
+        seconds = sum(e.wait_s(end_s) for e in held)
         accounts.append(
             HeldUp(
                 rank=rank,
