@@ -34,10 +34,10 @@ def test_rows_newest_first_with_escalation_and_duration() -> None:
     tracker.update([FROZEN_STALLED], T0 + 30, T0)
     rows = timeline_rows(tracker.entries())
     assert [(r[1], r[2], r[4], r[5], r[6]) for r in rows] == [
-        ("+30.0 s", "escalated from straggler", "stalled", "3", ""),
-        ("+20.0 s", "raised", "straggler", "3", ""),
-        ("+9.0 s", "cleared", "nan_loss", "2", "4.0 s"),
-        ("+5.0 s", "raised", "nan_loss", "2", ""),
+        ("+30.0 s", "escalated #2 from straggler", "stalled", "3", ""),
+        ("+20.0 s", "raised #2", "straggler", "3", ""),
+        ("+9.0 s", "cleared #1", "nan_loss", "2", "4.0 s"),
+        ("+5.0 s", "raised #1", "nan_loss", "2", ""),
     ]
     assert rows[0][0].count(":") == 2  # the time of day, hh:mm:ss
 

@@ -60,6 +60,22 @@ def describe(change: AlertChange) -> str:
     return f"ddpwatch: {when} {what}: {alert.message}\nddpwatch:   fix: {alert.hint}"
 
 
+def event_label(entry: dict[str, Any]) -> str:
+    """A timeline entry's event, with its episode: "raised #2", "escalated #2 from
+    straggler", "cleared #2", "ended with attempt 1 #3" (the report and the dashboard's
+    timeline write it the same)."""
+    event = str(entry.get("event", ""))
+    if entry.get("closed_by") == NEW_ATTEMPT:
+        event = f"ended with attempt {entry.get('attempt', 1)}"
+    episode = entry.get("episode")
+    if isinstance(episode, int) and episode > 0:
+        event += f" #{episode}"
+    previous = entry.get("from")
+    if entry.get("event") == "escalated" and isinstance(previous, dict):
+        event += f" from {previous.get('kind')}"
+    return event
+
+
 def print_json_line(change: AlertChange, stream: IO[str] | None = None) -> None:
     """The alert stream of ``serve --headless``, ``demo --headless`` and ``replay --headless``:
     ``change.to_dict()`` as one JSON line on ``stream`` (default stdout), flushed."""

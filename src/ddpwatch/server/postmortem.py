@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpwatch.protocol import ProtocolError, Sample, decode
-from ddpwatch.server.history import NEW_ATTEMPT
+from ddpwatch.server.history import event_label
 from ddpwatch.server.recording import RecordingError, RecordingReader
 from ddpwatch.server.replay import ReplayServer
 from ddpwatch.server.summary import summary_lines
@@ -417,15 +417,9 @@ def ratio(before: float | None, after: float | None) -> float | None:
 
 
 def event_text(entry: dict[str, Any]) -> str:
-    """A timeline entry's event with its episode and, once it ended, how long it was up:
-    "raised #2", "escalated #2", "cleared #2 after 28.3 s", "ended with attempt 1 #3 after
-    2.5 s" (``history.AlertChange``)."""
-    event = str(entry.get("event", ""))
-    if entry.get("closed_by") == NEW_ATTEMPT:
-        event = f"ended with attempt {entry.get('attempt', 1)}"
-    episode = entry.get("episode")
-    if isinstance(episode, int) and episode > 0:
-        event += f" #{episode}"
+    """A timeline entry's event (``history.event_label``) and, once its episode ended, how
+    long it was up: "cleared #2 after 28.3 s"."""
+    event = event_label(entry)
     if entry.get("event") == "cleared" and entry.get("duration_s") is not None:
         event += f" after {fmt_seconds(entry['duration_s'])}"
     return event

@@ -23,6 +23,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 from textual.widgets.data_table import CellDoesNotExist
 
+from ddpwatch.server.history import event_label
 from ddpwatch.tui.alerts_panel import dashboard_hint
 from ddpwatch.tui.fmt import rank_ranges
 from ddpwatch.tui.header import SEVERITY_STYLE
@@ -40,9 +41,7 @@ def timeline_rows(history: list[dict[str, Any]]) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     for entry in reversed(history):
         alert = entry.get("alert") or {}
-        event = str(entry.get("event", ""))
-        if event == "escalated" and entry.get("from"):
-            event = f"escalated from {entry['from'].get('kind')}"
+        event = event_label(entry)
         duration = entry.get("duration_s")
         rows.append(
             (
@@ -76,9 +75,7 @@ def entry_text(entry: dict[str, Any]) -> Text:
     """One change whole, for the panel under the list: what, when, the message and the hint."""
     alert = entry.get("alert") or {}
     severity = str(alert.get("severity", ""))
-    event = str(entry.get("event", ""))
-    if event == "escalated" and entry.get("from"):
-        event = f"escalated from {entry['from'].get('kind')}"
+    event = event_label(entry)
     head = Text.assemble(
         (f"{alert.get('kind', '?')}", SEVERITY_STYLE.get(severity, "bold")),
         (f" ({severity}) ", "dim"),
