@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime
 
 from ddpwatch.server.alerts import Alert, Thresholds
-from ddpwatch.server.history import HISTORY_KEPT, AlertTracker, describe, iso_time
+from ddpwatch.server.history import HISTORY_KEPT, AlertTracker, describe, event_label, iso_time
 from ddpwatch.server.state import ServerState
 from ddpwatch.server.status import status_document
 
@@ -125,3 +125,6 @@ def test_a_new_attempt_closes_what_was_up_instead_of_clearing_it() -> None:
     (again,) = tracker.update([crashed], T0 + 20, T0, attempt=2)
     assert (again.event, again.attempt, again.episode) == ("raised", 2, 2)
     assert "attempt 2 began" in describe(changes[0])
+    assert [event_label(e) for e in tracker.entries()] == [
+        "raised #1", "ended with attempt 1 #1", "raised #2 in attempt 2"
+    ]  # fmt: skip

@@ -197,6 +197,18 @@ async def test_header_counts_rate_uptime_and_source() -> None:
         assert "up 1h02m05s" in text  # int(3725.5)
 
 
+async def test_the_header_shows_the_attempt_once_the_launcher_restarted_the_job() -> None:
+    source = FixtureSource()
+    async with make_app(source).run_test(size=(160, 40)) as pilot:
+        await settle(pilot)
+        assert "attempt" not in header_text(pilot)
+        restarted = document(1)
+        restarted["attempt"] = 2
+        source.push(restarted)
+        await poll(pilot)
+        assert "ddpwatch  attempt 2  world 16" in header_text(pilot)
+
+
 async def test_unreachable_source_shows_disconnected() -> None:
     source = FixtureSource()
     async with make_app(source).run_test(size=(100, 30)) as pilot:

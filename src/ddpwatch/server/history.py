@@ -62,17 +62,21 @@ def describe(change: AlertChange) -> str:
 
 def event_label(entry: dict[str, Any]) -> str:
     """A timeline entry's event, with its episode: "raised #2", "escalated #2 from
-    straggler", "cleared #2", "ended with attempt 1 #3" (the report and the dashboard's
-    timeline write it the same)."""
+    straggler", "cleared #2", "ended with attempt 1 #3", "raised #4 in attempt 2" (the report
+    and the dashboard's timeline write it the same)."""
     event = str(entry.get("event", ""))
-    if entry.get("closed_by") == NEW_ATTEMPT:
-        event = f"ended with attempt {entry.get('attempt', 1)}"
+    attempt = entry.get("attempt")
+    closed = entry.get("closed_by") == NEW_ATTEMPT
+    if closed:
+        event = f"ended with attempt {attempt}"
     episode = entry.get("episode")
     if isinstance(episode, int) and episode > 0:
         event += f" #{episode}"
     previous = entry.get("from")
     if entry.get("event") == "escalated" and isinstance(previous, dict):
         event += f" from {previous.get('kind')}"
+    if isinstance(attempt, int) and attempt > 1 and not closed:
+        event += f" in attempt {attempt}"
     return event
 
 

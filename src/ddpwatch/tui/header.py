@@ -54,6 +54,8 @@ class HeaderInfo:
     """A line of the source's own (``ddpwatch demo``: which fault is under way, which next)."""
     following: bool = True
     """The cursor follows the culprits of new alerts; False once the user moved it."""
+    attempt: int = 1
+    """The launcher's attempt the job is in (the status document's ``attempt``)."""
 
 
 def summarize(document: dict[str, Any]) -> dict[str, Any]:
@@ -78,6 +80,7 @@ def summarize(document: dict[str, Any]) -> dict[str, Any]:
             high = step if high is None or step > high else high
     return {
         "world_size": document.get("world_size"),
+        "attempt": _attempt(document),
         "connected_ranks": connected,
         "total_ranks": len(ranks),
         "hosts": len(hosts),
@@ -97,6 +100,7 @@ def _from_summary(document: dict[str, Any], counts: dict[str, Any]) -> dict[str,
     named = sum(1 for h in hosts if h.get("host") is not None)
     return {
         "world_size": document.get("world_size"),
+        "attempt": _attempt(document),
         "connected_ranks": total - int(states.get(RankState.NOT_CONNECTED) or 0),
         "total_ranks": total,
         "hosts": named + int(counts.get("hosts_omitted") or 0),
@@ -104,6 +108,11 @@ def _from_summary(document: dict[str, Any], counts: dict[str, Any]) -> dict[str,
         "step_max": max(highs, default=None),
         "listed": len(document.get("ranks") or []),
     }
+
+
+def _attempt(document: dict[str, Any]) -> int:
+    attempt = document.get("attempt")
+    return attempt if isinstance(attempt, int) and attempt > 0 else 1
 
 
 def header_lines(info: HeaderInfo, width: int) -> list[Text]:
@@ -128,8 +137,9 @@ def _kv(label: str, value: str, style: str = "bold") -> Text:
 
 
 def _job_parts(info: HeaderInfo) -> list[Text]:
-    """The top line: world size, connected ranks (red while some are missing), hosts, the
-    step range, messages per second and uptime."""
+    """The top line: the launcher's attempt once it restarted the job, world size,
+    connected ranks (red while some are missing), hosts, the step range, messages per second
+    and uptime."""
     expected = info.world_size if info.world_size is not None else NA
     ranks_style = (
         "bold" if info.world_size is None or info.connected_ranks >= info.world_size else "bold red"
@@ -141,8 +151,10 @@ def _job_parts(info: HeaderInfo) -> list[Text]:
     else:
         steps = f"{info.step_min}{DASH}{info.step_max}"
     rate = NA if info.msg_rate is None else f"{info.msg_rate:.0f}"
+    restarted = [_kv("attempt", str(info.attempt), "bold yellow")] if info.attempt > 1 else []
     return [
         Text("ddpwatch", style="bold magenta"),
+        *restarted,
         _kv("world", str(expected)),
         _kv("ranks", f"{info.connected_ranks}/{expected}", ranks_style),
         _kv("hosts", str(info.hosts)),
