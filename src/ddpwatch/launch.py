@@ -5,6 +5,11 @@ The ranks load ``ddpwatch/boot/sitecustomize.py`` through ``PYTHONPATH`` (see
 collector runs here and prints each alert as it is raised and cleared. With ``--addr`` (a
 server elsewhere, one ``run`` per node) a relay runs here and batches this node's ranks
 (``relay.py``), unless the node already has one.
+
+The job's stderr passes through ``job_output.StderrTee`` unchanged, which keeps its first and
+last lines: a launcher that ends with an error before any rank reported is a job that did
+not start, and the summary (or, with ``--addr``, one line) says why in its own words
+(``launch_failure.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ from typing import IO, Any
 
 from ddpwatch.agent.auto import AUTO_ENV
 from ddpwatch.emphasis import emphasize_for, mark_for
+from ddpwatch.job_output import StderrTee, tail_of_file
 from ddpwatch.jobs import stop_job
+from ddpwatch.launch_failure import not_started_reason, why_not_started
+from ddpwatch.port_holder import holder_of
 from ddpwatch.ports import pick_port
 from ddpwatch.protocol import DEFAULT_PORT
 from ddpwatch.relay import RELAY_ENV, Relay, RelayError, find_relay
@@ -79,52 +87,108 @@ def run_command(
     server = _local_server(port, chain(None if tui else _print_change, notify), record)
     if not tui:
         print(_banner(command, addr, True, preferred_port), file=sys.stderr)
-    output, log_path = _job_log() if tui else (None, "")
-    job = _start(command, job_environment(addr), output)
-    if job is None:
-        return 127
-    if output is not None:
+    if tui:
+        output, log_path = _job_log()
+        job = _start(command, job_environment(addr), output)
         output.close()  # the job holds its own copy
+        if job is None:
+            return 127
         try:
             return _with_dashboard(server, job, log_path, bell)
         finally:
             if notify is not None:
                 notify.close()
+    tee = StderrTee()
+    job = _start(command, job_environment(addr), None, tee.child_fd)
+    tee.started()
+    if job is None:
+        tee.finish()
+        return 127
+    stops: list[str] = []
+    lines: list[str] = []
     try:
         with in_background(server, name="ddpwatch-collector"):
             try:
-                return _wait(job)
+                return _wait(job, stops)
             finally:
+                lines = tee.finish()  # the launcher's last words, before the summary
                 _settle(server)
                 server.tick()  # report what the job's last messages say
     finally:
-        print_summary(server.status(), sys.stderr)
+        why = _not_started(server, job.returncode, lines, stops)
+        print_summary(server.status(), sys.stderr, not_started=why)
         if notify is not None:
             notify.close()  # the final alerts still go out (a few seconds at most)
+
+
+def _not_started(
+    server: Server, returncode: int | None, lines: list[str], stops: list[str]
+) -> str | None:
+    """Why the job did not start, when it did not: the launcher failed (a non-zero code)
+    and no rank ever reported. A job that ended well without ranks is not called that."""
+    if not returncode or server.state.first_report is not None:
+        return None
+    if stops:
+        return f"it was stopped ({stops[0]}) before any rank reported"
+    return not_started_reason(lines, returncode, holder_of=holder_of)
 
 
 def _run_with_remote_server(command: Sequence[str], addr: str, relay: bool) -> int:
     """The job's ranks report to the server at ``addr``, through this node's relay."""
     env = job_environment(addr)
     node_relay = _start_relay(addr, env) if relay else None
+    tee = StderrTee()
+    job = _start(command, env, None, tee.child_fd)
+    tee.started()
+    stops: list[str] = []
     try:
-        job = _start(command, env, None)
-        return 127 if job is None else _wait(job)
+        code = 127 if job is None else _wait(job, stops)
     finally:
+        lines = tee.finish()
         if node_relay is not None:
             node_relay.stop()  # what the ranks sent last still goes out
+    if job is None:
+        return code  # said in one line already
+    line = _remote_not_started(code, lines, stops, node_relay)
+    if line is not None:
+        print(line, file=sys.stderr)
+    return code
+
+
+def _remote_not_started(
+    code: int, lines: list[str], stops: list[str], node_relay: Relay | None
+) -> str | None:
+    """With ``--addr`` the summary is the server's; this node can tell when its launcher
+    failed, and, through the relay it ran, whether any rank of this node reported. Without
+    that relay (the node's own, or ``--no-relay``) it cannot: it says what the launcher's
+    output says, not that the job did not start."""
+    if code == 0 or stops:
+        return None
+    if node_relay is not None:
+        if node_relay.stats.received:
+            return None  # ranks reported: the server tells the story
+        why = not_started_reason(lines, code, holder_of=holder_of)
+        return f"ddpwatch run: the job did not start on this node: {why}"
+    why_found = why_not_started(lines, holder_of)
+    if why_found is None:
+        return None
+    return f"ddpwatch run: the launcher exited with code {code}; its output says: {why_found}"
 
 
 def _start(
-    command: Sequence[str], env: dict[str, str], output: IO[bytes] | None
+    command: Sequence[str],
+    env: dict[str, str],
+    output: IO[bytes] | None,
+    stderr: int | None = None,
 ) -> subprocess.Popen[bytes] | None:
-    """The job's process, or None (said in one line) when it cannot start."""
+    """The job's process, or None (said in one line) when it cannot start. ``output``: its
+    stdout and stderr both (the dashboard's log); ``stderr``: its stderr alone."""
     try:
         return subprocess.Popen(
             list(command),
             env=env,
             stdout=output,
-            stderr=subprocess.STDOUT if output else None,
+            stderr=subprocess.STDOUT if output else stderr,
         )
     except OSError as exc:
         print(f"ddpwatch run: cannot start {command[0]}: {exc.strerror}", file=sys.stderr)
@@ -212,14 +276,22 @@ def _start_relay(addr: str, env: dict[str, str]) -> Relay | None:
     return node_relay
 
 
-def _wait(job: subprocess.Popen[bytes]) -> int:
-    """Wait for the job, passing SIGTERM on (Ctrl-C reaches it through the terminal)."""
-    previous = signal.signal(signal.SIGTERM, lambda *_: job.send_signal(signal.SIGTERM))
+def _wait(job: subprocess.Popen[bytes], stops: list[str] | None = None) -> int:
+    """Wait for the job, passing SIGTERM on (Ctrl-C reaches it through the terminal).
+    ``stops`` gets what asked the job to stop ("Ctrl-C", "SIGTERM"), in order."""
+    said = stops if stops is not None else []
+
+    def terminate(*_: object) -> None:
+        said.append("SIGTERM")
+        job.send_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
         while True:
             try:
                 return job.wait()
             except KeyboardInterrupt:
+                said.append("Ctrl-C")
                 continue  # the job got the same Ctrl-C: let it decide when to end
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -241,9 +313,11 @@ def _with_dashboard(
     from ddpwatch.tui.sources import JobSource
 
     source = JobSource(server, job, log_path)
+    ended = False
     try:
         run_dashboard(server, source, bell=bell)
     finally:
+        ended = job.poll() is not None  # by itself, not stopped as the dashboard closed
         if not source.detached:
             stop_job(job)
     if source.detached:  # the job runs on, unwatched: say where it is and how to stop it
@@ -251,5 +325,6 @@ def _with_dashboard(
         print(detached_message(job.pid, log_path), file=sys.stderr)
         return 0
     print(f"ddpwatch run: the job's output is in {log_path}", file=sys.stderr)
-    print_summary(server.status(), sys.stderr)
+    why = _not_started(server, job.returncode, tail_of_file(log_path), []) if ended else None
+    print_summary(server.status(), sys.stderr, not_started=why)
     return job.returncode if job.returncode is not None else 1
