@@ -161,7 +161,9 @@ def test_a_launcher_restart_is_a_new_attempt_with_the_last_one_kept() -> None:
     (first,) = document["attempts"]
     assert (first["attempt"], first["started"], first["ended"]) == (1, 1.0, 3.0)
     assert [(r["rank"], r["state"]) for r in first["ranks"]] == [
-        (0, "stopped"), (1, "crashed"), (2, "stopped")
+        (0, "stopped"),
+        (1, "crashed"),
+        (2, "stopped"),
     ]
     assert first["ranks"][1]["ended_at"] == 2.0 and document["ranks"][0]["ended_at"] is None
 
