@@ -129,6 +129,13 @@ MODES: dict[str, Mode] = {
             watch_s=35.0,
         ),
         _mode(
+            "rank0-eval-epochs",
+            {0},
+            {"straggler"},  # working (its stack moves): never ``stalled``
+            _GH + "rwth-i6/returnn/issues/1621",
+            watch_s=40.0,
+        ),
+        _mode(
             "dataloader-hang",
             {1},
             {"straggler", "stalled"},

@@ -64,6 +64,10 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     # wait in wait_for_everyone() (https://github.com/huggingface/accelerate/issues/1359,
     # https://github.com/huggingface/accelerate/issues/2690)
     "rank0-checkpoint": (0, 20),
+    # RETURNN #1621: evaluation on rank 0 only, every epoch, while the others wait for it
+    # (https://github.com/rwth-i6/returnn/issues/1621): not a failure, each rank exits 0, but
+    # the others lose the time; three evaluations, the first at ``--at``, every 10 steps
+    "rank0-eval-epochs": (0, 10),
     # PyTorch #87995: one rank hangs in its DataLoader, all others wait in all_reduce
     # (https://github.com/pytorch/pytorch/issues/87995)
     "dataloader-hang": (1, 20),
@@ -148,7 +152,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--at", type=int, help="the step of the fault (default: per mode)")
     parser.add_argument("--steps", type=int, help="steps per rank (default: at + 30, min 60)")
     parser.add_argument("--step-time", type=float, help="extra seconds per step (0.03; nan 0.01)")
-    parser.add_argument("--sleep", type=float, help="barrier-sleep 20 s, rank0-checkpoint 25 s")
+    parser.add_argument(
+        "--sleep", type=float, help="barrier-sleep 20 s, rank0-checkpoint 25 s, each evaluation 6 s"
+    )
     parser.add_argument("--world-size", type=int, default=3, help="missing-rank: the wrong size")
     parser.add_argument(
         "--init-timeout", type=float, default=30.0, help="missing-rank: rendezvous timeout (s)"
@@ -163,7 +169,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.step_time is None:
         args.step_time = 0.01 if args.mode == "nan" else 0.03
     if args.sleep is None:
-        args.sleep = 25.0 if args.mode == "rank0-checkpoint" else 20.0
+        args.sleep = {"rank0-checkpoint": 25.0, "rank0-eval-epochs": 6.0}.get(args.mode, 20.0)
     return args
 
 
@@ -231,10 +237,31 @@ def train(args: argparse.Namespace) -> int:
         ddpwatch.step(loss)
         if step == args.at:
             special(args, me, faulty, model, metric)
+        if mode == "rank0-eval-epochs" and step in (args.at, args.at + 10, args.at + 20):
+            evaluate_alone(args, me, faulty, step, model)
         time.sleep(args.step_time)
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def evaluate_alone(
+    args: argparse.Namespace, me: int, faulty: bool, step: int, model: nn.Module
+) -> None:
+    """After "epoch" ``step`` (three of 10 steps), the faulty rank alone evaluates (forward
+    passes, no gradients) while the others wait in a barrier: working all along, never
+    stuck."""
+    if faulty:
+        if step == args.at:
+            fault_line(me)
+        deadline = time.monotonic() + args.sleep
+        model.eval()
+        with torch.no_grad():
+            while time.monotonic() < deadline:
+                for _ in range(20):
+                    model(torch.randn(args.batch, args.width))
+        model.train()
+    dist.barrier()  # "everyone waits for the validation to finish"
 
 
 def special(

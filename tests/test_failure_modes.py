@@ -40,11 +40,13 @@ SHORTER: dict[str, tuple[str, ...]] = {
     "healthy": ("--steps", "40"),
     "barrier-sleep": ("--sleep", "8"),
     "rank0-checkpoint": ("--sleep", "8"),
+    "rank0-eval-epochs": ("--sleep", "5"),
     "missing-rank": ("--init-timeout", "16"),
 }
 WATCH_S = {
     "barrier-sleep": 14.0,
     "rank0-checkpoint": 14.0,
+    "rank0-eval-epochs": 30.0,
     "dataloader-hang": 8.0,
     "skipped-batch": 8.0,
     "missing-rank": 22.0,
@@ -73,6 +75,7 @@ def assert_blames_only_the_culprit(name: str) -> RunResult:
     assert first.kind in mode.kinds, f"kind {first.kind} not in {sorted(mode.kinds)}\n{account}"
     innocent = [(c.kind, list(c.ranks)) for c in scored.wrong]
     assert not innocent, f"alerts named innocent ranks: {innocent}\n{account}"
+    assert scored.verdict_right, f"the verdict blames {result.verdict_named}\n{account}"
     return result
 
 
@@ -82,6 +85,7 @@ def test_healthy_run_raises_no_alert_at_all() -> None:
     account = describe(result)
     assert result.returncode == 0, account
     assert [c for c in result.changes if c.event != "cleared"] == [], account
+    assert result.verdict == "the job finished: every rank exited 0; no problems seen", account
 
 
 def test_exit_early_with_sys_exit_names_the_rank() -> None:
@@ -147,6 +151,23 @@ def test_rank_zero_checkpointing_alone_is_the_one_waited_for() -> None:
     wait in wait_for_everyone() (https://github.com/huggingface/accelerate/issues/1359,
     https://github.com/huggingface/accelerate/issues/2690)."""
     assert_blames_only_the_culprit("rank0-checkpoint")
+
+
+def test_rank_zero_evaluating_alone_every_epoch_held_the_others_up_and_failed_nothing() -> None:
+    """RETURNN #1621: evaluation on rank 0 only, every epoch, while the others wait
+    (https://github.com/rwth-i6/returnn/issues/1621). Rank 0 works all along (busy, never
+    ``stalled``); each rank exits 0; the verdict adds the three waits up and calls no rank
+    failed."""
+    result = assert_blames_only_the_culprit("rank0-eval-epochs")
+    account = describe(result)
+    raised = [c for c in result.changes if c.event != "cleared"]
+    assert {c.kind for c in raised} == {"straggler"}, account
+    assert any("busy: its stack moves" in c.message for c in raised), account
+    assert result.returncode == 0, account
+    assert result.verdict.startswith(
+        "the job finished: every rank exited 0; rank 0 held ranks 1, 2 up 3 times"
+    ), account
+    assert "fail" not in result.verdict, account
 
 
 def test_hung_data_loader_worker_names_its_rank() -> None:
