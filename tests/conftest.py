@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -202,3 +203,28 @@ def jobs() -> Iterator[Callable[..., Job]]:
     for job in started:
         job.kill()
         job.proc.communicate()
+
+
+@pytest.fixture
+def http_server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """A real process holding a port: ``python -m http.server PORT`` on 127.0.0.1, listening
+    once the fixture yields (doctor's and port_holder's tests name it as the holder)."""
+    port = free_port_pair()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, "no listener"
+                time.sleep(0.05)
+        yield process, port
+    finally:
+        process.kill()
+        process.wait(10)

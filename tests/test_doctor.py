@@ -358,30 +358,6 @@ def test_busy_master_port_fails_and_a_free_one_passes(
     assert code == 0
 
 
-@pytest.fixture
-def http_server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
-    """A real process holding a port: ``python -m http.server PORT`` on 127.0.0.1."""
-    port = free_port_pair()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, "no listener"
-                time.sleep(0.05)
-        yield process, port
-    finally:
-        process.kill()
-        process.wait(10)
-
-
 def test_unset_master_port_checks_torchrun_default(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, live_server: LiveServer
 ) -> None:

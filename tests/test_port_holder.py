@@ -8,8 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,30 +30,6 @@ def row(port: int, state: str, uid: int, inode: int, local: str = "0100007F") ->
         f"   0: {local}:{port:04X} 00000000:0000 {state} 00000000:00000000 00:00000000 "
         f"00000000  {uid:>5}        0 {inode} 1 0000000000000000 100 0 0 10 0\n"
     )
-
-
-@pytest.fixture
-def http_server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
-    """``python -m http.server PORT`` on 127.0.0.1, listening once the fixture yields."""
-    port = free_port_pair()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, "no listener"
-                time.sleep(0.05)
-        yield process, port
-    finally:
-        process.kill()
-        process.wait(10)
 
 
 def test_a_real_listener_is_named_by_pid_and_command(
