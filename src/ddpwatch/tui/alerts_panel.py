@@ -49,18 +49,24 @@ def dashboard_hint(hint: str, culprits: Sequence[int] = ()) -> str:
     return text
 
 
+def append_who(head: Text, alert: dict[str, Any], waiting_limit: int = 8) -> None:
+    """Add an alert's culprits ("  ranks 1-3", bold) and the ranks waiting for them (at most
+    ``waiting_limit`` runs of them) to ``head``."""
+    ranks = alert.get("ranks") or []
+    if ranks:
+        head.append(f"  rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}", style="bold")
+    waiting = alert.get("waiting") or []
+    if waiting:
+        head.append(f"  waiting {rank_ranges(waiting, limit=waiting_limit)}", style="dim")
+
+
 def alert_prompt(alert: dict[str, Any]) -> Group:
     severity = alert.get("severity", Severity.INFO)
     style = SEVERITY_STYLE.get(severity, "bold")
     head = Text.assemble(
         (f"{SEVERITY_GLYPH.get(severity, '●')} {alert.get('kind', '?')}", style),
     )
-    ranks = alert.get("ranks") or []
-    if ranks:
-        head.append(f"  rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}", style="bold")
-    waiting = alert.get("waiting") or []
-    if waiting:
-        head.append(f"  waiting {rank_ranges(waiting, limit=4)}", style="dim")
+    append_who(head, alert, waiting_limit=4)
     body = Text(alert.get("message") or "")
     hint = alert.get("hint")
     if hint:

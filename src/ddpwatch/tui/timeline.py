@@ -24,7 +24,7 @@ from textual.widgets import DataTable, Static
 from textual.widgets.data_table import CellDoesNotExist
 
 from ddpwatch.server.history import event_label
-from ddpwatch.tui.alerts_panel import dashboard_hint
+from ddpwatch.tui.alerts_panel import append_who, dashboard_hint
 from ddpwatch.tui.fmt import rank_ranges
 from ddpwatch.tui.header import SEVERITY_STYLE
 
@@ -81,12 +81,7 @@ def entry_text(entry: dict[str, Any]) -> Text:
         (f" ({severity}) ", "dim"),
         (event, "bold"),
     )
-    ranks = alert.get("ranks") or []
-    if ranks:
-        head.append(f"  rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}", style="bold")
-    waiting = alert.get("waiting") or []
-    if waiting:
-        head.append(f"  waiting {rank_ranges(waiting)}", style="dim")
+    append_who(head, alert)
     head.append(f"  at +{float(entry.get('elapsed_s') or 0.0):.1f} s", style="dim")
     head.append(f" ({_clock(str(entry.get('time', '')))})", style="dim")
     duration = entry.get("duration_s")
@@ -97,7 +92,9 @@ def entry_text(entry: dict[str, Any]) -> Text:
     if hint:
         text.append("\n")
         text.append_text(
-            Text.assemble(("→ ", "green"), (dashboard_hint(hint, ranks), "italic dim"))
+            Text.assemble(
+                ("→ ", "green"), (dashboard_hint(hint, alert.get("ranks") or ()), "italic dim")
+            )
         )
     return text
 
