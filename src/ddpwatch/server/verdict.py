@@ -187,7 +187,8 @@ def held_up(found: Sequence[Episode], end_s: float) -> list[HeldUp]:
 
 
 def held_up_text(account: HeldUp, run_s: float | None) -> str:
-    """ "rank 0 held ranks 1, 2 up 3 times, 85.0 s in all (87 % of a 98.0 s run), in 'eval'"."""
+    """One culprit's account in words: "rank 0 held ranks 1, 2 up 3 times, 1 min 25 s in all
+    (87 % of a 1 min 38 s run), in 'eval'"."""
     times = "once" if account.times == 1 else f"{account.times} times"
     text = f"rank {account.rank} held {format_ranks(account.waiting)} up {times}, "
     text += f"{duration(account.seconds)}{' in all' if account.times > 1 else ''}"
