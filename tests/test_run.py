@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -134,3 +136,36 @@ def test_after_import_runs_once_the_module_is_imported(tmp_path, monkeypatch) ->
     assert seen == [42]
     after_import("late_module_for_ddpwatch", lambda module: seen.append(module.VALUE))
     assert seen == [42, 41]  # already imported: called at once
+
+
+@pytest.mark.e2e
+def test_a_job_torchrun_restarted_is_told_as_two_attempts(tmp_path: Path) -> None:
+    """torchrun --max-restarts 1: rank 1 fails as it starts in the first attempt, while rank 0
+    waits for it in the rendezvous; torchrun stops rank 0 and restarts both, and the second
+    attempt trains to the end. The live stream says the crash ended with its attempt (not that
+    it cleared); the summary tells both attempts, each with its verdict. Rank 0, stopped
+    while blocked in the rendezvous store's C++ wait, is reported stopped, at once: the
+    agent's signal handler does not keep it alive until torchrun's kill 30 s later."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ddpwatch", "run", "--no-record", "--",
+         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+         "--max-restarts=1", "--master-addr=127.0.0.1", f"--master-port={free_port_pair()}",
+         str(JOBS / "restart_once.py")],
+        capture_output=True, text=True, timeout=150, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    err = result.stderr
+    assert result.returncode == 0, err[-4000:]
+    assert "attempt 2 began: crashed (rank 1) ends with attempt 1" in err, err[-4000:]
+    assert "cleared crashed" not in err, err[-4000:]
+    summary = err[err.index("── summary") :].splitlines()
+    assert "2 attempts (the launcher restarted it)" in summary[1], summary
+    verdicts = [line.removeprefix("ddpwatch: ") for line in summary if "verdict:" in line]
+    assert verdicts[0] == (
+        "verdict: attempt 1 of 2: rank 1 crashed with RuntimeError (config file not found: "
+        "/data/run.yaml), which ended the job; rank 0 was stopped because of it"
+    ), verdicts
+    assert "forcefully exiting via 9" not in err, err[-4000:]  # torchrun's kill after 30 s
+    assert verdicts[1] == (
+        "verdict: attempt 2 of 2: the job finished: every rank exited 0; no problems seen"
+    ), verdicts

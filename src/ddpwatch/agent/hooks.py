@@ -25,6 +25,7 @@ from typing import Any
 from ddpwatch.agent.loss import find_loss
 from ddpwatch.agent.patches import Patches
 from ddpwatch.agent.progress import Progress
+from ddpwatch.agent.signal_watch import SignalWatch
 from ddpwatch.protocol import ErrorInfo
 from ddpwatch.vocabulary import Phase
 
@@ -189,6 +190,8 @@ class ProcessHooks:
         self._noted: tuple[int | None, str | None, object] | None = None  # code, signal, mark
         self._main_ident = threading.main_thread().ident
         self._main_frame: FrameType | None = None
+        self._taken: int | None = None  # a signal the main thread's handler ran for
+        self._watch = SignalWatch((), None, lambda: True, lambda _: None)
 
     def install(self, patches: Patches | None = None) -> None:
         self._prev_excepthook = sys.excepthook
@@ -200,6 +203,13 @@ class ProcessHooks:
             for sig in TERMINATING_SIGNALS:
                 self._install_signal(sig)
             self._main_frame = main_module_frame(sys._getframe())
+            # signals whose default action we replaced: ended at once, even while the main
+            # thread is blocked in C++ (``signal_watch``)
+            fatal = [s for s, previous in self._prev_signals.items() if not callable(previous)]
+            self._watch = SignalWatch(
+                fatal, self._signal_handler, lambda: self._taken is not None, self._report_signal
+            )
+            self._watch.start()
         if patches is not None:
             patches.wrap(sys, "exit", before=self._before_sys_exit)
             patches.wrap(os, "_exit", before=self._before_os_exit)
@@ -214,6 +224,7 @@ class ProcessHooks:
             threading.excepthook = self._prev_thread_hook or threading.__excepthook__
         atexit.unregister(self._atexit)
         if threading.current_thread() is threading.main_thread():
+            self._watch.stop()
             for sig, previous in self._prev_signals.items():
                 if signal.getsignal(sig) == self._signal_handler:
                     signal.signal(sig, previous)
@@ -317,10 +328,17 @@ class ProcessHooks:
             self.note_exit(None, name)
             previous(signum, frame)
             return
+        self._taken = signum  # the watch stands down: the report and the death are here
         self.note_exit(-signum, name)
         self._report_exit(name, -signum)
         signal.signal(signum, signal.SIG_DFL)  # die exactly as without ddpwatch
         signal.raise_signal(signum)
+
+    def _report_signal(self, signum: int) -> None:
+        """The watch's report of a signal the blocked main thread could not take."""
+        name = signal.Signals(signum).name
+        self.note_exit(-signum, name)
+        self._report_exit(name, -signum)
 
     def _atexit(self) -> None:
         code, signal_name = self.outcome()

@@ -112,7 +112,9 @@ LOCAL_FIRST = (
         "init_process_group: a peer refused or never answered (it had died or left before "
         "connecting, as after a restart, or a firewall or the wrong network interface blocks "
         "it)",
-        "check that every rank of this attempt started and reached init_process_group; on "
+        "check that every rank of this attempt started and reached init_process_group; right "
+        "after torchrun restarted the workers (--max-restarts) it can happen on its own (seen "
+        "with torch 2.13, with and without ddpwatch): another restart usually gets through; on "
         "several hosts set GLOO_SOCKET_IFNAME to the interface they share and open the ports "
         "between them",
         family="rendezvous",
