@@ -314,7 +314,8 @@ def _what_ended(outcomes: dict[int, Outcome], found: Sequence[Episode]) -> Outco
     1. the first failure, in time, of a rank an error named as a cause (a crash, an exit, a
        kill, silence, a collective the others did not call), whose own error is not only a
        victim's (a timeout waiting for others, a lost peer);
-    2. a rank that never reported, named by an error, when others failed (they waited for it);
+    2. a rank that never reported, named by an alert (a warning will do), when others failed
+       (they waited for it);
     3. the first failure of a rank an error named; 4. the first failure that is not only a
        victim's; 5. the first failure.
 
@@ -330,9 +331,8 @@ def _what_ended(outcomes: dict[int, Outcome], found: Sequence[Episode]) -> Outco
     failures = failed + early
     if not failures:
         return None
-    absent = sorted(
-        _named(found, ABSENCES) & {o.rank for o in outcomes.values() if o.word == "absent"}
-    )
+    never = {o.rank for o in outcomes.values() if o.word == "absent"}
+    absent = sorted(_named(found, ABSENCES, Severity.WARNING) & never)
     for causes in (
         [o for o in failures if o.rank in named and not o.waited],
         [Outcome(r, "absent", True, None, _NEVER) for r in absent],
@@ -348,9 +348,18 @@ def _what_ended(outcomes: dict[int, Outcome], found: Sequence[Episode]) -> Outco
 _NEVER = "never reported (it did not start, or could not reach ddpwatch or the other ranks)"
 
 
-def _named(found: Sequence[Episode], kinds: frozenset[str]) -> set[int]:
-    """The culprits of the error episodes of these kinds."""
-    return {r for e in found if e.kind in kinds and e.severity == Severity.ERROR for r in e.ranks}
+def _named(
+    found: Sequence[Episode], kinds: frozenset[str], least: str = Severity.ERROR
+) -> set[int]:
+    """The culprits of the episodes of these kinds, ``least`` as severe at least (a rank
+    that never came is one while the others time out waiting for it, warning or error)."""
+    floor = _SEVERITY_ORDER[least]
+    return {
+        r
+        for e in found
+        if e.kind in kinds and _SEVERITY_ORDER.get(e.severity, 0) >= floor
+        for r in e.ranks
+    }
 
 
 _early = {"finished": "exited (code 0)", "stopped": "was stopped from outside"}
