@@ -11,6 +11,7 @@ import pytest
 from conftest import LiveServer, ddpwatch_run, free_port_pair
 
 from ddpwatch.agent.auto import bootstrap, script_missing, started_by_launcher
+from ddpwatch.jobs import stop_job
 from ddpwatch.launch import BOOT_DIR, job_environment
 
 JOBS = Path(__file__).parent / "jobs"
@@ -146,16 +147,19 @@ def test_a_job_torchrun_restarted_is_told_as_two_attempts(tmp_path: Path) -> Non
     it cleared); the summary tells both attempts, each with its verdict. Rank 0, stopped
     while blocked in the rendezvous store's C++ wait, is reported stopped, at once: the
     agent's signal handler does not keep it alive until torchrun's kill 30 s later."""
-    result = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "ddpwatch", "run", "--no-record", "--",
          sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
          "--max-restarts=1", "--master-addr=127.0.0.1", f"--master-port={free_port_pair()}",
          str(JOBS / "restart_once.py")],
-        capture_output=True, text=True, timeout=150, cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
     )  # fmt: skip
-    err = result.stderr
-    assert result.returncode == 0, err[-4000:]
+    try:
+        _, err = proc.communicate(timeout=150)
+    finally:
+        stop_job(proc, grace=1.0)  # never leave ranks behind, reporting to the next test
+    assert proc.returncode == 0, err[-4000:]
     assert "attempt 2 began: crashed (rank 1) ends with attempt 1" in err, err[-4000:]
     assert "cleared crashed" not in err, err[-4000:]
     summary = err[err.index("── summary") :].splitlines()
