@@ -83,12 +83,11 @@ def rule_straggler(f: Facts) -> list[Alert]:
             "timeout= in init_process_group or let the other ranks do it too"
         )
     severity: SeverityName = Severity.ERROR if found.age >= f.stall_after else Severity.WARNING
-    culprit_ranks = [r.rank for r in culprits]
     return [
         alert(
             AlertKind.STRAGGLER,
             severity,
-            culprit_ranks,
+            [r.rank for r in culprits],
             waiting,
             message,
             hint,
