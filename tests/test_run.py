@@ -170,6 +170,6 @@ def test_a_job_torchrun_restarted_is_told_as_two_attempts(tmp_path: Path) -> Non
         "/data/run.yaml), which ended the job; rank 0 was stopped because of it"
     ), verdicts
     assert "forcefully exiting via 9" not in err, err[-4000:]  # torchrun's kill after 30 s
-    assert verdicts[1] == (
-        "verdict: attempt 2 of 2: the job finished: every rank exited 0; no problems seen"
+    assert verdicts[1].startswith(  # then "no problems seen", or a slow start's warning
+        "verdict: attempt 2 of 2: the job finished: every rank exited 0; "
     ), verdicts

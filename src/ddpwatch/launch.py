@@ -226,12 +226,24 @@ def _local_server(port: int, on_change: Any, record: str | None) -> Server:
     return Server("127.0.0.1", port, Thresholds(), on_change=on_change)
 
 
-def _settle(server: Server, quiet_s: float = 0.5, limit_s: float = 3.0) -> None:
+def _settle(
+    server: Server, quiet_s: float = 0.5, limit_s: float = 3.0, behind_limit_s: float = 15.0
+) -> None:
     """Let the ranks' last messages in before the final diagnosis: a rank's exit or crash
-    report is sent as it dies, and may still be on its way when the launcher returns."""
-    deadline = time.monotonic() + limit_s
-    seen, since = server.state.received, time.monotonic()
-    while time.monotonic() < deadline and time.monotonic() - since < quiet_s:
+    report is sent as it dies, and may still be on its way when the launcher returns. A
+    collector still working through its queue (a loaded machine) is waited for up to
+    ``behind_limit_s``: until then its ranks look alive, and the verdict would say so."""
+    ended = server.clock()
+    start = time.monotonic()
+    seen, since = server.state.received, start
+    while True:
+        now = time.monotonic()
+        heard = server.state.heard_until
+        caught_up = heard is not None and heard >= ended
+        if now - start >= (limit_s if caught_up else behind_limit_s):
+            return
+        if caught_up and now - since >= quiet_s:
+            return
         time.sleep(0.05)
         if server.state.received != seen:
             seen, since = server.state.received, time.monotonic()
