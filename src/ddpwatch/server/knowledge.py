@@ -113,10 +113,12 @@ LOCAL_FIRST = (
         "connecting, as after a restart, or a firewall or the wrong network interface blocks "
         "it)",
         "check that every rank of this attempt started and reached init_process_group; right "
-        "after torchrun restarted the workers (--max-restarts) it can happen on its own (seen "
-        "with torch 2.13, with and without ddpwatch): another restart usually gets through; on "
-        "several hosts set GLOO_SOCKET_IFNAME to the interface they share and open the ports "
-        "between them",
+        "after torchrun restarted the workers (--max-restarts) with a static rendezvous "
+        "(--master-addr/--master-port), the new attempt can read the address a stopped rank of "
+        "the last one left in the shared store (torch 2.13, with and without ddpwatch): give "
+        "init_process_group a store per attempt, store=dist.PrefixStore(f'attempt_{"
+        "TORCHELASTIC_RESTART_COUNT}', store); on several hosts set GLOO_SOCKET_IFNAME to the "
+        "interface they share and open the ports between them",
         family="rendezvous",
     ),
 )
