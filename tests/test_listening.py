@@ -158,6 +158,22 @@ def test_a_rank_still_starting_gets_the_startup_threshold() -> None:
     assert silent_culprits(state, 26.0) == [(2,)]
 
 
+def test_the_startup_grace_ends_once_a_peer_steps() -> None:
+    """#26's regression: a rank SIGKILLed at step 12, in the job's first second, before any
+    heartbeat of its carried a step, was named silent only after 15 s, "before its first
+    step", while its peers had been in step collectives for seconds. Once a peer reports a
+    step, the short threshold holds, and the message does not claim it never stepped."""
+    state = job({0: 10.0, 1: 10.0, 2: 10.0}, phase="first_step", step=None)
+    for t in (10.5, 11.0, 11.5, 12.0, 12.5, 13.0):
+        for rank in (0, 1):
+            state.apply(Sample(v=1, rank=rank, t=0.0, phase="train", step=int(t * 10)), t)
+    assert silent_culprits(state, 13.0) == [(2,)]  # 3 s unheard: not 15
+    (alert,) = [a for a in diagnose(state, 13.0, TH) if a.kind == "silent"]
+    assert "before it reported a step" in alert.message, alert.message
+    assert rank_state(state.ranks[2], 13.0, TH, 10.0, stepping=True) == "silent"
+    assert status_document(state, [], 13.0, TH)["ranks"][2]["state"] == "silent"
+
+
 def test_a_training_rank_keeps_the_short_threshold() -> None:
     state = job({0: 12.9, 1: 12.9, 2: 10.0})
     assert silent_culprits(state, 13.0) == [(2,)]

@@ -204,8 +204,9 @@ class TickView:
         """Each rank's state, the one ``rank_entry`` gives it, and ``not_connected`` for the
         ranks below the world size that never reported (as ``status_document`` finds them)."""
         records, as_of, th = self.state.ranks, self.as_of, self.th
+        stepping = self.state.stepping_since is not None
         states = {
-            rank: rank_state(record, as_of, th, self.stall_after, self.since)
+            rank: rank_state(record, as_of, th, self.stall_after, self.since, stepping)
             for rank, record in records.items()
         }
         for rank in range(self.world_size or 0):
@@ -238,7 +239,13 @@ class TickView:
         if record is None:
             return missing_entry(rank, self.world_size or 0)
         entry = rank_entry(
-            record, self.now, self.th, self.stall_after, as_of=self.as_of, since=self.since
+            record,
+            self.now,
+            self.th,
+            self.stall_after,
+            as_of=self.as_of,
+            since=self.since,
+            stepping=self.state.stepping_since is not None,
         )
         entry["state"] = self.states[rank]
         return entry

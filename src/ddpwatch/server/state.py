@@ -199,6 +199,9 @@ class ServerState:
     listening_since: float = -math.inf
     """Since when the collector has kept up without a break (a backlog that may have made
     senders drop heartbeats, or the server itself paused): silence counts from here."""
+    stepping_since: float | None = None
+    """When a rank of this attempt first reported a step: from then on no rank gets the
+    start-up grace for silence (``rules.facts.silent_after``)."""
     attempt: int = 1
     """The launcher's attempt the job is in: 2 once it restarted the workers (torchrun's
     ``--max-restarts``, an elastic membership change), and so on."""
@@ -270,6 +273,8 @@ class ServerState:
             if isinstance(message, Sample):
                 idle = placed and record.collective is None
                 _apply_sample(record, message, now)
+                if self.stepping_since is None and record.step is not None:
+                    self.stepping_since = now
                 if idle and record.collective is None:
                     return  # in no collective still: ``waits`` has it there (most heartbeats)
         elif isinstance(message, Event):
@@ -320,6 +325,7 @@ class ServerState:
         self.past_attempts.append(PastAttempt(self.attempt, started, now, old))
         del self.past_attempts[:-PAST_ATTEMPTS_KEPT]
         self.attempt, self.attempt_started = attempt, now
+        self.stepping_since = None
         self.generation += 1
 
     def _late_for_past_attempt(self, message: AnyMessage, now: float) -> bool:

@@ -24,10 +24,12 @@ def rank_entry(
     *,
     as_of: float | None = None,
     since: float = -math.inf,
+    stepping: bool = False,
 ) -> dict[str, Any]:
     """One rank as the status JSON shows it; unknown values are None, never omitted. Its
     ``state`` is judged as of ``as_of`` (``ServerState.as_of``), silence counted from
-    ``since`` (``ServerState.listening_since``), like diagnosis does."""
+    ``since`` (``ServerState.listening_since``), with no start-up grace once a rank is
+    ``stepping`` (``ServerState.stepping_since``), like diagnosis does."""
     age = record.collective_age(now)
     collective = (
         {"op": record.collective.op, "seq": record.collective.seq, "since_s": round(age or 0.0, 3)}
@@ -52,7 +54,9 @@ def rank_entry(
         "pid": record.pid,
         "device": record.device,
         "device_uuid": record.device_uuid,
-        "state": rank_state(record, now if as_of is None else as_of, th, stall_after, since),
+        "state": rank_state(
+            record, now if as_of is None else as_of, th, stall_after, since, stepping
+        ),
         "phase": record.phase,
         "step": record.step,
         "loss": loss,
@@ -128,8 +132,11 @@ def status_document(
     stall_after = effective_stall_after(state, th)
     world_size = state.world_size
     as_of, since = state.as_of(now), state.listening_since
+    stepping = state.stepping_since is not None
     ranks = [
-        rank_entry(state.ranks[r], now, th, stall_after, as_of=as_of, since=since)
+        rank_entry(
+            state.ranks[r], now, th, stall_after, as_of=as_of, since=since, stepping=stepping
+        )
         for r in sorted(state.ranks)
     ]
     if world_size:

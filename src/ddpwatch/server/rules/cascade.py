@@ -20,7 +20,9 @@ from ddpwatch.server.state import RankRecord
 from ddpwatch.vocabulary import AlertKind, Severity, SeverityName
 
 
-def _root_alert(root: Root, cascade: Cascade | None, now: float) -> Alert:
+def _root_alert(
+    root: Root, cascade: Cascade | None, now: float, stepping: bool = False
+) -> Alert:
     """The alert for one root: what failed first, why, what followed, and what to do."""
     ranks = sorted(root.ranks)
     first = min(root.records, key=lambda r: (r.error_time or r.exit_time or r.last_seen, r.rank))
@@ -29,7 +31,7 @@ def _root_alert(root: Root, cascade: Cascade | None, now: float) -> Alert:
     if root.named:  # the ranks that raised the error only reported it
         waiting = sorted(set(waiting) | {r.rank for r in root.records})
     if root.kind == AlertKind.SILENT:
-        return _silent_alert(root, ranks, waiting, after, now)
+        return _silent_alert(root, ranks, waiting, after, now, stepping)
     if root.kind == AlertKind.EXITED:
         return _exit_alert(first, ranks, waiting, after)
     assert first.error is not None
@@ -107,7 +109,7 @@ def _exit_alert(first: RankRecord, ranks: list[int], waiting: list[int], after: 
 
 
 def _silent_alert(
-    root: Root, ranks: list[int], waiting: list[int], after: str, now: float
+    root: Root, ranks: list[int], waiting: list[int], after: str, now: float, stepping: bool
 ) -> Alert:
     who = format_ranks(ranks)
     first = min(root.records, key=lambda r: (r.last_seen, r.rank))
@@ -115,8 +117,8 @@ def _silent_alert(
     n = len(ranks)
     message = (
         f"{who} {verb(n, 'has', 'have')} sent no heartbeat for {seconds(quiet)}, last "
-        f"{where(first)}; {verb(n, 'it was', 'they were')} probably killed (kill -9, the OOM "
-        f"killer) or {verb(n, 'is', 'are')} stuck in native code holding the GIL"
+        f"{where(first, stepping)}; {verb(n, 'it was', 'they were')} probably killed (kill -9, "
+        f"the OOM killer) or {verb(n, 'is', 'are')} stuck in native code holding the GIL"
     )
     message += after
     on_host = f" on host {first.host}" if first.host else ""
@@ -198,7 +200,10 @@ def rule_cascade(f: Facts) -> list[Alert]:
     if not cascade.roots:
         return _no_root_alerts(cascade, now, th)
     first, *others = cascade.roots
-    return [_root_alert(first, cascade, now)] + [_root_alert(root, None, now) for root in others]
+    stepping = f.stepping
+    return [_root_alert(first, cascade, now, stepping)] + [
+        _root_alert(root, None, now, stepping) for root in others
+    ]
 
 
 @rule(AlertKind.EXITED)

@@ -37,32 +37,47 @@ _TERM_CODES = frozenset({-15, -2, -1, 143, 130, 129})
 _STARTING = frozenset(STARTUP_PHASES) - {"train"}
 
 
-def silent_after(record: RankRecord, th: Thresholds) -> float:
+def silent_after(record: RankRecord, th: Thresholds, stepping: bool = False) -> float:
     """How long this rank may go unheard before it counts as silent.
 
     Longer while it starts (no step yet, in a startup phase): its heartbeat thread then
     waits seconds for the GIL behind imports, model building and DataLoader workers on a
-    busy host (seen: 2.5 to 10 s at a load average above 4 on 2 cores). A relayed rank gets
+    busy host (seen: 2.5 to 10 s at a load average above 4 on 2 cores). Not once a peer is
+    ``stepping`` (``ServerState.stepping_since``): in lockstep, the peers' steps say this
+    rank started too, and one that only never reported a step (killed at step 12 in the
+    job's first second) is not starting (seen: named silent 15 s late). A relayed rank gets
     the beat its relay may hold its frames on top.
     """
     limit = th.silent
-    if record.step is None and (record.phase is None or record.phase in _STARTING):
+    if (
+        not stepping
+        and record.step is None
+        and (record.phase is None or record.phase in _STARTING)
+    ):
         limit = max(limit, th.startup_silent)
     return limit + RELAY_HOLD_S if record.relayed else limit
 
 
-def is_silent(record: RankRecord, now: float, th: Thresholds, since: float) -> bool:
+def is_silent(
+    record: RankRecord, now: float, th: Thresholds, since: float, stepping: bool = False
+) -> bool:
     """Unheard for longer than ``silent_after``, counting only time the server listened
     through without a break (``since``: ``ServerState.listening_since``)."""
-    return now - max(record.last_seen, since) > silent_after(record, th)
+    return now - max(record.last_seen, since) > silent_after(record, th, stepping)
 
 
 def rank_state(
-    record: RankRecord, now: float, th: Thresholds, stall_after: float, since: float = -math.inf
+    record: RankRecord,
+    now: float,
+    th: Thresholds,
+    stall_after: float,
+    since: float = -math.inf,
+    stepping: bool = False,
 ) -> str:
     """One word for a rank (a ``RankState``): running, waiting, stalled, silent, crashed,
     stopped or exited, as of ``now`` (``ServerState.as_of``); silence and stalls count from
-    ``since`` at the earliest (``ServerState.listening_since``).
+    ``since`` at the earliest (``ServerState.listening_since``); ``stepping``: a rank of the
+    job has reported a step (``silent_after``).
 
     ``stopped``: ended by a signal from outside (SIGTERM, SIGINT, SIGHUP), usually the
     launcher stopping the rest after one rank failed; ``exited``: ended on its own.
@@ -71,7 +86,7 @@ def rank_state(
         return RankState.CRASHED
     if record.exit_time is not None:
         return RankState.STOPPED if is_term_exit(record) else RankState.EXITED
-    if is_silent(record, now, th, since):
+    if is_silent(record, now, th, since, stepping):
         return RankState.SILENT
     if record.collective is not None:
         return RankState.WAITING
@@ -235,7 +250,12 @@ class Facts:
 
     def silent(self, record: RankRecord) -> bool:
         """Unheard for too long, over time the server really listened (``is_silent``)."""
-        return is_silent(record, self.now, self.th, self.since)
+        return is_silent(record, self.now, self.th, self.since, self.stepping)
+
+    @cached_property
+    def stepping(self) -> bool:
+        """A rank of this attempt has reported a step: nobody is still starting up."""
+        return self.state.stepping_since is not None
 
     def idle(self, record: RankRecord) -> float:
         """Seconds without progress the server can vouch for (from ``since`` at most)."""

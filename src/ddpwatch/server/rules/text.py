@@ -96,12 +96,16 @@ def record_location(record: RankRecord) -> str | None:
     return found
 
 
-def where(record: RankRecord) -> str:
-    """Describe where a rank is: "in 'forward' at step 311, train.py:88", as far as known."""
+def where(record: RankRecord, stepping: bool = False) -> str:
+    """Describe where a rank is: "in 'forward' at step 311, train.py:88", as far as known.
+    ``stepping``: other ranks reported steps, so one that reported none may have made some."""
     parts = []
     if record.phase:
         parts.append(f"in '{record.phase}'")
-    parts.append("before its first step" if record.step is None else f"at step {record.step}")
+    if record.step is not None:
+        parts.append(f"at step {record.step}")
+    else:
+        parts.append("before it reported a step" if stepping else "before its first step")
     text = " ".join(parts)
     loc = record_location(record)
     return f"{text}, {loc}" if loc else text
