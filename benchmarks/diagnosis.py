@@ -129,6 +129,14 @@ MODES: dict[str, Mode] = {
             watch_s=35.0,
         ),
         _mode(
+            "rank0-checkpoint-timeout",
+            {0},
+            # the others' timeout is its consequence: the alert stays on rank 0
+            {"straggler", "stalled"},
+            _GH + "hiyouga/LLaMA-Factory/issues/2424",
+            watch_s=30.0,
+        ),
+        _mode(
             "rank0-eval-epochs",
             {0},
             {"straggler"},  # working (its stack moves): never ``stalled``

@@ -64,6 +64,12 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     # wait in wait_for_everyone() (https://github.com/huggingface/accelerate/issues/1359,
     # https://github.com/huggingface/accelerate/issues/2690)
     "rank0-checkpoint": (0, 20),
+    # LLaMA-Factory #2424: the same with a process-group timeout shorter than rank 0's solo
+    # work: the others' wait times out ("Timed out waiting ... for recv operation") and
+    # torchrun's "Root Cause" names them, the victims
+    # (https://github.com/hiyouga/LLaMA-Factory/issues/2424); ``--no-barrier``: the others
+    # wait in the next step's collectives instead
+    "rank0-checkpoint-timeout": (0, 20),
     # RETURNN #1621: evaluation on rank 0 only, every epoch, while the others wait for it
     # (https://github.com/rwth-i6/returnn/issues/1621): not a failure, each rank exits 0, but
     # the others lose the time; three evaluations, the first at ``--at``, every 10 steps
@@ -159,6 +165,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--init-timeout", type=float, default=30.0, help="missing-rank: rendezvous timeout (s)"
     )
+    parser.add_argument(
+        "--pg-timeout", type=float, default=8.0, help="*-timeout: the process group's timeout (s)"
+    )
+    parser.add_argument(
+        "--no-barrier", action="store_true", help="rank0-checkpoint*: no barrier after it"
+    )
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args(argv)
@@ -185,6 +197,8 @@ def init(args: argparse.Namespace, me: int) -> None:
             world_size=args.world_size,
             timeout=timedelta(seconds=args.init_timeout),
         )
+    elif args.mode.endswith("-timeout"):
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
     else:
         dist.init_process_group("gloo")
 
@@ -274,12 +288,13 @@ def special(
             fault_line(me)
             time.sleep(args.sleep)
         dist.barrier()  # e.g. "wait until everyone finished the epoch"
-    elif mode == "rank0-checkpoint":
+    elif mode in ("rank0-checkpoint", "rank0-checkpoint-timeout"):
         if faulty:
             fault_line(me)
             with ddpwatch.phase("checkpoint"):
                 solo_work(model, args.sleep)
-        dist.barrier()  # the others wait for the checkpoint, as wait_for_everyone() does
+        if not args.no_barrier:
+            dist.barrier()  # the others wait for the checkpoint, as wait_for_everyone() does
     elif mode == "allgather-size":
         values = torch.arange(5.0 if faulty else 4.0)
         if faulty:

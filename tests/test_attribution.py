@@ -167,6 +167,88 @@ def test_busy_rank_zero_says_when_the_others_time_out() -> None:
     assert "raise timeout= in init_process_group" in alert.hint
 
 
+GLOO_RECV_TIMEOUT = ErrorInfo(
+    type="RuntimeError",
+    message="[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+    "8000ms for recv operation to complete",
+)
+
+
+def timed_out(rank: int, place: Collective) -> Event:
+    return Event(
+        v=1, rank=rank, t=0.0, event="crash", error=GLOO_RECV_TIMEOUT, collective=place, step=20
+    )
+
+
+def _checkpoint_timeout(place: Collective, done: int, **groups: int) -> ServerState:
+    """LLaMA-Factory #2424: rank 0 saves alone (its counts say it has not entered ``place``)
+    until ranks 1 and 2 time out in it after 8 s."""
+    state = ServerState(started=NOW - 100)
+    mine = {"pg_timeout_s": 8.0, "step": 20}
+    for at in (NOW - 8.0, NOW - 4.0, NOW - 0.6):
+        feed(
+            state,
+            at,
+            beat(0, phase="checkpoint", collectives=counts(done, done, **groups), **mine),
+            beat(1, collective=place, collectives=counts(done + 1, done + 1, **groups), **mine),
+            beat(2, collective=place, collectives=counts(done + 1, done + 1, **groups), **mine),
+        )
+    feed(state, NOW - 0.1, timed_out(1, place), timed_out(2, place))
+    return state
+
+
+@pytest.mark.parametrize(
+    "place",
+    [
+        in_barrier(46, 8.0),  # the others' barrier (a Python collective)
+        Collective(op="gloo:all_reduce", seq=46, since_s=8.0, source="fr", group="0"),  # DDP's
+    ],
+    ids=["barrier", "ddp-allreduce"],
+)
+def test_a_timeout_keeps_the_blame_on_the_rank_it_waited_for(place: Collective) -> None:
+    """The victims' timeouts ("Timed out waiting 8000ms for recv") are the consequence: the
+    alert stays a straggler alert on rank 0, then and once torchrun has stopped it."""
+    state = _checkpoint_timeout(place, 45)
+    (alert,) = [a for a in alerts_at(state, NOW) if a.severity == "error"]
+    assert (alert.kind, alert.ranks, alert.waiting) == ("straggler", (0,), (1, 2))
+    assert alert.message.startswith("ranks 1, 2 timed out after 8.0 s in "), alert.message
+    assert "waiting for rank 0, which had not entered it: in 'checkpoint' at step 20" in (
+        alert.message
+    )
+    assert "the timeout is the consequence" in alert.hint
+    feed(state, NOW + 1.0, Event(v=1, rank=0, t=0.0, event="exit", signal="SIGTERM", exit_code=-15))
+    later = alerts_at(state, NOW + 2.0)
+    assert [(a.kind, a.ranks, a.waiting) for a in later] == [("straggler", (0,), (1, 2))]
+    assert "it was stopped after them" in later[0].message
+
+
+def test_a_timeout_in_a_subgroup_blames_the_member_that_had_not_entered_it() -> None:
+    """Group "1" holds ranks 0, 2 only: rank 1's count for it is absent, so it is not named."""
+    place = Collective(op="gloo:all_reduce", seq=7, since_s=8.0, source="fr", group="1")
+    state = ServerState(started=NOW - 100)
+    mine = {"pg_timeout_s": 8.0, "step": 20}
+    for at in (NOW - 8.0, NOW - 0.6):
+        feed(
+            state,
+            at,
+            beat(0, collective=place, collectives=counts(30, 30, **{"1": 7}), **mine),
+            beat(1, phase="train", collectives=counts(30, 30), **mine),
+            beat(2, phase="data", collectives=counts(30, 30, **{"1": 6}), **mine),
+        )
+    feed(state, NOW - 0.1, timed_out(0, place))
+    errors = [a for a in alerts_at(state, NOW) if a.severity == "error"]
+    assert [(a.kind, a.ranks) for a in errors] == [("straggler", (2,))]
+    assert errors[0].message.startswith("rank 0 timed out after 8.0 s in gloo:all_reduce #7")
+
+
+def test_timeouts_in_different_collectives_name_no_rank_they_waited_for() -> None:
+    """Ambiguous evidence (rank 1 timed out in barrier #46, rank 2 in #47): the timeouts
+    stay as they are rather than a guess."""
+    state = _checkpoint_timeout(in_barrier(46, 8.0), 45)
+    state.ranks[2].final_collective = in_barrier(47, 8.0)
+    assert 0 not in named(alerts_at(state, NOW))
+
+
 def test_a_rank_waiting_for_its_dataloader_is_named_with_data_loading_as_the_cause() -> None:
     state = ServerState(started=NOW - 100)
     feed(

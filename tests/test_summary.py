@@ -302,3 +302,36 @@ def test_a_wait_still_open_when_the_job_was_stopped_counts_to_its_end() -> None:
     doc = {"server_time": T0 + 52, "job_started": T0, "world_size": 3, "ranks": ranks,
            "history": tracker.entries()}  # fmt: skip
     assert "rank 1 held ranks 0, 2 up once, 32.0 s (64 % of a 50.0 s run)" in verdict(doc)
+
+
+def test_a_timeout_ends_the_job_because_of_the_rank_the_others_waited_for() -> None:
+    """LLaMA-Factory #2424: rank 0 saves alone in 'checkpoint'; ranks 1, 2 time out in
+    their barrier after 8 s and torchrun stops rank 0. The live alert stayed a straggler
+    alert on rank 0 (the timeout its consequence): the verdict says rank 0 ended the job,
+    not rank 1, the first to time out (torchrun's "Root Cause")."""
+    tracker = AlertTracker()
+    for t, severity in ((22.0, "warning"), (24.0, "error"), (28.1, "error")):
+        a = Alert(
+            "straggler", severity, (0,), (1, 2), "…", "fix", waited_s=t - 20.0, phase="checkpoint"
+        )
+        tracker.update([a], T0 + t, T0)
+    timeout = {
+        "type": "RuntimeError",
+        "message": "[unbound_buffer.cc:78] Timed out waiting 8000ms for recv operation to complete",
+    }
+    ranks = [
+        rank(0, "stopped", exit_signal="SIGTERM", step=20, ended_at=T0 + 29.3),
+        rank(1, "crashed", error=timeout, step=20, ended_at=T0 + 28.0),
+        rank(2, "crashed", error=timeout, step=20, ended_at=T0 + 28.1),
+    ]
+    doc = {"server_time": T0 + 31, "job_started": T0, "world_size": 3, "ranks": ranks,
+           "history": tracker.entries()}  # fmt: skip
+    text = verdict(doc)
+    assert text.startswith(
+        "rank 0 kept ranks 1, 2 waiting in 'checkpoint' until they timed out at step 20, which "
+        "ended the job; ranks 1, 2 failed because of it"
+    ), text
+    assert "rank 0 was stopped" not in text
+    # a timeout with no straggler alert up at its end: no rank is guessed
+    cleared = document(ranks)
+    assert not verdict(cleared).startswith("rank 0"), verdict(cleared)

@@ -210,7 +210,7 @@ class Outcome:
     """How one rank's process ended, in words, and whether that is a failure."""
 
     rank: int
-    word: str  # finished, crashed, exited, killed, stopped, silent, running, absent
+    word: str  # finished, crashed, exited, killed, stopped, silent, running, absent, held
     failed: bool
     ended_at: float | None
     text: str  # "crashed with RuntimeError (boom)", "exited with code 3", ...
@@ -331,6 +331,9 @@ def _what_ended(outcomes: dict[int, Outcome], found: Sequence[Episode]) -> Outco
     failures = failed + early
     if not failures:
         return None
+    holder = _held_until_timeout(outcomes, failed, found)
+    if holder is not None:
+        return holder
     never = {o.rank for o in outcomes.values() if o.word == "absent"}
     absent = sorted(_named(found, ABSENCES, Severity.WARNING) & never)
     for causes in (
@@ -342,6 +345,35 @@ def _what_ended(outcomes: dict[int, Outcome], found: Sequence[Episode]) -> Outco
     ):
         if causes:
             return min(causes, key=lambda o: (*_when(o, found), o.rank))
+    return None
+
+
+def _held_until_timeout(
+    outcomes: dict[int, Outcome], failed: list[Outcome], found: Sequence[Episode]
+) -> Outcome | None:
+    """Every failure only a victim's (timed out waiting), all of them ranks a straggler
+    alert still up at the end said waited for one rank that did not fail itself: that rank
+    ended the job (LLaMA-Factory #2424: rank 0 saves past the process group's timeout), not
+    the first rank to time out, as the launcher's "Root Cause" says."""
+    if not failed or not all(o.waited for o in failed):
+        return None
+    victims = {o.rank for o in failed}
+    for e in found:
+        if (
+            e.kind in HOLDING
+            and e.severity == Severity.ERROR
+            and e.cleared_s is None
+            and len(e.ranks) == 1
+            and victims <= set(e.waiting)
+        ):
+            rank = e.ranks[0]
+            own = outcomes.get(rank)
+            if own is None or own.failed:
+                return None
+            where = f" in '{e.phase}'" if e.phase else ""
+            when = min((o.ended_at for o in failed if o.ended_at is not None), default=None)
+            text = f"kept {format_ranks(sorted(victims))} waiting{where} until they timed out"
+            return Outcome(rank, "held", True, when, text)
     return None
 
 

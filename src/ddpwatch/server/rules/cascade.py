@@ -4,7 +4,7 @@ ranks that failed or wait because of it (listed as ``waiting``, never as culprit
 from __future__ import annotations
 
 from ddpwatch.server.alerts import Alert, Thresholds
-from ddpwatch.server.rules.facts import Cascade, Facts, Root, is_clean_exit
+from ddpwatch.server.rules.facts import Cascade, Facts, Root, is_clean_exit, is_term_exit
 from ddpwatch.server.rules.registry import alert, rule
 from ddpwatch.server.rules.text import (
     STACKS_IN,
@@ -32,6 +32,8 @@ def _root_alert(
         waiting = sorted(set(waiting) | {r.rank for r in root.records})
     if root.kind == AlertKind.SILENT:
         return _silent_alert(root, ranks, waiting, after, now, stepping)
+    if root.kind == AlertKind.STRAGGLER:
+        return _held_alert(root, cascade, waiting, now)
     if root.kind == AlertKind.EXITED:
         return _exit_alert(first, ranks, waiting, after)
     assert first.error is not None
@@ -80,6 +82,46 @@ def _consequences(cascade: Cascade | None, roots: list[int]) -> tuple[list[int],
     if blocked:
         parts.append(f"{format_ranks(blocked)} {verb(len(blocked), 'waits', 'wait')} for it")
     return failed + stopped + blocked, "".join(f"; {part}" for part in parts)
+
+
+def _held_alert(root: Root, cascade: Cascade | None, waiting: list[int], now: float) -> Alert:
+    """Ranks whose collective timed out waiting for ``root``'s: the blame stays where the
+    straggler alert had it, with the timeout as its consequence (the same alert, so its
+    episode goes on), also once the launcher has stopped everyone."""
+    ranks = sorted(root.ranks)
+    first = root.records[0]
+    victims = sorted(r.rank for r in root.timed_out)
+    place = root.timed_out[0].final_collective
+    name = collective_name(place.op, place.seq) if place is not None else "a collective"
+    limits = {r.pg_timeout_s for r in root.timed_out}
+    limit = limits.pop() if len(limits) == 1 else None
+    after = f" after {seconds(limit)}" if limit else ""
+    detail = where(first)
+    if first.exit_time is not None:
+        detail += "; it was stopped after them" if is_term_exit(first) else "; it ended after them"
+    message = (
+        f"{format_ranks(victims)} timed out{after} in {name} waiting for "
+        f"{format_ranks(ranks)}, which had not entered it: {detail}"
+    )
+    others = sorted(set(waiting) - set(victims))
+    if others and cascade is not None:
+        message += f"; {format_ranks(others)} failed or {verb(len(others), 'was', 'were')} stopped"
+    hint = (
+        f"the timeout is the consequence: see what {format_ranks(ranks[:1])} was doing (its "
+        f"stack in {STACKS_IN}); if that work is legitimate (saving, evaluating, downloading on "
+        "one rank), raise timeout= in init_process_group or let every rank wait outside a "
+        "collective (or do the work on every rank)"
+    )
+    return alert(
+        AlertKind.STRAGGLER,
+        Severity.ERROR,
+        ranks,
+        sorted(set(waiting) | set(victims)),
+        message,
+        hint,
+        waited_s=limit,
+        phase=first.phase,
+    )
 
 
 def _exit_alert(first: RankRecord, ranks: list[int], waiting: list[int], after: str) -> Alert:
@@ -190,7 +232,7 @@ def _together_alert(records: list[RankRecord], now: float) -> Alert:
     return alert(AlertKind.SILENT, Severity.WARNING, [], ranks, message, hint)
 
 
-@rule(AlertKind.CRASHED, AlertKind.EXITED, AlertKind.SILENT)
+@rule(AlertKind.CRASHED, AlertKind.EXITED, AlertKind.SILENT, AlertKind.STRAGGLER)
 def rule_cascade(f: Facts) -> list[Alert]:
     """Name the ranks that failed first; list everything that failed because of them."""
     now, th = f.now, f.th

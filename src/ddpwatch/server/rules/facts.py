@@ -353,6 +353,8 @@ class Root:
     records: list[RankRecord]
     signature: Signature | None = None
     named: bool = False  # ``ranks`` come from the error text; ``records`` only reported it
+    timed_out: list[RankRecord] = field(default_factory=list)
+    """A ``straggler`` root: the ranks whose collective timed out waiting for it."""
 
 
 @dataclass
@@ -573,16 +575,54 @@ def _place_silent(facts: Facts, buckets: _Buckets) -> None:
 
 def _pick_roots(facts: Facts, buckets: _Buckets) -> list[Root]:
     """The roots, earliest first: the failures of their own, the timeouts then being
-    symptoms; only when there are none (and no rank is missing), the timeouts."""
-    if buckets.primary or missing_ranks(facts.state):
-        # a timeout waited for someone: the rank that failed, or one that never came
-        for root in buckets.timeouts.values():
+    symptoms; only when there are none (and no rank is missing), the ranks the timeouts
+    waited for (``_held_up_by``), else the timeouts themselves."""
+    timeouts = list(buckets.timeouts.values())
+    held = None
+    if not buckets.primary and not missing_ranks(facts.state) and timeouts:
+        held = _held_up_by(facts, timeouts)
+    if buckets.primary or missing_ranks(facts.state) or held is not None:
+        # a timeout waited for someone: the rank that failed, one that never came, or one
+        # that had not entered the collective (saving, evaluating alone)
+        for root in timeouts:
             buckets.symptoms.extend(root.records)
-        roots = list(buckets.primary.values())
+        roots = list(buckets.primary.values()) + ([held] if held is not None else [])
     else:
-        roots = list(buckets.timeouts.values())
+        roots = timeouts
     roots.sort(key=lambda root: (root.time, min(root.ranks)))
     return roots
+
+
+def _held_up_by(facts: Facts, timeouts: list[Root]) -> Root | None:
+    """The ranks a collective timed out waiting for (LLaMA-Factory #2424: rank 0 saves alone
+    past the process group's timeout, the others' barrier times out, and torchrun's "Root
+    Cause" names them). Named only on their own evidence: every timed-out rank failed in
+    the same numbered collective, and a rank's report, sent after that collective began,
+    shows it had not entered it. A rank itself blocked in another collective, or crashed,
+    is not one (it waits for someone else, or is a root of its own)."""
+    waited = [r for root in timeouts for r in root.records]
+    places = {wait_key(c) for r in waited if (c := r.final_collective) is not None}
+    if len(places) != 1 or any(r.final_collective is None for r in waited):
+        return None
+    (place,) = places
+    out = {r.rank for r in waited}
+    began = min(
+        (r.error_time or r.last_seen) - (r.pg_timeout_s or 0.0) for r in waited
+    )  # when their wait began, at the latest
+    held = [
+        r
+        for r in facts.records
+        if r.rank not in out
+        and r.error is None
+        and r.last_seen > began
+        and entered(r, place) is False
+        and not (r.collective is not None and r.exit_time is None)
+    ]
+    if not held:
+        return None
+    held.sort(key=lambda r: r.rank)
+    time = min(r.error_time or r.last_seen for r in waited)
+    return Root(AlertKind.STRAGGLER, [r.rank for r in held], time, held, timed_out=waited)
 
 
 @lru_cache(maxsize=1024)
