@@ -40,12 +40,14 @@ SHORTER: dict[str, tuple[str, ...]] = {
     "healthy": ("--steps", "40"),
     "barrier-sleep": ("--sleep", "8"),
     "rank0-checkpoint": ("--sleep", "8"),
+    "rank0-checkpoint-timeout": ("--sleep", "10", "--pg-timeout", "5"),
     "rank0-eval-epochs": ("--sleep", "5"),
     "missing-rank": ("--init-timeout", "16"),
 }
 WATCH_S = {
     "barrier-sleep": 14.0,
     "rank0-checkpoint": 14.0,
+    "rank0-checkpoint-timeout": 14.0,
     "rank0-eval-epochs": 30.0,
     "dataloader-hang": 8.0,
     "skipped-batch": 8.0,
@@ -151,6 +153,27 @@ def test_rank_zero_checkpointing_alone_is_the_one_waited_for() -> None:
     wait in wait_for_everyone() (https://github.com/huggingface/accelerate/issues/1359,
     https://github.com/huggingface/accelerate/issues/2690)."""
     assert_blames_only_the_culprit("rank0-checkpoint")
+
+
+def test_a_timeout_waiting_for_rank_zero_keeps_the_blame_on_rank_zero() -> None:
+    """LLaMA-Factory #2424: rank 0 saves alone past the process group's timeout; the others'
+    barrier times out and torchrun's "Root Cause" names one of them. ddpwatch keeps rank 0
+    named, live and in the verdict, the timeouts its consequence."""
+    result = assert_blames_only_the_culprit("rank0-checkpoint-timeout")
+    assert result.verdict.startswith("rank 0 kept ranks 1, 2 waiting in 'checkpoint' until"), (
+        describe(result)
+    )
+
+
+def test_a_timeout_in_the_next_steps_collective_keeps_the_blame_too() -> None:
+    """The same without the barrier: the others time out in the next step's all-reduce."""
+    mode = MODES["rank0-checkpoint-timeout"]
+    extra = (*SHORTER["rank0-checkpoint-timeout"], "--no-barrier")
+    result = run_mode(mode, extra=extra, watch_s=WATCH_S["rank0-checkpoint-timeout"])
+    scored = score(result, mode)
+    account = describe(result)
+    assert scored.first is not None and scored.first.ranks == (0,), account
+    assert not scored.wrong and scored.verdict_right, account
 
 
 def test_rank_zero_evaluating_alone_every_epoch_held_the_others_up_and_failed_nothing() -> None:
