@@ -137,6 +137,13 @@ MODES: dict[str, Mode] = {
             watch_s=30.0,
         ),
         _mode(
+            "subgroup-cascade",
+            {2},
+            {"straggler", "stalled"},  # rank 0 waits for it in the subgroup: a victim
+            _GH + "pytorch/pytorch/issues/130102",
+            watch_s=25.0,
+        ),
+        _mode(
             "rank0-eval-epochs",
             {0},
             {"straggler"},  # working (its stack moves): never ``stalled``

@@ -74,6 +74,11 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     # (https://github.com/rwth-i6/returnn/issues/1621): not a failure, each rank exits 0, but
     # the others lose the time; three evaluations, the first at ``--at``, every 10 steps
     "rank0-eval-epochs": (0, 10),
+    # PyTorch #130102: hierarchical communication, a subgroup's collective then the world's,
+    # hangs (https://github.com/pytorch/pytorch/issues/130102); here rank 2 is slow, rank 0
+    # waits for it in an all-reduce on ``new_group([0, 2])`` and rank 1 waits for rank 0 in
+    # the world's next collective: the blame runs through rank 0 to rank 2
+    "subgroup-cascade": (2, 20),
     # PyTorch #87995: one rank hangs in its DataLoader, all others wait in all_reduce
     # (https://github.com/pytorch/pytorch/issues/87995)
     "dataloader-hang": (1, 20),
@@ -211,6 +216,7 @@ def train(args: argparse.Namespace) -> int:
     mode, faulty = args.mode, me == args.rank
     torch.manual_seed(0)
     model = Net(args.width)
+    pair = dist.new_group([0, 2]) if mode == "subgroup-cascade" else None  # every rank calls it
     ddp = DistributedDataParallel(model)
     ddpwatch.attach(ddp)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
@@ -251,6 +257,12 @@ def train(args: argparse.Namespace) -> int:
         ddpwatch.step(loss)
         if step == args.at:
             special(args, me, faulty, model, metric)
+        if step == args.at and pair is not None and me in (0, 2):
+            if faulty:
+                fault_line(me)
+                with ddpwatch.phase("data"):
+                    time.sleep(args.sleep)  # a slow read of its next shard
+            dist.all_reduce(metric, group=pair)  # e.g. a tensor-parallel pair's reduction
         if mode == "rank0-eval-epochs" and step in (args.at, args.at + 10, args.at + 20):
             evaluate_alone(args, me, faulty, step, model)
         time.sleep(args.step_time)

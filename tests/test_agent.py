@@ -283,6 +283,11 @@ def test_first_pending_prefers_the_default_group() -> None:
         {"3": {"last_completed_collective": "1", "last_enqueued_collective": "2"}}
     ) == ("3", 2)
     assert first_pending({"0": {"last_completed_collective": "x"}}) is None
+    # a subgroup's first collective still pending: sequence numbers start at 1, and a
+    # group with none completed says -1 (seen with torch 2.13)
+    assert first_pending(
+        {"1": {"last_completed_collective": "-1", "last_enqueued_collective": "1"}}
+    ) == ("1", 1)
 
 
 def test_flight_recorder_defaults_follow_the_users_choice(caplog) -> None:

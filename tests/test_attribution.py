@@ -241,6 +241,52 @@ def test_a_timeout_in_a_subgroup_blames_the_member_that_had_not_entered_it() -> 
     assert errors[0].message.startswith("rank 0 timed out after 8.0 s in gloo:all_reduce #7")
 
 
+def _subgroup_cascade(at: float) -> ServerState:
+    """PyTorch #130102's shape: rank 2 reads slowly; rank 0 waits for it in all_reduce #1 of
+    subgroup "1" (ranks 0, 2); rank 1 waits for rank 0 in the world's all_reduce #46."""
+    pair = Collective(op="all_reduce[pg 1]", seq=1, since_s=5.0, source="fr", group="1")
+    world = Collective(op="all_reduce", seq=46, since_s=4.9, source="fr", group="0")
+    state = ServerState(started=NOW - 100)
+    feed(
+        state,
+        at,
+        beat(0, step=20, collective=pair, collectives=counts(20, 45, **{"1": 1})),
+        beat(1, step=20, collective=world, collectives=counts(21, 46)),
+        beat(2, step=20, phase="data", collectives=counts(20, 45, **{"1": 0})),
+    )
+    return state
+
+
+def test_a_rank_blocked_in_a_subgroup_is_a_victim_and_the_chain_names_the_culprit() -> None:
+    """Rank 0 has not entered the world's all_reduce, but it waits in the subgroup for rank 2:
+    a victim. Rank 2, in no collective, is the culprit, whichever collective is read first;
+    rank 1, not in the subgroup, is never named for it."""
+    state = _subgroup_cascade(NOW - 0.2)
+    (alert,) = [a for a in alerts_at(state, NOW) if a.kind == "straggler"]
+    assert (alert.ranks, alert.waiting) == ((2,), (0, 1)), alert.message
+    assert "rank 0 waits in all_reduce[pg 1] #1 for rank 2" in alert.message, alert.message
+    assert "rank 2 is in 'data' at step 20" in alert.message
+
+
+def test_a_rank_just_released_from_a_wait_is_not_named_for_the_next_collective() -> None:
+    """Rank 2 entered the subgroup's collective at last; rank 0, released, heads for the
+    world's all_reduce #46 that rank 1 waits in. Its report that it has not entered #46,
+    from the moment of its release, names nobody for 1.5 s; a later one would."""
+    state = _subgroup_cascade(NOW - 6.0)
+    world = Collective(op="all_reduce", seq=46, since_s=10.0, source="fr", group="0")
+    feed(
+        state,
+        NOW - 0.1,
+        beat(0, step=20, collectives=counts(20, 45, **{"1": 1})),
+        beat(1, step=20, collective=world, collectives=counts(21, 46)),
+        beat(2, step=20, collectives=counts(20, 45, **{"1": 1})),
+    )
+    culprits = named([a for a in alerts_at(state, NOW) if a.kind == "straggler"])
+    assert 0 not in culprits
+    feed(state, NOW + 1.9, beat(0, step=20, collectives=counts(20, 45, **{"1": 1})))
+    assert 0 in named([a for a in alerts_at(state, NOW + 2.0) if a.kind == "straggler"])
+
+
 def test_timeouts_in_different_collectives_name_no_rank_they_waited_for() -> None:
     """Ambiguous evidence (rank 1 timed out in barrier #46, rank 2 in #47): the timeouts
     stay as they are rather than a guess."""
@@ -368,6 +414,25 @@ def test_enqueued_counts_read_every_group_and_skip_what_is_unreadable() -> None:
         "8": None,
     }
     assert enqueued_counts(status) == {"0": 171, "5": 9}
+    # groups this rank is in that the recorder does not list yet: none enqueued there
+    assert enqueued_counts(status, ["0", "5", "6"]) == {"0": 171, "5": 9, "6": 0}
+
+
+def test_member_groups_name_the_groups_of_this_rank_as_the_recorder_does(port: int) -> None:
+    """torch keeps no group for a rank outside it; the recorder names groups the same way."""
+    import torch.distributed as dist
+
+    from ddpwatch.agent.collectives import member_groups
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )
+    try:
+        dist.new_group([0])
+        assert member_groups() == ["0", "1"]
+    finally:
+        dist.destroy_process_group()
+    assert member_groups() == []
 
 
 # --------------------------------------------------------------------------- mismatches

@@ -41,6 +41,7 @@ SHORTER: dict[str, tuple[str, ...]] = {
     "barrier-sleep": ("--sleep", "8"),
     "rank0-checkpoint": ("--sleep", "8"),
     "rank0-checkpoint-timeout": ("--sleep", "10", "--pg-timeout", "5"),
+    "subgroup-cascade": ("--sleep", "8"),
     "rank0-eval-epochs": ("--sleep", "5"),
     "missing-rank": ("--init-timeout", "16"),
 }
@@ -48,6 +49,7 @@ WATCH_S = {
     "barrier-sleep": 14.0,
     "rank0-checkpoint": 14.0,
     "rank0-checkpoint-timeout": 14.0,
+    "subgroup-cascade": 14.0,
     "rank0-eval-epochs": 30.0,
     "dataloader-hang": 8.0,
     "skipped-batch": 8.0,
@@ -174,6 +176,14 @@ def test_a_timeout_in_the_next_steps_collective_keeps_the_blame_too() -> None:
     account = describe(result)
     assert scored.first is not None and scored.first.ranks == (0,), account
     assert not scored.wrong and scored.verdict_right, account
+
+
+def test_a_cascade_through_a_subgroup_names_the_rank_at_its_end() -> None:
+    """PyTorch #130102's shape: rank 0 waits for slow rank 2 in a subgroup's all-reduce and
+    rank 1 waits for rank 0 in the world's: rank 0 is a victim, rank 2 the culprit."""
+    result = assert_blames_only_the_culprit("subgroup-cascade")
+    first = score(result, MODES["subgroup-cascade"]).first
+    assert first is not None and set(first.waiting) == {0, 1}, describe(result)
 
 
 def test_rank_zero_evaluating_alone_every_epoch_held_the_others_up_and_failed_nothing() -> None:

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ddpwatch.agent.progress import Progress
@@ -184,7 +184,7 @@ class FlightRecorder:
             return None, None
         try:
             pg_status = json.loads(self._dump(False, True)).get("pg_status") or {}
-            enqueued = enqueued_counts(pg_status)
+            enqueued = enqueued_counts(pg_status, member_groups())
             pending = first_pending(pg_status)
             if pending is None or pending != self._pending:
                 self._pending = pending  # new, or nothing: look again next heartbeat
@@ -215,7 +215,8 @@ class FlightRecorder:
 
 
 def first_pending(pg_status: dict[str, Any]) -> tuple[str, int] | None:
-    """(group, seq) of the first collective enqueued but not completed; the default group first."""
+    """(group, seq) of the first collective enqueued but not completed; the default group
+    first. Sequence numbers start at 1; a group with none completed says -1."""
     pending = []
     for group, status in pg_status.items():
         try:
@@ -224,16 +225,30 @@ def first_pending(pg_status: dict[str, Any]) -> tuple[str, int] | None:
         except (TypeError, ValueError, AttributeError):
             continue
         if enqueued > completed:
-            pending.append((str(group) != "0", str(group), completed + 1))
+            pending.append((str(group) != "0", str(group), max(completed, 0) + 1))
     return min(pending)[1:] if pending else None
 
 
-def enqueued_counts(pg_status: dict[str, Any]) -> dict[str, int]:
-    """The last collective each process group has enqueued: how far this rank has got."""
-    counts = {}
+def enqueued_counts(pg_status: dict[str, Any], members: Iterable[str] = ()) -> dict[str, int]:
+    """The last collective each process group has enqueued: how far this rank has got. A
+    group of ``members`` (the groups this rank belongs to) that the recorder does not list
+    yet has enqueued none: 0, so that a member that has not reached a subgroup's first
+    collective is told apart from a rank that is not in that group (which sends nothing)."""
+    counts = {str(group): 0 for group in members}
     for group, status in pg_status.items():
         try:
             counts[str(group)] = int(status.get("last_enqueued_collective", -1))
         except (TypeError, ValueError, AttributeError):
             continue
     return counts
+
+
+def member_groups() -> list[str]:
+    """The names of the process groups this rank is a member of (torch keeps none for a
+    group a rank is not in); none when torch's private registry is not there."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return [str(name) for name in distributed_c10d._world.pg_names.values()]
+    except Exception:  # private: any change in torch turns this off
+        return []

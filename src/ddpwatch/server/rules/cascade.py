@@ -20,9 +20,7 @@ from ddpwatch.server.state import RankRecord
 from ddpwatch.vocabulary import AlertKind, Severity, SeverityName
 
 
-def _root_alert(
-    root: Root, cascade: Cascade | None, now: float, stepping: bool = False
-) -> Alert:
+def _root_alert(root: Root, cascade: Cascade | None, now: float, stepping: bool = False) -> Alert:
     """The alert for one root: what failed first, why, what followed, and what to do."""
     ranks = sorted(root.ranks)
     first = min(root.records, key=lambda r: (r.error_time or r.exit_time or r.last_seen, r.rank))

@@ -43,7 +43,7 @@ def rule_straggler(f: Facts) -> list[Alert]:
     waiting = found.waiting_ranks()
     name = collective_name(found.op, found.seq)
     first = culprits[0]
-    subject = "it is" if len(culprits) == 1 else f"rank {first.rank} is"
+    subject = "it is" if len(culprits) == 1 and not found.via else f"rank {first.rank} is"
     detail = f"{subject} {where(first)}"
     if first.collective is not None:
         detail += f", inside {collective_name(first.collective.op, first.collective.seq)}"
@@ -53,11 +53,16 @@ def rule_straggler(f: Facts) -> list[Alert]:
     if loading:
         detail += ", waiting for its DataLoader"
     waiters = format_ranks(waiting)  # once: thousands of ranks at scale
+    chain = "".join(
+        f"; {format_ranks(hop.ranks)} {verb(len(hop.ranks), 'waits', 'wait')} in {hop.name} "
+        f"for {format_ranks(hop.blockers)}"
+        for hop in found.via
+    )  # the victims in other groups' collectives, on the way to the culprits
     message = (
         f"{format_ranks(r.rank for r in culprits)} "
         f"{verb(len(culprits), 'has', 'have')} not entered {name} that "
         f"{waiters} {verb(len(waiting), 'has', 'have')} waited in for "
-        f"{seconds(found.age)}; {detail}"
+        f"{seconds(found.age)}{chain}; {detail}"
     )
     if found.timeout_left is not None:
         message += (
@@ -88,7 +93,7 @@ def rule_straggler(f: Facts) -> list[Alert]:
             AlertKind.STRAGGLER,
             severity,
             [r.rank for r in culprits],
-            waiting,
+            sorted({*waiting, *(rank for hop in found.via for rank in hop.ranks)}),
             message,
             hint,
             waited_s=found.age,

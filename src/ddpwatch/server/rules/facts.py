@@ -21,7 +21,7 @@ from ddpwatch.protocol import Collective, ErrorInfo
 from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.knowledge import WAIT_NAMES, Signature, explain_error, named_ranks
 from ddpwatch.server.relays import RELAY_HOLD_S, LostRelay, lost_relays
-from ddpwatch.server.rules.text import first_line
+from ddpwatch.server.rules.text import collective_name, first_line
 from ddpwatch.server.state import RankRecord, ServerState
 from ddpwatch.server.waits import WaitGroup, WaitIndex, call_of, merged
 from ddpwatch.vocabulary import STARTUP_PHASES, AlertKind, RankState
@@ -49,11 +49,7 @@ def silent_after(record: RankRecord, th: Thresholds, stepping: bool = False) -> 
     the beat its relay may hold its frames on top.
     """
     limit = th.silent
-    if (
-        not stepping
-        and record.step is None
-        and (record.phase is None or record.phase in _STARTING)
-    ):
+    if not stepping and record.step is None and (record.phase is None or record.phase in _STARTING):
         limit = max(limit, th.startup_silent)
     return limit + RELAY_HOLD_S if record.relayed else limit
 
@@ -636,6 +632,17 @@ def normal_op(op: str) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class Hop:
+    """Ranks blocked in another collective than the most-waited one, whose wait leads to the
+    same culprits: victims that wait in ``name`` for ``blockers`` (``find_straggle``'s
+    waits-for graph across process groups)."""
+
+    ranks: tuple[int, ...]
+    name: str
+    blockers: tuple[int, ...]
+
+
 @dataclass
 class Straggle:
     """The collective most ranks wait in, and the live ranks that have not entered it."""
@@ -648,6 +655,8 @@ class Straggle:
     timeout_left: float | None = None  # until the process group's timeout ends the wait
     group: WaitGroup | None = None
     """Where ``waiting`` comes from: all of it, unless some of its ranks went silent."""
+    via: list[Hop] = field(default_factory=list)
+    """The victims between ``waiting`` and ``culprits``, blocked in other groups' collectives."""
 
     def ops(self) -> Counter[str]:
         """How many waiting ranks called each op."""
@@ -711,23 +720,120 @@ def find_straggle(census: Census, now: float, limit: float, interval: float) -> 
     key, age, group, waiting = most_waited
     seq = group.place[2]  # every member reports this number (``Place``)
     op = _usual_op(group, waiting)
+    legacy: list[RankRecord] = []
+    culprits = _not_entered(census, key, group, waiting, now, legacy)
+    if legacy:
+        culprits += _legacy_culprits(legacy, waiting, key, seq, now, interval, census.live)
+    culprits.sort(key=lambda r: r.rank)
+    culprits, via = _follow_waits(census, culprits, now)
+    if culprits:
+        via += _also_waiting(census, group, culprits, via, now)
+    timeouts = [r.pg_timeout_s for r in waiting if r.pg_timeout_s]
+    left = min(timeouts) - age if timeouts else None
+    return Straggle(op, seq, age, waiting, culprits, left, group, via)
+
+
+def _not_entered(
+    census: Census,
+    key: WaitKey,
+    group: WaitGroup,
+    waiting: list[RankRecord],
+    now: float,
+    legacy: list[RankRecord] | None = None,
+) -> list[RankRecord]:
+    """The live ranks outside ``group`` whose own report, sent after its collective began,
+    shows they have not entered it (ranks of another group say nothing: not members);
+    ``legacy`` collects the ranks that send no counts at all."""
     began = _first_entry(group, waiting)
     sent_by = now - SENT_BEFORE_READ_S  # the latest a report read after ``now`` vouches for
-    culprits = []
-    legacy: list[RankRecord] = []
+    found = []
     for r in census.live_outside(group):
         evidence = entered(r, key)
         seen = r.sample_seen or 0.0
         if evidence is False and (seen if seen < sent_by else sent_by) >= began:
-            culprits.append(r)
-        elif evidence is None and r.collectives is None:
+            if began <= r.wait_ended_at and now - r.wait_ended_at < RELEASED_S:
+                continue  # just released from another wait: on its way here (not stale yet)
+            found.append(r)
+        elif evidence is None and r.collectives is None and legacy is not None:
             legacy.append(r)
-    if legacy:
-        culprits += _legacy_culprits(legacy, waiting, key, seq, now, interval, census.live)
-    culprits.sort(key=lambda r: r.rank)
-    timeouts = [r.pg_timeout_s for r in waiting if r.pg_timeout_s]
-    left = min(timeouts) - age if timeouts else None
-    return Straggle(op, seq, age, waiting, culprits, left, group)
+    found.sort(key=lambda r: r.rank)  # the same, whatever order the index keeps them in
+    return found
+
+
+def _follow_waits(
+    census: Census, culprits: list[RankRecord], now: float
+) -> tuple[list[RankRecord], list[Hop]]:
+    """One waits-for graph across process groups: a culprit that is itself blocked in
+    another collective (a subgroup's, a mesh dimension's) is a victim; the culprits are the
+    ranks at the end of the chains, in no collective. A chain that ends nowhere (no member
+    of that group is known to be missing, or a cycle) keeps the culprits as they were."""
+    if all(r.collective is None for r in culprits):
+        return culprits, []
+    roots: dict[int, RankRecord] = {}
+    hops: list[Hop] = []
+    seen: set[int] = set()
+    todo = list(culprits)
+    while todo:
+        r = todo.pop(0)
+        if r.rank in seen:
+            continue
+        seen.add(r.rank)
+        c = r.collective
+        if c is None:
+            roots[r.rank] = r
+            continue
+        key = wait_key(c)
+        group = census.waits.get(key)
+        blockers = (
+            _not_entered(census, key, group, _live_members(group, census.quiet_ranks), now)
+            if group is not None
+            else []
+        )
+        if not blockers:
+            return culprits, []  # it waits, but for whom is not known: say no more
+        blocked_by = tuple(sorted(b.rank for b in blockers))
+        hops.append(Hop((r.rank,), collective_name(c.op, c.seq), blocked_by))
+        todo.extend(blockers)
+    if not roots:
+        return culprits, []
+    return sorted(roots.values(), key=lambda r: r.rank), hops
+
+
+RELEASED_S = 1.5
+"""How long a rank released from a collective the others waited in is not named for the
+next one: its report may predate its entering it (three heartbeats at 2 Hz at most)."""
+OTHER_WAITS = 8
+"""Other collectives ``_also_waiting`` follows at most per tick (a job has a few groups)."""
+
+
+def _also_waiting(
+    census: Census, top: WaitGroup, culprits: list[RankRecord], via: list[Hop], now: float
+) -> list[Hop]:
+    """The ranks waiting in other collectives whose waits lead to the same culprits (rank 1
+    in the world's all-reduce, waiting for rank 0, which waits in a subgroup for the culprit):
+    victims too, listed with what they wait in. At most ``OTHER_WAITS`` collectives."""
+    named = {r.rank for r in culprits}
+    known = {rank for hop in via for rank in hop.ranks}
+    hops: list[Hop] = []
+    others = sorted(census.waits.items(), key=lambda item: (-len(item[1]), repr(item[0])))
+    for key, group in others[:OTHER_WAITS]:
+        if group is top:
+            continue
+        members = _live_members(group, census.quiet_ranks)
+        if not members or all(r.rank in known for r in members):
+            continue
+        blockers = _not_entered(census, key, group, members, now)
+        if not blockers:
+            continue
+        roots, chain = _follow_waits(census, blockers, now)
+        if {r.rank for r in roots} <= named:
+            c = members[0].collective
+            name = collective_name(c.op, c.seq) if c is not None else "a collective"
+            ranks = tuple(sorted(r.rank for r in members))
+            hops.append(Hop(ranks, name, tuple(sorted(b.rank for b in blockers))))
+            hops += [hop for hop in chain if not set(hop.ranks) & known]
+            known.update(ranks)
+    return hops
 
 
 SENT_BEFORE_READ_S = 1.0
