@@ -70,7 +70,11 @@ def _latest_release(f: Facts) -> float:
 def rule_step_skew(f: Facts) -> list[Alert]:
     """Training ranks far apart in step count: they are not really in lockstep."""
     th = f.th
-    ranks = [r for r in f.live if r.step is not None]
+    # a step is evidence of where a rank is now only if it was sent lately: a rank whose
+    # relay died keeps its last relayed step until its first heartbeat on the direct path
+    # (seen: healthy ranks named 114 steps behind within a second of the switch)
+    fresh = f.now - (2 * th.interval + 0.5)
+    ranks = [r for r in f.live if r.step is not None and r.last_seen >= fresh]
     if f.since < f.now - f.stall_after:  # else none has idled longer than that yet
         moved = f.now - f.stall_after  # ``idle(r) <= stall_after``, without a call per rank
         ranks = [r for r in ranks if r.last_progress >= moved]
