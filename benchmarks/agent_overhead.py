@@ -9,7 +9,9 @@ Two launches of the same training loop (a DDP MLP on gloo, OMP_NUM_THREADS=1):
   rotated order (trial t starts with arm t mod n): ``bare`` (no agent; ``ddpwatch.step``
   still called, a no-op), ``bare-again`` (a second bare arm: the run's noise floor),
   and ``ddpwatch`` (``ddpwatch.attach(model)``, reporting to a real server in this
-  process). The agent is attached before its block and detached after;
+  process); ``--arms`` may add ``ddpwatch-nosplit``, the agent without its step split
+  (``DDPWATCH_STEP_SPLIT=0``: no gradient-ready hooks, no backward or DataLoader timing).
+  The agent is attached before its block and detached after;
   0.25 s of untimed steps after attaching hold the attach-time heartbeat, so a 0.5 s block
   holds one heartbeat, as the steady state does.
 * ``traceml run`` job, the peer (skipped with a line saying so when ``traceml-ai`` is not
@@ -111,7 +113,9 @@ def measure_size(name: str, args: argparse.Namespace, traceml: Any) -> dict[str,
             ddpwatch.step(loss)  # a no-op when detached: the call is in every arm
 
     def block(arm: str, steps: int, settle_steps: int) -> tuple[float, float]:
-        if arm == "ddpwatch":
+        if arm.startswith("ddpwatch"):
+            # "ddpwatch-nosplit": the agent without its step split (``agent/split.py``)
+            os.environ["DDPWATCH_STEP_SPLIT"] = "0" if arm == "ddpwatch-nosplit" else "1"
             ddpwatch.attach(model)
         traced = arm == "traceml"  # "bare-again" is a second bare arm: the noise floor
         run(settle_steps, traced)

@@ -98,6 +98,7 @@ MODES: dict[str, Mode] = {
         _mode("exit-zero", {1}, {"exited"}, _GH + "pytorch/pytorch/issues/138322"),
         _mode("os-exit", {1}, {"exited", "silent"}, _GH + "pytorch/pytorch/issues/41067"),
         _mode("nan", {1}, {"nan_loss"}, _GH + "Lightning-AI/pytorch-lightning/issues/5243"),
+        _mode("nan-grad", {1}, {"nan_loss"}, _GH + "pytorch/pytorch/issues/2421"),
         _mode(
             "barrier-sleep",
             {1},
@@ -170,6 +171,30 @@ MODES: dict[str, Mode] = {
             _GH + "pytorch/pytorch/issues/44353",
         ),
         _mode("raise", {1}, {"crashed"}, _GH + "Lightning-AI/pytorch-lightning/issues/8130"),
+        # the slow rank runs on: the others wait for it inside DDP's all-reduce every step
+        _mode(
+            "slow-backward",
+            {1},
+            {"slow_rank"},
+            _GH + "traceopt-ai/traceml/issues/252",
+            watch_s=25.0,  # the job ends ~13 s after the fault
+        ),
+        _mode(
+            "slow-input",
+            {2},
+            {"slow_rank"},
+            _GH + "traceopt-ai/traceml/issues/252",
+            watch_s=25.0,  # the job ends ~13 s after the fault
+        ),
+        _mode(
+            "host-leak",
+            {1},
+            # warned of while it grows (~13 s after the fault); then the OOM kill at 1 GiB
+            # (SIGKILL: it falls silent, the others hang) ends the job
+            {"host_memory"},
+            _GH + "pytorch/pytorch/issues/13246",
+            watch_s=90.0,
+        ),
         _mode(
             "missing-rank",
             {2},
@@ -348,7 +373,16 @@ def _watch(proc: subprocess.Popen[str], result: RunResult, watch: float) -> None
 def _rank_summary(rank: dict[str, Any]) -> dict[str, Any]:
     """How a rank ended as the server saw it, short enough to print per run."""
     error = rank.get("error") or {}
-    keys = ("rank", "state", "phase", "step", "exit_code", "exit_signal", "nan_step")
+    keys = (
+        "rank",
+        "state",
+        "phase",
+        "step",
+        "exit_code",
+        "exit_signal",
+        "nan_step",
+        "grad_nan_step",
+    )
     summary = {key: rank.get(key) for key in keys}
     summary["error"] = f"{error.get('type')}: {error.get('message')}" if error else None
     return summary

@@ -50,6 +50,13 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     # Lightning #5243 / PR #5359: a NaN/invalid loss on one DDP process poisons the others
     # through the gradient all-reduce (https://github.com/Lightning-AI/pytorch-lightning/issues/5243)
     "nan": (1, 15),
+    # PyTorch #2421: the gradient of a zero distance is NaN (the square root's is infinite at
+    # 0), "that will propagate to make all updates nan"
+    # (https://github.com/pytorch/pytorch/issues/2421; ``norm`` itself now returns 0 there, a
+    # distance written as ``sqrt(sum((a - b) ** 2))`` does not): a batch holding the same sample
+    # twice gives a finite loss and NaN gradients on that rank alone; DDP's all-reduce averages
+    # them into every rank's update, and every rank's loss is NaN from the next step
+    "nan-grad": (1, 15),
     # DeepSpeed #4488: one rank busy for a long time (a dataset map) while the others wait in
     # a barrier (https://github.com/deepspeedai/DeepSpeed/issues/4488)
     "barrier-sleep": (1, 20),
@@ -95,11 +102,29 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     # Lightning #8130: one DDP process raises and the script hangs
     # (https://github.com/Lightning-AI/pytorch-lightning/issues/8130)
     "raise": (1, 20),
+    # TraceML #252: one rank's backward takes 200 ms more every step; DDP's gradient
+    # all-reduce evens out every rank's step time, so the culprit's backward looks like its
+    # peers' and only their wait inside the all-reduce tells them apart
+    # (https://github.com/traceopt-ai/traceml/issues/252)
+    "slow-backward": (1, 20),
+    # TraceML #252's positive control and PR #158's input-straggler demo: one rank's input
+    # pipeline is ~150 ms a batch slower and the other ranks wait for it every step
+    # (https://github.com/traceopt-ai/traceml/issues/252,
+    # https://github.com/traceopt-ai/traceml/pull/158); here its dataset's __getitem__ is
+    # 0.16 s slower per batch
+    "slow-input": (2, 20),
+    # PyTorch #13246: host memory that grows every step (there, DataLoader workers copying a
+    # Python list of objects as they read it; here, 1 MiB of outputs kept "for logging" each
+    # step) until the kernel's OOM killer ends the rank with SIGKILL and the others hang
+    # (https://github.com/pytorch/pytorch/issues/13246); ``--oom-mib``: where it is killed
+    "host-leak": (1, 20),
     # PyTorch #52848: init_process_group hangs when the world size says more ranks than were
     # started (https://github.com/pytorch/pytorch/issues/52848)
     "missing-rank": (2, 0),
 }
 MODES = tuple(DEFAULTS)
+SLOW_BACKWARD_S = 0.2  # slow-backward: extra seconds of backward a step
+SLOW_INPUT_S = 0.16  # slow-input: extra seconds of input a batch
 
 
 def fault_line(rank: int) -> None:
@@ -115,11 +140,17 @@ class Samples(Dataset[torch.Tensor]):
         self.bad_index = bad_index
         self.how = how
         self.rank = seed
+        self.slow_from = -1  # slow-input: the first index of the first slow batch
+        self.batch = 1
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, index: int) -> torch.Tensor:
+        if 0 <= self.slow_from <= index and index % self.batch == 0:
+            if index == self.slow_from:
+                fault_line(self.rank)
+            time.sleep(SLOW_INPUT_S)  # a slow read or decode, once per batch
         if index == self.bad_index:
             fault_line(self.rank)
             if self.how == "dataloader-hang":
@@ -170,6 +201,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--init-timeout", type=float, default=30.0, help="missing-rank: rendezvous timeout (s)"
     )
+    parser.add_argument("--leak-mib", type=int, default=1, help="host-leak: MiB kept a step")
+    parser.add_argument(
+        "--oom-mib", type=int, default=1024, help="host-leak: SIGKILL once this much is kept"
+    )
     parser.add_argument(
         "--pg-timeout", type=float, default=8.0, help="*-timeout: the process group's timeout (s)"
     )
@@ -178,13 +213,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument(
+        "--no-metric",
+        action="store_true",
+        help="skip the loss all-reduce: DDP's gradient all-reduce is the one collective a step",
+    )
     args = parser.parse_args(argv)
     default_rank, default_at = DEFAULTS[args.mode]
     args.rank = default_rank if args.rank is None else args.rank
     args.at = default_at if args.at is None else args.at
-    args.steps = args.steps or max(60, args.at + 30)
+    if args.mode in ("slow-backward", "slow-input") and not args.steps:
+        args.steps = args.at + 50  # ~12 s at the slow rank's pace
+    # host-leak: steps enough to reach the OOM kill (its rank dies, the others hang)
+    leaking = 2 * args.oom_mib // max(1, args.leak_mib) if args.mode == "host-leak" else 0
+    args.steps = args.steps or max(60, args.at + 30 + leaking)
     if args.step_time is None:
-        args.step_time = 0.01 if args.mode == "nan" else 0.03
+        args.step_time = 0.01 if args.mode in ("nan", "nan-grad") else 0.03
     if args.sleep is None:
         args.sleep = {"rank0-checkpoint": 25.0, "rank0-eval-epochs": 6.0}.get(args.mode, 20.0)
     return args
@@ -223,8 +267,11 @@ def train(args: argparse.Namespace) -> int:
     workers = 1 if mode.startswith("dataloader") else 0
     bad = args.at * args.batch if faulty and mode.startswith("dataloader") else -1
     data = Samples(args.steps * args.batch, args.width, me, bad, mode)
+    if faulty and mode == "slow-input":
+        data.slow_from, data.batch = (args.at - 1) * args.batch, args.batch
     loader = DataLoader(data, batch_size=args.batch, num_workers=workers)
     batches = iter(loader)
+    kept: list[torch.Tensor] = []  # host-leak: "for logging", never emptied
     for step in range(1, args.steps + 1):
         x = next(batches)
         at_fault = faulty and step == args.at
@@ -245,12 +292,23 @@ def train(args: argparse.Namespace) -> int:
                 continue
         if at_fault and mode == "unused-params":
             fault_line(me)
-        loss = ddp(x, use_aux=not (at_fault and mode == "unused-params")).pow(2).mean()
+        if at_fault and mode == "nan-grad":
+            fault_line(me)
+            x = torch.cat([x[:1], x[:1], x[2:]])  # the same sample twice in one batch
+        out = ddp(x, use_aux=not (at_fault and mode == "unused-params"))
+        if faulty and mode == "slow-backward" and step >= args.at:
+            if at_fault:
+                fault_line(me)
+            out.register_hook(slow_backward)
+        loss = out.pow(2).mean()
+        if mode == "nan-grad":  # a distance between two samples' outputs, as metric losses have
+            loss = loss + 0.01 * (out[0] - out[1]).pow(2).sum().sqrt()
         if at_fault and mode == "nan":
             fault_line(me)
             loss = loss * float("nan")
         metric = loss.detach().clone()
-        dist.all_reduce(metric)  # the logged loss, averaged over ranks, as logging code does
+        if not args.no_metric:
+            dist.all_reduce(metric)  # the logged loss, averaged over ranks, as logging code does
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -263,12 +321,38 @@ def train(args: argparse.Namespace) -> int:
                 with ddpwatch.phase("data"):
                     time.sleep(args.sleep)  # a slow read of its next shard
             dist.all_reduce(metric, group=pair)  # e.g. a tensor-parallel pair's reduction
+        if mode == "host-leak" and faulty and step >= args.at:
+            keep_for_logging(args, me, step, kept)
         if mode == "rank0-eval-epochs" and step in (args.at, args.at + 10, args.at + 20):
             evaluate_alone(args, me, faulty, step, model)
         time.sleep(args.step_time)
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def keep_for_logging(
+    args: argparse.Namespace, me: int, step: int, kept: list[torch.Tensor]
+) -> None:
+    """The leak of PyTorch #13246's shape: host memory that grows every step. Here the step's
+    outputs, ``--leak-mib`` MiB of them, kept in a list "for logging" (the fix: keep
+    ``loss.item()`` or a few numbers, not tensors). At ``--oom-mib`` MiB the rank is killed
+    with SIGKILL, as the kernel's OOM killer does at a cgroup's limit: no exception, no exit
+    handler, the others hang in their next collective."""
+    if step == args.at:
+        fault_line(me)
+    kept.append(torch.full((args.leak_mib << 18,), float(step)))  # float32: every page touched
+    if len(kept) * args.leak_mib >= args.oom_mib:
+        print(f"rank {me}: out of memory at step {step}: SIGKILL (the OOM killer)", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow_backward(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient hook on the model's output: this rank's backward takes ``SLOW_BACKWARD_S``
+    longer, before any of its parameters' gradients is ready (a slower GPU, a heavier
+    batch)."""
+    time.sleep(SLOW_BACKWARD_S)
+    return grad
 
 
 def evaluate_alone(

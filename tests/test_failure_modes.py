@@ -44,6 +44,7 @@ SHORTER: dict[str, tuple[str, ...]] = {
     "subgroup-cascade": ("--sleep", "8"),
     "rank0-eval-epochs": ("--sleep", "5"),
     "missing-rank": ("--init-timeout", "16"),
+    "host-leak": ("--oom-mib", "512"),
 }
 WATCH_S = {
     "barrier-sleep": 14.0,
@@ -54,22 +55,26 @@ WATCH_S = {
     "dataloader-hang": 8.0,
     "skipped-batch": 8.0,
     "missing-rank": 22.0,
+    "host-leak": 60.0,
 }
 _runs: dict[str, RunResult] = {}
 
 
-def run(name: str) -> RunResult:
-    """One run per mode for the whole module (a test that needs it again shares it)."""
-    if name not in _runs:
-        _runs[name] = run_mode(name, extra=SHORTER.get(name, ()), watch_s=WATCH_S.get(name))
-    return _runs[name]
+def run(name: str, *extra: str) -> RunResult:
+    """One run per mode (and script flags ``extra``) for the whole module (a test that needs
+    it again shares it)."""
+    key = " ".join((name, *extra))
+    if key not in _runs:
+        flags = (*SHORTER.get(name, ()), *extra)
+        _runs[key] = run_mode(name, extra=flags, watch_s=WATCH_S.get(name))
+    return _runs[key]
 
 
-def assert_blames_only_the_culprit(name: str) -> RunResult:
+def assert_blames_only_the_culprit(name: str, *extra: str) -> RunResult:
     """The first error-or-warning alert naming anyone names exactly the mode's culprits with
     an allowed kind, and no alert of the run names a rank outside them."""
     mode = MODES[name]
-    result = run(name)
+    result = run(name, *extra)
     scored = score(result, mode)
     account = describe(result)
     assert result.fault_at is not None, f"the fault never happened\n{account}"
@@ -123,6 +128,20 @@ def test_nan_names_the_first_rank_and_lists_the_ones_that_followed() -> None:
     assert first is not None and set(first.waiting) <= {0, 2}, describe(result)
     nan_steps = {rank["rank"]: rank["nan_step"] for rank in result.ranks}
     assert nan_steps == {0: 16, 1: 15, 2: 16}, describe(result)
+
+
+def test_nan_gradient_names_the_rank_whose_own_gradients_went_bad() -> None:
+    """PyTorch #2421: the gradient of a zero distance is NaN, and it "will propagate to make all
+    updates nan" (https://github.com/pytorch/pytorch/issues/2421). Rank 1's batch holds one
+    sample twice at step 15: its loss (with a distance term) is finite, its own gradients NaN;
+    DDP's all-reduce puts them in every rank's update, and every loss, rank 1's too, is NaN
+    from step 16. By losses alone the three ranks tie; rank 1's own gradients name it."""
+    result = assert_blames_only_the_culprit("nan-grad")
+    first = score(result).first
+    assert first is not None and set(first.waiting) == {0, 2}, describe(result)
+    assert "received them through DDP's all-reduce" in first.message, describe(result)
+    steps = {r["rank"]: (r["nan_step"], r["grad_nan_step"]) for r in result.ranks}
+    assert steps == {0: (16, 16), 1: (16, 15), 2: (16, 16)}, describe(result)
 
 
 def test_slow_rank_before_a_barrier_is_the_straggler() -> None:
@@ -240,6 +259,49 @@ def test_world_size_larger_than_the_ranks_started_names_the_missing_rank() -> No
     were started (https://github.com/pytorch/pytorch/issues/52848). The script says 3, torchrun
     starts 2: rank 2 is missing, ranks 0, 1 wait in the rendezvous and time out."""
     assert_blames_only_the_culprit("missing-rank")
+
+
+def test_host_memory_leak_is_named_before_the_oom_killer_ends_the_rank() -> None:
+    """PyTorch #13246: host memory that grows every step until the kernel's OOM killer ends the
+    rank with SIGKILL and the others hang (https://github.com/pytorch/pytorch/issues/13246).
+    Rank 1 keeps 1 MiB a step "for logging" from step 20: ddpwatch warns while it grows, with
+    its rate and the time left; at 512 MiB it is SIGKILLed, and its silence is told as a
+    likely OOM kill."""
+    result = assert_blames_only_the_culprit("host-leak")
+    account = describe(result)
+    raised = result.scored()
+    first = raised[0]
+    assert (first.kind, first.ranks) == ("host_memory", (1,)), account
+    assert "MiB/s, steadily" in first.message and "runs out in about" in first.message, account
+    silent = [c for c in raised if c.kind == "silent" and c.ranks == (1,)]
+    assert silent and "likely the OOM killer" in silent[0].message, account
+    assert result.verdict.startswith("rank 1 fell silent"), account
+
+
+@pytest.mark.parametrize(
+    ("name", "extra", "part"),
+    [
+        ("slow-backward", (), "compute"),
+        ("slow-input", ("--no-metric",), "input wait"),
+    ],
+)
+def test_a_persistently_slower_rank_is_named_within_10_s(
+    name: str, extra: tuple[str, ...], part: str
+) -> None:
+    """TraceML #252 (https://github.com/traceopt-ai/traceml/issues/252): one rank's backward
+    takes 200 ms more every step (rank 1), or its input 160 ms more a batch (rank 2, the
+    report's control, with DDP's gradient all-reduce as the one collective a step). DDP's
+    all-reduce evens out every rank's step time: the others' wait inside it is what names the
+    culprit, with the part of its step that differs and what it costs the job."""
+    result = assert_blames_only_the_culprit(name, *extra)
+    account = describe(result)
+    scored = score(result)
+    assert scored.latency is not None and scored.latency <= 10.0, account
+    first = scored.first
+    assert first is not None and "DDP's gradient all-reduce" in first.message, account
+    assert f"(its {part} takes" in first.message and "steps/s instead of" in first.message
+    assert result.returncode == 0, account  # slow, never failed
+    assert "slower than ranks" in result.verdict, account
 
 
 # ------------------------------------------------------------ the same exits under `ddpwatch run`

@@ -74,6 +74,9 @@ FULL_SAMPLE = Sample(
     avg_step_time_s=0.2,
     data_wait_s=0.01,
     collective_time_s=0.05,
+    input_wait_s=0.02,
+    compute_s=0.15,
+    grad_wait_s=0.03,
     forwards=1234,
     collective=Collective(
         op="all_reduce",
@@ -86,12 +89,19 @@ FULL_SAMPLE = Sample(
     ),
     collectives=CollectiveCounts(py=40, fr={"0": 986, "1": 987}),
     nan_step=118,
+    grad_nan_step=117,
     mem_allocated_bytes=3 << 30,
     mem_reserved_bytes=4 << 30,
     mem_peak_bytes=5 << 30,
     gpu_mem_used_bytes=41 << 30,
     gpu_mem_total_bytes=80 << 30,
     gpu_pids=[4242, 4243, 999],
+    host_rss_bytes=3 << 30,
+    workers_rss_bytes=1 << 30,
+    host_available_bytes=100 << 30,
+    host_total_bytes=128 << 30,
+    cgroup_limit_bytes=64 << 30,
+    cgroup_used_bytes=20 << 30,
 )
 
 EVENTS = {

@@ -75,7 +75,10 @@ def test_healthy_and_warning_only_runs() -> None:
     running = "the job was still running when the watch ended"
     assert verdict(document([rank(0), rank(1)])) == f"{running}; no problems seen"
     assert summary_lines(document([rank(0), rank(1)]))[1] == "alerts: none"
-    assert verdict(document([rank(0), rank(1)], [SLOW])) == f"{running}; 1 warning (slow_rank)"
+    assert verdict(document([rank(0), rank(1)], [SLOW])) == (
+        f"{running}; rank 2 was slower than the others for 1 min 2 s: they waited for it every "
+        "step (slow_rank)"
+    )
     done = [rank(r, "exited", exit_code=0, ended_at=T0 + 60 + r) for r in range(2)]
     assert verdict(document(done)) == "the job finished: every rank exited 0; no problems seen"
 

@@ -498,9 +498,13 @@ def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
         "avg_step_time_s": 0.25,
         "data_wait_s": 0.01,
         "collective_time_s": 0.03,
+        "input_wait_s": 0.02,
+        "compute_s": 0.15,
+        "grad_wait_s": 0.05,
         "collective": Collective(op="all_reduce", seq=3, since_s=0.5, source="py"),
         "collectives": CollectiveCounts(py=3),
         "nan_step": 6,
+        "grad_nan_step": 5,
         "forwards": 8,
         "mem_allocated_bytes": 1,
         "mem_reserved_bytes": 2,
@@ -508,6 +512,12 @@ def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
         "gpu_mem_used_bytes": 4,
         "gpu_mem_total_bytes": 5,
         "gpu_pids": [4242],
+        "host_rss_bytes": 6,
+        "workers_rss_bytes": 7,
+        "host_available_bytes": 8,
+        "host_total_bytes": 9,
+        "cgroup_limit_bytes": 10,
+        "cgroup_used_bytes": 11,
     }
     # a new wire field fails here until this test (and the record) know it
     assert set(identity) | set(measured) | {"rank"} == set(STORED_FIELDS)

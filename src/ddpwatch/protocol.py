@@ -118,9 +118,15 @@ class Sample(Identity, tag="sample"):
     avg_step_time_s: float | None = None
     data_wait_s: float | None = None
     collective_time_s: float | None = None
+    # where a step goes, per step over the steps since the last heartbeat (``agent/split.py``)
+    input_wait_s: float | None = None  # in DataLoader iterators
+    compute_s: float | None = None  # the rest of the step, less the waits
+    grad_wait_s: float | None = None  # in DDP's gradient all-reduce, after its own gradients
     collective: Collective | None = None
     collectives: CollectiveCounts | None = None
     nan_step: NonNegInt | None = None  # the first step whose loss was not finite (exact)
+    grad_nan_step: NonNegInt | None = None
+    """The first step whose own gradients, before DDP's all-reduce, were not finite (exact)."""
     forwards: NonNegInt | None = None
     mem_allocated_bytes: NonNegInt | None = None
     mem_reserved_bytes: NonNegInt | None = None
@@ -128,6 +134,13 @@ class Sample(Identity, tag="sample"):
     gpu_mem_used_bytes: NonNegInt | None = None
     gpu_mem_total_bytes: NonNegInt | None = None
     gpu_pids: list[NonNegInt] | None = None
+    # host memory (``agent/hostmem.py``, from /proc and the cgroup): a leak the OOM killer ends
+    host_rss_bytes: NonNegInt | None = None  # the rank's resident set
+    workers_rss_bytes: NonNegInt | None = None  # its child processes' (DataLoader workers)
+    host_available_bytes: NonNegInt | None = None  # the node's MemAvailable
+    host_total_bytes: NonNegInt | None = None  # the node's MemTotal
+    cgroup_limit_bytes: NonNegInt | None = None  # the rank's memory cgroup's limit, if any
+    cgroup_used_bytes: NonNegInt | None = None  # that cgroup's usage
 
 
 class Event(Message, tag="event"):

@@ -175,6 +175,7 @@ class AlertKind:
     SLOW_RANK: Final = "slow_rank"
     RELAY_LOST: Final = "relay_lost"
     SERVER_BEHIND: Final = "server_behind"
+    HOST_MEMORY: Final = "host_memory"
 
 
 ALERT_KINDS: Final = (
@@ -197,5 +198,6 @@ ALERT_KINDS: Final = (
     AlertKind.SLOW_RANK,
     AlertKind.RELAY_LOST,
     AlertKind.SERVER_BEHIND,
+    AlertKind.HOST_MEMORY,
 )
 """Every alert kind, in ``docs/status.md``'s order: a rule declaring another fails at import."""

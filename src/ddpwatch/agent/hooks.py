@@ -35,12 +35,14 @@ TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class ModelHooks:
-    """Forward hooks on attached models and a global optimizer step hook."""
+    """Forward hooks on attached models, gradient checks on their parameters (and those of
+    every DDP model built, ``watch_gradients``) and a global optimizer step hook."""
 
     def __init__(self, progress: Progress) -> None:
         self._progress = progress
         self._handles: list[Any] = []
         self._models: list[int] = []
+        self.on_optimizer: Callable[[], object] | None = None
 
     def add_model(self, model: Any) -> None:
         if id(model) in self._models or not hasattr(model, "register_forward_hook"):
@@ -48,6 +50,14 @@ class ModelHooks:
         self._models.append(id(model))
         self._handles.append(model.register_forward_pre_hook(self._before_forward))
         self._handles.append(model.register_forward_hook(self._after_forward))
+        self.watch_gradients(model)
+
+    def watch_gradients(self, model: Any) -> None:
+        """Check this rank's own gradients of ``model`` every step (``agent/grads.py``)."""
+        try:
+            self._handles.extend(self._progress.grads.watch(model))
+        except Exception as exc:
+            log.debug("ddpwatch: no gradient check: %r", exc)
 
     def add_optimizer_hook(self) -> None:
         try:
@@ -65,6 +75,7 @@ class ModelHooks:
             handle.remove()
         self._handles.clear()
         self._models.clear()
+        self._progress.grads.forget()
 
     def _before_forward(self, module: Any, args: Any) -> None:
         with contextlib.suppress(Exception):  # never let the agent break a forward pass
@@ -83,7 +94,10 @@ class ModelHooks:
             pass
 
     def _before_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._progress.auto_phase(Phase.OPTIMIZER)
+        with contextlib.suppress(Exception):
+            if self.on_optimizer is not None:
+                self.on_optimizer()  # the end of a gradient wait no backward's end took
+            self._progress.auto_phase(Phase.OPTIMIZER)
 
     def _after_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:

@@ -7,6 +7,10 @@ each heartbeat: CPU values at once; CUDA tensors are stacked and copied to the h
 asynchronously, and read at a later heartbeat once the copy's event has completed. Neither
 thread ever waits for the device, so a NaN at step 17 of 200 steps between two heartbeats
 is still found at step 17.
+
+The same ring carries each step's gradient check (``agent/grads.py``: one scalar, not finite
+when this rank's own gradients were not), read with the losses in one copy: a heartbeat that
+reports the loss of step N has read the gradients of every step before it.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from typing import Any, Protocol
 
 MAX_PENDING = 1024
 """Losses kept between two reads: at 2 Hz, one loss per step, exact for steps of 0.5 ms and
-up. When it overflows the oldest go (counted in ``dropped``), and a run of non-finite
-losses that may have begun among them is reported as unknown rather than at a wrong step."""
+up (1 ms with a gradient check: one more value a step). When it overflows the oldest go
+(counted in ``dropped``), and a run of non-finite losses that may have begun among them is
+reported as unknown rather than at a wrong step."""
 
 
 def find_loss(output: Any) -> Any:
@@ -39,6 +44,16 @@ class StepSource(Protocol):
     step_mode: str | None
 
 
+class Grads:
+    """A step's gradient check in the ring, told apart from a loss: ``value`` is a scalar
+    tensor that is not finite when the step's own gradients were not."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 @dataclass
 class _Batch:
     """Losses taken from the ring in one read, in submission order; CUDA ones still copying."""
@@ -46,6 +61,7 @@ class _Batch:
     steps: list[int | None]
     values: list[float | None]
     gap: bool  # losses were dropped just before this batch
+    grads: list[bool] = field(default_factory=list)  # which values are gradient checks
     copies: list[tuple[list[int], Any, Any]] = field(default_factory=list)  # indices, host, event
     held: list[Any] = field(default_factory=list)  # the device losses, alive until copied
 
@@ -65,7 +81,8 @@ class LossReader:
 
     ``value`` is the latest loss read; ``nan_step`` the first step of the current run of
     non-finite losses (None when the latest loss is finite, or when that step is unknown
-    because the ring overflowed at the wrong moment).
+    because the ring overflowed at the wrong moment); ``grad_nan_step`` the same for the
+    steps whose own gradients were not finite (``submit_grads``).
     """
 
     def __init__(self, progress: StepSource | None = None, size: int = MAX_PENDING) -> None:
@@ -78,6 +95,8 @@ class LossReader:
         self.dropped = 0
         self.value: float | None = None
         self.nan_step: int | None = None
+        self.grad_nan_step: int | None = None
+        self._grad_unknown_run = False
 
     # training thread ---------------------------------------------------------
     def submit(self, loss: Any, step: int | None = None, fallback: bool = False) -> None:
@@ -99,6 +118,13 @@ class LossReader:
         if len(pending) == pending.maxlen:
             self.dropped += 1
         pending.append((step, loss))
+
+    def submit_grads(self, check: Any, step: int | None) -> None:
+        """Keep a step's gradient check (a scalar tensor) for the publisher."""
+        pending = self._pending
+        if len(pending) == pending.maxlen:
+            self.dropped += 1
+        pending.append((step, Grads(check)))
 
     def step_in_progress(self) -> int | None:
         """The step a loss seen now belongs to: the one that ends next. Counting by forward
@@ -141,8 +167,13 @@ class LossReader:
         gap, self._dropped_seen = dropped != self._dropped_seen, dropped
         steps = [step for step, _ in entries]
         values: list[float | None] = [None] * len(entries)
+        grads = [False] * len(entries)
         on_device: dict[Any, list[int]] = {}
-        for index, (_, loss) in enumerate(entries):
+        for index, (step, loss) in enumerate(entries):
+            if isinstance(loss, Grads):
+                grads[index] = True
+                loss = loss.value
+                entries[index] = (step, loss)
             if isinstance(loss, numbers.Real):
                 values[index] = float(loss)
             elif getattr(loss, "is_cuda", False):
@@ -150,7 +181,7 @@ class LossReader:
                     on_device.setdefault(loss.device, []).append(index)
             elif hasattr(loss, "detach"):
                 values[index] = _as_float(loss)
-        batch = _Batch(steps, values, gap)
+        batch = _Batch(steps, values, gap, grads)
         for device, indices in on_device.items():
             try:
                 tensors = [entries[i][1] for i in indices]
@@ -162,10 +193,15 @@ class LossReader:
 
     def _fold(self, batch: _Batch) -> None:
         """Walk the losses in order: the latest value, and where the current bad run began."""
-        gap = batch.gap
-        for step, value in zip(batch.steps, batch.values, strict=True):
+        gap = grad_gap = batch.gap
+        kinds = batch.grads or [False] * len(batch.steps)
+        for step, value, grads in zip(batch.steps, batch.values, kinds, strict=True):
             if value is None:
                 continue  # a non-scalar "loss": leaves the last good value
+            if grads:
+                self._fold_grads(step, value, grad_gap)
+                grad_gap = False
+                continue
             self.value = value
             if math.isfinite(value):
                 self.nan_step, self._unknown_run = None, False
@@ -177,6 +213,16 @@ class LossReader:
                 else:
                     self.nan_step = step
             gap = False
+
+    def _fold_grads(self, step: int | None, value: float, gap: bool) -> None:
+        """The gradients' run, as ``_fold`` keeps the losses' one."""
+        if math.isfinite(value):
+            self.grad_nan_step, self._grad_unknown_run = None, False
+        elif self.grad_nan_step is None and not self._grad_unknown_run:
+            if gap or step is None:
+                self._grad_unknown_run = True  # it may have begun among the dropped values
+            else:
+                self.grad_nan_step = step
 
 
 def _drain(pending: deque[tuple[int | None, Any]]) -> list[tuple[int | None, Any]]:

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from ddpwatch.agent.grads import GradCheck
 from ddpwatch.agent.loss import LossReader
 from ddpwatch.protocol import MARK_EVERY, Collective
 from ddpwatch.vocabulary import Phase
@@ -50,7 +51,17 @@ class Progress:
         self.collective_time_s: float | None = None
         self.failed_collective: Collective | None = None  # the collective an exception left
         self.waiting_for_data = False
+        # where the step goes (``agent/split.py``): this step's parts so far, and totals
+        self.input_time_step = 0.0  # in DataLoader iterators
+        self.grad_wait_step = 0.0  # in DDP's gradient all-reduce, after own gradients
+        self.grad_ready_at = 0.0  # this backward's last own gradient, until backward ends
+        self.input_seen = False  # a DataLoader batch was timed
+        self.grad_hooked = False  # a DDP model's gradients are timed
+        self.split: tuple[int, float, float, float, float] = (0, 0.0, 0.0, 0.0, 0.0)
+        """Totals over the timed steps: (steps, step time, input wait, gradient wait,
+        collective wait); one tuple, assigned whole, so the publisher reads it at once."""
         self.loss = LossReader(self)
+        self.grads = GradCheck(self.loss)  # this rank's own gradients, before DDP's all-reduce
         self.on_step: Callable[[], object] | None = None  # e.g. note the CUDA device, now and then
         self._step_owner: weakref.ref[Any] | None = None  # the integration that counts steps
 
@@ -76,6 +87,7 @@ class Progress:
             self.step_mode = mode  # an explicit call overrides counting by hooks,
             if self.step:  # and ends the step they counted already: step(loss) N is step N
                 self.step -= 1
+        self.grads.close()  # the ending step's gradients: in the ring before the next loss
         if loss is not None:
             # first: a heartbeat never pairs step N with loss N-1; it is the ending step's
             self.loss.submit(loss, 1 if self.step is None else self.step + 1)
@@ -85,6 +97,16 @@ class Progress:
             self.step_time_s = elapsed
             avg = self.avg_step_time_s
             self.avg_step_time_s = elapsed if avg is None else avg + EMA_WEIGHT * (elapsed - avg)
+            n, total, inputs, grads, waits = self.split
+            self.split = (
+                n + 1,
+                total + elapsed,
+                inputs + self.input_time_step,
+                grads + self.grad_wait_step,
+                waits + self.collective_time_step,
+            )
+        self.input_time_step = 0.0
+        self.grad_wait_step = 0.0
         self.step = 1 if self.step is None else self.step + 1
         self.last_step_end = now
         self.last_progress = now
@@ -186,6 +208,36 @@ class Progress:
     def idle_for(self) -> float:
         """Seconds since the rank last moved: a step ended or its phase changed."""
         return time.perf_counter() - max(self.last_progress, self.phase_changed)
+
+
+class SplitReader:
+    """The publisher's view of ``Progress.split``: per-step averages over the steps since its
+    last read, the last ones again while no step ended (slow steps, a pause)."""
+
+    def __init__(self, progress: Progress) -> None:
+        self._progress = progress
+        self._last: tuple[int, float, float, float, float] = (0, 0.0, 0.0, 0.0, 0.0)
+        self.input_wait_s: float | None = None
+        self.compute_s: float | None = None
+        self.grad_wait_s: float | None = None
+
+    def read(self) -> tuple[float | None, float | None, float | None]:
+        """(input wait, compute, gradient wait) per step: the input wait once a DataLoader
+        batch was timed, the other two once a DDP model's gradients are (else the compute
+        would hold the gradient wait)."""
+        progress = self._progress
+        totals, last = progress.split, self._last
+        steps = totals[0] - last[0]
+        if steps > 0:
+            self._last = totals
+            step, inputs, grads, waits = (
+                (a - b) / steps for a, b in zip(totals[1:], last[1:], strict=True)
+            )
+            timed = progress.grad_hooked
+            self.input_wait_s = inputs if progress.input_seen else None
+            self.grad_wait_s = grads if timed else None
+            self.compute_s = max(0.0, step - inputs - grads - waits) if timed else None
+        return self.input_wait_s, self.compute_s, self.grad_wait_s
 
 
 def _describe(tensor: Any) -> tuple[list[int] | None, str | None]:

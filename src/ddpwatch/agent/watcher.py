@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
-from ddpwatch.agent import registry
+from ddpwatch.agent import hostmem, registry
 from ddpwatch.agent.auto import after_import
 from ddpwatch.agent.collectives import CollectiveWrappers, FlightRecorder, ensure_flight_recorder
 from ddpwatch.agent.hooks import BackwardLoss, ModelHooks, ProcessHooks
@@ -21,8 +21,9 @@ from ddpwatch.agent.identity import RankIdentity, identity_from_env, refresh_fro
 from ddpwatch.agent.logtail import LogTail
 from ddpwatch.agent.patches import Patches
 from ddpwatch.agent.probes import device_info, memory_info, note_current_device
-from ddpwatch.agent.progress import Progress
+from ddpwatch.agent.progress import Progress, SplitReader
 from ddpwatch.agent.publisher import Publisher
+from ddpwatch.agent.split import GradReady, InputTimer
 from ddpwatch.protocol import (
     DEFAULT_PORT,
     PROTOCOL_VERSION,
@@ -77,6 +78,11 @@ class Watcher:
         self._wrappers = CollectiveWrappers(self.progress)
         self._flight_recorder: FlightRecorder | None = None
         self._backward_loss = BackwardLoss(self.progress)
+        self._grad_ready = GradReady(self.progress)  # where the step goes: ``agent/split.py``
+        self._split_on = os.environ.get("DDPWATCH_STEP_SPLIT", "1") != "0"
+        self._model_hooks.on_optimizer = self._grad_ready.backward_ended
+        self._input_timer = InputTimer(self.progress)
+        self._split = SplitReader(self.progress)
         self._process_hooks = ProcessHooks(
             self._report_crash, self._report_exit, mark=lambda: self.progress.step
         )
@@ -119,6 +125,7 @@ class Watcher:
         self.active = False
         self._detached = True
         self._model_hooks.remove()
+        self._grad_ready.remove()
         self._process_hooks.remove()
         self.patches.restore()
         self._log_tail.remove()
@@ -131,6 +138,8 @@ class Watcher:
         """Hook a module (forward hooks), or a framework object an integration knows."""
         if not registry.adapt(self, model):
             self._model_hooks.add_model(model)
+            if self._split_on:
+                self._grad_ready.add_model(model)
 
     @property
     def rank(self) -> int:
@@ -235,6 +244,9 @@ class Watcher:
         )
         patches.wrap(torch, "save", before=self._before_save)
         self._backward_loss.install(patches, torch)  # zero-code loss: what backward() is run on
+        if self._split_on:  # the end of each backward (``Tensor.backward`` calls it), DataLoaders
+            patches.wrap(torch.autograd, "backward", after=self._grad_ready.backward_ended)
+            after_import("torch.utils.data.dataloader", self._time_data_loaders)
         self._wrap_model_class(torch.nn.parallel, "DistributedDataParallel")
         after_import(
             "torch.distributed.fsdp",
@@ -244,6 +256,11 @@ class Watcher:
             registry.install(self)  # deepspeed.initialize phases, Lightning Trainers' callback
         except Exception as exc:
             log.debug("ddpwatch: no framework hooks: %r", exc)
+
+    def _time_data_loaders(self, dataloader: Any) -> None:
+        """Time every DataLoader iterator's ``__next__``: the rank's input wait."""
+        if not self._detached:
+            self.patches.wrap(dataloader._BaseDataLoaderIter, "__next__", around=self._input_timer)
 
     def _before_set_device(self, *args: Any, **kwargs: Any) -> None:
         self._phase_before_device = self.progress.phase
@@ -264,10 +281,13 @@ class Watcher:
             cls,
             "__init__",
             before=lambda *_, **__: self.set_phase(Phase.MODEL_WRAP),
-            after=lambda *_, **__: self._after_model_wrap(),
+            after=lambda _, model, *__, **___: self._after_model_wrap(model),
         )
 
-    def _after_model_wrap(self) -> None:
+    def _after_model_wrap(self, model: Any) -> None:
+        if self._split_on:
+            self._grad_ready.add_model(model)  # a DDP model: its gradient wait (zero-code too)
+        self._model_hooks.watch_gradients(model)  # its own gradients' check (zero-code too)
         if self.in_startup:
             self.set_phase(Phase.FIRST_STEP)
 
@@ -372,20 +392,26 @@ class Watcher:
         )
         identity = {**self._identity_fields(), **device.as_fields()}
         loss = progress.loss.poll()
+        input_wait_s, compute_s, grad_wait_s = self._split.read()
         return Sample(
             v=PROTOCOL_VERSION,
             rank=self.rank,
             t=time.time(),
             **(identity if self._identity_due(identity) else {}),
             **memory_info(device).as_fields(),
+            **hostmem.read().as_fields(),  # /proc and the cgroup: a few reads, some cached
             phase=progress.phase,
             step=progress.step,
             loss=loss,
             nan_step=progress.loss.nan_step,
+            grad_nan_step=progress.loss.grad_nan_step,
             step_time_s=progress.step_time_s,
             avg_step_time_s=progress.avg_step_time_s,
             data_wait_s=progress.data_wait_s,
             collective_time_s=progress.collective_time_s,
+            input_wait_s=input_wait_s,
+            compute_s=compute_s,
+            grad_wait_s=grad_wait_s,
             collective=collective,
             collectives=counts,
             forwards=progress.forwards or None,

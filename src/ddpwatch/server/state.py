@@ -7,6 +7,7 @@ never the sender's, so ranks on hosts with skewed clocks compare fairly.
 from __future__ import annotations
 
 import math
+from array import array
 from collections import deque
 from dataclasses import dataclass, field, fields
 from math import isfinite
@@ -22,6 +23,7 @@ from ddpwatch.protocol import (
     Identity,
     Sample,
 )
+from ddpwatch.server.host_memory import note as note_host_memory
 from ddpwatch.server.relays import RelayRecord
 from ddpwatch.server.waits import WaitIndex
 from ddpwatch.vocabulary import EventKind
@@ -101,6 +103,9 @@ class RankRecord:
     avg_step_time_s: float | None = None
     data_wait_s: float | None = None
     collective_time_s: float | None = None
+    input_wait_s: float | None = None
+    compute_s: float | None = None
+    grad_wait_s: float | None = None
     collective: Collective | None = None
     collective_seen: float | None = None
     collectives: CollectiveCounts | None = None
@@ -110,6 +115,9 @@ class RankRecord:
     """Collective wait per step, averaged over the steps heartbeats saw (one step is noisy)."""
     collective_time_samples: int = 0
     """How many heartbeats' steps that average holds: a young average still holds warm-up."""
+    avg_grad_wait_s: float | None = None
+    """The wait in DDP's gradient all-reduce per step (``grad_wait_s``), averaged the same
+    way: with ``avg_collective_time_s``, all a rank waits for the others each step."""
     step_marks: dict[int, int] = field(default_factory=dict)
     """Python-level collectives entered by the end of marked steps (every MARK_EVERY-th)."""
     forwards: int | None = None
@@ -119,6 +127,15 @@ class RankRecord:
     gpu_mem_used_bytes: int | None = None
     gpu_mem_total_bytes: int | None = None
     gpu_pids: list[int] | None = None
+    host_rss_bytes: int | None = None
+    workers_rss_bytes: int | None = None
+    host_available_bytes: int | None = None
+    host_total_bytes: int | None = None
+    cgroup_limit_bytes: int | None = None
+    cgroup_used_bytes: int | None = None
+    host_mem_points: array[float] | None = None
+    """(server time, rank + workers bytes) about every second, the last 16, interleaved:
+    how fast its host memory grows (``server/host_memory.py``)."""
     last_progress: float = 0.0  # a step ended or a forward pass ran
     last_step_at: float = 0.0  # a step ended
     wait_ended_at: float = 0.0
@@ -140,6 +157,9 @@ class RankRecord:
     """The collective the rank was in when it crashed or exited (no longer timed)."""
     nan_step: int | None = None
     nan_exact: bool = False  # nan_step is the exact first bad step the agent saw, not a bound
+    grad_nan_step: int | None = None
+    """The first step whose own gradients, before DDP's all-reduce, were not finite (the
+    agent's exact step, as it came): where a NaN that DDP spread began (``nan_loss``)."""
     checkpoint_paths: list[str] = field(default_factory=list)
     phases: list[tuple[str, float]] = field(default_factory=list)
     log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_LINES))
@@ -399,6 +419,9 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     record.avg_step_time_s = sample.avg_step_time_s
     record.data_wait_s = sample.data_wait_s
     record.collective_time_s = collective_time_s
+    record.input_wait_s = sample.input_wait_s
+    record.compute_s = sample.compute_s
+    grad_wait_s = record.grad_wait_s = sample.grad_wait_s
     record.forwards = sample.forwards
     record.mem_allocated_bytes = sample.mem_allocated_bytes
     record.mem_reserved_bytes = sample.mem_reserved_bytes
@@ -408,6 +431,16 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     pids = sample.gpu_pids
     if pids != record.gpu_pids:  # equal: keep the record's list (see above)
         record.gpu_pids = pids
+    rss = sample.host_rss_bytes
+    workers = sample.workers_rss_bytes
+    record.host_rss_bytes = rss
+    record.workers_rss_bytes = workers
+    record.host_available_bytes = sample.host_available_bytes
+    record.host_total_bytes = sample.host_total_bytes
+    record.cgroup_limit_bytes = sample.cgroup_limit_bytes
+    record.cgroup_used_bytes = sample.cgroup_used_bytes
+    if rss is not None:
+        record.host_mem_points = note_host_memory(record.host_mem_points, now, rss + (workers or 0))
     if collective is not None:
         shape = collective.shape
         held = record.collective
@@ -425,6 +458,9 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
             collective_time_s if avg is None else avg + 0.2 * (collective_time_s - avg)
         )
         record.collective_time_samples += 1
+    if moved and grad_wait_s is not None:
+        avg = record.avg_grad_wait_s
+        record.avg_grad_wait_s = grad_wait_s if avg is None else avg + 0.2 * (grad_wait_s - avg)
     if counts is not None:
         marks = counts.marks
         if marks:
@@ -438,6 +474,7 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
                 while len(step_marks) > MARKS_KEPT:
                     del step_marks[min(step_marks)]
     record.collectives = counts
+    record.grad_nan_step = sample.grad_nan_step
     nan_step = sample.nan_step
     if nan_step is not None:
         record.nan_step, record.nan_exact = nan_step, True

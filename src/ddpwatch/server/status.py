@@ -7,6 +7,7 @@ from typing import Any
 
 from ddpwatch.protocol import Collective
 from ddpwatch.server.alerts import Alert, Thresholds
+from ddpwatch.server.host_memory import growth
 from ddpwatch.server.relays import relay_entry
 from ddpwatch.server.rules import effective_stall_after, rank_state
 from ddpwatch.server.state import PastAttempt, RankRecord, ServerState
@@ -78,8 +79,18 @@ def rank_entry(
         "avg_step_time_s": record.avg_step_time_s,
         "data_wait_s": record.data_wait_s,
         "collective_time_s": record.collective_time_s,
+        "input_wait_s": record.input_wait_s,
+        "compute_s": record.compute_s,
+        "grad_wait_s": record.grad_wait_s,
         "mem_peak_bytes": record.mem_peak_bytes,
         "gpu_pids": record.gpu_pids,
+        "host_rss_bytes": record.host_rss_bytes,
+        "workers_rss_bytes": record.workers_rss_bytes,
+        "host_mem_growth_bytes_per_s": _host_growth(record),
+        "host_available_bytes": record.host_available_bytes,
+        "host_total_bytes": record.host_total_bytes,
+        "cgroup_limit_bytes": record.cgroup_limit_bytes,
+        "cgroup_used_bytes": record.cgroup_used_bytes,
         "exit_code": record.exit_code,
         "exit_signal": record.exit_signal,
         "final_collective": _collective(record.final_collective),
@@ -90,6 +101,7 @@ def rank_entry(
         ),
         "nan_step": record.nan_step,
         "nan_exact": record.nan_exact,
+        "grad_nan_step": record.grad_nan_step,
         "pg_timeout_s": record.pg_timeout_s,
         "simulated": record.simulated,
         "phase_since_s": None if record.phase_since is None else round(now - record.phase_since, 3),
@@ -105,6 +117,12 @@ def _ended_at(record: RankRecord) -> float | None:
     it runs. The end-of-run verdict orders failures by it."""
     times = [t for t in (record.error_time, record.exit_time) if t is not None]
     return min(times) if times else None
+
+
+def _host_growth(record: RankRecord) -> float | None:
+    """How fast the rank's host memory (its own and its workers') grows, bytes a second."""
+    found = growth(record.host_mem_points)
+    return None if found is None else round(found.rate, 1)
 
 
 def _collective(c: Collective | None) -> dict[str, Any] | None:

@@ -31,6 +31,8 @@ ABSENCES = frozenset({AlertKind.NOT_CONNECTED, AlertKind.STARTUP_HANG})
 """Error kinds about a rank that never came: the others' failures waiting for it are its."""
 HOLDING = frozenset({AlertKind.STRAGGLER, AlertKind.STALLED})
 """Alert kinds whose culprit holds the ``waiting`` ranks up."""
+SLOWING = frozenset({AlertKind.SLOW_RANK})
+"""Warning kinds whose culprit the others waited for every step, the job running on."""
 _TERM_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
 
 
@@ -274,7 +276,12 @@ class Account:
         """Every rank the verdict blames for something: the one whose failure ended the job,
         the ones that held the others up, the culprits of its other errors."""
         ranks = {a.rank for a in self.held}
-        ranks.update(r for e in self.episodes if e.severity == Severity.ERROR for r in e.ranks)
+        ranks.update(
+            r
+            for e in self.episodes
+            if e.severity == Severity.ERROR or e.kind in SLOWING
+            for r in e.ranks
+        )
         if self.ending is not None:
             ranks.add(self.ending.rank)
         return frozenset(ranks)
@@ -299,7 +306,7 @@ def judge(
         parts.append(_ending_text(ending, outcomes, found, ranks))
     else:
         parts.append(_no_failure_text(seen, found))
-    steps = {int(r["rank"]): r.get("nan_step") for r in ranks if isinstance(r.get("rank"), int)}
+    steps = {int(r["rank"]): _first_bad(r) for r in ranks if isinstance(r.get("rank"), int)}
     before = _other_problems(found, held, ending, run_s, end_s, steps)
     if before:
         parts.append(("before that: " if ending is not None else "") + "; ".join(before))
@@ -472,15 +479,21 @@ def _other_problems(
     nan_steps: dict[int, Any],
 ) -> list[str]:
     """Everything else worth a line, in time order: who held the others up (added up per
-    culprit), then each other error episode, then how many warnings."""
+    culprit), then each other error episode, then who the others waited for every step
+    (``slow_rank``, added up per culprit), then how many other warnings."""
     problems = [held_up_text(account, run_s) for account in held]
     holders = {a.rank for a in held}
     said: set[tuple[str, tuple[int, ...]]] = set()
     warnings: list[str] = []
+    slowed: dict[tuple[int, ...], tuple[float, set[int]]] = {}  # culprits: time up, waiting
     for e in found:
         if e.kind in HOLDING and len(e.ranks) == 1 and e.ranks[0] in holders:
             continue  # added up above
         if ending is not None and _is_the_ending(e, ending, found):
+            continue
+        if e.kind in SLOWING and e.severity != Severity.ERROR:
+            up, waiting = slowed.get(e.ranks, (0.0, set()))
+            slowed[e.ranks] = (up + e.duration_s(end_s), waiting | set(e.waiting))
             continue
         if e.severity != Severity.ERROR:
             warnings.append(e.kind)
@@ -489,6 +502,13 @@ def _other_problems(
             continue
         said.add((e.kind, e.ranks))
         problems.append(_episode_text(e, end_s, nan_steps))
+    for ranks, (up, waiting) in slowed.items():
+        them = format_ranks(waiting) if waiting else "the others"
+        problems.append(
+            f"{format_ranks(ranks)} {_were(list(ranks))} slower than {them} for "
+            f"{duration(up)}: they waited for {'it' if len(ranks) == 1 else 'them'} every "
+            f"step ({AlertKind.SLOW_RANK})"
+        )
     if warnings:
         kinds = ", ".join(dict.fromkeys(warnings))
         problems.append(f"{len(warnings)} warning{'s' if len(warnings) > 1 else ''} ({kinds})")
@@ -514,12 +534,21 @@ def _is_the_ending(e: Episode, ending: Outcome, found: Sequence[Episode]) -> boo
     return e.cleared_s >= max(ends)  # ``e`` is among them: true when none came after it
 
 
+def _first_bad(rank: dict[str, Any]) -> tuple[Any, str]:
+    """A rank's first non-finite step and what went bad: its own gradients (before DDP's
+    all-reduce) when they did before its loss, else its loss."""
+    loss, grads = rank.get("nan_step"), rank.get("grad_nan_step")
+    if isinstance(grads, int) and not (isinstance(loss, int) and loss <= grads):
+        return grads, "gradients"
+    return loss, "loss"
+
+
 def _episode_text(e: Episode, end_s: float, nan_steps: dict[int, Any]) -> str:
     who = format_ranks(e.ranks) if e.ranks else "no single rank"
     if e.kind == AlertKind.NAN_LOSS:
-        step = nan_steps.get(e.ranks[0]) if e.ranks else None
+        step, what = nan_steps.get(e.ranks[0], (None, "loss")) if e.ranks else (None, "loss")
         when = f"at step {step}" if isinstance(step, int) else f"at +{e.raised_s:.1f} s"
-        return f"{who} produced the first non-finite loss {when}"
+        return f"{who} produced the first non-finite {what} {when}"
     if e.kind == AlertKind.SILENT and e.cleared_s is not None:
         return f"{who} fell silent for {duration(e.duration_s(end_s))} and came back"
     if e.kind == AlertKind.STALLED:

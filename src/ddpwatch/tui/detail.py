@@ -33,6 +33,21 @@ def _v(value: Any) -> str:
     return NA if value is None else str(value)
 
 
+def _host_memory(row: dict[str, Any], kv: Any) -> list[Text]:
+    """The rank's host memory, its workers' and how fast they grow ("host mem 3.1G +1.2G workers
+    +20.1M/s"), where its agent tells (``host_memory`` alerts read the same)."""
+    rss = row.get("host_rss_bytes")
+    if rss is None:
+        return []
+    text = human_bytes(rss)
+    if row.get("workers_rss_bytes"):
+        text += f" +{human_bytes(row['workers_rss_bytes'])} workers"
+    rate = row.get("host_mem_growth_bytes_per_s")
+    if rate is not None and abs(rate) >= 1 << 20:
+        text += f" {'+' if rate > 0 else '-'}{human_bytes(abs(rate))}/s"
+    return [kv("host mem", text)]
+
+
 def identity_paragraphs(row: dict[str, Any], alerts: list[dict[str, Any]]) -> list[list[Text]]:
     """Who the rank is, where it runs, what it does now, and the alerts that name it."""
 
@@ -91,6 +106,7 @@ def identity_paragraphs(row: dict[str, Any], alerts: list[dict[str, Any]]) -> li
                 "gpu",
                 f"{human_bytes(row.get('gpu_mem_used_bytes'))}/{human_bytes(row.get('gpu_mem_total_bytes'))}",
             ),
+            *_host_memory(row, kv),
         ],
     ]
     coll = row.get("collective")

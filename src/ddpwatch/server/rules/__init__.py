@@ -3,7 +3,7 @@ and the fix.
 
 ``facts`` holds the attribution model every family shares (who failed first, who has
 entered which collective, on what evidence); ``text`` the words. Each family module
-(cascade, collectives, progress, startup, devices) imports those two and never another
+(cascade, collectives, progress, startup, devices, memory) imports those two and never another
 family. A rule is a function of ``Facts`` declared with ``@rule(kinds...)``: the kinds it
 may raise are checked against the contract when the module is imported.
 
@@ -35,6 +35,7 @@ from ddpwatch.server.rules.devices import (
 )
 from ddpwatch.server.rules.facts import Facts, Pace, effective_stall_after, rank_state
 from ddpwatch.server.rules.listening import rule_server_behind
+from ddpwatch.server.rules.memory import rule_host_memory
 from ddpwatch.server.rules.progress import (
     rule_checkpoint_conflict,
     rule_nan_loss,
@@ -67,6 +68,7 @@ __all__ = [
     "rule_device_ordinal",
     "rule_duplicate_device",
     "rule_foreign_memory",
+    "rule_host_memory",
     "rule_local_rank_mismatch",
     "rule_nan_loss",
     "rule_not_connected",
@@ -96,6 +98,7 @@ RULES: tuple[Rule, ...] = (
     rule_local_rank_mismatch,
     rule_uneven_memory,
     rule_foreign_memory,
+    rule_host_memory,
     rule_step_skew,
     rule_nan_loss,
     rule_checkpoint_conflict,

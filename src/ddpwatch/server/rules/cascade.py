@@ -4,6 +4,7 @@ ranks that failed or wait because of it (listed as ``waiting``, never as culprit
 from __future__ import annotations
 
 from ddpwatch.server.alerts import Alert, Thresholds
+from ddpwatch.server.host_memory import oom_note
 from ddpwatch.server.rules.facts import Cascade, Facts, Root, is_clean_exit, is_term_exit
 from ddpwatch.server.rules.registry import alert, rule
 from ddpwatch.server.rules.text import (
@@ -160,6 +161,7 @@ def _silent_alert(
         f"{where(first, stepping)}; {verb(n, 'it was', 'they were')} probably killed (kill -9, "
         f"the OOM killer) or {verb(n, 'is', 'are')} stuck in native code holding the GIL"
     )
+    message += oom_note(first)  # memory near a limit or growing: "likely the OOM killer"
     message += after
     on_host = f" on host {first.host}" if first.host else ""
     pid = f"py-spy dump --pid {first.pid}" if first.pid else "py-spy dump --pid PID"

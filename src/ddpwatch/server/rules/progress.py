@@ -125,17 +125,33 @@ def rule_step_skew(f: Facts) -> list[Alert]:
 SETTLED_SAMPLES = 10
 """Heartbeats a rank's averaged collective wait needs before slow_rank reads it: the
 warm-up's weight in the average is 0.8**10, about a tenth, after 10 (5 s at 2 Hz)."""
+SLOW_COST = 0.075
+"""The share of the step the others lose waiting from which slow_rank speaks: a rank that
+costs the job 10 % is named within seconds (the averages cross 7.5 % on their way up), one
+that costs under 5 % never is, and a cost near the line does not come and go with each
+step's jitter (the averages move a fifth of the way per heartbeat)."""
+MIN_WAIT_S = 0.005  # the others' wait per step below which nothing is said (timer noise)
+LISTED = 8  # the waiting ranks a message names one by one
+
+
+def waited(record: RankRecord) -> float:
+    """All a rank waits for the others per step: in Python-level collectives and in DDP's
+    gradient all-reduce (inside ``backward()``, where no wrapper sees it)."""
+    return (record.avg_collective_time_s or 0.0) + (record.avg_grad_wait_s or 0.0)
 
 
 @rule(AlertKind.SLOW_RANK, every="slow")
 def rule_slow_rank(f: Facts) -> list[Alert]:
-    """The rank the others wait for every step: its own collective wait is far shorter.
+    """The rank the others wait for every step: its own wait is far shorter than theirs.
 
-    Conservative on purpose: a healthy job must stay silent, so the slow rank must
-    stand out clearly in waits averaged over steps (one step's wait jitters by milliseconds
-    on a busy host), every average must hold enough steps to be past warm-up (DataLoader
-    workers starting, first compilations: a rank slow for its first second is not slow), and
-    collectives must be a real share of the step.
+    DDP's all-reduce evens out every rank's step time, so a rank slower in its input or its
+    compute shows only as the others' wait (TraceML issue 252): in collectives, and in the
+    gradient all-reduce at the end of ``backward()`` (``grad_wait_s``). Conservative on
+    purpose: a healthy job must stay silent, so the slow rank must stand out clearly in waits
+    averaged over steps (one step's wait jitters by milliseconds on a busy host), every
+    average must hold enough steps to be past warm-up (DataLoader workers starting, first
+    compilations: a rank slow for its first second is not slow), and what the others lose
+    must be a real share of the step (``SLOW_COST``).
     """
     moved = f.now - f.stall_after  # ``idle(r) <= stall_after``, without a call per rank
     ranks = [
@@ -146,62 +162,169 @@ def rule_slow_rank(f: Facts) -> list[Alert]:
         and r.collective_time_samples >= SETTLED_SAMPLES
         and (r.collective is not None or r.last_progress >= moved or f.since >= moved)
     ]
+    if any(r.avg_grad_wait_s is not None for r in ranks):
+        # a rank that cannot see DDP's wait (an older agent, a GPU) would look the slowest
+        ranks = [r for r in ranks if r.avg_grad_wait_s is not None]
     if len(ranks) < 3:
         return []
     step = statistics.median(r.avg_step_time_s or 0.0 for r in ranks)
-    wait = statistics.median(r.avg_collective_time_s or 0.0 for r in ranks)
-    if step <= 0 or wait < 0.2 * step or wait < 0.005:
+    wait = statistics.median(waited(r) for r in ranks)
+    if step <= 0 or wait < MIN_WAIT_S:
         return []
-    slow = sorted(
-        (r for r in ranks if (r.avg_collective_time_s or 0.0) < 0.25 * wait), key=lambda r: r.rank
-    )
+    slow = sorted((r for r in ranks if waited(r) < 0.25 * wait), key=lambda r: r.rank)
     if not slow or len(slow) > max(1, len(ranks) // 4):
         return []
-    slowest = min(slow, key=lambda r: (r.avg_collective_time_s or 0.0, r.rank))
-    lost_ms = (wait - (slowest.avg_collective_time_s or 0.0)) * 1000
+    slowest = min(slow, key=lambda r: (waited(r), r.rank))
+    lost = wait - waited(slowest)
+    if lost < SLOW_COST * step:
+        return []
+    culprits = {r.rank for r in slow}
+    others = [r for r in ranks if r.rank not in culprits]
+    part = _differing_part(slowest, others, lost)
+    message = _slow_message(slow, slowest, others, (lost, step), part)
+    hint = _slow_hint(slowest, lost, part)
+    return [
+        alert(
+            AlertKind.SLOW_RANK,
+            Severity.WARNING,
+            sorted(culprits),
+            [r.rank for r in others],
+            message,
+            hint,
+        )
+    ]
+
+
+def _differing_part(
+    slowest: RankRecord, others: list[RankRecord], lost: float
+) -> tuple[str, float, float] | None:
+    """The part of the slow rank's step that differs from the others' (its input wait or
+    its compute, the others' median), when that explains half the loss at least."""
+    found = []
+    for name, field in (("input wait", "input_wait_s"), ("compute", "compute_s")):
+        own: float | None = getattr(slowest, field)
+        values = [v for v in (getattr(r, field) for r in others) if v is not None]
+        if own is not None and values:
+            theirs = statistics.median(values)
+            found.append((own - theirs, name, own, theirs))
+    if not found:
+        return None
+    extra, name, own, theirs = max(found)
+    return (name, own, theirs) if extra >= 0.5 * lost else None
+
+
+def _slow_message(
+    slow: list[RankRecord],
+    slowest: RankRecord,
+    others: list[RankRecord],
+    cost: tuple[float, float],
+    part: tuple[str, float, float] | None,
+) -> str:
+    """The alert's sentence: "rank 1 enters DDP's gradient all-reduce ~190 ms after ranks 0, 2
+    every step (its compute takes 210 ms, theirs 20 ms): the job runs at 4.3 steps/s instead
+    of ~5.2"."""
+    lost, step = cost
+    grad = statistics.median(r.avg_grad_wait_s or 0.0 for r in others)
+    total = statistics.median(waited(r) for r in others)
+    where = "DDP's gradient all-reduce" if grad >= 0.5 * total else "their collectives"
+    if len(slow) == 1:
+        where = where.replace("their", "its")
     who = format_ranks(r.rank for r in slow)
+    them = (
+        format_ranks(r.rank for r in others)
+        if len(others) <= LISTED
+        else f"the other {len(others)} ranks"
+    )
     message = (
-        f"{who} {verb(len(slow), 'is', 'are')} the slowest: the other ranks wait "
-        f"{lost_ms:.0f} ms per step for {verb(len(slow), 'it', 'them')} in collectives"
+        f"{who} {verb(len(slow), 'enters', 'enter')} {where} ~{lost * 1000:.0f} ms after "
+        f"{them} every step"
     )
-    hint = (
-        f"rank {slowest.rank} computes or loads data slower than the others: compare its data "
-        "wait, its GPU (clocks, temperature, other processes) and its batch sizes"
-    )
-    if slowest.data_wait_s and slowest.data_wait_s * 1000 > 0.5 * lost_ms:
-        hint = (
-            f"rank {slowest.rank} waits {slowest.data_wait_s * 1000:.0f} ms per step for data: "
+    if part is not None:
+        name, own, theirs = part
+        mine = "its" if len(slow) == 1 else f"rank {slowest.rank}'s"
+        message += f" ({mine} {name} takes {own * 1000:.0f} ms, theirs {theirs * 1000:.0f} ms)"
+    return message + f": the job {_pace(step)} instead of ~{_pace(step - lost, bare=True)}"
+
+
+def _pace(step: float, bare: bool = False) -> str:
+    """How fast the job goes: "runs at 4.3 steps/s", or "takes 2.5 s a step" for slow steps."""
+    if step < 1.0:
+        rate = 1.0 / max(step, 1e-6)
+        text = f"{rate:.0f}" if rate >= 10 else f"{rate:.1f}"
+        return text if bare else f"runs at {text} steps/s"
+    return f"{step:.1f} s" if bare else f"takes {step:.1f} s a step"
+
+
+def _slow_hint(slowest: RankRecord, lost: float, part: tuple[str, float, float] | None) -> str:
+    rank = slowest.rank
+    data_wait = slowest.data_wait_s
+    if part is not None and part[0] == "input wait":
+        return (
+            f"rank {rank} waits {part[1] * 1000:.0f} ms per step for its input: give its "
+            "DataLoader more workers (num_workers, pin_memory) or faster storage, and check "
+            "its shard of the data (larger samples, a slow transform)"
+        )
+    if part is not None:
+        return (
+            f"rank {rank} computes slower than the others: compare its GPU (clocks, "
+            "temperature, other processes), its batch and sequence sizes, and any work it "
+            "alone does in its step (hooks, logging, checks)"
+        )
+    if data_wait and data_wait > 0.5 * lost:
+        return (
+            f"rank {rank} waits {data_wait * 1000:.0f} ms per step for data: "
             "give its DataLoader more workers or faster storage"
         )
-    return [alert(AlertKind.SLOW_RANK, Severity.WARNING, [r.rank for r in slow], [], message, hint)]
+    return (
+        f"rank {rank} computes or loads data slower than the others: compare its data "
+        "wait, its GPU (clocks, temperature, other processes) and its batch sizes"
+    )
 
 
 @rule(AlertKind.NAN_LOSS)
 def rule_nan_loss(f: Facts) -> list[Alert]:
     """A loss that became nan or inf: the rank whose first bad step is earliest.
 
-    DDP averages gradients, so one rank's NaN reaches every rank a step later. A rank is
-    named first only when every other live rank's own report shows it was still finite at
-    that step (an agent reports the exact first bad step; a heartbeat's step is only an
-    upper bound); until then, a heartbeat at most, nothing is said.
+    DDP averages gradients, so one rank's NaN reaches every rank a step later. A rank's first
+    bad step is the earlier of its loss's (``nan_step``) and its own gradients' before the
+    all-reduce (``grad_nan_step``): a bad sample may give a rank infinite gradients from a
+    finite loss, and then every loss, its own included, is NaN only from the next step. A
+    rank is named first only when every other live rank's own report shows it was still
+    finite at that step (an agent reports the exact first bad step; a heartbeat's step is
+    only an upper bound); until then, a heartbeat at most, nothing is said.
     """
     bad = sorted((r for r in f.records if r.nan_step is not None), key=lambda r: r.rank)
     if not bad:
-        return []
-    since = min(r.nan_step or 0 for r in bad)
-    first = [r for r in bad if r.nan_step == since]
-    others = [r for r in f.live if r.nan_step is None or r.nan_step > since]
+        return []  # gradients alone (a GradScaler's overflow, a skipped step) are no alert
+    grads = [r for r in f.records if r.grad_nan_step is not None and r.nan_step is None]
+    since = min(_first_bad(r) for r in bad + grads)
+    first = sorted((r for r in bad + grads if _first_bad(r) == since), key=lambda r: r.rank)
+    named = {r.rank for r in first}
+    others = [r for r in f.live if r.rank not in named]
     if not all(_finite_at(r, since) for r in others):
         if any(r.nan_step is not None and not r.nan_exact for r in bad) and len(bad) > 1:
             return [_nan_alert(f, bad, [], since, "which rank went first is not known")]
         return []  # a rank has not reported past that step yet: its next heartbeat will
-    if any(not r.nan_exact for r in first) and len(first) < len(bad):
+    if any(not _exact_at(r, since) for r in first) and len(first) < len(bad):
         return [_nan_alert(f, bad, [], since, "which rank went first is not known")]
     return [_nan_alert(f, bad, first, since, None)]
 
 
+def _first_bad(record: RankRecord) -> int:
+    """The first step of the rank's current bad run: its loss's or its own gradients'."""
+    steps = [s for s in (record.nan_step, record.grad_nan_step) if s is not None]
+    return min(steps) if steps else 0
+
+
+def _exact_at(record: RankRecord, step: int) -> bool:
+    """The rank's own report names ``step`` exactly (gradients always do)."""
+    return record.grad_nan_step == step or (record.nan_exact and record.nan_step == step)
+
+
 def _finite_at(record: RankRecord, step: int) -> bool:
     """The rank's own report shows a finite loss at ``step``: it went bad later, or not."""
+    if record.grad_nan_step is not None and record.grad_nan_step <= step:
+        return False
     if record.nan_step is not None:
         return record.nan_exact and record.nan_step > step
     return record.step is not None and record.step >= step
@@ -216,11 +339,17 @@ def _nan_alert(
         if r.loss is not None and not math.isfinite(r.loss)
     }
     word = values.pop() if len(values) == 1 else "not finite"
-    finite = [r.rank for r in f.live if r.nan_step is None and r.loss is not None]
-    later = [r for r in bad if r not in first]
+    named = {r.rank for r in first}
+    finite = [
+        r.rank for r in f.live if r.nan_step is None and r.loss is not None and r.rank not in named
+    ]
+    later = [r for r in bad if r.rank not in named]
+    by_grads = [r for r in first if r.nan_step is None or r.nan_step > since]
     if unknown:
         message = f"{format_ranks(r.rank for r in bad)} loss is {word}, the first by step {since}"
         message += f"; {unknown}"
+    elif by_grads:
+        message = _grads_message(first, by_grads, later, since, word)
     else:
         message = f"{format_ranks(r.rank for r in first)} loss is {word} since step {since}"
         if later:
@@ -228,7 +357,14 @@ def _nan_alert(
             message += f" and {format_ranks(r.rank for r in later)} followed from step {then}"
     if finite:
         message += f" while {format_ranks(finite)} {verb(len(finite), 'is', 'are')} finite"
-    if first and (finite or later):
+    if by_grads:
+        hint = (
+            f"look for a bad sample in the data of {format_ranks(r.rank for r in by_grads)} at "
+            f"step {since} whose backward is not finite (sqrt or norm of 0, log of 0, a "
+            "division by a tiny number): torch.autograd.set_detect_anomaly(True) on that rank "
+            "finds the operation; clipping gradients does not help, as the all-reduce runs first"
+        )
+    elif first and (finite or later):
         hint = (
             f"look for a bad sample or shard in the data of {format_ranks(r.rank for r in first)} "
             f"at step {since}; torch.autograd.set_detect_anomaly(True) finds the first bad "
@@ -243,6 +379,35 @@ def _nan_alert(
     return alert(
         AlertKind.NAN_LOSS, Severity.ERROR, [r.rank for r in first], waiting, message, hint
     )
+
+
+def _grads_message(
+    first: list[RankRecord],
+    by_grads: list[RankRecord],
+    later: list[RankRecord],
+    since: int,
+    word: str,
+) -> str:
+    """Where a NaN came from when a rank's own gradients went bad before its loss did."""
+    n = len(by_grads)
+    who = format_ranks(r.rank for r in by_grads)
+    text = f"{who}'s own gradients" if n == 1 else f"the own gradients of {who}"
+    text += f" were not finite at step {since}"
+    if all(r.nan_step is not None or r.loss is not None for r in by_grads):
+        text += f" ({verb(n, 'its', 'their')} loss was finite)"
+    parts = [text]
+    grads = {r.rank for r in by_grads}
+    own = [r for r in first if r.rank not in grads]
+    if own:
+        parts.append(f"{format_ranks(r.rank for r in own)} loss is {word} since step {since}")
+    message = " and ".join(parts)
+    if later:
+        then = min(r.nan_step or 0 for r in later)
+        message += (
+            f"; {format_ranks(r.rank for r in later)} received them through DDP's all-reduce "
+            f"and {verb(len(later), 'its', 'their')} loss is {word} since step {then}"
+        )
+    return message
 
 
 @rule(AlertKind.CHECKPOINT_CONFLICT, every="change")

@@ -1,0 +1,352 @@
+"""Host memory: the agent's /proc and cgroup reader, the growth the server keeps per rank,
+the ``host_memory`` rule (a leak towards the OOM killer, a rank far above its host's others),
+quiet on healthy jobs, and the OOM killer named when a growing rank falls silent.
+
+Jobs go through ``ServerState.apply`` with real samples, two a second, as ranks send them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddpwatch.agent import hostmem
+from ddpwatch.agent.hostmem import HostMemory, cgroup_dirs, meminfo_bytes
+from ddpwatch.protocol import Sample
+from ddpwatch.server.alerts import Alert, Thresholds
+from ddpwatch.server.host_memory import growth, note
+from ddpwatch.server.rules import diagnose, rule_cascade, rule_host_memory
+from ddpwatch.server.state import ServerState
+from ddpwatch.server.status import status_document
+
+T0 = 1000.0
+TH = Thresholds()
+MIB = 1 << 20
+GIB = 1 << 30
+BASE = 3 * GIB  # a CPU rank with torch loaded
+Memory = Callable[[int, float], int]  # (rank, seconds since start) -> bytes
+
+
+def job(
+    rss: Memory,
+    world: int = 4,
+    seconds: float = 20.0,
+    quiet_after: dict[int, float] | None = None,
+    **fields: Any,
+) -> ServerState:
+    """``world`` ranks on one host sending a heartbeat every 0.5 s for ``seconds``; rank r
+    holds ``rss(r, t)`` bytes; a rank in ``quiet_after`` stops sending after that many s."""
+    state = ServerState(started=T0 - 1)
+    fields = {"host_available_bytes": 100 * GIB, "host_total_bytes": 128 * GIB, **fields}
+    for k in range(int(seconds / 0.5) + 1):
+        t = k * 0.5
+        for r in range(world):
+            if quiet_after and t > quiet_after.get(r, float("inf")):
+                continue
+            sample = Sample(
+                v=1,
+                rank=r,
+                t=T0 + t,
+                pid=100 + r,
+                host="node0",
+                world_size=world,
+                local_rank=r,
+                step=k,
+                host_rss_bytes=rss(r, t),
+                workers_rss_bytes=0,
+                **fields,
+            )
+            state.apply(sample, T0 + t)
+    return state
+
+
+def end(seconds: float = 20.0) -> float:
+    return T0 + seconds
+
+
+def leak(rank: int, rate: float, start: float = 2.0) -> Memory:
+    """Rank ``rank`` grows ``rate`` bytes a second from ``start``; the others stay flat."""
+    return lambda r, t: int(BASE + (rate * max(0.0, t - start) if r == rank else 0))
+
+
+def alerts_of(state: ServerState, seconds: float = 20.0) -> list[Alert]:
+    return rule_host_memory(state, end(seconds), TH)
+
+
+# ------------------------------------------------------------------------------- quiet jobs
+
+
+@pytest.mark.parametrize(
+    "rss",
+    [
+        pytest.param(lambda r, t: BASE, id="flat"),
+        pytest.param(lambda r, t: BASE + (2 * GIB if t >= 3 else 0), id="one step up"),
+        pytest.param(
+            lambda r, t: BASE + (GIB if t >= 8 else 0) + (GIB if t >= 14 else 0), id="two"
+        ),
+        pytest.param(lambda r, t: int(BASE + 2 * MIB * t), id="all alike, slowly"),
+        pytest.param(lambda r, t: int(BASE + 8 * MIB * t), id="all alike, fast, room"),
+        pytest.param(leak(1, 20 * MIB, start=14.0), id="a leak of 6 s"),
+        pytest.param(leak(1, 3 * MIB), id="a slow leak"),
+        pytest.param(
+            lambda r, t: BASE + random.Random(int(t * 2) * 7 + r).randrange(-50, 50) * MIB,
+            id="noisy",
+        ),
+    ],
+)
+def test_a_healthy_job_stays_silent(rss: Memory) -> None:
+    state = job(rss)
+    assert alerts_of(state) == []
+    assert [a for a in diagnose(state, end(), TH) if a.kind == "host_memory"] == []
+
+
+def test_a_rank_of_its_own_and_unknown_memory_stay_silent() -> None:
+    assert alerts_of(job(lambda r, t: BASE, world=1)) == []
+    state = ServerState(started=T0)
+    state.apply(Sample(v=1, rank=0, t=T0, pid=1, step=1), T0)  # an older agent: no field
+    assert rule_host_memory(state, T0 + 1, TH) == []
+
+
+# ------------------------------------------------------------------------------- the leak
+
+
+def test_a_steady_leak_is_a_warning_with_the_time_left() -> None:
+    state = job(leak(1, 20 * MIB))
+    (found,) = alerts_of(state)
+    assert (found.kind, found.severity, found.ranks, found.waiting) == (
+        "host_memory",
+        "warning",
+        (1,),
+        (),
+    )
+    assert found.message.startswith("rank 1's host memory grows 20.0 MiB/s, steadily for 15 s")
+    assert "the others' median 0.0 MiB/s" in found.message
+    # 100 GiB available at 20 MiB/s
+    assert "the node's memory (100.0 GiB left) runs out in about 85 min" in found.message
+    assert "pytorch#13246" in found.hint and ".item()" in found.hint
+
+
+def test_a_leak_that_runs_out_within_a_minute_is_an_error() -> None:
+    state = job(leak(1, 20 * MIB), host_available_bytes=600 * MIB)
+    (found,) = alerts_of(state)
+    assert found.severity == "error"
+    assert "the node's memory (600 MiB left) runs out in about 30 s" in found.message
+    assert "OOM killer" in found.message
+
+
+def test_the_cgroup_limit_binds_before_the_node() -> None:
+    state = job(leak(2, 10 * MIB), cgroup_limit_bytes=16 * GIB, cgroup_used_bytes=15 * GIB)
+    (found,) = alerts_of(state)
+    assert (found.ranks, found.severity) == ((2,), "warning")
+    assert "its cgroup's memory limit (1.0 GiB left) runs out in about 2 min" in found.message
+
+
+def test_workers_growth_counts_and_is_named() -> None:
+    state = ServerState(started=T0)
+    for k in range(41):
+        t = k * 0.5
+        for r in range(3):
+            workers = int(GIB + (30 * MIB * t if r == 0 else 0))
+            state.apply(
+                Sample(
+                    v=1, rank=r, t=T0 + t, pid=100 + r, host="h", step=k,
+                    host_rss_bytes=BASE, workers_rss_bytes=workers,
+                ),
+                T0 + t,
+            )  # fmt: skip
+    (found,) = alerts_of(state)
+    assert found.ranks == (0,)
+    assert "(the rank 3.0 GiB, its workers 1.6 GiB)" in found.message
+    assert "how much memory is left is not known" in found.message
+
+
+def test_every_rank_growing_alike_warns_when_the_node_runs_out_soon() -> None:
+    """The same bug on every rank (a cache every rank fills, pytorch#13246 in every rank's
+    workers): alike, but four ranks at 10 MiB/s empty 4 GiB in under two minutes."""
+    state = job(lambda r, t: int(BASE + 10 * MIB * t), host_available_bytes=4 * GIB)
+    found = alerts_of(state)
+    assert sorted(a.ranks for a in found) == [(0,), (1,), (2,), (3,)]
+    assert all("runs out in about 2 min" in a.message for a in found)
+
+
+# ------------------------------------------------------------------------------- uneven
+
+
+@pytest.mark.parametrize(
+    ("gib", "culprits"),
+    [
+        ((9, 3, 3, 3), (0,)),
+        ((4, 3, 3, 3), ()),  # 1.3x
+        ((1.5, 0.5, 0.5, 0.5), ()),  # 3x but 1 GiB apart
+    ],
+)
+def test_one_rank_far_above_its_hosts_others(
+    gib: tuple[float, ...], culprits: tuple[int, ...]
+) -> None:
+    state = job(lambda r, t: int(gib[r] * GIB))
+    found = alerts_of(state)
+    assert [a.ranks for a in found] == ([culprits] if culprits else [])
+    if culprits:
+        assert found[0].message == (
+            "rank 0 holds 9.0 GiB of host memory, 3.0x the median 3.0 GiB of the 4 ranks on node0"
+        )
+
+
+# ------------------------------------------------------------------------------- the OOM killer
+
+
+def test_a_growing_rank_that_falls_silent_is_likely_the_oom_killer() -> None:
+    state = job(leak(1, 20 * MIB), seconds=26.0, quiet_after={1: 20.0})
+    (silent,) = [a for a in rule_cascade(state, end(26.0), TH) if a.kind == "silent"]
+    assert silent.ranks == (1,)
+    assert "its last heartbeats showed its host memory growing 20.0 MiB/s" in silent.message
+    assert "likely the OOM killer" in silent.message
+    near = job(
+        lambda r, t: BASE,
+        seconds=26.0,
+        quiet_after={1: 20.0},
+        cgroup_limit_bytes=10 * GIB,
+        cgroup_used_bytes=int(9.8 * GIB),
+    )
+    (silent,) = [a for a in rule_cascade(near, end(26.0), TH) if a.kind == "silent"]
+    assert "98% of its cgroup's memory limit in use" in silent.message
+    flat = job(lambda r, t: BASE, seconds=26.0, quiet_after={1: 20.0})
+    (silent,) = [a for a in rule_cascade(flat, end(26.0), TH) if a.kind == "silent"]
+    assert "likely the OOM killer" not in silent.message
+
+
+# ------------------------------------------------------------------------------- the window
+
+
+def test_the_window_keeps_a_point_a_second_and_sixteen_of_them() -> None:
+    points = None
+    for k in range(80):
+        points = note(points, T0 + k * 0.25, k)
+    assert points is not None and len(points) == 32
+    assert list(points[-2:]) == [T0 + 19.0, 76.0] and points[0] == T0 + 4.0
+
+
+def test_growth_leaves_a_one_off_jump_out() -> None:
+    points = None
+    for k in range(16):
+        points = note(points, float(k), BASE + (4 * GIB if k >= 9 else 0) + k * 100)
+    found = growth(points)
+    assert found is not None and abs(found.rate) < MIB and not found.steady
+    assert growth(note(None, 0.0, 1)) is None
+
+
+def test_the_status_document_shows_host_memory() -> None:
+    state = job(leak(1, 20 * MIB), cgroup_limit_bytes=64 * GIB, cgroup_used_bytes=20 * GIB)
+    ranks = status_document(state, [], end(), TH)["ranks"]
+    assert ranks[1]["host_rss_bytes"] == BASE + 18 * 20 * MIB
+    assert ranks[1]["host_mem_growth_bytes_per_s"] == pytest.approx(20 * MIB)
+    assert ranks[0]["host_mem_growth_bytes_per_s"] == 0.0
+    assert (ranks[0]["workers_rss_bytes"], ranks[0]["cgroup_limit_bytes"]) == (0, 64 * GIB)
+    assert ranks[0]["host_available_bytes"] == 100 * GIB
+
+
+# ------------------------------------------------------------------------------- the agent
+
+
+def _fake_proc(tmp_path: Path, children: dict[int, int], cgroup: str) -> tuple[Path, Path]:
+    """A /proc with this process's statm (1000 pages resident), its children's (pid: pages)
+    and meminfo, and a cgroup root; returns (proc, cgroup root)."""
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    pid = os.getpid()
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "statm").write_text("50000 1000 300 10 0 4000 0\n")
+    (proc / "self" / "cgroup").write_text(cgroup)
+    task = proc / str(pid) / "task" / str(pid)
+    task.mkdir(parents=True)
+    (task / "children").write_text(" ".join(map(str, children)) + " ")
+    for child, pages in children.items():
+        (proc / str(child) / "task" / str(child)).mkdir(parents=True)
+        (proc / str(child) / "task" / str(child) / "children").write_text("")
+        (proc / str(child) / "statm").write_text(f"9000 {pages} 100 1 0 500 0\n")
+    (proc / "meminfo").write_text(
+        "MemTotal:       32000000 kB\nMemFree:         1000 kB\nMemAvailable:   16000000 kB\n"
+    )
+    return proc, root
+
+
+def test_the_agent_reads_proc_and_a_cgroup_v2_limit(tmp_path: Path) -> None:
+    proc, root = _fake_proc(tmp_path, {71: 200, 72: 300}, "0::/job/rank1\n")
+    leaf = root / "job" / "rank1"
+    leaf.mkdir(parents=True)
+    (leaf / "memory.max").write_text("max\n")
+    (leaf / "memory.current").write_text("123456\n")
+    (root / "job" / "memory.max").write_text("4294967296\n")
+    (root / "job" / "memory.current").write_text("2000000000\n")
+    clock = [0.0]
+    reader = HostMemory(str(proc), str(root), clock=lambda: clock[0])
+    page = reader.page
+    info = reader.read()
+    assert info.host_rss_bytes == 1000 * page
+    assert info.workers_rss_bytes == 500 * page
+    assert (info.host_available_bytes, info.host_total_bytes) == (16000000 * 1024, 32000000 * 1024)
+    # the job's limit binds: its usage, not the rank's own cgroup's
+    assert (info.cgroup_limit_bytes, info.cgroup_used_bytes) == (4 << 30, 2000000000)
+    # node-wide values are read every 2 s, resent in between
+    (proc / "meminfo").write_text("MemTotal: 32000000 kB\nMemAvailable: 8 kB\n")
+    (proc / "self" / "statm").write_text("50000 2000 300 10 0 4000 0\n")
+    clock[0] = 1.0
+    info = reader.read()
+    assert (info.host_rss_bytes, info.host_available_bytes) == (2000 * page, 16000000 * 1024)
+    clock[0] = 2.0
+    assert reader.read().host_available_bytes == 8 * 1024
+
+
+def test_the_agent_reads_cgroup_v1_and_never_raises(tmp_path: Path) -> None:
+    proc, root = _fake_proc(tmp_path, {}, "4:memory:/process_api/abc\n0::/\n")
+    v1 = root / "memory" / "process_api" / "abc"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # unlimited
+    (v1 / "memory.usage_in_bytes").write_text("5000\n")
+    info = HostMemory(str(proc), str(root)).read()
+    assert (info.cgroup_limit_bytes, info.cgroup_used_bytes, info.workers_rss_bytes) == (
+        None,
+        5000,
+        0,
+    )
+    # nothing readable: every field None, nothing raised
+    empty = HostMemory(str(tmp_path / "nowhere"), str(tmp_path / "nowhere")).read()
+    assert set(empty.as_fields().values()) == {None}
+    (proc / "self" / "statm").write_text("garbage")
+    assert HostMemory(str(proc), str(root)).read().host_rss_bytes is None
+
+
+def test_cgroup_paths_and_meminfo_parsing() -> None:
+    assert cgroup_dirs(b"0::/\n", "/nonexistent") == []
+    assert meminfo_bytes(b"MemTotal: 10 kB\nMemAvailable:  4 kB", b"MemAvailable") == 4096
+    assert meminfo_bytes(b"MemTotal: 10 kB\n", b"MemAvailable") is None
+
+
+def test_the_agent_reads_this_process() -> None:
+    info = hostmem.read()
+    assert info.host_rss_bytes is not None and info.host_rss_bytes > 10 * MIB
+    assert info.host_available_bytes is not None and info.host_total_bytes is not None
+    assert 0 < info.host_available_bytes <= info.host_total_bytes
+    assert info.workers_rss_bytes is not None  # 0 or pytest's own children
+
+
+def test_the_rank_detail_shows_host_memory() -> None:
+    from ddpwatch.tui.detail import identity_paragraphs
+
+    def text(row: dict[str, Any]) -> str:
+        return " | ".join(str(t) for paragraph in identity_paragraphs(row, []) for t in paragraph)
+
+    row = {
+        "rank": 1,
+        "host_rss_bytes": 3 * GIB,
+        "workers_rss_bytes": GIB,
+        "host_mem_growth_bytes_per_s": 20 * MIB,
+    }
+    assert "host mem 3.0G +1.0G workers +20.0M/s" in text(row)
+    quiet = {**row, "workers_rss_bytes": 0, "host_mem_growth_bytes_per_s": 0}
+    assert text(quiet).endswith("host mem 3.0G")
+    assert "host mem" not in text({"rank": 1})  # an older agent: nothing said
