@@ -89,6 +89,9 @@ MODES: dict[str, Mode] = {
     m.name: m
     for m in (
         _mode("healthy", set(), set(), "", watch_s=60.0),
+        _mode("healthy-busy", set(), set(), "", watch_s=60.0),
+        _mode("healthy-join", set(), set(), _GH + "pytorch/pytorch/issues/38174", watch_s=60.0),
+        _mode("healthy-subgroup", set(), set(), "", watch_s=60.0),
         _mode(
             "exit-early",
             {1},

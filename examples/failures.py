@@ -19,6 +19,7 @@ for logging every step (an explicit collective besides DDP's own gradient all-re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 import signal
@@ -37,6 +38,17 @@ import ddpwatch
 # mode -> (faulty rank, step of the fault): defaults chosen so each run stays short
 DEFAULTS: dict[str, tuple[int, int]] = {
     "healthy": (1, 0),
+    # healthy, unevenly busy: rank 0 writes its logs to disk every 50 steps (0.3 s), as
+    # rank-zero-only logging does, and the others wait that long in the next collective
+    # (the flapping straggler verdicts of TraceML #374's kind must not come of it)
+    "healthy-busy": (0, 50),
+    # healthy, uneven inputs: the faulty rank has 5 batches fewer and the loop runs under
+    # DDP's ``join()``, which shadows its all-reduces until every rank is done (PyTorch's
+    # Join RFC, https://github.com/pytorch/pytorch/issues/38174)
+    "healthy-join": (2, 0),
+    # healthy, with a subgroup: ranks 0 and 2 all-reduce on ``new_group([0, 2])`` every step
+    # while rank 1 does not (a tensor-parallel pair beside data parallelism)
+    "healthy-subgroup": (2, 0),
     # Lightning #379: an early-stopping decision met on one rank only stops that process and
     # the others hang (https://github.com/Lightning-AI/pytorch-lightning/issues/379)
     "exit-early": (1, 50),
@@ -227,10 +239,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     # host-leak: steps enough to reach the OOM kill (its rank dies, the others hang)
     leaking = 2 * args.oom_mib // max(1, args.leak_mib) if args.mode == "host-leak" else 0
     args.steps = args.steps or max(60, args.at + 30 + leaking)
+    if args.mode == "healthy-busy":
+        args.steps = max(args.steps, 200)  # four logs
     if args.step_time is None:
         args.step_time = 0.01 if args.mode in ("nan", "nan-grad") else 0.03
     if args.sleep is None:
-        args.sleep = {"rank0-checkpoint": 25.0, "rank0-eval-epochs": 6.0}.get(args.mode, 20.0)
+        sleeps = {"rank0-checkpoint": 25.0, "rank0-eval-epochs": 6.0, "healthy-busy": 0.3}
+        args.sleep = sleeps.get(args.mode, 20.0)
     return args
 
 
@@ -260,7 +275,8 @@ def train(args: argparse.Namespace) -> int:
     mode, faulty = args.mode, me == args.rank
     torch.manual_seed(0)
     model = Net(args.width)
-    pair = dist.new_group([0, 2]) if mode == "subgroup-cascade" else None  # every rank calls it
+    # every rank calls new_group, members or not
+    pair = dist.new_group([0, 2]) if mode in ("subgroup-cascade", "healthy-subgroup") else None
     ddp = DistributedDataParallel(model)
     ddpwatch.attach(ddp)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
@@ -272,60 +288,69 @@ def train(args: argparse.Namespace) -> int:
     loader = DataLoader(data, batch_size=args.batch, num_workers=workers)
     batches = iter(loader)
     kept: list[torch.Tensor] = []  # host-leak: "for logging", never emptied
-    for step in range(1, args.steps + 1):
-        x = next(batches)
-        at_fault = faulty and step == args.at
-        if at_fault and mode in ("exit-early", "exit-zero", "os-exit", "raise", "skipped-batch"):
-            fault_line(me)
-            if mode == "exit-early":
-                sys.exit(3)  # "should stop" decided on this rank alone
-            if mode == "exit-zero":
-                return 0  # leaves the loop and skips the final barrier
-            if mode == "os-exit":
-                os._exit(3)
-            if mode == "raise":
-                raise RuntimeError(f"injected failure on rank {me} at step {step}")
-            try:
-                raise ValueError(f"corrupt sample in batch {step}")
-            except ValueError as exc:  # the rank skips this batch: one collective behind
-                print(f"rank {me}: skipping batch {step}: {exc}", flush=True)
-                continue
-        if at_fault and mode == "unused-params":
-            fault_line(me)
-        if at_fault and mode == "nan-grad":
-            fault_line(me)
-            x = torch.cat([x[:1], x[:1], x[2:]])  # the same sample twice in one batch
-        out = ddp(x, use_aux=not (at_fault and mode == "unused-params"))
-        if faulty and mode == "slow-backward" and step >= args.at:
-            if at_fault:
+    # healthy-join: fewer batches on one rank, DDP's join() shadows its all-reduces after
+    steps = args.steps - 5 if faulty and mode == "healthy-join" else args.steps
+    uneven = ddp.join() if mode == "healthy-join" else contextlib.nullcontext()
+    with uneven:
+        for step in range(1, steps + 1):
+            x = next(batches)
+            at_fault = faulty and step == args.at
+            leaves = ("exit-early", "exit-zero", "os-exit", "raise", "skipped-batch")
+            if at_fault and mode in leaves:
                 fault_line(me)
-            out.register_hook(slow_backward)
-        loss = out.pow(2).mean()
-        if mode == "nan-grad":  # a distance between two samples' outputs, as metric losses have
-            loss = loss + 0.01 * (out[0] - out[1]).pow(2).sum().sqrt()
-        if at_fault and mode == "nan":
-            fault_line(me)
-            loss = loss * float("nan")
-        metric = loss.detach().clone()
-        if not args.no_metric:
-            dist.all_reduce(metric)  # the logged loss, averaged over ranks, as logging code does
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        ddpwatch.step(loss)
-        if step == args.at:
-            special(args, me, faulty, model, metric)
-        if step == args.at and pair is not None and me in (0, 2):
-            if faulty:
+                if mode == "exit-early":
+                    sys.exit(3)  # "should stop" decided on this rank alone
+                if mode == "exit-zero":
+                    return 0  # leaves the loop and skips the final barrier
+                if mode == "os-exit":
+                    os._exit(3)
+                if mode == "raise":
+                    raise RuntimeError(f"injected failure on rank {me} at step {step}")
+                try:
+                    raise ValueError(f"corrupt sample in batch {step}")
+                except ValueError as exc:  # the rank skips this batch: one collective behind
+                    print(f"rank {me}: skipping batch {step}: {exc}", flush=True)
+                    continue
+            if at_fault and mode == "unused-params":
                 fault_line(me)
-                with ddpwatch.phase("data"):
-                    time.sleep(args.sleep)  # a slow read of its next shard
-            dist.all_reduce(metric, group=pair)  # e.g. a tensor-parallel pair's reduction
-        if mode == "host-leak" and faulty and step >= args.at:
-            keep_for_logging(args, me, step, kept)
-        if mode == "rank0-eval-epochs" and step in (args.at, args.at + 10, args.at + 20):
-            evaluate_alone(args, me, faulty, step, model)
-        time.sleep(args.step_time)
+            if at_fault and mode == "nan-grad":
+                fault_line(me)
+                x = torch.cat([x[:1], x[:1], x[2:]])  # the same sample twice in one batch
+            out = ddp(x, use_aux=not (at_fault and mode == "unused-params"))
+            if faulty and mode == "slow-backward" and step >= args.at:
+                if at_fault:
+                    fault_line(me)
+                out.register_hook(slow_backward)
+            loss = out.pow(2).mean()
+            if mode == "nan-grad":  # a distance between two samples' outputs, as metric losses have
+                loss = loss + 0.01 * (out[0] - out[1]).pow(2).sum().sqrt()
+            if at_fault and mode == "nan":
+                fault_line(me)
+                loss = loss * float("nan")
+            metric = loss.detach().clone()
+            if not args.no_metric and mode != "healthy-join":  # join shadows DDP's only
+                dist.all_reduce(metric)  # the logged loss, averaged over ranks, as logs do
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            ddpwatch.step(loss)
+            if step == args.at:
+                special(args, me, faulty, model, metric)
+            if step == args.at and pair is not None and me in (0, 2):
+                if faulty:
+                    fault_line(me)
+                    with ddpwatch.phase("data"):
+                        time.sleep(args.sleep)  # a slow read of its next shard
+                dist.all_reduce(metric, group=pair)  # e.g. a tensor-parallel pair's reduction
+            if mode == "healthy-subgroup" and me in (0, 2):
+                dist.all_reduce(metric, group=pair)  # the pair's own reduction, every step
+            if mode == "healthy-busy" and faulty and step % 50 == 0:
+                solo_work(model, args.sleep)  # its logs, written to disk
+            if mode == "host-leak" and faulty and step >= args.at:
+                keep_for_logging(args, me, step, kept)
+            if mode == "rank0-eval-epochs" and step in (args.at, args.at + 10, args.at + 20):
+                evaluate_alone(args, me, faulty, step, model)
+            time.sleep(args.step_time)
     dist.barrier()
     dist.destroy_process_group()
     return 0
