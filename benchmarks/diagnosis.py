@@ -173,6 +173,12 @@ MODES: dict[str, Mode] = {
             {"collective_mismatch", "step_skew", "straggler", "crashed"},
             _GH + "pytorch/pytorch/issues/44353",
         ),
+        _mode(
+            "accumulate-uneven",
+            {1},
+            {"step_skew"},  # its batches per step differ; nothing else does
+            _GH + "modelscope/FunASR/pull/3472",
+        ),
         _mode("raise", {1}, {"crashed"}, _GH + "Lightning-AI/pytorch-lightning/issues/8130"),
         # the slow rank runs on: the others wait for it inside DDP's all-reduce every step
         _mode(

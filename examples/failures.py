@@ -111,6 +111,11 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     # PyTorch #44353: catching an OOM on one rank and skipping the batch desyncs the
     # collectives (https://github.com/pytorch/pytorch/issues/44353)
     "skipped-batch": (1, 20),
+    # FunASR PR #3472: DDP's no_sync() and gradient accumulation out of line, rank-local
+    # accumulated gradients (https://github.com/modelscope/FunASR/pull/3472); here the faulty
+    # rank accumulates 2 micro-batches a step (the first under no_sync) where the others take
+    # 1: steps and all-reduces still pair up, nothing fails, the data no longer does
+    "accumulate-uneven": (1, 20),
     # Lightning #8130: one DDP process raises and the script hangs
     # (https://github.com/Lightning-AI/pytorch-lightning/issues/8130)
     "raise": (1, 20),
@@ -241,6 +246,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps or max(60, args.at + 30 + leaking)
     if args.mode == "healthy-busy":
         args.steps = max(args.steps, 200)  # four logs
+    if args.mode == "accumulate-uneven" or (args.mode == "skipped-batch" and args.no_metric):
+        args.steps = max(args.steps, args.at + 120)  # a silent desync: the job runs on
     if args.step_time is None:
         args.step_time = 0.01 if args.mode in ("nan", "nan-grad") else 0.03
     if args.sleep is None:
@@ -282,7 +289,8 @@ def train(args: argparse.Namespace) -> int:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     workers = 1 if mode.startswith("dataloader") else 0
     bad = args.at * args.batch if faulty and mode.startswith("dataloader") else -1
-    data = Samples(args.steps * args.batch, args.width, me, bad, mode)
+    twice = 2 if mode == "accumulate-uneven" else 1  # its faulty rank draws two a step
+    data = Samples(args.steps * args.batch * twice, args.width, me, bad, mode)
     if faulty and mode == "slow-input":
         data.slow_from, data.batch = (args.at - 1) * args.batch, args.batch
     loader = DataLoader(data, batch_size=args.batch, num_workers=workers)
@@ -311,6 +319,14 @@ def train(args: argparse.Namespace) -> int:
                 except ValueError as exc:  # the rank skips this batch: one collective behind
                     print(f"rank {me}: skipping batch {step}: {exc}", flush=True)
                     continue
+            accumulating = faulty and mode == "accumulate-uneven" and step >= args.at
+            if accumulating:
+                if at_fault:
+                    fault_line(me)
+                optimizer.zero_grad(set_to_none=True)
+                with ddp.no_sync():
+                    ddp(x).pow(2).mean().backward()  # a first micro-batch, kept local
+                x = next(batches)  # and a second, reduced with the others' only one
             if at_fault and mode == "unused-params":
                 fault_line(me)
             if at_fault and mode == "nan-grad":
@@ -330,7 +346,8 @@ def train(args: argparse.Namespace) -> int:
             metric = loss.detach().clone()
             if not args.no_metric and mode != "healthy-join":  # join shadows DDP's only
                 dist.all_reduce(metric)  # the logged loss, averaged over ranks, as logs do
-            optimizer.zero_grad(set_to_none=True)
+            if not accumulating:
+                optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             ddpwatch.step(loss)

@@ -20,6 +20,7 @@ from ddpwatch.server.rules import (
     effective_stall_after,
     rank_state,
     registry,
+    rule_batch_desync,
     rule_cascade,
     rule_checkpoint_conflict,
     rule_clean_exit,
@@ -767,6 +768,37 @@ def test_a_relay_that_dies_changes_no_verdict_about_its_ranks() -> None:
     beat(0, NOW + 0.1, relayed=False)  # its first heartbeat on the new path
     named = [a for a in diagnose(state, NOW + 0.2, TH) if a.ranks]
     assert named == [], [a.message for a in named]
+
+
+def test_a_rank_that_skipped_a_batch_is_named_though_its_steps_agree() -> None:
+    """PyTorch #44353 in a loop whose only collective is DDP's all-reduce: rank 1 caught an
+    exception and skipped batch 20. Its steps and all-reduces still pair up with the others'
+    (no collective count differs, no step gap), but by step 24 it has drawn 25 batches from
+    its DataLoader where they drew 24."""
+    marks = {8: 8, 16: 16, 24: 24}
+    state = job(3, drawn_marks=dict(marks))
+    assert rule_batch_desync(state, NOW, TH) == []  # in step: nothing to say
+    state.ranks[1] = rank(1, 3, drawn_marks={8: 8, 16: 16, 24: 25})
+    alert = only(rule_batch_desync(state, NOW, TH), "step_skew")
+    assert (alert.severity, alert.ranks, alert.waiting) == ("error", (1,), (0, 2))
+    assert alert.message.startswith(
+        "rank 1 had drawn 1 batch more than ranks 0, 2 from its DataLoader by step 24 (25 "
+        "against 24)"
+    ), alert.message
+    assert "skip on every rank together" in alert.hint
+
+
+@pytest.mark.parametrize(
+    "marks",
+    [
+        [{8: 8}, {8: 9}],  # two ranks: which one is odd cannot be told
+        [{8: 8}, {8: 8}, {8: 9}, {8: 9}],  # a tie
+        [{8: 8, 16: 16}, {8: 8, 16: 16}, {8: 8}],  # a rank that has not marked step 16 yet
+    ],
+)
+def test_batch_marks_name_nobody_without_a_clear_majority(marks: list[dict[int, int]]) -> None:
+    state = state_of(*(rank(r, len(marks), drawn_marks=m) for r, m in enumerate(marks)))
+    assert rule_batch_desync(state, NOW, TH) == []
 
 
 def test_step_skew_after_a_pause_uses_the_current_step_rate() -> None:

@@ -248,6 +248,23 @@ def test_skipped_batch_desync_names_the_rank_that_skipped() -> None:
     assert_blames_only_the_culprit("skipped-batch")
 
 
+def test_a_skipped_batch_with_ddps_all_reduce_alone_is_named_before_anything_fails() -> None:
+    """The same with no collective but DDP's own all-reduce: sizes match, nothing fails, and
+    the rank's gradients are averaged with the others' next batch. Its batch marks name it."""
+    result = assert_blames_only_the_culprit("skipped-batch", "--no-metric")
+    scored = score(result, MODES["skipped-batch"])
+    assert scored.first is not None and scored.first.kind == "step_skew", describe(result)
+    assert scored.latency is not None and scored.latency < 3.0, describe(result)
+
+
+def test_uneven_gradient_accumulation_under_no_sync_names_the_rank() -> None:
+    """FunASR PR #3472's family: one rank accumulates 2 micro-batches a step (the first under
+    no_sync) where the others take 1; steps and all-reduces still pair up."""
+    result = assert_blames_only_the_culprit("accumulate-uneven")
+    latency = score(result, MODES["accumulate-uneven"]).latency
+    assert latency is not None and latency < 3.0, describe(result)
+
+
 def test_exception_on_one_rank_names_that_rank() -> None:
     """Lightning #8130: one DDP process raises and the others hang or die of it
     (https://github.com/Lightning-AI/pytorch-lightning/issues/8130)."""

@@ -193,6 +193,8 @@ def expected_after_life() -> dict[str, Any]:
         "avg_grad_wait_s": None,
         "step_marks": [(0, 0), (8, 3)],
         "forwards": 7,
+        "batch_marks": None,  # this life drew no batches from a DataLoader
+        "drawn_marks": [],
         "mem_allocated_bytes": 10,
         "mem_reserved_bytes": 20,
         "mem_peak_bytes": 30,

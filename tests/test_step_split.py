@@ -129,3 +129,31 @@ def test_each_step_adds_its_parts_to_the_totals() -> None:
     assert (steps, inputs, grads, waits) == (1, 0.01, 0.02, 0.005)
     assert 0.05 <= total < 0.5
     assert progress.input_time_step == progress.grad_wait_step == 0.0
+
+
+class Samples(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.ones(4)
+
+
+def test_batches_drawn_are_marked_per_training_loader_not_evaluation(group: Any) -> None:
+    """The evidence of a silent desync (PyTorch #44353): at every 8th step, how many batches
+    the rank drew from the loader its last batch came from. An evaluation loader read between
+    steps (on one rank only, as rank-zero validation does) does not count; a skipped batch
+    does, from then on."""
+    watcher = group
+    train = iter(DataLoader(Samples(), batch_size=2))
+    evaluation = DataLoader(Samples(), batch_size=4)
+    for step in range(1, 25):
+        next(train)
+        if step == 11:
+            next(train)  # a corrupt batch caught and skipped: one more drawn by this step
+        if step == 5:
+            for _ in evaluation:  # 16 evaluation batches, between two steps
+                pass
+        ddpwatch.step()
+    assert list(watcher.progress.batch_marks) == [(8, 8), (16, 17), (24, 25)]
+    assert watcher._input_timer.faults == 0

@@ -124,6 +124,8 @@ class Sample(Identity, tag="sample"):
     grad_wait_s: float | None = None  # in DDP's gradient all-reduce, after its own gradients
     collective: Collective | None = None
     collectives: CollectiveCounts | None = None
+    batch_marks: list[tuple[NonNegInt, NonNegInt]] | None = None
+    """[step, batches drawn from the training DataLoader's iterator] at recent marked steps."""
     nan_step: NonNegInt | None = None  # the first step whose loss was not finite (exact)
     grad_nan_step: NonNegInt | None = None
     """The first step whose own gradients, before DDP's all-reduce, were not finite (exact)."""

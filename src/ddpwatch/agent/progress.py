@@ -22,6 +22,7 @@ from ddpwatch.vocabulary import Phase
 
 EMA_WEIGHT = 0.1
 MARKS_KEPT = 16  # 128 steps of marks between two heartbeats: enough for 4 ms steps
+DRAWN_KEPT = 8  # DataLoader iterators counted at once (training, evaluation, a new epoch's)
 
 
 class Progress:
@@ -47,6 +48,9 @@ class Progress:
         self.collective_counted = True
         self.collective_tensor: Any = None
         self.marks: deque[tuple[int, int]] = deque(maxlen=MARKS_KEPT)
+        self.drawn: dict[int, int] = {}  # batches drawn, per DataLoader iterator (by id)
+        self.drawn_from: int | None = None  # the iterator of the last batch drawn
+        self.batch_marks: deque[tuple[int, int]] = deque(maxlen=MARKS_KEPT)
         self.collective_time_step = 0.0
         self.collective_time_s: float | None = None
         self.failed_collective: Collective | None = None  # the collective an exception left
@@ -115,6 +119,9 @@ class Progress:
         if self.step % MARK_EVERY == 0 and self.step_mode != "forward":
             # forward passes are no step count to compare ranks by (evaluation on one rank)
             self.marks.append((self.step, self.collective_seq))  # one append: atomic
+            source = self.drawn_from
+            if source is not None:  # the training loader: its batch came last before the step
+                self.batch_marks.append((self.step, self.drawn.get(source, 0)))
         self.waiting_for_data = True
         if self.on_step is not None and self.step % 64 == 1:
             with contextlib.suppress(Exception):
@@ -149,6 +156,17 @@ class Progress:
         ref = self._step_owner
         if ref is not None and ref() is owner:
             self._step_owner = None
+
+    def note_draw(self, iterator: int) -> None:
+        """A batch was drawn from the DataLoader iterator ``iterator`` (its id): counted per
+        iterator, so an evaluation loader drawn between two steps does not count for the
+        training one. A rank that skips a batch (a caught exception) has drawn one more by
+        the same step from then on, with no other trace (PyTorch #44353)."""
+        drawn = self.drawn
+        if iterator not in drawn and len(drawn) >= DRAWN_KEPT:
+            drawn.clear()  # iterators come and go (one per epoch): keep a few
+        drawn[iterator] = drawn.get(iterator, 0) + 1
+        self.drawn_from = iterator
 
     def note_forward(self) -> None:
         """Count a forward pass that is no training step (an evaluation batch) as progress:

@@ -145,15 +145,18 @@ class InputTimer:
     """Times a DataLoader iterator's ``__next__`` (the ``around`` of a ``Patches.wrap``): one
     object serves every call; a DataLoader read inside another one counts once."""
 
-    __slots__ = ("_depth", "_progress", "_start", "faults")
+    __slots__ = ("_depth", "_iterator", "_progress", "_start", "faults")
 
     def __init__(self, progress: Progress) -> None:
         self._progress = progress
         self._depth = 0
         self._start = 0.0
+        self._iterator = 0
         self.faults = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> InputTimer:
+        if self._depth == 0 and args:
+            self._iterator = id(args[0])  # the iterator whose ``__next__`` this is
         return self
 
     def __enter__(self) -> None:
@@ -168,6 +171,8 @@ class InputTimer:
                 progress = self._progress
                 progress.input_time_step += time.perf_counter() - self._start
                 progress.input_seen = True
+                if exc[0] is None:  # a batch came (not StopIteration, not an error)
+                    progress.note_draw(self._iterator)
         except Exception:
             self.faults += 1
 

@@ -415,6 +415,7 @@ class Watcher:
             collective=collective,
             collectives=counts,
             forwards=progress.forwards or None,
+            batch_marks=list(progress.batch_marks) or None,
         )
 
     def _stack_if_stuck(self) -> str | None:

@@ -121,6 +121,10 @@ class RankRecord:
     step_marks: dict[int, int] = field(default_factory=dict)
     """Python-level collectives entered by the end of marked steps (every MARK_EVERY-th)."""
     forwards: int | None = None
+    batch_marks: list[tuple[int, int]] | None = None
+    drawn_marks: dict[int, int] = field(default_factory=dict)
+    """Batches drawn from the training DataLoader by the end of marked steps (``batch_marks``,
+    kept like ``step_marks``)."""
     mem_allocated_bytes: int | None = None
     mem_reserved_bytes: int | None = None
     mem_peak_bytes: int | None = None
@@ -431,6 +435,14 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     pids = sample.gpu_pids
     if pids != record.gpu_pids:  # equal: keep the record's list (see above)
         record.gpu_pids = pids
+    batch_marks = sample.batch_marks
+    if batch_marks != record.batch_marks:  # equal: ``drawn_marks`` already holds them
+        record.batch_marks = batch_marks
+        if batch_marks:
+            drawn = record.drawn_marks
+            drawn.update(batch_marks)
+            while len(drawn) > MARKS_KEPT:
+                del drawn[min(drawn)]
     rss = sample.host_rss_bytes
     workers = sample.workers_rss_bytes
     record.host_rss_bytes = rss

@@ -569,6 +569,7 @@ _DID = {
     AlertKind.DEVICE_ORDINAL: "asked for a GPU index it does not have",
     AlertKind.LOCAL_RANK_MISMATCH: "computed on another GPU than its local rank",
     AlertKind.CHECKPOINT_CONFLICT: "wrote the same checkpoint file",
+    AlertKind.STEP_SKEW: "fell out of step with the others",
 }
 """What an error episode's culprits did, in words, where the kind alone says it."""
 

@@ -37,6 +37,7 @@ from ddpwatch.server.rules.facts import Facts, Pace, effective_stall_after, rank
 from ddpwatch.server.rules.listening import rule_server_behind
 from ddpwatch.server.rules.memory import rule_host_memory
 from ddpwatch.server.rules.progress import (
+    rule_batch_desync,
     rule_checkpoint_conflict,
     rule_nan_loss,
     rule_slow_rank,
@@ -60,6 +61,7 @@ __all__ = [
     "diagnose",
     "effective_stall_after",
     "rank_state",
+    "rule_batch_desync",
     "rule_cascade",
     "rule_checkpoint_conflict",
     "rule_clean_exit",
@@ -100,6 +102,7 @@ RULES: tuple[Rule, ...] = (
     rule_foreign_memory,
     rule_host_memory,
     rule_step_skew,
+    rule_batch_desync,
     rule_nan_loss,
     rule_checkpoint_conflict,
     rule_slow_rank,

@@ -12,6 +12,7 @@ from ddpwatch.server.rules.facts import (
     Mismatch,
     Straggle,
     is_busy,
+    latest_common_mark,
     normal_op,
     world_complete,
 )
@@ -194,13 +195,7 @@ def rule_collective_desync(f: Facts) -> list[Alert]:
 
 
 def _latest_common_mark(ranks: list[RankRecord]) -> int | None:
-    """The latest step every rank has marked. Usually the earliest of their latest marks
-    (ranks keep the last few); only when some rank lacks it, the full intersection."""
-    step = min(max(r.step_marks) for r in ranks)
-    if all(step in r.step_marks for r in ranks):
-        return step
-    common = set.intersection(*(set(r.step_marks) for r in ranks))
-    return max(common) if common else None
+    return latest_common_mark([r.step_marks for r in ranks])
 
 
 def _mismatch_alert(f: Facts, found: Mismatch) -> Alert:

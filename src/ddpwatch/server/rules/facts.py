@@ -102,6 +102,17 @@ def is_busy(record: RankRecord, now: float, th: Thresholds) -> bool:
     return moved is not None and moved > record.last_progress and now - moved <= th.silent
 
 
+def latest_common_mark(marks: list[dict[int, int]]) -> int | None:
+    """The latest step every rank has marked (each dict: step -> its count then). Usually the
+    earliest of their latest marks (ranks keep the last few); only when some rank lacks it,
+    the full intersection."""
+    step = min(max(m) for m in marks)
+    if all(step in m for m in marks):
+        return step
+    common = set.intersection(*(set(m) for m in marks))
+    return max(common) if common else None
+
+
 def median(values: Iterable[float | None]) -> float | None:
     data = [v for v in values if v is not None and v > 0]
     return statistics.median(data) if data else None

@@ -8,7 +8,7 @@ import statistics
 from collections import defaultdict
 
 from ddpwatch.server.alerts import Alert
-from ddpwatch.server.rules.facts import Facts, is_busy
+from ddpwatch.server.rules.facts import Facts, is_busy, latest_common_mark
 from ddpwatch.server.rules.registry import alert, rule
 from ddpwatch.server.rules.text import STACKS_IN, format_ranks, record_location, seconds, verb
 from ddpwatch.server.state import RankRecord
@@ -119,6 +119,64 @@ def rule_step_skew(f: Facts) -> list[Alert]:
     )
     return [
         alert(AlertKind.STEP_SKEW, Severity.WARNING, [r.rank for r in behind], [], message, hint)
+    ]
+
+
+@rule(AlertKind.STEP_SKEW, every="slow")
+def rule_batch_desync(f: Facts) -> list[Alert]:
+    """A rank whose data is out of step with the others' while their steps still agree.
+
+    A rank that skips a batch after a caught exception (PyTorch #44353), in a loop whose only
+    collective is DDP's all-reduce, raises nothing: sizes match, and from then on its gradients
+    are averaged with the others' next batch. So does a rank that accumulates another number
+    of micro-batches per step. Every rank marks the same steps (every 8th) with the batches
+    it has drawn from its training DataLoader (``batch_marks``); a rank that differs from a
+    strict majority at the latest step all live ranks marked is named.
+    """
+    live = [r for r in f.live if r.drawn_marks]
+    if len(live) < 3 or len(live) < len(f.live):
+        return []
+    step = latest_common_mark([r.drawn_marks for r in live])
+    if step is None:
+        return []
+    by_count: dict[int, list[RankRecord]] = defaultdict(list)
+    for r in live:
+        by_count[r.drawn_marks[step]].append(r)
+    if len(by_count) < 2:
+        return []
+    ranked = sorted(by_count.items(), key=lambda item: (-len(item[1]), item[0]))
+    (usual, majority), (_, second) = ranked[0], ranked[1]
+    if len(majority) <= len(second) or len(majority) * 2 <= len(live):
+        return []  # no clear majority: which side is odd cannot be told
+    odd = sorted((r for _, group in ranked[1:] for r in group), key=lambda r: r.rank)
+    first = odd[0]
+    own = first.drawn_marks[step]
+    diff = own - usual
+    batches = f"{abs(diff)} batch{'es' if abs(diff) != 1 else ''}"
+    message = (
+        f"{format_ranks(r.rank for r in odd)} had drawn {batches} "
+        f"{'more' if diff > 0 else 'fewer'} than {format_ranks(r.rank for r in majority)} "
+        f"from {verb(len(odd), 'its', 'their')} DataLoader by step {step} ({own} against "
+        f"{usual}) while {verb(len(odd), 'its', 'their')} steps and collectives still pair up "
+        "with theirs: DDP averages its gradients with other batches than the ones the others "
+        "use, and nothing fails"
+    )
+    hint = (
+        f"rank {first.rank} skipped a batch (an exception caught in the loop: an OOM, a corrupt "
+        "sample) or accumulates another number of micro-batches per step: skip on every rank "
+        "together (all_reduce a skip flag) or not at all, and give every rank the same "
+        "gradient accumulation"
+    )
+    culprits = [r.rank for r in odd]
+    return [
+        alert(
+            AlertKind.STEP_SKEW,
+            Severity.ERROR,
+            culprits,
+            [r.rank for r in majority],
+            message,
+            hint,
+        )
     ]
 
 
