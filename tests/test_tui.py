@@ -21,14 +21,16 @@ from textual.widgets import Input, Static
 from tui_fixtures import STARTED, FixtureSource, big, document, healthy
 
 from ddpwatch.tui.app import DashboardApp, run_dashboard
+from ddpwatch.tui.detail import split_text
 from ddpwatch.tui.fmt import DASH, human_bytes, loss_text, rank_ranges, seconds, sparkline, uptime
-from ddpwatch.tui.header import StatusHeader, header_lines
+from ddpwatch.tui.header import HeaderInfo, StatusHeader, header_lines, summarize
 from ddpwatch.tui.help import HelpScreen
 from ddpwatch.tui.history import History
 from ddpwatch.tui.model import (
     Query,
     index_alerts,
     is_flagged,
+    job_wait_fraction,
     make_filter,
     parse_ranges,
     select_groups,
@@ -195,6 +197,76 @@ async def test_header_counts_rate_uptime_and_source() -> None:
         text = header_text(pilot)
         assert "msg/s 122" in text  # 61 messages in 0.5 s
         assert "up 1h02m05s" in text  # int(3725.5)
+
+
+def _split_cells(pilot: Pilot[Any]) -> dict[int, str]:
+    """Each visible rank's step split cell, as drawn (no split column: {})."""
+    widget = table(pilot)
+    offset = 1
+    for column, width in widget._layout:
+        if column.key == "split":
+            break
+        offset += width + 1
+    else:
+        return {}
+    cells = {}
+    for line in visible_lines(pilot)[1:]:
+        words = line[1:].split()
+        if words and words[0].isdigit():
+            cells[int(words[0])] = line[offset : offset + width]
+    return cells
+
+
+async def test_the_step_split_column_shows_where_a_step_goes_and_waiting_in_the_header() -> None:
+    async with make_app().run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        cells = _split_cells(pilot)
+        assert cells[11] == "▒▒▒███   1%"  # the straggler: others wait for its input
+        assert cells[0] == "███░░░  49%"  # they wait half their step for it
+        assert cells[13].strip() == "" and cells[15].strip() == ""  # no split reported
+        assert "waiting 45% of step time" in header_text(pilot)  # 2.603 s of 5.849 s
+        while dashboard(pilot).query_state.sort != "split":  # sort by the wait's share
+            await pilot.press("greater_than_sign")
+        assert shown_ranks(pilot)[0] == 11 and shown_ranks(pilot)[-2:] == [13, 15]
+    async with make_app(FixtureSource([healthy(8)])).run_test(size=(200, 40)) as pilot:
+        await settle(pilot)  # no rank reports a split (models on GPUs): no column, no share
+        assert "split" not in table(pilot).visible_columns
+        assert "waiting" not in header_text(pilot)
+
+
+def test_the_share_of_step_time_spent_waiting() -> None:
+    """The ranks' waits over their steps: the ranks without a split left out."""
+    doc = healthy(3)
+    doc["ranks"][0].update(input_wait_s=0.01, compute_s=0.14, grad_wait_s=0.09)
+    doc["ranks"][0]["collective_time_s"] = 0.01  # 250 ms, 100 ms of it waiting
+    doc["ranks"][1].update(input_wait_s=None, compute_s=0.24, grad_wait_s=0.01)
+    doc["ranks"][1]["collective_time_s"] = None  # 250 ms, 10 ms waiting
+    assert doc["ranks"][2]["compute_s"] is None  # the third reports no split
+    assert summarize(doc)["waiting"] == pytest.approx(0.22)
+    assert job_wait_fraction(doc["ranks"]) == pytest.approx(0.22)
+    assert job_wait_fraction(healthy(3)["ranks"]) is None
+    text = "\n".join(line.plain for line in header_lines(HeaderInfo(waiting=0.22), 160))
+    assert "waiting 22% of step time" in text
+    none = "\n".join(line.plain for line in header_lines(HeaderInfo(), 160))
+    assert "waiting" not in none
+    summary = {**doc, "summary": {"ranks": 3, "states": {}, "hosts": []}}
+    assert summarize(summary)["waiting"] is None  # its ranks are only the worst few
+
+
+def test_the_detail_pane_says_where_the_step_goes() -> None:
+    row = healthy(1)["ranks"][0]
+    assert split_text(row) is None
+    row.update(input_wait_s=0.012, compute_s=0.235, grad_wait_s=0.003, collective_time_s=0.0)
+    text = split_text(row)
+    assert text is not None
+    assert text.plain == "input 12ms · compute 235ms · waiting 3ms (1%) of a 250ms step"
+    row.update(grad_wait_s=0.06, collective_time_s=0.03, compute_s=0.148)
+    text = split_text(row)
+    assert text is not None
+    assert text.plain == (
+        "input 12ms · compute 148ms · waiting 90ms (36%: 60ms in DDP's all-reduce, 30ms in "
+        "collectives) of a 250ms step"
+    )
 
 
 async def test_the_header_shows_the_attempt_once_the_launcher_restarted_the_job() -> None:

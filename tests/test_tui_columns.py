@@ -321,3 +321,28 @@ def test_finished_reads_only_its_fields() -> None:
 )
 def test_score_style_colours_culprits_and_hosts_as_before(score: Any, style: Any) -> None:
     assert score_style(score) == style
+
+
+SPLIT = next(c for c in RANK_COLUMNS if c.key == "split")
+
+
+def test_the_step_split_cell_shows_the_split_and_is_empty_without_one() -> None:
+    """Input ▒, compute █ and the wait ░ in proportion, then the wait's share of the step
+    (DDP's gradient all-reduce and collectives together); readable without colour."""
+    row = rank_entry(
+        0, 2, input_wait_s=0.05, compute_s=0.15, grad_wait_s=0.04, collective_time_s=0.01
+    )  # a 250 ms step, 50 ms of it waiting
+    text, _ = SPLIT.cell(row, AlertIndex(), SPLIT.width)
+    assert isinstance(text, list)
+    assert "".join(part for part, _ in text) == "▒████░  20%"
+    wide, _ = SPLIT.cell(row, AlertIndex(), SPLIT.width + 4)
+    assert "".join(part for part, _ in wide) == "▒▒██████░░  20%"
+    waited_for = {**row, "input_wait_s": 0.2, "grad_wait_s": 0.0, "collective_time_s": 0.0}
+    text, _ = SPLIT.cell(waited_for, AlertIndex(), SPLIT.width)
+    assert "".join(part for part, _ in text) == "▒▒▒███   0%"  # the rank the others wait for
+    for no_split in (
+        rank_entry(1, 2),  # nothing reported
+        rank_entry(1, 2, input_wait_s=0.05, collective_time_s=0.01),  # a GPU rank: no compute
+        rank_entry(1, 2, input_wait_s=0.0, compute_s=0.0, grad_wait_s=0.0),
+    ):
+        assert SPLIT.cell(no_split, AlertIndex(), SPLIT.width) == ("", None)

@@ -3,7 +3,7 @@
 Deterministic: no clocks, no randomness. ``document(tick)`` is a 16-rank job on
 two hosts with a straggler, a crashed rank with its traceback, a NaN loss, two
 ranks on one GPU, a silent rank, a rank that never connected and a simulated
-rank; ``tick`` advances time and steps by half a second per tick. ``big(n)`` is
+rank (every rank but the last two reports its step split, the straggler's wait short); ``tick`` advances time and steps by half a second per tick. ``big(n)`` is
 an ``n``-rank job (8 ranks per host) for the performance tests.
 """
 
@@ -27,7 +27,7 @@ CONTRACT_FIELDS = (
 EXTRA_FIELDS = (
     "local_world_size", "node_rank", "launcher", "device_name", "device_index",
     "avg_step_time_s", "data_wait_s", "collective_time_s", "mem_peak_bytes", "gpu_pids",
-    "exit_code", "exit_signal", "simulated",
+    "exit_code", "exit_signal", "simulated", "input_wait_s", "compute_s", "grad_wait_s",
 )  # fmt: skip
 
 WAITING_STACK = """\
@@ -120,6 +120,10 @@ def document(tick: int = 0) -> dict[str, Any]:
             collective={"op": "all_reduce", "seq": seq, "since_s": round(wait, 3)},
             stack=WAITING_STACK,
             step=step,
+            # the step split, per step: they wait ~0.2 s for rank 11's input every step
+            input_wait_s=0.012,
+            compute_s=round(0.2 + 0.004 * (rank % 4), 4),
+            grad_wait_s=0.12,
         )
         ranks.append(entry)
     # rank 11: the straggler, still reading its data shard
@@ -132,6 +136,9 @@ def document(tick: int = 0) -> dict[str, Any]:
         avg_step_time_s=2.75,
         data_wait_s=2.41,
         stack=STRAGGLER_STACK,
+        input_wait_s=0.21,
+        grad_wait_s=0.002,
+        collective_time_s=0.001,
     )
     # rank 5: crashed with an out-of-memory error
     ranks[5].update(
@@ -175,7 +182,15 @@ def document(tick: int = 0) -> dict[str, Any]:
     # rank 15: never connected
     ranks[15] = rank_entry(15, world)
     # rank 13: a simulated rank (ddpwatch demo) on node-b
-    ranks[13].update(simulated=True, launcher="simulated", device_name=None, device_uuid=None)
+    ranks[13].update(
+        simulated=True,
+        launcher="simulated",
+        device_name=None,
+        device_uuid=None,
+        input_wait_s=None,  # a simulated rank times no step split
+        compute_s=None,
+        grad_wait_s=None,
+    )
     waiting = [r for r in range(world) if ranks[r]["state"] == "waiting"]
     alerts = [
         {

@@ -6,7 +6,8 @@ built from the visible columns' declarations, so a cell can only show stale text
 reads something it does not declare; ``tests/test_tui_columns.py`` checks that none does.
 
 Columns collapse by priority when the terminal is narrow: rank, state, phase, step and
-collective always stay; the rest appear as width allows.
+collective always stay; the rest appear as width allows. ``sim`` and ``split`` are shown only
+when some rank has one (a simulated rank, a step split).
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from rich.cells import cell_len
 
 from ddpwatch.tui.fmt import DASH, NA, bar, human_bytes, loss_text, seconds
 from ddpwatch.tui.model import (
+    SPLIT_FIELDS,
     AlertIndex,
     Row,
     score_style,
     state_score,
     state_summary,
     state_text,
+    step_split,
 )
 from ddpwatch.vocabulary import RANK_STATES, RankState
 
@@ -192,6 +195,39 @@ def _gpu(row: Row, index: AlertIndex, width: int) -> Cell:
     return [(filled, style), (track, "dim"), (f" {pct}", None)], style
 
 
+SPLIT_MARKS = (("▒", "warning"), ("█", "bar"), ("░", "dim"))
+"""The step split's bar: input wait, compute, waiting for the others (glyph, style): told
+apart without colour."""
+SPLIT_PCT = 5
+"""Cells after the bar: " 31%" (the wait's share of the step), " 100%" at most."""
+
+
+def split_cells(parts: Sequence[float], cells: int) -> list[int]:
+    """How many of ``cells`` each part takes, in proportion (largest remainders), summing to
+    ``cells``."""
+    total = sum(parts)
+    exact = [part / total * cells for part in parts]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(parts)), key=lambda i: counts[i] - exact[i])
+    for i in by_remainder[: cells - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def _split(row: Row, index: AlertIndex, width: int) -> Cell:
+    """``▒███░░  31%``: input wait, compute and waiting for the others in proportion, and
+    the wait's share of the step; empty for a rank that reports no split."""
+    split = step_split(row)
+    if split is None:
+        return "", None
+    counts = split_cells(split, max(1, width - SPLIT_PCT))
+    spans: list[Span] = [
+        (mark * n, style) for (mark, style), n in zip(SPLIT_MARKS, counts, strict=True) if n
+    ]
+    spans.append((f" {round(100 * split[2] / sum(split)):3d}%", None))
+    return spans, None
+
+
 def _seen(row: Row, index: AlertIndex, width: int) -> Cell:
     value = row.get("last_seen_s")
     if value is None:
@@ -225,6 +261,7 @@ RANK_COLUMNS: tuple[Column, ...] = (
     Column("loss", "loss", 7, 3, _loss, ("loss", "rank"), alerts=("nan",), right=True),
     Column("step_time", "step t", 6, 1, _secs("step_time_s"), ("step_time_s",), right=True),
     Column("data_wait", "data", 6, 6, _secs("data_wait_s"), ("data_wait_s",), right=True),
+    Column("split", "step split", 11, 4, _split, SPLIT_FIELDS, grow=4),
     Column("collective", "collective", 21, 0, _collective, ("collective",), grow=9),
     Column(
         "mem",

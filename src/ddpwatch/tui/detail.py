@@ -13,6 +13,7 @@ from textual.widgets import Static
 
 from ddpwatch.tui.fmt import NA, human_bytes, loss_text, seconds, sparkline
 from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
+from ddpwatch.tui.model import step_split
 from ddpwatch.tui.packed import Packed
 from ddpwatch.vocabulary import AlertKind, RankState, Severity
 
@@ -48,8 +49,35 @@ def _host_memory(row: dict[str, Any], kv: Any) -> list[Text]:
     return [kv("host mem", text)]
 
 
+def split_text(row: dict[str, Any]) -> Text | None:
+    """Where the rank's step goes, in words: "input 12ms · compute 235ms · waiting 3ms (1%) of
+    a 250ms step"; the wait's two parts named when both took time ("waiting 90ms (36%: 60ms in
+    DDP's all-reduce, 30ms in collectives)"). None when the rank reports no split."""
+    split = step_split(row)
+    if split is None:
+        return None
+    inputs, compute, wait = split
+    step = inputs + compute + wait
+    share = f"{round(100 * wait / step)}%"
+    grads = min(wait, row.get("grad_wait_s") or 0.0)
+    if 0 < grads < wait:
+        share += f": {seconds(grads)} in DDP's all-reduce, {seconds(wait - grads)} in collectives"
+    return Text.assemble(
+        ("input ", "dim"),
+        (seconds(inputs), "bold"),
+        (" · compute ", "dim"),
+        (seconds(compute), "bold"),
+        (" · waiting ", "dim"),
+        (seconds(wait), "bold"),
+        (f" ({share}) of a ", "dim"),
+        (seconds(step), "bold"),
+        (" step", "dim"),
+    )
+
+
 def identity_paragraphs(row: dict[str, Any], alerts: list[dict[str, Any]]) -> list[list[Text]]:
-    """Who the rank is, where it runs, what it does now, and the alerts that name it."""
+    """Who the rank is, where it runs, what it does now, where its step goes, and the alerts
+    that name it."""
 
     def kv(label: str, value: str, style: str = "bold") -> Text:
         return Text.assemble((label + " ", "dim"), (value, style))
@@ -109,6 +137,9 @@ def identity_paragraphs(row: dict[str, Any], alerts: list[dict[str, Any]]) -> li
             *_host_memory(row, kv),
         ],
     ]
+    split = split_text(row)
+    if split is not None:
+        paragraphs.insert(2, [split])
     coll = row.get("collective")
     if coll:
         seq = f" #{coll['seq']}" if coll.get("seq") is not None else ""

@@ -10,7 +10,7 @@ from textual.geometry import Size
 from textual.widget import Widget
 
 from ddpwatch.tui.fmt import DASH, NA, uptime
-from ddpwatch.tui.model import Query
+from ddpwatch.tui.model import Query, job_wait_fraction
 from ddpwatch.tui.packed import pack
 from ddpwatch.vocabulary import SEVERITIES, RankState, Severity
 
@@ -37,6 +37,9 @@ class HeaderInfo:
     hosts: int = 0
     step_min: int | None = None
     step_max: int | None = None
+    waiting: float | None = None
+    """The share of the job's step time its ranks spend waiting for each other
+    (``model.job_wait_fraction``), or None when no rank reports its step split."""
     alerts: dict[str, int] = field(default_factory=dict)
     msg_rate: float | None = None
     uptime_s: float | None = None
@@ -86,6 +89,7 @@ def summarize(document: dict[str, Any]) -> dict[str, Any]:
         "hosts": len(hosts),
         "step_min": low,
         "step_max": high,
+        "waiting": job_wait_fraction(ranks),
     }
 
 
@@ -106,6 +110,7 @@ def _from_summary(document: dict[str, Any], counts: dict[str, Any]) -> dict[str,
         "hosts": named + int(counts.get("hosts_omitted") or 0),
         "step_min": min(lows, default=None),
         "step_max": max(highs, default=None),
+        "waiting": None,  # its ranks are the worst few: their waits say nothing of the job's
         "listed": len(document.get("ranks") or []),
     }
 
@@ -138,8 +143,9 @@ def _kv(label: str, value: str, style: str = "bold") -> Text:
 
 def _job_parts(info: HeaderInfo) -> list[Text]:
     """The top line: the launcher's attempt once it restarted the job, world size,
-    connected ranks (red while some are missing), hosts, the step range, messages per second
-    and uptime."""
+    connected ranks (red while some are missing), hosts, the step range, the share of step
+    time spent waiting (where ranks report their step split), messages per second and
+    uptime."""
     expected = info.world_size if info.world_size is not None else NA
     ranks_style = (
         "bold" if info.world_size is None or info.connected_ranks >= info.world_size else "bold red"
@@ -152,6 +158,15 @@ def _job_parts(info: HeaderInfo) -> list[Text]:
         steps = f"{info.step_min}{DASH}{info.step_max}"
     rate = NA if info.msg_rate is None else f"{info.msg_rate:.0f}"
     restarted = [_kv("attempt", str(info.attempt), "bold yellow")] if info.attempt > 1 else []
+    waiting = []
+    if info.waiting is not None:
+        waiting = [
+            Text.assemble(
+                ("waiting ", "dim"),
+                (f"{round(100 * info.waiting)}%", "bold"),
+                (" of step time", "dim"),
+            )
+        ]
     return [
         Text("ddpwatch", style="bold magenta"),
         *restarted,
@@ -159,6 +174,7 @@ def _job_parts(info: HeaderInfo) -> list[Text]:
         _kv("ranks", f"{info.connected_ranks}/{expected}", ranks_style),
         _kv("hosts", str(info.hosts)),
         _kv("step", steps),
+        *waiting,
         _kv("msg/s", rate),
         _kv("up", uptime(info.uptime_s)),
     ]

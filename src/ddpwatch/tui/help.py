@@ -1,4 +1,4 @@
-"""The help screen (``?``): keys, filter syntax, what the colours mean."""
+"""The help screen (``?``): keys, filter syntax, what the colours and marks mean."""
 
 from __future__ import annotations
 
@@ -81,6 +81,15 @@ MARKS = (
 )
 """The state cell's marks for what the alerts say about a rank (``columns._state``)."""
 
+SPLIT = (
+    "▒███░░  31%",
+    "step split: where the rank's step goes, ▒ input wait, █ compute, ░ waiting for the other "
+    "ranks (DDP's gradient all-reduce, collectives), and the wait's share of the step: the rank "
+    "the others wait for has a short wait. Empty where a rank reports no split (a model on a "
+    "GPU); the header's 'waiting 31% of step time' is the same for the whole job",
+)
+"""The step split column's legend (``columns._split``)."""
+
 WORST_FIRST = (
     "culprits of errors, crashed, culprits of warnings, "
     "silent, stalled, absent, busy, waiting, then running, stopped and exited; ties by rank"
@@ -99,6 +108,7 @@ def help_text() -> Table:
         table.add_row(Text(state_text(state), style=f"bold {colour}"), meaning)
     for mark, meaning in MARKS:
         table.add_row(Text(mark, style="bold"), meaning)
+    table.add_row(Text(SPLIT[0], style="bold"), SPLIT[1])
     table.add_row("", "")
     table.add_row(Text("worst first", style="bold"), WORST_FIRST)
     table.add_row(Text("sim", style="italic magenta"), "a simulated rank (ddpwatch demo)")

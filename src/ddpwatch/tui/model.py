@@ -6,6 +6,7 @@ dashboard stays a view and this logic is cheap to test and to benchmark.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -207,6 +208,54 @@ def make_filter(text: str) -> Callable[[Row], bool] | None:
     return matches
 
 
+# ----------------------------------------------------------------------------- step split
+
+
+SPLIT_FIELDS = ("input_wait_s", "compute_s", "grad_wait_s", "collective_time_s")
+"""What ``step_split`` reads from a rank's row."""
+
+
+def _seconds(value: Any) -> float | None:
+    """A finite, non-negative number of seconds, or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return max(0.0, float(value)) if math.isfinite(value) else None
+
+
+def step_split(row: Row) -> tuple[float, float, float] | None:
+    """Where the rank's step goes, in seconds per step: (input wait, compute, waiting for the
+    other ranks: in DDP's gradient all-reduce plus in collectives), or None when the rank
+    reports no split (its agent times no DDP gradients: a model on a GPU, an older agent).
+
+    ``compute_s`` is the step less the other three, so the parts add up to the step."""
+    compute, grads = _seconds(row.get("compute_s")), _seconds(row.get("grad_wait_s"))
+    if compute is None or grads is None:
+        return None
+    inputs = _seconds(row.get("input_wait_s")) or 0.0  # None: no DataLoader batch timed
+    wait = grads + (_seconds(row.get("collective_time_s")) or 0.0)
+    if inputs + compute + wait <= 0:
+        return None
+    return inputs, compute, wait
+
+
+def wait_fraction(row: Row) -> float | None:
+    """The share of the rank's step spent waiting for the others, or None without a split."""
+    split = step_split(row)
+    return None if split is None else split[2] / sum(split)
+
+
+def job_wait_fraction(ranks: Iterable[Row]) -> float | None:
+    """The share of the job's step time lost waiting: the ranks' waits over their steps (each
+    step the sum of its split), over the ranks that report a split; None when none does."""
+    waited = total = 0.0
+    for row in ranks:
+        split = None if row.get("compute_s") is None else step_split(row)
+        if split is not None:
+            waited += split[2]
+            total += sum(split)
+    return waited / total if total > 0 else None
+
+
 # ----------------------------------------------------------------------------- sort
 
 
@@ -232,6 +281,7 @@ SORT_VALUES: dict[str, Callable[[Row], Any]] = {
     "loss": lambda r: r.get("loss"),
     "step_time": lambda r: r.get("step_time_s"),
     "data_wait": lambda r: r.get("data_wait_s"),
+    "split": wait_fraction,
     "collective": _collective_age,
     "mem": lambda r: r.get("mem_allocated_bytes"),
     "gpu": _gpu_fraction,

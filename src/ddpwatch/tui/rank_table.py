@@ -40,7 +40,7 @@ from ddpwatch.tui.columns import (
     style_class,
     text_width,
 )
-from ddpwatch.tui.model import AlertIndex, Row
+from ddpwatch.tui.model import AlertIndex, Row, step_split
 from ddpwatch.vocabulary import RankState
 
 
@@ -134,6 +134,7 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
         self.cursor = 0
         self.cursor_key: Any = None
         self._has_sim = False
+        self._has_split = False
         self._widths: dict[str, int] = {}
         self._measured_rows = -1
         self._layout: list[tuple[Column, int]] = []
@@ -164,6 +165,9 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
         self.grouped = grouped
         self.sort_key, self.sort_reverse = sort_key, sort_reverse
         self._has_sim = not grouped and any(r.get("simulated") for r in rows)
+        self._has_split = not grouped and any(  # a cheap test first: no split on most jobs
+            r.get("compute_s") is not None and step_split(r) is not None for r in rows
+        )
         if grouped:
             self._widths = {"host": text_width(r["host"] for r in rows)}
             self._measured_rows = -1
@@ -314,6 +318,7 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
             width,
             self.grouped,
             self._has_sim,
+            self._has_split,
             tuple(self._widths.items()),
             self.sort_key,
             self.sort_reverse,
@@ -322,7 +327,11 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
             return
         self._layout_for = key
         columns = GROUP_COLUMNS if self.grouped else RANK_COLUMNS
-        skip = frozenset() if self._has_sim or self.grouped else frozenset({"sim"})
+        skip = frozenset(
+            key
+            for key, shown in (("sim", self._has_sim), ("split", self._has_split))
+            if not (shown or self.grouped)
+        )
         self._layout = fit_columns(columns, max(1, width - 1), skip, self._widths)
         self._signature = row_signature(
             (column for column, _ in self._layout), () if self.grouped else FINISHED_FIELDS
