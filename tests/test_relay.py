@@ -99,6 +99,8 @@ class Ranks:
                     host="node-a" if rank < 4 else "node-b",
                     world_size=self.world,
                     step=self.steps[i],
+                    step_time_s=0.1,  # a step a beat: step_skew reads their steps
+                    avg_step_time_s=0.1,
                 )
             ]
 
@@ -190,7 +192,10 @@ def test_a_killed_relay_leaves_its_ranks_to_the_server(server: LiveServer, liste
             5.0,
         )
         assert all(p.relay is None for p in ranks.publishers)
-        assert not [a for a in server.changes if a.alert.kind == "silent"]
+        # #26: while they switch, their last relayed steps are no evidence against the fresh
+        # direct ones (step_skew named healthy ranks ~100 steps behind in 3 of 3 runs)
+        named = [(a.alert.kind, a.alert.ranks) for a in server.changes if a.alert.ranks]
+        assert not named, named
     finally:
         ranks.stop()
         relay.kill()
