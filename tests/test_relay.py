@@ -62,9 +62,16 @@ class Ranks:
     """Publishers (the agent's own) for ranks 0..n-1 of one node, each counting its steps."""
 
     def __init__(
-        self, port: int, n: int, relay: str | None, first_rank: int = 0, world: int | None = None
+        self,
+        port: int,
+        n: int,
+        relay: str | None,
+        first_rank: int = 0,
+        world: int | None = None,
+        step_time: float | None = None,
     ) -> None:
         self.steps = [0] * n
+        self.step_time = step_time  # given: step_skew reads their steps (started together)
         self.first_rank = first_rank
         self.world = world or n
         self.publishers = []
@@ -99,8 +106,8 @@ class Ranks:
                     host="node-a" if rank < 4 else "node-b",
                     world_size=self.world,
                     step=self.steps[i],
-                    step_time_s=0.1,  # a step a beat: step_skew reads their steps
-                    avg_step_time_s=0.1,
+                    step_time_s=self.step_time,
+                    avg_step_time_s=self.step_time,
                 )
             ]
 
@@ -178,7 +185,7 @@ def test_events_keep_their_order_and_leave_without_waiting_for_the_beat(
 
 def test_a_killed_relay_leaves_its_ranks_to_the_server(server: LiveServer, listen: str) -> None:
     relay = relay_process(server.port, listen)
-    ranks = Ranks(server.port, 3, listen)
+    ranks = Ranks(server.port, 3, listen, step_time=0.1)  # a step a beat
     try:
         poll_status(server.server, ranks_running(3), 5.0)
         poll_status(server.server, lambda s: s["relays"] and s["relays"][0]["ranks"], 3.0)
