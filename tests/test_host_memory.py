@@ -220,6 +220,19 @@ def test_a_growing_rank_that_falls_silent_is_likely_the_oom_killer() -> None:
     assert "likely the OOM killer" not in silent.message
 
 
+def test_of_two_ranks_silent_at_once_the_one_the_oom_killer_was_coming_for_is_named() -> None:
+    """host-leak, 1 run in 3: the OOM killer's SIGKILL took rank 1, and gloo aborted rank 0
+    from C++ (no report) as its peer vanished; rank 0's last heartbeat was the older, by
+    0.5 s. Silence alone cannot order them: rank 1's growing memory does, and rank 0 is a
+    victim. Silent together with nothing to tell them apart, both stay named."""
+    state = job(leak(1, 20 * MIB), seconds=26.0, quiet_after={0: 19.5, 1: 20.0})
+    (silent,) = [a for a in rule_cascade(state, end(26.0), TH) if a.kind == "silent"]
+    assert (silent.ranks, silent.waiting) == ((1,), (0,)), silent.message
+    flat = job(lambda r, t: BASE, seconds=26.0, quiet_after={0: 19.5, 1: 20.0})
+    (silent,) = [a for a in rule_cascade(flat, end(26.0), TH) if a.kind == "silent"]
+    assert silent.ranks == (0, 1)
+
+
 # ------------------------------------------------------------------------------- the window
 
 

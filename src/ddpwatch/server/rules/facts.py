@@ -19,6 +19,7 @@ from typing import TypeVar, cast
 
 from ddpwatch.protocol import Collective, ErrorInfo
 from ddpwatch.server.alerts import Thresholds
+from ddpwatch.server.host_memory import oom_note
 from ddpwatch.server.knowledge import WAIT_NAMES, Signature, explain_error, named_ranks
 from ddpwatch.server.relays import RELAY_HOLD_S, LostRelay, lost_relays
 from ddpwatch.server.rules.text import collective_name, first_line
@@ -573,11 +574,31 @@ def _place_silent(facts: Facts, buckets: _Buckets) -> None:
         silent = [r for r in silent if r not in lost]
     early = [r for r in silent if r.last_seen < cutoff]
     buckets.stopped.extend(r for r in silent if r.last_seen >= cutoff)
+    early = _first_to_die(facts, buckets, early)
     if early:
         root = Root(
             AlertKind.SILENT, [r.rank for r in early], min(r.last_seen for r in early), early
         )
         buckets.primary[("silent",)] = root
+
+
+def _first_to_die(facts: Facts, buckets: _Buckets, early: list[RankRecord]) -> list[RankRecord]:
+    """Ranks that fell silent within a heartbeat of each other cannot be told apart by when
+    they were last heard (seen: the OOM killer's SIGKILL on rank 1, and gloo aborting rank 0
+    from C++ the moment its peer vanished, 0.2 s apart, the victim's heartbeat the older).
+    Where some of them showed the OOM killer coming (``oom_note``: memory growing steadily
+    or near a limit) and the others did not, those are the ones that died first; the others
+    died of it."""
+    if len(early) < 2:
+        return early
+    seen = [r.last_seen for r in early]
+    if max(seen) - min(seen) > 2 * facts.th.interval + 0.5:
+        return early
+    dying = [r for r in early if oom_note(r)]
+    if not dying or len(dying) == len(early):
+        return early
+    buckets.stopped.extend(r for r in early if r not in dying)
+    return dying
 
 
 def _pick_roots(facts: Facts, buckets: _Buckets) -> list[Root]:
