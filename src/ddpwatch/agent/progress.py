@@ -230,10 +230,16 @@ class Progress:
 
 class SplitReader:
     """The publisher's view of ``Progress.split``: per-step averages over the steps since its
-    last read, the last ones again while no step ended (slow steps, a pause)."""
+    last read, the last ones again while no step ended (slow steps, a pause).
 
-    def __init__(self, progress: Progress) -> None:
+    ``device_waits`` (``GradReady.collect``), called on every read: the gradient waits the
+    device has timed since the last call, in seconds; they are added to the steps that ended
+    since the last read (a step's device marks may complete a heartbeat after the step)."""
+
+    def __init__(self, progress: Progress, device_waits: Callable[[], float] | None = None) -> None:
         self._progress = progress
+        self._device_waits = device_waits
+        self._device_wait = 0.0  # device waits collected, not yet spread over steps
         self._last: tuple[int, float, float, float, float] = (0, 0.0, 0.0, 0.0, 0.0)
         self.input_wait_s: float | None = None
         self.compute_s: float | None = None
@@ -244,6 +250,8 @@ class SplitReader:
         batch was timed, the other two once a DDP model's gradients are (else the compute
         would hold the gradient wait)."""
         progress = self._progress
+        if self._device_waits is not None:
+            self._device_wait += self._device_waits()
         totals, last = progress.split, self._last
         steps = totals[0] - last[0]
         if steps > 0:
@@ -251,6 +259,8 @@ class SplitReader:
             step, inputs, grads, waits = (
                 (a - b) / steps for a, b in zip(totals[1:], last[1:], strict=True)
             )
+            grads += self._device_wait / steps
+            self._device_wait = 0.0
             timed = progress.grad_hooked
             self.input_wait_s = inputs if progress.input_seen else None
             self.grad_wait_s = grads if timed else None

@@ -82,7 +82,7 @@ class Watcher:
         self._split_on = os.environ.get("DDPWATCH_STEP_SPLIT", "1") != "0"
         self._model_hooks.on_optimizer = self._grad_ready.backward_ended
         self._input_timer = InputTimer(self.progress)
-        self._split = SplitReader(self.progress)
+        self._split = SplitReader(self.progress, device_waits=self._grad_ready.collect)
         self._process_hooks = ProcessHooks(
             self._report_crash, self._report_exit, mark=lambda: self.progress.step
         )
