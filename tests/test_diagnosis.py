@@ -1258,6 +1258,18 @@ def test_uneven_memory_falls_back_to_reserved() -> None:
     assert only(rule_uneven_memory(state, NOW, TH), "uneven_memory").ranks == (2,)
 
 
+def test_uneven_memory_on_a_shared_gpu_compares_what_each_rank_reserved() -> None:
+    """Two ranks on one GPU (gloo over CUDA tensors): NVML's used memory is the whole GPU's,
+    the same for both, so rank 1's extra 10 GiB shows only in its allocator's reservation."""
+    one_gpu = {"device": "cuda:0", "device_uuid": "GPU-1", "gpu_mem_used_bytes": 14 * GIB}
+    state = state_of(
+        rank(0, 2, mem_reserved_bytes=2 * GIB, **one_gpu),
+        rank(1, 2, mem_reserved_bytes=12 * GIB, **one_gpu),
+        rank(2, 2, mem_reserved_bytes=2 * GIB, **{**one_gpu, "device_uuid": "GPU-2"}),
+    )
+    assert only(rule_uneven_memory(state, NOW, TH), "uneven_memory").ranks == (1,)
+
+
 def test_foreign_memory() -> None:
     state = state_of(
         gpu(0, 0, gpu_pids=[1000, 555]),

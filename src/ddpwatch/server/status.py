@@ -55,6 +55,7 @@ def rank_entry(
         "pid": record.pid,
         "device": record.device,
         "device_uuid": record.device_uuid,
+        "device_pci_bus_id": record.device_pci_bus_id,
         "state": rank_state(
             record, now if as_of is None else as_of, th, stall_after, since, stepping
         ),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -257,9 +257,19 @@ def rule_local_rank_mismatch(f: Facts) -> list[Alert]:
 
 @rule(AlertKind.UNEVEN_MEMORY, every="slow")
 def rule_uneven_memory(f: Facts) -> list[Alert]:
-    """A rank that uses far more GPU memory than the others (often rank 0)."""
+    """A rank that uses far more GPU memory than the others (often rank 0).
+
+    NVML's figure is the whole GPU's: where ranks share one (gloo over CUDA tensors allows
+    it), they all report the same and none would stand out, so their allocators' own
+    reservations are compared instead."""
     live = f.live
-    used = [(r, r.gpu_mem_used_bytes) for r in live if r.gpu_mem_used_bytes is not None]
+    gpus = Counter((r.host, r.device_uuid) for r in live if r.device_uuid)
+    shared = any(n > 1 for n in gpus.values())
+    used = (
+        []
+        if shared
+        else [(r, r.gpu_mem_used_bytes) for r in live if r.gpu_mem_used_bytes is not None]
+    )
     if not used:
         used = [(r, r.mem_reserved_bytes) for r in live if r.mem_reserved_bytes is not None]
     if len(used) < 2:
