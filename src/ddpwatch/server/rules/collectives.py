@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 
 from ddpwatch.server.alerts import Alert
 from ddpwatch.server.knowledge import named_ranks
@@ -12,8 +12,8 @@ from ddpwatch.server.rules.facts import (
     Mismatch,
     Straggle,
     is_busy,
-    latest_common_mark,
     normal_op,
+    odd_at_mark,
     world_complete,
 )
 from ddpwatch.server.rules.registry import alert, rule
@@ -150,22 +150,10 @@ def rule_collective_desync(f: Facts) -> list[Alert]:
     """
     if f.mismatch is not None or _mismatch_from_crashes(f):
         return []  # the mismatch says more
-    live = [r for r in f.live if r.step_marks]
-    if len(live) < 3 or len(live) < len(f.live):
+    found = odd_at_mark(f.live, lambda r: r.step_marks)
+    if found is None:
         return []
-    step = _latest_common_mark(live)
-    if step is None:
-        return []
-    by_count: dict[int, list[RankRecord]] = defaultdict(list)
-    for r in live:
-        by_count[r.step_marks[step]].append(r)
-    if len(by_count) < 2:
-        return []
-    ranked = sorted(by_count.items(), key=lambda item: (-len(item[1]), item[0]))
-    (usual, majority), (_, second) = ranked[0], ranked[1]
-    if len(majority) <= len(second) or len(majority) * 2 <= len(live):
-        return []  # no clear majority: which side is odd cannot be told
-    odd = sorted((r for count, group in ranked[1:] for r in group), key=lambda r: r.rank)
+    step, usual, majority, odd = found.step, found.usual, found.majority, found.odd
     first = odd[0]
     diff = first.step_marks[step] - usual
     more = (
@@ -192,10 +180,6 @@ def rule_collective_desync(f: Facts) -> list[Alert]:
             hint,
         )
     ]
-
-
-def _latest_common_mark(ranks: list[RankRecord]) -> int | None:
-    return latest_common_mark([r.step_marks for r in ranks])
 
 
 def _mismatch_alert(f: Facts, found: Mismatch) -> Alert:

@@ -103,10 +103,44 @@ def is_busy(record: RankRecord, now: float, th: Thresholds) -> bool:
     return moved is not None and moved > record.last_progress and now - moved <= th.silent
 
 
-def latest_common_mark(marks: list[dict[int, int]]) -> int | None:
-    """The latest step every rank has marked (each dict: step -> its count then). Usually the
-    earliest of their latest marks (ranks keep the last few); only when some rank lacks it,
-    the full intersection."""
+@dataclass(frozen=True)
+class OddMark:
+    """Ranks whose count at a marked step differs from a strict majority's (``odd_at_mark``)."""
+
+    step: int
+    usual: int  # the majority's count
+    majority: list[RankRecord]
+    odd: list[RankRecord]  # by rank
+
+
+def odd_at_mark(
+    live: list[RankRecord], marks_of: Callable[[RankRecord], dict[int, int]]
+) -> OddMark | None:
+    """At the latest step every live rank has marked (each mark: step -> its count then), the
+    ranks whose count differs from a strict majority's; None when every live rank has not
+    marked, fewer than 3 have, all agree, or no side is a clear majority."""
+    marked = [r for r in live if marks_of(r)]
+    if len(marked) < 3 or len(marked) < len(live):
+        return None
+    step = _latest_common_mark([marks_of(r) for r in marked])
+    if step is None:
+        return None
+    by_count: dict[int, list[RankRecord]] = defaultdict(list)
+    for r in marked:
+        by_count[marks_of(r)[step]].append(r)
+    if len(by_count) < 2:
+        return None
+    ranked = sorted(by_count.items(), key=lambda item: (-len(item[1]), item[0]))
+    (usual, majority), (_, second) = ranked[0], ranked[1]
+    if len(majority) <= len(second) or len(majority) * 2 <= len(marked):
+        return None  # no clear majority: which side is odd cannot be told
+    odd = sorted((r for _, group in ranked[1:] for r in group), key=lambda r: r.rank)
+    return OddMark(step, usual, majority, odd)
+
+
+def _latest_common_mark(marks: list[dict[int, int]]) -> int | None:
+    """The latest step every rank has marked. Usually the earliest of their latest marks
+    (ranks keep the last few); only when some rank lacks it, the full intersection."""
     step = min(max(m) for m in marks)
     if all(step in m for m in marks):
         return step
@@ -804,9 +838,9 @@ def _follow_waits(
     roots: dict[int, RankRecord] = {}
     hops: list[Hop] = []
     seen: set[int] = set()
-    todo = list(culprits)
-    while todo:
-        r = todo.pop(0)
+    frontier = list(culprits)
+    while frontier:
+        r = frontier.pop(0)
         if r.rank in seen:
             continue
         seen.add(r.rank)
@@ -825,7 +859,7 @@ def _follow_waits(
             return culprits, []  # it waits, but for whom is not known: say no more
         blocked_by = tuple(sorted(b.rank for b in blockers))
         hops.append(Hop((r.rank,), collective_name(c.op, c.seq), blocked_by))
-        todo.extend(blockers)
+        frontier.extend(blockers)
     if not roots:
         return culprits, []
     return sorted(roots.values(), key=lambda r: r.rank), hops

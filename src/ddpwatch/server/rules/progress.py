@@ -8,7 +8,7 @@ import statistics
 from collections import defaultdict
 
 from ddpwatch.server.alerts import Alert
-from ddpwatch.server.rules.facts import Facts, is_busy, latest_common_mark
+from ddpwatch.server.rules.facts import Facts, is_busy, odd_at_mark
 from ddpwatch.server.rules.registry import alert, rule
 from ddpwatch.server.rules.text import STACKS_IN, format_ranks, record_location, seconds, verb
 from ddpwatch.server.state import RankRecord
@@ -133,22 +133,10 @@ def rule_batch_desync(f: Facts) -> list[Alert]:
     it has drawn from its training DataLoader (``batch_marks``); a rank that differs from a
     strict majority at the latest step all live ranks marked is named.
     """
-    live = [r for r in f.live if r.drawn_marks]
-    if len(live) < 3 or len(live) < len(f.live):
+    found = odd_at_mark(f.live, lambda r: r.drawn_marks)
+    if found is None:
         return []
-    step = latest_common_mark([r.drawn_marks for r in live])
-    if step is None:
-        return []
-    by_count: dict[int, list[RankRecord]] = defaultdict(list)
-    for r in live:
-        by_count[r.drawn_marks[step]].append(r)
-    if len(by_count) < 2:
-        return []
-    ranked = sorted(by_count.items(), key=lambda item: (-len(item[1]), item[0]))
-    (usual, majority), (_, second) = ranked[0], ranked[1]
-    if len(majority) <= len(second) or len(majority) * 2 <= len(live):
-        return []  # no clear majority: which side is odd cannot be told
-    odd = sorted((r for _, group in ranked[1:] for r in group), key=lambda r: r.rank)
+    step, usual, majority, odd = found.step, found.usual, found.majority, found.odd
     first = odd[0]
     own = first.drawn_marks[step]
     diff = own - usual
