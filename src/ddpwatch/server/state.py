@@ -439,10 +439,7 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     if batch_marks != record.batch_marks:  # equal: ``drawn_marks`` already holds them
         record.batch_marks = batch_marks
         if batch_marks:
-            drawn = record.drawn_marks
-            drawn.update(batch_marks)
-            while len(drawn) > MARKS_KEPT:
-                del drawn[min(drawn)]
+            _keep_marks(record.drawn_marks, batch_marks)
     rss = sample.host_rss_bytes
     workers = sample.workers_rss_bytes
     record.host_rss_bytes = rss
@@ -481,10 +478,7 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
                 # bound would change nothing): keep the record's list of them
                 counts = replace(counts, marks=before.marks)
             else:
-                step_marks = record.step_marks
-                step_marks.update(marks)
-                while len(step_marks) > MARKS_KEPT:
-                    del step_marks[min(step_marks)]
+                _keep_marks(record.step_marks, marks)
     record.collectives = counts
     record.grad_nan_step = sample.grad_nan_step
     nan_step = sample.nan_step
@@ -544,6 +538,13 @@ def _take_stack(record: RankRecord, stack: str | None, now: float) -> None:
     if record.stack is not None and stack != record.stack:
         record.stack_moved_at = now
     record.stack = stack
+
+
+def _keep_marks(kept: dict[int, int], marks: list[tuple[int, int]]) -> None:
+    """Fold a heartbeat's step marks (step -> count) into a record's, the newest ``MARKS_KEPT``."""
+    kept.update(marks)
+    while len(kept) > MARKS_KEPT:
+        del kept[min(kept)]
 
 
 def _stop_timing(record: RankRecord, collective: Collective | None) -> None:
