@@ -100,7 +100,7 @@ class Recorder:
     def on_change(self, change: Any) -> None:
         if change.event == "cleared":
             return  # raised, or escalated (a step_skew warning that became stalled)
-        from ddpwatch.server.rules import Facts
+        from ddpwatch.diagnosis.rules import Facts
 
         now = time.time()
         server = self.server
@@ -198,7 +198,7 @@ def all_stepping(server: Any, ranks: int, min_step: int = 5) -> bool:
 
 
 def one_rep(scenario: str, ranks: int, stall_after: float, timeout: float) -> dict[str, float]:
-    from ddpwatch.server.alerts import Thresholds
+    from ddpwatch.diagnosis.alerts import Thresholds
     from ddpwatch.server.service import Server
 
     port = free_port_pair()

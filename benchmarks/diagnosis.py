@@ -21,7 +21,7 @@ Per mode the table shows:
 * detection latency: median seconds from the fault line to the first alert that names
   exactly the culprits with an allowed kind;
 * false alerts on the healthy run: every alert it raised;
-* verdict: runs whose end-of-run verdict (``server/verdict.py``, what ``run``'s summary and
+* verdict: runs whose end-of-run verdict (``diagnosis/verdict.py``, what ``run``'s summary and
   ``report`` print) blames exactly the expected culprits (for ``healthy``: nobody), judged on
   the ranks it names (``Account.named``).
 
@@ -51,11 +51,11 @@ from pathlib import Path
 from typing import Any
 
 from ddpwatch.demo.runner import stop_job
+from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.verdict import read_run
 from ddpwatch.ports import free_port_pair
 from ddpwatch.relay import Relay
-from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.service import AlertChange, Server
-from ddpwatch.server.verdict import read_run
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "failures.py"

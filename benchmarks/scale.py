@@ -1018,11 +1018,11 @@ def offline(size: int, culprit: int, reps: int = 3) -> Offline:
     dashboard's model build on it; medians of ``reps``."""
     import msgspec
 
+    from ddpwatch.diagnosis.alerts import Thresholds
+    from ddpwatch.diagnosis.rules import RULES, Facts, diagnose
     from ddpwatch.protocol import decode
-    from ddpwatch.server.alerts import Thresholds
-    from ddpwatch.server.rules import RULES, Facts, diagnose
+    from ddpwatch.server.document import status_document
     from ddpwatch.server.state import ServerState
-    from ddpwatch.server.status import status_document
 
     t0 = 1.7e9
     onset, now = t0 + 4.0, t0 + 7.0
@@ -1089,9 +1089,9 @@ def _ticking(
     garbage collector as in the server: paused while heartbeats are applied, running during
     ticks, the records frozen (``collector.FREEZE_AFTER_RANKS``). Median, mean, max; the
     first four ticks (everything due at once) left out."""
+    from ddpwatch.diagnosis.rules import Diagnosis
     from ddpwatch.protocol import decode
     from ddpwatch.server.collector import freeze_new_records
-    from ddpwatch.server.rules import Diagnosis
 
     diagnosis = Diagnosis()
     spent = []

@@ -17,9 +17,9 @@ import pytest
 import zmq
 
 from ddpwatch.demo.runner import stop_job
+from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.ports import free_port_pair
 from ddpwatch.protocol import AnyMessage, Sample
-from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.service import AlertChange, Server
 from ddpwatch.server.state import ServerState
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
+from ddpwatch.diagnosis.alerts import Alert, Thresholds
+from ddpwatch.diagnosis.rules import diagnose, rank_state
+from ddpwatch.diagnosis.rules.facts import Facts
 from ddpwatch.protocol import Collective, CollectiveCounts, ErrorInfo, Event, Sample
-from ddpwatch.server.alerts import Alert, Thresholds
-from ddpwatch.server.rules import diagnose, rank_state
-from ddpwatch.server.rules.facts import Facts
+from ddpwatch.server.document import status_document
 from ddpwatch.server.state import ServerState
-from ddpwatch.server.status import status_document
 
 NOW = 50_000.0
 TH = Thresholds()
@@ -747,7 +747,7 @@ def test_peers_released_after_the_stragglers_last_report_do_not_make_it_stalled(
 def test_data_loading_is_the_cause_only_with_a_worker_to_wait_for() -> None:
     """With ``num_workers=0`` the batch is made on the main thread: its stack passes through
     the loader into the dataset's own code, and the loader's worker hint would be wrong."""
-    from ddpwatch.server.rules.text import in_data_loading
+    from ddpwatch.diagnosis.rules.text import in_data_loading
 
     no_workers = """\
   File "/home/ann/train.py", line 88, in validate

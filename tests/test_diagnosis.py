@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 
-from ddpwatch.protocol import Collective, ErrorInfo, Event, Hello, Sample
-from ddpwatch.server.alerts import KINDS, Alert, Thresholds
-from ddpwatch.server.rules import (
+from ddpwatch.diagnosis.alerts import KINDS, Alert, Thresholds
+from ddpwatch.diagnosis.rules import (
     RULES,
     diagnose,
     effective_stall_after,
@@ -38,8 +37,10 @@ from ddpwatch.server.rules import (
     rule_straggler,
     rule_uneven_memory,
 )
-from ddpwatch.server.rules.text import format_ranks, location
-from ddpwatch.server.state import RankRecord, ServerState
+from ddpwatch.diagnosis.rules.text import format_ranks, location
+from ddpwatch.protocol import Collective, ErrorInfo, Event, Hello, Sample
+from ddpwatch.server.records import RankRecord
+from ddpwatch.server.state import ServerState
 
 NOW = 10_000.0
 TH = Thresholds()  # interval 0.5 s, silent 2.5 s, stall 10 s, startup 60 s, connect 10 s
@@ -1368,7 +1369,7 @@ def test_a_malformed_device_from_a_rank_never_breaks_diagnosis(device: str) -> N
     state = job(3)
     for r in state.ranks.values():
         r.device = device
-    import ddpwatch.server.rules as rules
+    import ddpwatch.diagnosis.rules as rules
 
     before = dict(rules.RULE_FAILURES)
     diagnose(state, NOW, TH)
@@ -1376,7 +1377,7 @@ def test_a_malformed_device_from_a_rank_never_breaks_diagnosis(device: str) -> N
 
 
 def test_a_rule_that_raises_loses_only_its_own_alerts(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ddpwatch.server.rules as rules
+    import ddpwatch.diagnosis.rules as rules
 
     def broken(*_: Any) -> list[Alert]:
         raise RuntimeError("a bug in one rule")

@@ -7,7 +7,7 @@ import time
 import pytest
 from conftest import LiveServer, alert_of
 
-from ddpwatch.server.alerts import Thresholds
+from ddpwatch.diagnosis.alerts import Thresholds
 
 pytestmark = pytest.mark.e2e
 

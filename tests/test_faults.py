@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, LiveServer, alert_of, free_port_pair
 
 from ddpwatch.demo.runner import descendants, stop_job
-from ddpwatch.server.alerts import Thresholds
+from ddpwatch.diagnosis.alerts import Thresholds
 
 pytestmark = pytest.mark.e2e
 JOB = Path(__file__).parent / "jobs" / "deterministic.py"

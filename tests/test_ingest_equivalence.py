@@ -37,7 +37,8 @@ from ddpwatch.protocol import (
     encode,
 )
 from ddpwatch.server.collector import Collector
-from ddpwatch.server.state import RankRecord, ServerState
+from ddpwatch.server.records import RankRecord
+from ddpwatch.server.state import ServerState
 
 NAN = float("nan")
 IDENT: dict[str, Any] = {

@@ -24,10 +24,10 @@ from ddpwatch.agent.api import WatcherSurface
 from ddpwatch.agent.patches import Patches
 from ddpwatch.agent.progress import Progress
 from ddpwatch.demo.runner import stop_job
+from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.integrations import adapt, framework_of
 from ddpwatch.integrations.shared import PhaseStack
 from ddpwatch.launch import job_environment
-from ddpwatch.server.alerts import Thresholds
 
 torch = pytest.importorskip("torch")
 

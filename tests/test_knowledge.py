@@ -17,10 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpwatch.ports import free_port_pair
-from ddpwatch.protocol import ErrorInfo
-from ddpwatch.server.alerts import KINDS
-from ddpwatch.server.knowledge import (
+from ddpwatch.diagnosis.alerts import KINDS
+from ddpwatch.diagnosis.knowledge import (
     FAMILIES,
     SIGNATURES,
     TIMEOUT_NAMES,
@@ -30,6 +28,8 @@ from ddpwatch.server.knowledge import (
     named_ranks,
     reporting_rank,
 )
+from ddpwatch.ports import free_port_pair
+from ddpwatch.protocol import ErrorInfo
 
 JOB = Path(__file__).parent / "jobs" / "error_texts.py"
 

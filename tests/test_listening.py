@@ -27,12 +27,12 @@ import pytest
 import zmq
 from conftest import ROOT, free_port_pair, push_frames
 
+from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.rules import diagnose, rank_state
 from ddpwatch.protocol import Collective, CollectiveCounts, Sample, encode
-from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.collector import RECV_BATCH, Collector, PauseWatch
-from ddpwatch.server.rules import diagnose, rank_state
+from ddpwatch.server.document import status_document
 from ddpwatch.server.state import ServerState
-from ddpwatch.server.status import status_document
 
 TH = Thresholds()  # silent after 2.5 s; 15 s while a rank starts
 

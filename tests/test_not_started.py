@@ -124,8 +124,8 @@ def test_a_launcher_failing_without_a_known_reason_says_its_code_and_last_line()
 def test_the_dashboard_run_reads_the_reason_from_its_log(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from ddpwatch.diagnosis.alerts import Thresholds
     from ddpwatch.launch import _with_dashboard
-    from ddpwatch.server.alerts import Thresholds
     from ddpwatch.server.service import Server
 
     log = tmp_path / "job.log"

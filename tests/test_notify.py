@@ -29,9 +29,9 @@ from textual.pilot import Pilot
 from tui_fixtures import FixtureSource, healthy
 
 from ddpwatch.cli import main
+from ddpwatch.diagnosis.alerts import Alert
+from ddpwatch.outputs.notify import Notifier, alert_text, chain, check_webhook_url
 from ddpwatch.ports import free_port_pair
-from ddpwatch.server.alerts import Alert
-from ddpwatch.server.notify import Notifier, alert_text, chain, check_webhook_url
 from ddpwatch.tui.app import DashboardApp
 
 STRAGGLER = Alert(

@@ -15,11 +15,12 @@ import pytest
 import ddpwatch.devices
 from ddpwatch.agent.nvml import Nvml, parse_cuda_visible_devices
 from ddpwatch.agent.probes import DeviceInfo, MemoryInfo, Probes, TorchCuda
+from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.rules import devices as device_rules
+from ddpwatch.diagnosis.rules.devices import rule_duplicate_device
 from ddpwatch.protocol import Sample, decode, encode
-from ddpwatch.server.alerts import Thresholds
-from ddpwatch.server.rules import devices as device_rules
-from ddpwatch.server.rules.devices import rule_duplicate_device
-from ddpwatch.server.state import RankRecord, ServerState
+from ddpwatch.server.records import RankRecord
+from ddpwatch.server.state import ServerState
 
 GiB = 1 << 30
 

@@ -11,14 +11,14 @@ from conftest import free_port_pair
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddpwatch.cli import main
+from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.rules import diagnose
+from ddpwatch.outputs.prometheus import RANK_GAUGES, STATES, serve_metrics, summary_from_query
 from ddpwatch.protocol import ErrorInfo, Event, Sample
 from ddpwatch.server import service
-from ddpwatch.server.alerts import Thresholds
-from ddpwatch.server.prometheus import RANK_GAUGES, STATES, serve_metrics, summary_from_query
-from ddpwatch.server.rules import diagnose
+from ddpwatch.server.document import status_document
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
-from ddpwatch.server.status import status_document
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

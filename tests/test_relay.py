@@ -25,6 +25,8 @@ from conftest import LiveServer, alert_of, ddpwatch_run, poll_status
 from ddpwatch import relay as relay_module
 from ddpwatch.agent import publisher as publisher_module
 from ddpwatch.agent.publisher import Publisher
+from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.rules import diagnose
 from ddpwatch.launch import _start_relay
 from ddpwatch.protocol import Batch, Collective, Event, Hello, Sample, decode_wire, encode
 from ddpwatch.relay import (
@@ -35,10 +37,8 @@ from ddpwatch.relay import (
     relay_endpoint,
     relay_listening,
 )
-from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.relays import note_batch
-from ddpwatch.server.rules import diagnose
 from ddpwatch.server.state import ServerState
 
 

@@ -25,6 +25,7 @@ from conftest import ROOT, free_port_pair, poll_status
 
 from ddpwatch.agent.publisher import Publisher
 from ddpwatch.cli import fetch_status, main
+from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.protocol import Sample, encode
 from ddpwatch.security import (
     CLIENT_KEY_FILE_ENV,
@@ -37,7 +38,6 @@ from ddpwatch.security import (
     is_loopback,
     load_key_file,
 )
-from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.service import Server
 
 

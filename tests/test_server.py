@@ -17,13 +17,13 @@ import zmq
 from conftest import ROOT, AppliedState, LiveServer, free_port_pair, push_frames
 
 from ddpwatch.cli import fetch_status, format_status, main
+from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.protocol import Collective, ErrorInfo, Event, Sample, encode
 from ddpwatch.server import collector as collector_module
-from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.collector import RECEIVE_GAP_S, BindError, Collector
+from ddpwatch.server.document import status_document
 from ddpwatch.server.service import AlertChange, diff_alerts
 from ddpwatch.server.state import ServerState
-from ddpwatch.server.status import status_document
 
 RANK_FIELDS = {
     "rank", "local_rank", "world_size", "host", "pid", "device", "device_uuid", "state", "phase",
@@ -359,7 +359,7 @@ def test_collective_age_grows_between_samples() -> None:
 
 
 def test_alert_diff_raises_and_clears_by_kind_and_culprits() -> None:
-    from ddpwatch.server.alerts import Alert
+    from ddpwatch.diagnosis.alerts import Alert
 
     a = Alert("straggler", "warning", (1,), (0,), "m", "h")
     a2 = Alert("straggler", "warning", (1,), (0, 2), "m2", "h")
@@ -411,7 +411,7 @@ def test_the_server_side_needs_no_torch() -> None:
     """A laptop with `pip install ddpwatch` (no torch) can watch a cluster."""
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import ddpwatch.server.service, ddpwatch.server.replay, ddpwatch.server.prometheus\n"
+        "import ddpwatch.server.service, ddpwatch.server.replay, ddpwatch.outputs.prometheus\n"
         "import ddpwatch.tui.app, ddpwatch.web, ddpwatch.demo.runner\n"
         "from ddpwatch.cli import main\n"
         f"sys.exit(main(['status', '--port', '{free_port_pair()}', '--timeout', '0.3']))\n"

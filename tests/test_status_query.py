@@ -16,10 +16,10 @@ from conftest import free_port_pair
 
 from ddpwatch.cli import main
 from ddpwatch.client import StatusClient, StatusQueryError, fetch_status, status_query
+from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.protocol import ErrorInfo, Event, Sample, encode
 from ddpwatch.ranges import parse_rank_ranges
 from ddpwatch.server import query as query_module
-from ddpwatch.server.alerts import Alert, Thresholds
 from ddpwatch.server.query import Query, QueryError, TickView, parse_request, worst_ranks
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState

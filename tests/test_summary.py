@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from ddpwatch.server.alerts import Alert
-from ddpwatch.server.history import AlertTracker
-from ddpwatch.server.summary import print_summary, summary_lines, verdict
+from ddpwatch.diagnosis.alerts import Alert
+from ddpwatch.diagnosis.history import AlertTracker
+from ddpwatch.outputs.summary import print_summary, summary_lines, verdict
 
 T0 = 1_800_000_000.0
 EXITED = Alert("exited", "error", (1,), (0, 2), "rank 1 exited with code 3 at step 51", "fix")

@@ -10,8 +10,8 @@ from test_tui import make_app, poll, settle
 from textual.widgets import DataTable
 from tui_fixtures import FixtureSource, document
 
-from ddpwatch.server.alerts import Alert
-from ddpwatch.server.history import AlertTracker
+from ddpwatch.diagnosis.alerts import Alert
+from ddpwatch.diagnosis.history import AlertTracker
 from ddpwatch.tui.timeline import TimelineScreen, timeline_rows
 
 T0 = 1_800_000_000.0

@@ -28,12 +28,12 @@ from test_tui import (
     type_text,
 )
 
+from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.protocol import ErrorInfo, Event, Sample
-from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.collector import Collector
+from ddpwatch.server.document import status_document
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
-from ddpwatch.server.status import status_document
 from ddpwatch.tui import sources
 from ddpwatch.tui.header import summarize
 from ddpwatch.tui.large_job import scope_of

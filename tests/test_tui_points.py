@@ -15,7 +15,7 @@ from test_tui import dashboard, header_text, make_app, poll, settle, table, visi
 from textual.pilot import Pilot
 from tui_fixtures import T0, FixtureSource, rank_entry
 
-from ddpwatch.server.rules.text import STACKS_IN
+from ddpwatch.diagnosis.rules.text import STACKS_IN
 from ddpwatch.vocabulary import RankState
 
 WORLD = 4
@@ -346,7 +346,7 @@ async def test_hints_in_the_dashboard_name_the_key_not_a_shell_command() -> None
 
 
 def test_every_phrasing_of_the_servers_hints_is_rewritten() -> None:
-    from ddpwatch.server.alerts import Alert
+    from ddpwatch.diagnosis.alerts import Alert
     from ddpwatch.server.service import with_port
     from ddpwatch.tui.alerts_panel import dashboard_hint
 
@@ -415,7 +415,7 @@ def finished(tick: int = 30) -> dict[str, Any]:
 
 async def test_a_finished_job_says_so_with_its_verdict_and_its_alerts() -> None:
     """serve/top: every rank seen has finished, so the job has."""
-    from ddpwatch.server.summary import verdict
+    from ddpwatch.outputs.summary import verdict
 
     ended = finished(30)
     later = copy.deepcopy(ended)

@@ -28,7 +28,7 @@ from typing import Any, get_args
 import pytest
 from conftest import ROOT
 
-from ddpwatch.server.rules import STARTUP_PHASES
+from ddpwatch.diagnosis.rules import STARTUP_PHASES
 from ddpwatch.vocabulary import (
     ALERT_KINDS,
     EVENT_KINDS,
@@ -126,7 +126,7 @@ def test_every_phase_the_agent_or_an_integration_sets_is_known_to_the_server() -
 
 
 def test_the_server_orders_the_startup_phases_of_the_vocabulary() -> None:
-    from ddpwatch.server.rules import startup
+    from ddpwatch.diagnosis.rules import startup
 
     assert startup.STARTUP_PHASES is STARTUP_PHASES
     assert STARTUP_PHASES[0] == Phase.STARTED and STARTUP_PHASES[-1] == Phase.TRAIN
@@ -166,7 +166,7 @@ def test_each_module_imports_alone_without_a_framework(module: str) -> None:
 def test_the_vocabulary_imports_nothing_of_the_agent() -> None:
     code = (
         "import sys\n"
-        "import ddpwatch.vocabulary, ddpwatch.server.rules\n"
+        "import ddpwatch.vocabulary, ddpwatch.diagnosis.rules\n"
         "assert not [n for n in sys.modules if n.startswith('ddpwatch.agent')]\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -225,11 +225,12 @@ def test_the_vocabulary_matches_the_documented_contract() -> None:
 
 
 def test_the_server_gives_every_rank_state_of_the_vocabulary() -> None:
+    from ddpwatch.diagnosis.alerts import Thresholds
+    from ddpwatch.diagnosis.rules import rank_state
     from ddpwatch.protocol import Collective, ErrorInfo
-    from ddpwatch.server.alerts import Thresholds
-    from ddpwatch.server.rules import rank_state
-    from ddpwatch.server.state import RankRecord, ServerState
-    from ddpwatch.server.status import status_document
+    from ddpwatch.server.document import status_document
+    from ddpwatch.server.records import RankRecord
+    from ddpwatch.server.state import ServerState
 
     assert RANK_STATES[0] == RankState.CRASHED and RANK_STATES[-1] == RankState.EXITED
     th = Thresholds()
@@ -254,7 +255,7 @@ def test_the_server_gives_every_rank_state_of_the_vocabulary() -> None:
 
 
 def test_every_table_keyed_by_rank_state_covers_every_state() -> None:
-    from ddpwatch.server import prometheus
+    from ddpwatch.outputs import prometheus
     from ddpwatch.tui import detail, help, model
 
     tables: dict[str, Any] = {
@@ -284,7 +285,8 @@ def test_the_help_names_the_states_worst_first() -> None:
 
 
 def test_every_table_keyed_by_severity_covers_every_severity() -> None:
-    from ddpwatch.server import history, notify, rules
+    from ddpwatch.diagnosis import history, rules
+    from ddpwatch.outputs import notify
     from ddpwatch.tui import header, model
 
     for name, table in {
@@ -332,10 +334,10 @@ def _vocabulary_names(path: Path, cls: type) -> set[str]:
 
 
 def test_rules_name_their_kinds_and_severities_through_the_vocabulary() -> None:
-    from ddpwatch.server.alerts import KINDS
-    from ddpwatch.server.rules import RULES
+    from ddpwatch.diagnosis.alerts import KINDS
+    from ddpwatch.diagnosis.rules import RULES
 
-    rules = sorted((SRC / "server" / "rules").glob("*.py"))
+    rules = sorted((SRC / "diagnosis" / "rules").glob("*.py"))
     literals = [hit for path in rules for hit in _literal_args(path, {"rule": None, "alert": 2})]
     assert literals == [], "name alert kinds and severities with AlertKind and Severity"
     assert KINDS is ALERT_KINDS
@@ -445,7 +447,7 @@ def test_every_screen_class_the_code_sets_is_styled() -> None:
 
 def test_the_rank_record_declares_every_protocol_field_it_keeps() -> None:
     from ddpwatch.protocol import Hello, Sample
-    from ddpwatch.server.state import STORED_FIELDS, RankRecord
+    from ddpwatch.server.records import STORED_FIELDS, RankRecord
 
     declared = {f.name for f in fields(RankRecord)}
     wire = set(Hello.__struct_fields__) | set(Sample.__struct_fields__)
@@ -454,7 +456,7 @@ def test_the_rank_record_declares_every_protocol_field_it_keeps() -> None:
 
 
 def test_the_rank_record_refuses_a_field_it_does_not_declare() -> None:
-    from ddpwatch.server.state import RankRecord
+    from ddpwatch.server.records import RankRecord
 
     with pytest.raises(TypeError):
         RankRecord(rank=0, first_seen=0.0, last_seen=0.0, bogus=1)  # type: ignore[call-arg]
@@ -466,7 +468,8 @@ def test_the_rank_record_refuses_a_field_it_does_not_declare() -> None:
 
 def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
     from ddpwatch.protocol import Collective, CollectiveCounts, Hello, Sample
-    from ddpwatch.server.state import STORED_FIELDS, ServerState
+    from ddpwatch.server.records import STORED_FIELDS
+    from ddpwatch.server.state import ServerState
 
     identity: dict[str, Any] = {
         "local_rank": 1,
@@ -537,7 +540,7 @@ def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
 
 def test_rank_lists_are_written_by_one_algorithm() -> None:
     from ddpwatch import ranges
-    from ddpwatch.server.rules.text import format_ranks
+    from ddpwatch.diagnosis.rules.text import format_ranks
     from ddpwatch.tui import fmt
 
     assert fmt.rank_ranges is ranges.rank_ranges

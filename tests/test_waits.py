@@ -17,6 +17,9 @@ from typing import Any
 
 import pytest
 
+from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.rules import TICK_RULES, Diagnosis, diagnose
+from ddpwatch.diagnosis.rules.facts import Facts
 from ddpwatch.protocol import (
     AnyMessage,
     Collective,
@@ -26,9 +29,6 @@ from ddpwatch.protocol import (
     Hello,
     Sample,
 )
-from ddpwatch.server.alerts import Thresholds
-from ddpwatch.server.rules import TICK_RULES, Diagnosis, diagnose
-from ddpwatch.server.rules.facts import Facts
 from ddpwatch.server.state import ServerState
 from ddpwatch.server.waits import WaitIndex
 

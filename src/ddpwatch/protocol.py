@@ -104,6 +104,10 @@ class Identity(Message):
     simulated: bool = False
 
 
+IDENTITY_FIELDS = tuple(n for n in Identity.__struct_fields__ if n not in ("v", "rank", "t"))
+"""The fields that say who a rank is: heartbeats repeat them only when they change."""
+
+
 class Hello(Identity, tag="hello"):
     """Sent once when an agent starts."""
 

@@ -48,6 +48,7 @@ import zmq
 
 from ddpwatch.ports import host_port
 from ddpwatch.protocol import (
+    IDENTITY_FIELDS,
     MAX_BATCH_FRAMES,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -80,8 +81,6 @@ uncounted when the relay stops (seen: 200 batches a relay at 65,536 ranks)."""
 UPSTREAM_KERNEL_BYTES = 64 * 1024
 """The relay's send buffer in the kernel (``SO_SNDBUF``), for the same reason: the kernel
 otherwise grows it to megabytes, which hold stale batches in order too."""
-
-_IDENTITY_FIELDS = tuple(n for n in Identity.__struct_fields__ if n not in ("v", "rank", "t"))
 
 
 LOCAL_TCP = "tcp://127.0.0.1:*"
@@ -374,7 +373,7 @@ class Relay:
 
     def _remember(self, message: Identity) -> None:
         known = self._identities.get(message.rank)
-        fields = {n: getattr(message, n) for n in _IDENTITY_FIELDS}
+        fields = {n: getattr(message, n) for n in IDENTITY_FIELDS}
         if known is not None:
             fields = {n: v if v is not None else getattr(known, n) for n, v in fields.items()}
         self._identities[message.rank] = Hello(

@@ -10,12 +10,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.protocol import DEFAULT_PORT
-from ddpwatch.server.alerts import Thresholds
 from ddpwatch.vocabulary import SEVERITIES, Severity
 
 if TYPE_CHECKING:
-    from ddpwatch.server.notify import Notifier
+    from ddpwatch.outputs.notify import Notifier
 
 # what ``ArgumentParser.add_subparsers`` returns; a string, as the class is generic only in typeshed
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -78,7 +78,7 @@ def _addr(text: str) -> str:
 
 
 def _webhook_url(text: str) -> str:
-    from ddpwatch.server.notify import check_webhook_url
+    from ddpwatch.outputs.notify import check_webhook_url
 
     try:
         return check_webhook_url(text)
@@ -176,7 +176,7 @@ def thresholds(args: argparse.Namespace) -> Thresholds:
 
 
 def add_notify(parser: argparse.ArgumentParser) -> None:
-    """Alert notifications (``server/notify.py``): ``serve`` and ``run``."""
+    """Alert notifications (``outputs/notify.py``): ``serve`` and ``run``."""
     parser.add_argument(
         "--notify-cmd",
         metavar="CMD",
@@ -209,7 +209,7 @@ def notifier(args: argparse.Namespace) -> Notifier | None:
     """The ``Notifier`` the notify flags ask for, or None."""
     if args.notify_cmd is None and args.webhook is None:
         return None
-    from ddpwatch.server.notify import Notifier
+    from ddpwatch.outputs.notify import Notifier
 
     return Notifier(
         args.notify_cmd, args.webhook, level=args.notify_level, interval=args.notify_interval

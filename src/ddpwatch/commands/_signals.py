@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from ddpwatch.server.provider import StatusProvider
+from ddpwatch.status.provider import StatusProvider
 
 
 def stop_on_signals(server: StatusProvider) -> None:

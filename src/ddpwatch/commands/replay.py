@@ -53,7 +53,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """``ddpwatch replay FILE [--speed X] [--headless]``."""
     from ddpwatch.commands._signals import stop_on_signals
-    from ddpwatch.server.history import print_json_line
+    from ddpwatch.diagnosis.history import print_json_line
     from ddpwatch.server.recording import RecordingError
     from ddpwatch.server.replay import ReplayServer
 

@@ -1,5 +1,5 @@
 """``ddpwatch report FILE [FILE2]``: a post-mortem of a recording, or two side by side
-(``server/report.py`` renders them)."""
+(``outputs/report.py`` renders them)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """``ddpwatch report FILE [FILE2] [--format md|html|json] [-o PATH]``."""
+    from ddpwatch.outputs.report import load_run, render
     from ddpwatch.server.recording import RecordingError
-    from ddpwatch.server.report import load_run, render
 
     paths = [args.file] + ([args.other] if args.other else [])
     try:

@@ -21,7 +21,7 @@ from ddpwatch.commands._args import (
 )
 
 if TYPE_CHECKING:
-    from ddpwatch.server.notify import Notifier
+    from ddpwatch.outputs.notify import Notifier
     from ddpwatch.server.service import Server
 
 NAME = "serve"
@@ -120,10 +120,10 @@ def run(args: argparse.Namespace) -> int:
 def _make_server(args: argparse.Namespace, notify: Notifier | None) -> Server | None:
     """The server the flags ask for, its sockets bound; None once told why there is none (a
     port in use, an unusable CURVE key, a recording that cannot be written)."""
+    from ddpwatch.diagnosis.history import print_json_line
+    from ddpwatch.outputs.notify import chain
     from ddpwatch.security import CurveKeyError, ServerCurve
     from ddpwatch.server.collector import BindError
-    from ddpwatch.server.history import print_json_line
-    from ddpwatch.server.notify import chain
     from ddpwatch.server.recording import RecordingError
     from ddpwatch.server.service import Server
 
@@ -167,7 +167,7 @@ def _announce(args: argparse.Namespace, notify: Notifier | None) -> None:
 
 def _serve_metrics(args: argparse.Namespace, server: Server) -> bool:
     """Serve ``--prometheus-port``; False (the server closed) when the port cannot be had."""
-    from ddpwatch.server.prometheus import serve_metrics, summary_from_query
+    from ddpwatch.outputs.prometheus import serve_metrics, summary_from_query
 
     try:
         serve_metrics(
@@ -190,7 +190,7 @@ def _serve_metrics(args: argparse.Namespace, server: Server) -> bool:
 
 def _summarize(server: Server) -> None:
     """What happened, once the server stops: only when some rank ever reported."""
-    from ddpwatch.server.summary import print_summary
+    from ddpwatch.outputs.summary import print_summary
 
     if server.state.ranks:
         print_summary(server.status(), sys.stderr)

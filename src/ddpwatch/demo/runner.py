@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from typing import IO
 
 from ddpwatch.demo.simulate import SimulatedCluster
+from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.history import print_json_line
 from ddpwatch.jobs import descendants, stop_job
+from ddpwatch.outputs.summary import print_summary
 from ddpwatch.ports import pick_port
-from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.collector import BindError
-from ddpwatch.server.history import print_json_line
-from ddpwatch.server.provider import in_background
 from ddpwatch.server.service import Server
-from ddpwatch.server.summary import print_summary
+from ddpwatch.status.provider import in_background
 
 __all__ = ["DemoOptions", "descendants", "run_demo", "start_job", "stop_job", "torch_installed"]
 

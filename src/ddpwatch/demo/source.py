@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ddpwatch.demo.script import STEP_TIME_S, demo_note
-from ddpwatch.server.provider import StatusProvider
+from ddpwatch.status.provider import StatusProvider
 from ddpwatch.tui.sources import LocalSource, exit_description
 
 SLOWEST_STEP_S = 1.0

@@ -20,11 +20,11 @@ from urllib.parse import parse_qs
 
 import msgspec
 
+from ddpwatch.diagnosis.alerts import Alert, Thresholds
+from ddpwatch.diagnosis.rules import effective_stall_after, rank_state
 from ddpwatch.ranges import parse_rank_ranges
-from ddpwatch.server.alerts import Alert, Thresholds
-from ddpwatch.server.rules import effective_stall_after, rank_state
+from ddpwatch.server.document import document_around, missing_entry, rank_entry
 from ddpwatch.server.state import ServerState
-from ddpwatch.server.status import document_around, missing_entry, rank_entry
 from ddpwatch.vocabulary import RANK_STATES, RankState
 
 PREFIX = "status?"

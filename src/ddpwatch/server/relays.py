@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ddpwatch.protocol import Batch
-
-if TYPE_CHECKING:
-    from ddpwatch.server.state import RankRecord
+from ddpwatch.server.records import RankRecord
 
 MAX_RELAYS = 65_536  # one per node; more are not tracked (and their batches not noted)
 RELAY_QUIET_S = 1.0

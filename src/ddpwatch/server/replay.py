@@ -21,14 +21,14 @@ from typing import Any
 
 import msgspec
 
+from ddpwatch.diagnosis.alerts import Alert, Thresholds
+from ddpwatch.diagnosis.history import AlertChange, AlertTracker
+from ddpwatch.diagnosis.rules import Diagnosis
 from ddpwatch.protocol import DEFAULT_PORT, ProtocolError, decode
-from ddpwatch.server.alerts import Alert, Thresholds
-from ddpwatch.server.history import AlertChange, AlertTracker
+from ddpwatch.server.document import status_document
 from ddpwatch.server.recording import Record, RecordingReader
-from ddpwatch.server.rules import Diagnosis
 from ddpwatch.server.service import TICK_S, with_port
 from ddpwatch.server.state import ServerState
-from ddpwatch.server.status import status_document
 
 log = logging.getLogger("ddpwatch")
 

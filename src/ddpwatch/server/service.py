@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from ddpwatch.diagnosis.alerts import Alert, Thresholds
+from ddpwatch.diagnosis.history import AlertChange, AlertTracker, diff_alerts
+from ddpwatch.diagnosis.rules import Diagnosis
 from ddpwatch.protocol import DEFAULT_PORT
-from ddpwatch.server.alerts import Alert, Thresholds
 from ddpwatch.server.collector import Collector
-from ddpwatch.server.history import AlertChange, AlertTracker, diff_alerts
+from ddpwatch.server.document import status_document
 from ddpwatch.server.query import QueryCache, QueryError, TickView, error_reply, parse_request
-from ddpwatch.server.rules import Diagnosis
 from ddpwatch.server.state import ServerState
-from ddpwatch.server.status import status_document
 
 if TYPE_CHECKING:
     from ddpwatch.security import ServerCurve
@@ -56,7 +56,7 @@ def with_port(alerts: list[Alert], port: int) -> list[Alert]:
 
 class Server:
     """Owns the state; ``run`` loops until ``stop`` is called (thread-safe). A
-    ``StatusProvider`` (``server/provider.py``), as ``ReplayServer`` is.
+    ``StatusProvider`` (``status/provider.py``), as ``ReplayServer`` is.
 
     ``record``: append every accepted frame and each diagnosis tick to this file
     (``docs/recording.md``); ``curve``: encrypt and authenticate both sockets

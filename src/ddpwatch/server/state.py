@@ -1,4 +1,5 @@
-"""Plain data the server keeps: one record per rank, with the counters of what came in.
+"""The server's state: every rank's record, past attempts and relays, with the counters of
+what came in, changed only by ``ServerState.apply``.
 
 Times here are the server's own clock (``time.time()`` when a message arrived),
 never the sender's, so ranks on hosts with skewed clocks compare fairly.
@@ -7,182 +8,35 @@ never the sender's, so ranks on hosts with skewed clocks compare fairly.
 from __future__ import annotations
 
 import math
-from array import array
-from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from math import isfinite
 
 from msgspec.structs import astuple, replace
 
 from ddpwatch.protocol import (
+    IDENTITY_FIELDS,
     AnyMessage,
     Collective,
     CollectiveCounts,
-    ErrorInfo,
     Event,
     Identity,
     Sample,
 )
 from ddpwatch.server.host_memory import note as note_host_memory
+from ddpwatch.server.records import LOG_LINES, RankRecord
 from ddpwatch.server.relays import RelayRecord
 from ddpwatch.server.waits import WaitIndex
 from ddpwatch.vocabulary import EventKind
 
 MAX_WORLD = 1 << 20  # never iterate a bogus world size further than this
-LOG_LINES = 50
 MARKS_KEPT = 32
 
-IDENTITY_FIELDS = tuple(
-    name for name in Identity.__struct_fields__ if name not in ("v", "rank", "t")
-)
 _IDENTITY_SLICE = slice(
     Identity.__struct_fields__.index(IDENTITY_FIELDS[0]),
     Identity.__struct_fields__.index(IDENTITY_FIELDS[-1]) + 1,
 )
 _NO_IDENTITY = astuple(Identity(v=1, rank=0, t=0.0))[_IDENTITY_SLICE]
 """A heartbeat that does not repeat the identity (agents send it when it changes)."""
-
-
-SAMPLE_FIELDS = tuple(
-    name
-    for name in Sample.__struct_fields__
-    if name not in Identity.__struct_fields__ and name != "collective"
-)
-_MEASURED_FIELDS = tuple(name for name in SAMPLE_FIELDS if name not in ("phase", "nan_step"))
-STORED_FIELDS = tuple(name for name in Sample.__struct_fields__ if name not in ("v", "t"))
-"""Every field of a ``Hello`` or a ``Sample`` the server keeps on the rank's record (all but
-the protocol version and the sender's clock): ``RankRecord`` declares each one."""
-"""The measurements a sample overwrites as they come (``_apply_sample``)."""
-
-
-@dataclass(slots=True)
-class RankRecord:
-    """Everything known about one rank. Unknown values stay ``None``.
-
-    Declares every field of ``Hello`` and ``Sample`` the server keeps (checked below, at
-    import); slotted, so a field it does not declare is refused, never silently added.
-    """
-
-    rank: int
-    first_seen: float
-    last_seen: float
-    # identity
-    local_rank: int | None = None
-    world_size: int | None = None
-    local_world_size: int | None = None
-    node_rank: int | None = None
-    host: str | None = None
-    pid: int | None = None
-    launcher: str | None = None
-    job_id: str | None = None
-    backend: str | None = None
-    torch_version: str | None = None
-    cuda_visible_devices: str | None = None
-    device: str | None = None
-    device_index: int | None = None
-    device_name: str | None = None
-    device_uuid: str | None = None
-    device_pci_bus_id: str | None = None
-    device_count: int | None = None
-    pg_timeout_s: float | None = None
-    restart_count: int | None = None
-    simulated: bool = False
-    attempt: int = 1
-    """The launcher's attempt this process belongs to: ``restart_count + 1`` where the
-    launcher says, else one more than the rank's last process if that one had ended."""
-    relayed: bool = False
-    """Its last frame came through a per-node relay, which holds frames up to one beat."""
-    identity_key: tuple[object, ...] | None = None
-    """The identity fields last applied: heartbeats repeat them, unchanged, every time."""
-    # measurements
-    phase: str | None = None
-    phase_since: float | None = None
-    step: int | None = None
-    loss: float | None = None
-    step_time_s: float | None = None
-    avg_step_time_s: float | None = None
-    data_wait_s: float | None = None
-    collective_time_s: float | None = None
-    input_wait_s: float | None = None
-    compute_s: float | None = None
-    grad_wait_s: float | None = None
-    collective: Collective | None = None
-    collective_seen: float | None = None
-    collectives: CollectiveCounts | None = None
-    """How many collectives the rank had entered at its last sample (the attribution evidence)."""
-    sample_seen: float | None = None  # when its last sample arrived
-    avg_collective_time_s: float | None = None
-    """Collective wait per step, averaged over the steps heartbeats saw (one step is noisy)."""
-    collective_time_samples: int = 0
-    """How many heartbeats' steps that average holds: a young average still holds warm-up."""
-    avg_grad_wait_s: float | None = None
-    """The wait in DDP's gradient all-reduce per step (``grad_wait_s``), averaged the same
-    way: with ``avg_collective_time_s``, all a rank waits for the others each step."""
-    step_marks: dict[int, int] = field(default_factory=dict)
-    """Python-level collectives entered by the end of marked steps (every MARK_EVERY-th)."""
-    forwards: int | None = None
-    batch_marks: list[tuple[int, int]] | None = None
-    drawn_marks: dict[int, int] = field(default_factory=dict)
-    """Batches drawn from the training DataLoader by the end of marked steps (``batch_marks``,
-    kept like ``step_marks``)."""
-    mem_allocated_bytes: int | None = None
-    mem_reserved_bytes: int | None = None
-    mem_peak_bytes: int | None = None
-    gpu_mem_used_bytes: int | None = None
-    gpu_mem_total_bytes: int | None = None
-    gpu_pids: list[int] | None = None
-    host_rss_bytes: int | None = None
-    workers_rss_bytes: int | None = None
-    host_available_bytes: int | None = None
-    host_total_bytes: int | None = None
-    cgroup_limit_bytes: int | None = None
-    cgroup_used_bytes: int | None = None
-    host_mem_points: array[float] | None = None
-    """(server time, rank + workers bytes) about every second, the last 16, interleaved:
-    how fast its host memory grows (``server/host_memory.py``)."""
-    last_progress: float = 0.0  # a step ended or a forward pass ran
-    last_step_at: float = 0.0  # a step ended
-    wait_ended_at: float = 0.0
-    """When the rank last came out of a collective (server time), and how long it had
-    waited in it: peers released from a long wait after a rank's last report are evidence
-    that it entered that collective since (``rules.progress.rule_stalled``)."""
-    wait_ended_s: float = 0.0
-    # trouble
-    stack: str | None = None
-    stack_moved_at: float | None = None
-    """When a stack came that differs from the one before it at the same step: the rank is
-    working (``busy``), not stuck, while its stacks keep changing."""
-    error: ErrorInfo | None = None
-    error_time: float | None = None
-    exit_code: int | None = None
-    exit_signal: str | None = None
-    exit_time: float | None = None
-    final_collective: Collective | None = None
-    """The collective the rank was in when it crashed or exited (no longer timed)."""
-    nan_step: int | None = None
-    nan_exact: bool = False  # nan_step is the exact first bad step the agent saw, not a bound
-    grad_nan_step: int | None = None
-    """The first step whose own gradients, before DDP's all-reduce, were not finite (the
-    agent's exact step, as it came): where a NaN that DDP spread began (``nan_loss``)."""
-    checkpoint_paths: list[str] = field(default_factory=list)
-    phases: list[tuple[str, float]] = field(default_factory=list)
-    log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_LINES))
-
-    @property
-    def finished(self) -> bool:
-        """True once the rank crashed or exited: it will send no more heartbeats."""
-        return self.error is not None or self.exit_time is not None
-
-    def collective_age(self, now: float) -> float | None:
-        """How long the in-flight collective has been waited on, as of ``now``."""
-        if self.collective is None or self.collective_seen is None:
-            return None
-        return self.collective.since_s + max(0.0, now - self.collective_seen)
-
-
-_UNDECLARED = sorted(set(STORED_FIELDS) - {f.name for f in fields(RankRecord)})
-if _UNDECLARED:  # a wire field added to the protocol but not to the record: fail at import
-    raise TypeError(f"RankRecord does not declare the protocol fields {_UNDECLARED}")
 
 
 @dataclass(frozen=True)
@@ -413,8 +267,8 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     phase = sample.phase
     if phase and phase != record.phase:
         _set_phase(record, phase, now)
-    # every measurement as it came (``_MEASURED_FIELDS``; ``tests/test_vocabulary.py`` checks
-    # that each lands): plain stores on a slotted record
+    # every measurement as it came (``tests/test_vocabulary.py`` checks that each
+    # lands): plain stores on a slotted record
     loss = sample.loss
     collective_time_s = sample.collective_time_s
     record.step = step

@@ -12,12 +12,9 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from ddpwatch.protocol import Collective
-
-if TYPE_CHECKING:  # state.py holds an index: records are only read here
-    from ddpwatch.server.state import RankRecord
+from ddpwatch.server.records import RankRecord
 
 Place = tuple[str | None, str | None, int | None, str | None]
 """A collective as a rank reports it: source, group, seq, and the op when there is no seq:

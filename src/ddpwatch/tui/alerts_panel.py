@@ -18,7 +18,7 @@ from textual.message import Message
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
-from ddpwatch.server.rules.text import STACKS_IN_ANY_PORT
+from ddpwatch.diagnosis.rules.text import STACKS_IN_ANY_PORT
 from ddpwatch.tui.fmt import rank_ranges
 from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
 from ddpwatch.vocabulary import Severity

@@ -16,7 +16,7 @@ from textual.binding import Binding, BindingType
 from textual.logging import TextualHandler
 from textual.screen import Screen
 
-from ddpwatch.server.provider import StatusProvider, in_background
+from ddpwatch.status.provider import StatusProvider, in_background
 from ddpwatch.tui.help import HelpScreen
 from ddpwatch.tui.output import OutputScreen
 from ddpwatch.tui.quit import QuitChoice, QuitScreen

@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 from ddpwatch.protocol import DEFAULT_PORT
-from ddpwatch.server.provider import StatusProvider
+from ddpwatch.status.provider import StatusProvider
 
 log = logging.getLogger("ddpwatch.tui")
 

@@ -85,8 +85,8 @@ def alerts_raised(document: dict[str, Any]) -> int:
 
 def ended_banner(document: dict[str, Any]) -> str:
     """The alerts panel's first line once the job ended: how many alerts, and the verdict
-    (``server.summary.verdict``, what the end-of-run summary says)."""
-    from ddpwatch.server.summary import verdict
+    (``outputs.summary.verdict``, what the end-of-run summary says)."""
+    from ddpwatch.outputs.summary import verdict
 
     if not any(
         row.get("state") != RankState.NOT_CONNECTED for row in document.get("ranks") or ()

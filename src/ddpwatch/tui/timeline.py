@@ -23,7 +23,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 from textual.widgets.data_table import CellDoesNotExist
 
-from ddpwatch.server.history import event_label
+from ddpwatch.diagnosis.history import event_label
 from ddpwatch.tui.alerts_panel import append_who, dashboard_hint
 from ddpwatch.tui.fmt import rank_ranges
 from ddpwatch.tui.header import SEVERITY_STYLE

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from ddpwatch.devices import parse_cuda_visible_devices
 from ddpwatch.ranges import sorted_ranges
-from ddpwatch.server.state import RankRecord
+from ddpwatch.server.records import RankRecord
 
 GIB = float(1 << 30)
 

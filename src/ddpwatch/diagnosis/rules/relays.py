@@ -9,11 +9,11 @@ but the batching). Ranks that went silent with their relay are left out of ``sil
 
 from __future__ import annotations
 
-from ddpwatch.server.alerts import Alert
+from ddpwatch.diagnosis.alerts import Alert
+from ddpwatch.diagnosis.rules.facts import Facts
+from ddpwatch.diagnosis.rules.registry import alert, rule
+from ddpwatch.diagnosis.rules.text import format_ranks, seconds, verb
 from ddpwatch.server.relays import LostRelay
-from ddpwatch.server.rules.facts import Facts
-from ddpwatch.server.rules.registry import alert, rule
-from ddpwatch.server.rules.text import format_ranks, seconds, verb
 from ddpwatch.vocabulary import AlertKind, Severity
 
 

@@ -7,11 +7,11 @@ import math
 import statistics
 from collections import defaultdict
 
-from ddpwatch.server.alerts import Alert
-from ddpwatch.server.rules.facts import Facts, is_busy, odd_at_mark
-from ddpwatch.server.rules.registry import alert, rule
-from ddpwatch.server.rules.text import STACKS_IN, format_ranks, record_location, seconds, verb
-from ddpwatch.server.state import RankRecord
+from ddpwatch.diagnosis.alerts import Alert
+from ddpwatch.diagnosis.rules.facts import Facts, is_busy, odd_at_mark
+from ddpwatch.diagnosis.rules.registry import alert, rule
+from ddpwatch.diagnosis.rules.text import STACKS_IN, format_ranks, record_location, seconds, verb
+from ddpwatch.server.records import RankRecord
 from ddpwatch.vocabulary import AlertKind, Severity
 
 

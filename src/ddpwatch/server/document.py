@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ddpwatch.diagnosis.alerts import Alert, Thresholds
+from ddpwatch.diagnosis.rules import effective_stall_after, rank_state
 from ddpwatch.protocol import Collective
-from ddpwatch.server.alerts import Alert, Thresholds
 from ddpwatch.server.host_memory import growth
+from ddpwatch.server.records import RankRecord
 from ddpwatch.server.relays import relay_entry
-from ddpwatch.server.rules import effective_stall_after, rank_state
-from ddpwatch.server.state import PastAttempt, RankRecord, ServerState
+from ddpwatch.server.state import PastAttempt, ServerState
 from ddpwatch.vocabulary import RankState
 
 SCHEMA = 1

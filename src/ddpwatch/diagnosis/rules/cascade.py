@@ -3,11 +3,10 @@ ranks that failed or wait because of it (listed as ``waiting``, never as culprit
 
 from __future__ import annotations
 
-from ddpwatch.server.alerts import Alert, Thresholds
-from ddpwatch.server.host_memory import oom_note
-from ddpwatch.server.rules.facts import Cascade, Facts, Root, is_clean_exit, is_term_exit
-from ddpwatch.server.rules.registry import alert, rule
-from ddpwatch.server.rules.text import (
+from ddpwatch.diagnosis.alerts import Alert, Thresholds
+from ddpwatch.diagnosis.rules.facts import Cascade, Facts, Root, is_clean_exit, is_term_exit
+from ddpwatch.diagnosis.rules.registry import alert, rule
+from ddpwatch.diagnosis.rules.text import (
     STACKS_IN,
     collective_name,
     first_line,
@@ -17,7 +16,8 @@ from ddpwatch.server.rules.text import (
     verb,
     where,
 )
-from ddpwatch.server.state import RankRecord
+from ddpwatch.server.host_memory import oom_note
+from ddpwatch.server.records import RankRecord
 from ddpwatch.vocabulary import AlertKind, Severity, SeverityName
 
 

@@ -13,7 +13,10 @@ import statistics
 from bisect import bisect_left
 from collections import defaultdict
 
-from ddpwatch.server.alerts import Alert
+from ddpwatch.diagnosis.alerts import Alert
+from ddpwatch.diagnosis.rules.facts import Facts
+from ddpwatch.diagnosis.rules.registry import alert, rule
+from ddpwatch.diagnosis.rules.text import duration, format_ranks
 from ddpwatch.server.host_memory import (
     GIB,
     LEAK_RATE,
@@ -24,10 +27,7 @@ from ddpwatch.server.host_memory import (
     mib_s,
     size,
 )
-from ddpwatch.server.rules.facts import Facts
-from ddpwatch.server.rules.registry import alert, rule
-from ddpwatch.server.rules.text import duration, format_ranks
-from ddpwatch.server.state import RankRecord
+from ddpwatch.server.records import RankRecord
 from ddpwatch.vocabulary import AlertKind, Severity, SeverityName
 
 PEERS_FACTOR = 3.0

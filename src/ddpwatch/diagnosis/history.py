@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal
 
-from ddpwatch.server.alerts import Alert
+from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.vocabulary import SEVERITIES
 
 HISTORY_KEPT = 1000

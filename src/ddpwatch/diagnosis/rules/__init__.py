@@ -19,24 +19,24 @@ import logging
 import math
 from collections import Counter
 
-from ddpwatch.server.alerts import Alert, Thresholds
-from ddpwatch.server.rules.cascade import rule_cascade, rule_clean_exit
-from ddpwatch.server.rules.collectives import (
+from ddpwatch.diagnosis.alerts import Alert, Thresholds
+from ddpwatch.diagnosis.rules.cascade import rule_cascade, rule_clean_exit
+from ddpwatch.diagnosis.rules.collectives import (
     rule_collective_desync,
     rule_collective_mismatch,
     rule_straggler,
 )
-from ddpwatch.server.rules.devices import (
+from ddpwatch.diagnosis.rules.devices import (
     rule_device_ordinal,
     rule_duplicate_device,
     rule_foreign_memory,
     rule_local_rank_mismatch,
     rule_uneven_memory,
 )
-from ddpwatch.server.rules.facts import Facts, Pace, effective_stall_after, rank_state
-from ddpwatch.server.rules.listening import rule_server_behind
-from ddpwatch.server.rules.memory import rule_host_memory
-from ddpwatch.server.rules.progress import (
+from ddpwatch.diagnosis.rules.facts import Facts, Pace, effective_stall_after, rank_state
+from ddpwatch.diagnosis.rules.listening import rule_server_behind
+from ddpwatch.diagnosis.rules.memory import rule_host_memory
+from ddpwatch.diagnosis.rules.progress import (
     rule_batch_desync,
     rule_checkpoint_conflict,
     rule_nan_loss,
@@ -44,9 +44,9 @@ from ddpwatch.server.rules.progress import (
     rule_stalled,
     rule_step_skew,
 )
-from ddpwatch.server.rules.registry import Rule
-from ddpwatch.server.rules.relays import rule_relay_lost
-from ddpwatch.server.rules.startup import rule_not_connected, rule_startup_hang
+from ddpwatch.diagnosis.rules.registry import Rule
+from ddpwatch.diagnosis.rules.relays import rule_relay_lost
+from ddpwatch.diagnosis.rules.startup import rule_not_connected, rule_startup_hang
 from ddpwatch.server.state import ServerState
 from ddpwatch.vocabulary import SEVERITIES, STARTUP_PHASES
 

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from ddpwatch.devices import parse_cuda_visible_devices
-from ddpwatch.server.alerts import Alert
-from ddpwatch.server.rules.facts import Facts
-from ddpwatch.server.rules.registry import alert, rule
-from ddpwatch.server.rules.text import (
+from ddpwatch.diagnosis.alerts import Alert
+from ddpwatch.diagnosis.rules.facts import Facts
+from ddpwatch.diagnosis.rules.registry import alert, rule
+from ddpwatch.diagnosis.rules.text import (
     GIB,
     MAX_LISTED,
     first_line,
@@ -22,7 +22,7 @@ from ddpwatch.server.rules.text import (
     ordinal_advice,
     verb,
 )
-from ddpwatch.server.state import RankRecord
+from ddpwatch.server.records import RankRecord
 from ddpwatch.vocabulary import AlertKind, Severity
 
 _DUPLICATE_PAIR = re.compile(r"rank (\d+) and rank (\d+) both on CUDA device", re.IGNORECASE)

@@ -9,8 +9,8 @@ import re
 from dataclasses import asdict
 from typing import Any
 
-from ddpwatch.server.history import iso_time
-from ddpwatch.server.postmortem import (
+from ddpwatch.diagnosis.history import iso_time
+from ddpwatch.outputs.postmortem import (
     Culprit,
     RankStats,
     RunReport,

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from html import escape
 
-from ddpwatch.server.postmortem import Point
+from ddpwatch.outputs.postmortem import Point
 
 PALETTE = (
     "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",

@@ -7,8 +7,8 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import Literal, Protocol
 
-from ddpwatch.server.alerts import KINDS, Alert, Thresholds
-from ddpwatch.server.rules.facts import Facts
+from ddpwatch.diagnosis.alerts import KINDS, Alert, Thresholds
+from ddpwatch.diagnosis.rules.facts import Facts
 from ddpwatch.server.state import ServerState
 from ddpwatch.vocabulary import SeverityName
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ddpwatch.server.postmortem import RunReport, load_run
-from ddpwatch.server.report_html import compare_html, to_html
-from ddpwatch.server.report_text import compare_json, compare_markdown, to_json, to_markdown
+from ddpwatch.outputs.postmortem import RunReport, load_run
+from ddpwatch.outputs.report_html import compare_html, to_html
+from ddpwatch.outputs.report_text import compare_json, compare_markdown, to_json, to_markdown
 
 __all__ = [
     "FORMATS",

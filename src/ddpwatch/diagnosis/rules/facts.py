@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import TypeVar, cast
 
+from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.knowledge import WAIT_NAMES, Signature, explain_error, named_ranks
+from ddpwatch.diagnosis.rules.text import collective_name, first_line
 from ddpwatch.protocol import Collective, ErrorInfo
-from ddpwatch.server.alerts import Thresholds
 from ddpwatch.server.host_memory import oom_note
-from ddpwatch.server.knowledge import WAIT_NAMES, Signature, explain_error, named_ranks
+from ddpwatch.server.records import RankRecord
 from ddpwatch.server.relays import RELAY_HOLD_S, LostRelay, lost_relays
-from ddpwatch.server.rules.text import collective_name, first_line
-from ddpwatch.server.state import RankRecord, ServerState
+from ddpwatch.server.state import ServerState
 from ddpwatch.server.waits import WaitGroup, WaitIndex, call_of, merged
 from ddpwatch.vocabulary import STARTUP_PHASES, AlertKind, RankState
 

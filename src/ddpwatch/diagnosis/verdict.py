@@ -3,7 +3,7 @@ the others up and for how long. The summary, the report and the dashboard's end 
 read it, so they tell the same story.
 
 A pure function of the status document: its ``history`` (every alert episode in time order,
-``server/history.py``), how each rank ended (``ranks``: ``state``, ``exit_code``,
+``diagnosis/history.py``), how each rank ended (``ranks``: ``state``, ``exit_code``,
 ``ended_at``, ...) and the attempts its launcher restarted it after (``attempts``). It judges
 from the whole run, not from the last state: an alert that cleared still happened, a rank
 that exited 0 after its work finished (it did not fail), and the failure that ended the job
@@ -18,9 +18,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ddpwatch.diagnosis.knowledge import WAIT_NAMES, explain_error
+from ddpwatch.diagnosis.rules.text import format_ranks
 from ddpwatch.protocol import ErrorInfo
-from ddpwatch.server.knowledge import WAIT_NAMES, explain_error
-from ddpwatch.server.rules.text import format_ranks
 from ddpwatch.vocabulary import AlertKind, RankState, Severity
 
 ENDINGS = frozenset({AlertKind.CRASHED, AlertKind.EXITED, AlertKind.SILENT})

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from html import escape
 
-from ddpwatch.server.postmortem import (
+from ddpwatch.outputs.postmortem import (
     Culprit,
     RunReport,
     event_text,
@@ -14,8 +14,8 @@ from ddpwatch.server.postmortem import (
     fmt_change,
     fmt_seconds,
 )
-from ddpwatch.server.report_svg import PALETTE, Line, line_chart
-from ddpwatch.server.report_text import (
+from ddpwatch.outputs.report_svg import PALETTE, Line, line_chart
+from ddpwatch.outputs.report_text import (
     CULPRITS_SHOWN,
     alerts_text,
     compared_pairs,

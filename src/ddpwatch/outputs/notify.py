@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ddpwatch.server.alerts import Alert
+from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.vocabulary import SEVERITIES, Severity
 
 log = logging.getLogger("ddpwatch.notify")

@@ -17,12 +17,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from ddpwatch.diagnosis.history import event_label
+from ddpwatch.diagnosis.verdict import Run, duration, read_run
+from ddpwatch.outputs.summary import summary_lines
 from ddpwatch.protocol import ProtocolError, Sample, decode
-from ddpwatch.server.history import event_label
 from ddpwatch.server.recording import RecordingError, RecordingReader
 from ddpwatch.server.replay import ReplayServer
-from ddpwatch.server.summary import summary_lines
-from ddpwatch.server.verdict import Run, duration, read_run
 from ddpwatch.vocabulary import Severity
 
 SERIES_POINTS = 400  # per rank and metric: enough for a chart, small in JSON
@@ -202,7 +202,7 @@ class RunReport:
 
     @cached_property
     def run(self) -> Run:
-        """The run judged (``server/verdict.py``): episodes, time lost, each attempt's verdict."""
+        """The run judged (``read_run``): episodes, time lost, each attempt's verdict."""
         return read_run(self.document)
 
     @property

@@ -3,10 +3,10 @@ silent or stalled (``Facts.now`` is as of what it has read), and says why it is 
 
 from __future__ import annotations
 
-from ddpwatch.server.alerts import Alert
-from ddpwatch.server.rules.facts import Facts
-from ddpwatch.server.rules.registry import alert, rule
-from ddpwatch.server.rules.text import seconds
+from ddpwatch.diagnosis.alerts import Alert
+from ddpwatch.diagnosis.rules.facts import Facts
+from ddpwatch.diagnosis.rules.registry import alert, rule
+from ddpwatch.diagnosis.rules.text import seconds
 from ddpwatch.vocabulary import AlertKind, Severity
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ddpwatch.server.alerts import Alert
-from ddpwatch.server.knowledge import named_ranks
-from ddpwatch.server.rules.facts import (
+from ddpwatch.diagnosis.alerts import Alert
+from ddpwatch.diagnosis.knowledge import named_ranks
+from ddpwatch.diagnosis.rules.facts import (
     Facts,
     Mismatch,
     Straggle,
@@ -16,8 +16,8 @@ from ddpwatch.server.rules.facts import (
     odd_at_mark,
     world_complete,
 )
-from ddpwatch.server.rules.registry import alert, rule
-from ddpwatch.server.rules.text import (
+from ddpwatch.diagnosis.rules.registry import alert, rule
+from ddpwatch.diagnosis.rules.text import (
     STACKS_IN,
     collective_name,
     duration,
@@ -28,7 +28,7 @@ from ddpwatch.server.rules.text import (
     verb,
     where,
 )
-from ddpwatch.server.state import RankRecord
+from ddpwatch.server.records import RankRecord
 from ddpwatch.vocabulary import AlertKind, Severity, SeverityName
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddpwatch.server.history import NEW_ATTEMPT
-from ddpwatch.server.verdict import Episode, Run, duration, held_up_text, read_run
+from ddpwatch.diagnosis.history import NEW_ATTEMPT
+from ddpwatch.diagnosis.verdict import Episode, Run, duration, held_up_text, read_run
 from ddpwatch.vocabulary import RankState
 
 ALERTS_LISTED = 20
@@ -57,7 +57,7 @@ def summary_lines(document: dict[str, Any], not_started: str | None = None) -> l
 def verdict(document: dict[str, Any]) -> str:
     """One sentence (one per attempt, joined): what ended the job, or that it finished or
     was still running; then who held the others up and for how long, and the other errors
-    (``server/verdict.py``)."""
+    (``diagnosis/verdict.py``)."""
     return read_run(document).text
 
 
