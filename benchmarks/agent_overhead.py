@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddpwatch.ports import free_port_pair
+from ddpwatch.core.ports import free_port_pair
 
 SIZES = {  # width, hidden layers, batch: ~2-4 ms and ~15 ms steps with 2 gloo ranks on 2 cores
     "tiny": (16, 1, 8),

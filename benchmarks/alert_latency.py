@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpwatch.ports import free_port_pair
+from ddpwatch.core.ports import free_port_pair
 
 INTERVAL = 0.5
 STEP_S = 0.02

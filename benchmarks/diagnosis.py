@@ -50,10 +50,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpwatch.core.ports import free_port_pair
 from ddpwatch.demo.runner import stop_job
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.verdict import read_run
-from ddpwatch.ports import free_port_pair
 from ddpwatch.relay import Relay
 from ddpwatch.server.service import AlertChange, Server
 

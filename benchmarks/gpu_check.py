@@ -156,7 +156,7 @@ def results_of(text: str) -> list[Result]:
 
 def run_child(name: str, args: argparse.Namespace, out: Path, limit: float) -> list[Result]:
     """One check in a child process of its own session, stopped whole past ``limit``."""
-    from ddpwatch.jobs import stop_job
+    from ddpwatch.jobs.stop import stop_job
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", name, "--out", str(out)]
     if args.cpu:

@@ -211,7 +211,7 @@ def _heartbeat_costs(watcher: Any, model: Any, rounds: int) -> dict[str, float]:
     import torch
     from torch._C._distributed_c10d import _dump_fr_trace_json
 
-    from ddpwatch.protocol import encode
+    from ddpwatch.core.protocol import encode
 
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(8, 4)

@@ -34,7 +34,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ddpwatch.ports import free_port_pair
+from ddpwatch.core.ports import free_port_pair
 
 TARGET_RATIO = 0.5
 TARGET_RATE = 2e5
@@ -67,7 +67,7 @@ def make_frames(count: int, ranks: int) -> list[bytes]:
     """Valid, realistic heartbeat frames: 8 GPUs per host, every frame a new step, the identity
     in every ``IDENTITY_EVERY``-th frame of a rank, as the agent sends it."""
     from ddpwatch.agent.watcher import IDENTITY_EVERY
-    from ddpwatch.protocol import PROTOCOL_VERSION, Collective, Sample, encode
+    from ddpwatch.core.protocol import PROTOCOL_VERSION, Collective, Sample, encode
 
     frames = []
     t0 = 1.7e9
@@ -133,7 +133,7 @@ def sender(conn: Connection, count: int, ranks: int) -> None:
 def _raw_socket(port: int) -> tuple[Any, Any]:
     import zmq
 
-    from ddpwatch.protocol import MAX_FRAME_BYTES
+    from ddpwatch.core.protocol import MAX_FRAME_BYTES
 
     context = zmq.Context()
     sock = context.socket(zmq.PULL)
@@ -157,7 +157,7 @@ def run_once(
     while they are being sent (the sender is part of the pipeline). Otherwise (``drain``)
     the sender has queued every frame before the clock starts: the receiver alone.
     """
-    from ddpwatch.protocol import decode
+    from ddpwatch.core.protocol import decode
     from ddpwatch.server.collector import Collector
     from ddpwatch.server.state import ServerState
 
@@ -211,7 +211,7 @@ def breakdown(count: int, ranks: int, reps: int = 5) -> dict[str, float]:
     """Microseconds per message of each ingest stage on frames already in memory, in steady
     state (every rank already known, histories full); median of ``reps`` interleaved runs."""
 
-    from ddpwatch.protocol import decode
+    from ddpwatch.core.protocol import decode
     from ddpwatch.server import state as state_module
     from ddpwatch.server.state import ServerState
 

@@ -77,7 +77,7 @@ STEADY_FROM = 2  # beat 0: every rank new; beat 1: settling, then a full collect
 def sample(rank: int, world: int, beat: int) -> Any:
     """Rank ``rank``'s heartbeat number ``beat``, as the agent builds it."""
     from ddpwatch.agent.watcher import IDENTITY_EVERY
-    from ddpwatch.protocol import (
+    from ddpwatch.core.protocol import (
         MARK_EVERY,
         PROTOCOL_VERSION,
         Collective,
@@ -131,7 +131,7 @@ def sample(rank: int, world: int, beat: int) -> Any:
 def beat_frames(ranks: int, beat: int, per_relay: int) -> list[bytes]:
     """Every rank's frame of one beat: alone (``per_relay`` 0) or in relays' ``Batch`` frames,
     built as ``relay.Relay._send`` builds them."""
-    from ddpwatch.protocol import PROTOCOL_VERSION, Batch, encode
+    from ddpwatch.core.protocol import PROTOCOL_VERSION, Batch, encode
 
     frames = [encode(sample(rank, ranks, beat)) for rank in range(ranks)]
     if not per_relay:
@@ -257,7 +257,7 @@ def collector_arm(
     beats ``backlog`` at a time (all sent before the collector reads: it falls behind and
     coalesces), its queue last found empty ``FAR_BEHIND_S`` ago when ``far_behind`` (it
     sheds: ``collector.SHED_AFTER_S``)."""
-    from ddpwatch.ports import free_port_pair
+    from ddpwatch.core.ports import free_port_pair
     from ddpwatch.server.collector import Collector
     from ddpwatch.server.state import ServerState
 
@@ -315,7 +315,7 @@ def collector_arm(
 
 def memory_arms(ranks: int, beats: int, per_relay: int) -> dict[str, Cost]:
     """Decode (direct and relay) and ``ServerState.apply`` alone, on frames in memory."""
-    from ddpwatch.protocol import Batch, decode, decode_wire
+    from ddpwatch.core.protocol import Batch, decode, decode_wire
     from ddpwatch.server.state import ServerState
 
     costs = {"decode direct": Cost(), "decode relay": Cost(), "ServerState.apply": Cost()}

@@ -25,7 +25,7 @@ import time
 
 import zmq
 
-from ddpwatch.protocol import Sample, encode
+from ddpwatch.core.protocol import Sample, encode
 
 
 def read_before_empty(hwm: int, frames: int) -> int:

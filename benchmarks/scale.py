@@ -133,7 +133,7 @@ def _step_at(t: float, t0: float) -> int:
 
 def _marks(step: int) -> list[tuple[int, int]] | None:
     """The agent's step marks: (step, collectives entered) every MARK_EVERY steps, last 16."""
-    from ddpwatch.protocol import MARK_EVERY
+    from ddpwatch.core.protocol import MARK_EVERY
 
     last = step // MARK_EVERY
     marks = [(m * MARK_EVERY, m * MARK_EVERY) for m in range(max(1, last - 15), last + 1)]
@@ -154,7 +154,7 @@ class Beats:
         import msgspec
 
         from ddpwatch.agent.watcher import IDENTITY_EVERY
-        from ddpwatch.protocol import PROTOCOL_VERSION, Collective, CollectiveCounts, Sample
+        from ddpwatch.core.protocol import PROTOCOL_VERSION, Collective, CollectiveCounts, Sample
 
         self.spec = spec
         self.t0, self.onset = t0, onset
@@ -176,7 +176,7 @@ class Beats:
         self._check(msgspec.msgpack.decode)
 
     def _check(self, decode: Any) -> None:
-        from ddpwatch.protocol import decode as decode_message
+        from ddpwatch.core.protocol import decode as decode_message
 
         ranks = {self.spec.lo, self.spec.hi - 1, self.spec.culprit}
         for now in (self.t0 + 1.3, self.onset + 1.7):
@@ -302,7 +302,7 @@ class NodeBatches:
     the refused one had it, and counts the refused ones in ``coalesced``."""
 
     def __init__(self, beats: Beats) -> None:
-        from ddpwatch.protocol import PROTOCOL_VERSION, Batch, encode
+        from ddpwatch.core.protocol import PROTOCOL_VERSION, Batch, encode
 
         self.beats = beats
         self.lo, self.hi = beats.spec.lo, beats.spec.hi
@@ -550,7 +550,7 @@ def _process_cpu() -> float:
 def server_host(conn: Connection, profile: bool = False) -> None:
     """Child process: a real Server on a thread, instrumented; answers the orchestrator.
     ``profile``: run the server thread under cProfile and send back its top functions."""
-    from ddpwatch.ports import free_port_pair
+    from ddpwatch.core.ports import free_port_pair
     from ddpwatch.server.service import Server
 
     class TimedServer(Server):
@@ -687,7 +687,7 @@ def _offline_costs(server: Any, frozen: float, reps: int = 3) -> dict[str, float
 def prober(conn: Connection, port: int, every: float, models: int, nice: int) -> None:
     """Child process: time status requests; build the dashboard's model on a few replies."""
     os.nice(nice)
-    from ddpwatch.client import StatusClient
+    from ddpwatch.status.client import StatusClient
 
     client = StatusClient("127.0.0.1", port, timeout=60.0)
     history = _new_history()
@@ -1018,9 +1018,9 @@ def offline(size: int, culprit: int, reps: int = 3) -> Offline:
     dashboard's model build on it; medians of ``reps``."""
     import msgspec
 
+    from ddpwatch.core.protocol import decode
     from ddpwatch.diagnosis.alerts import Thresholds
     from ddpwatch.diagnosis.rules import RULES, Facts, diagnose
-    from ddpwatch.protocol import decode
     from ddpwatch.server.document import status_document
     from ddpwatch.server.state import ServerState
 
@@ -1089,8 +1089,8 @@ def _ticking(
     garbage collector as in the server: paused while heartbeats are applied, running during
     ticks, the records frozen (``collector.FREEZE_AFTER_RANKS``). Median, mean, max; the
     first four ticks (everything due at once) left out."""
+    from ddpwatch.core.protocol import decode
     from ddpwatch.diagnosis.rules import Diagnosis
-    from ddpwatch.protocol import decode
     from ddpwatch.server.collector import freeze_new_records
 
     diagnosis = Diagnosis()
@@ -1126,8 +1126,8 @@ def _model_build(payload: bytes, history: Any = None) -> float:
     import msgspec
 
     from ddpwatch.tui.header import summarize
-    from ddpwatch.tui.history import History
     from ddpwatch.tui.model import Query, index_alerts, select_rows
+    from ddpwatch.tui.sparklines import History
 
     history = History() if history is None else history
     c0 = time.process_time()
@@ -1140,7 +1140,7 @@ def _model_build(payload: bytes, history: Any = None) -> float:
 
 
 def _new_history() -> Any:
-    from ddpwatch.tui.history import History
+    from ddpwatch.tui.sparklines import History
 
     return History()
 

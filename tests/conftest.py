@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import zmq
 
+from ddpwatch.core.ports import free_port_pair
+from ddpwatch.core.protocol import AnyMessage, Sample
 from ddpwatch.demo.runner import stop_job
 from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.ports import free_port_pair
-from ddpwatch.protocol import AnyMessage, Sample
 from ddpwatch.server.service import AlertChange, Server
 from ddpwatch.server.state import ServerState
 

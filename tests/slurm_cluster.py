@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ddpwatch.ports import free_port_pair
+from ddpwatch.core.ports import free_port_pair
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "srun")
 MUNGE_KEY = Path("/etc/munge/munge.key")

@@ -19,7 +19,7 @@ from ddpwatch.agent.hooks import find_loss
 from ddpwatch.agent.progress import LossReader, Progress
 from ddpwatch.agent.publisher import QUEUE_LEN, Publisher
 from ddpwatch.agent.watcher import Watcher, main_thread_stack, resolve_endpoint
-from ddpwatch.protocol import Event, Sample
+from ddpwatch.core.protocol import Event, Sample
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.state import ServerState
 

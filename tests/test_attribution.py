@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+from ddpwatch.core.protocol import Collective, CollectiveCounts, ErrorInfo, Event, Sample
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.rules import diagnose, rank_state
 from ddpwatch.diagnosis.rules.facts import Facts
-from ddpwatch.protocol import Collective, CollectiveCounts, ErrorInfo, Event, Sample
 from ddpwatch.server.document import status_document
 from ddpwatch.server.state import ServerState
 
@@ -366,7 +366,7 @@ def test_wrappers_count_default_group_collectives_and_keep_what_failed() -> None
 
     from ddpwatch.agent.collectives import CollectiveWrappers
     from ddpwatch.agent.progress import Progress
-    from ddpwatch.ports import free_port_pair
+    from ddpwatch.core.ports import free_port_pair
 
     progress = Progress()
     wrappers = CollectiveWrappers(progress)

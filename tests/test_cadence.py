@@ -4,10 +4,10 @@ that read only identities and liveness when those change, the drifting measureme
 
 from __future__ import annotations
 
+from ddpwatch.core.protocol import Collective, CollectiveCounts, Sample
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.rules import RULES, SLOW_S, Diagnosis, diagnose
 from ddpwatch.diagnosis.rules.facts import take_census, wait_key
-from ddpwatch.protocol import Collective, CollectiveCounts, Sample
 from ddpwatch.server.state import ServerState
 
 TH = Thresholds()

@@ -15,8 +15,8 @@ import pytest
 from conftest import free_port_pair
 
 from ddpwatch.cli import main
-from ddpwatch.emphasis import ASCII_MARK, MARK, colour_wanted, emphasize, mark_for
-from ddpwatch.launch import run_command
+from ddpwatch.jobs.emphasis import ASCII_MARK, MARK, colour_wanted, emphasize, mark_for
+from ddpwatch.jobs.launch import run_command
 
 # ------------------------------------------------------------------------------------ port flags
 

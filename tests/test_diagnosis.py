@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from ddpwatch.core.protocol import Collective, ErrorInfo, Event, Hello, Sample
 from ddpwatch.diagnosis.alerts import KINDS, Alert, Thresholds
 from ddpwatch.diagnosis.rules import (
     RULES,
@@ -38,7 +39,6 @@ from ddpwatch.diagnosis.rules import (
     rule_uneven_memory,
 )
 from ddpwatch.diagnosis.rules.text import format_ranks, location
-from ddpwatch.protocol import Collective, ErrorInfo, Event, Hello, Sample
 from ddpwatch.server.records import RankRecord
 from ddpwatch.server.state import ServerState
 

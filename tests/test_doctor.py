@@ -28,11 +28,11 @@ from conftest import LiveServer
 
 import ddpwatch.doctor as doctor_module
 from ddpwatch.cli import main
+from ddpwatch.core.ports import free_port_pair
+from ddpwatch.core.protocol import Sample, encode
+from ddpwatch.core.security import ServerCurve, generate_keys
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.doctor import MARKS, Check, check_gpus, gather, report, run_checks
-from ddpwatch.ports import free_port_pair
-from ddpwatch.protocol import Sample, encode
-from ddpwatch.security import ServerCurve, generate_keys
 from ddpwatch.server.service import Server
 
 

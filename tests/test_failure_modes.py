@@ -30,8 +30,8 @@ from diagnosis import (
     score,
 )
 
+from ddpwatch.core.ports import free_port_pair
 from ddpwatch.demo.runner import stop_job
-from ddpwatch.ports import free_port_pair
 
 pytestmark = pytest.mark.e2e
 

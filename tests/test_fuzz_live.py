@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddpwatch.cli import fetch_status
-from ddpwatch.protocol import MAX_FRAME_BYTES, ProtocolError, decode
+from ddpwatch.core.protocol import MAX_FRAME_BYTES, ProtocolError, decode
 from ddpwatch.server.collector import (
     MAX_QUERY_BYTES,
     RANK_CEILING,

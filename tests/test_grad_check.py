@@ -17,7 +17,7 @@ from torch import nn
 from ddpwatch.agent.grads import LEARN_STEPS, GradCheck, _stride
 from ddpwatch.agent.hooks import ModelHooks
 from ddpwatch.agent.progress import Progress
-from ddpwatch.ports import free_port_pair
+from ddpwatch.core.ports import free_port_pair
 
 INF = float("inf")
 

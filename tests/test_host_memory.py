@@ -17,9 +17,9 @@ import pytest
 
 from ddpwatch.agent import hostmem
 from ddpwatch.agent.hostmem import HostMemory, cgroup_dirs, meminfo_bytes
+from ddpwatch.core.protocol import Sample
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.rules import diagnose, rule_cascade, rule_host_memory
-from ddpwatch.protocol import Sample
 from ddpwatch.server.document import status_document
 from ddpwatch.server.host_memory import growth, note
 from ddpwatch.server.state import ServerState

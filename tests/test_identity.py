@@ -20,7 +20,7 @@ from ddpwatch.agent.identity import (
     parse_tasks_per_node,
     refresh_from_torch,
 )
-from ddpwatch.protocol import Identity, Sample, decode, encode
+from ddpwatch.core.protocol import Identity, Sample, decode, encode
 
 # Environments as the launchers write them (variable names checked against their sources).
 TORCHRUN = {

@@ -25,7 +25,7 @@ import pytest
 import zmq
 from conftest import AppliedState, free_port_pair, push_frames
 
-from ddpwatch.protocol import (
+from ddpwatch.core.protocol import (
     AnyMessage,
     Batch,
     Collective,

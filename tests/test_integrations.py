@@ -27,7 +27,7 @@ from ddpwatch.demo.runner import stop_job
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.integrations import adapt, framework_of
 from ddpwatch.integrations.shared import PhaseStack
-from ddpwatch.launch import job_environment
+from ddpwatch.jobs.launch import job_environment
 
 torch = pytest.importorskip("torch")
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from ddpwatch.core.ports import free_port_pair
+from ddpwatch.core.protocol import ErrorInfo
 from ddpwatch.diagnosis.alerts import KINDS
 from ddpwatch.diagnosis.knowledge import (
     FAMILIES,
@@ -28,8 +30,6 @@ from ddpwatch.diagnosis.knowledge import (
     named_ranks,
     reporting_rank,
 )
-from ddpwatch.ports import free_port_pair
-from ddpwatch.protocol import ErrorInfo
 
 JOB = Path(__file__).parent / "jobs" / "error_texts.py"
 

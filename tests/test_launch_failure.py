@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpwatch.launch_failure import not_started_reason, why_not_started
+from ddpwatch.jobs.failure import not_started_reason, why_not_started
 
 OUTPUT = Path(__file__).parent / "launcher_output"
 

@@ -12,9 +12,9 @@ import pytest
 from conftest import LiveServer, free_port_pair
 
 from ddpwatch.cli import main
-from ddpwatch.client import no_server, unanswered
-from ddpwatch.protocol import DEFAULT_PORT
-from ddpwatch.security import generate_keys
+from ddpwatch.core.protocol import DEFAULT_PORT
+from ddpwatch.core.security import generate_keys
+from ddpwatch.status.client import no_server, unanswered
 
 
 def refusal(port: int, timeout: str, curve: str = "") -> str:

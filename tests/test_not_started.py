@@ -14,7 +14,7 @@ import pytest
 from conftest import LiveServer, ddpwatch_run, free_port_pair
 from terminal import Terminal
 
-from ddpwatch.job_output import OutputTail, StderrTee, tail_of_file
+from ddpwatch.jobs.output import OutputTail, StderrTee, tail_of_file
 
 JOBS = Path(__file__).parent / "jobs"
 
@@ -125,7 +125,7 @@ def test_the_dashboard_run_reads_the_reason_from_its_log(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from ddpwatch.diagnosis.alerts import Thresholds
-    from ddpwatch.launch import _with_dashboard
+    from ddpwatch.jobs.launch import _with_dashboard
     from ddpwatch.server.service import Server
 
     log = tmp_path / "job.log"

@@ -29,9 +29,9 @@ from textual.pilot import Pilot
 from tui_fixtures import FixtureSource, healthy
 
 from ddpwatch.cli import main
+from ddpwatch.core.ports import free_port_pair
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.outputs.notify import Notifier, alert_text, chain, check_webhook_url
-from ddpwatch.ports import free_port_pair
 from ddpwatch.tui.app import DashboardApp
 
 STRAGGLER = Alert(
@@ -358,7 +358,7 @@ import os, sys, time
 
 import zmq
 
-from ddpwatch.protocol import ErrorInfo, Event, Sample, encode
+from ddpwatch.core.protocol import ErrorInfo, Event, Sample, encode
 
 now = time.time()
 frames = [

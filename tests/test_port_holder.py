@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpwatch.port_holder import Holder, find_holder, holder_of, sockets_on
-from ddpwatch.ports import free_port_pair
+from ddpwatch.core.port_holder import Holder, find_holder, holder_of, sockets_on
+from ddpwatch.core.ports import free_port_pair
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net/tcp"

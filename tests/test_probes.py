@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-import ddpwatch.devices
+import ddpwatch.core.devices
 from ddpwatch.agent.nvml import Nvml, parse_cuda_visible_devices
 from ddpwatch.agent.probes import DeviceInfo, MemoryInfo, Probes, TorchCuda
+from ddpwatch.core.protocol import Sample, decode, encode
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.rules import devices as device_rules
 from ddpwatch.diagnosis.rules.devices import rule_duplicate_device
-from ddpwatch.protocol import Sample, decode, encode
 from ddpwatch.server.records import RankRecord
 from ddpwatch.server.state import ServerState
 
@@ -545,9 +545,9 @@ def test_parse_cuda_visible_devices(value: str | None, expected: list[Any] | Non
 
 def test_one_parser_for_agent_server_and_doctor() -> None:
     """The agent, ``ddpwatch doctor`` (through the agent's module) and the server's device rules
-    use the one parser in ``ddpwatch.devices``."""
-    assert parse_cuda_visible_devices is ddpwatch.devices.parse_cuda_visible_devices
-    assert device_rules.parse_cuda_visible_devices is ddpwatch.devices.parse_cuda_visible_devices
+    use the one parser in ``ddpwatch.core.devices``."""
+    assert parse_cuda_visible_devices is ddpwatch.core.devices.parse_cuda_visible_devices
+    assert device_rules.parse_cuda_visible_devices is ddpwatch.core.devices.parse_cuda_visible_devices
 
 
 def _mig_machine() -> list[FakeGpu]:

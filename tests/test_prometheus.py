@@ -11,10 +11,10 @@ from conftest import free_port_pair
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddpwatch.cli import main
+from ddpwatch.core.protocol import ErrorInfo, Event, Sample
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.rules import diagnose
 from ddpwatch.outputs.prometheus import RANK_GAUGES, STATES, serve_metrics, summary_from_query
-from ddpwatch.protocol import ErrorInfo, Event, Sample
 from ddpwatch.server import service
 from ddpwatch.server.document import status_document
 from ddpwatch.server.service import Server

@@ -20,8 +20,8 @@ from conftest import ROOT, free_port_pair, poll_status
 
 from ddpwatch.cli import main
 from ddpwatch.commands.replay import parse_speed
+from ddpwatch.core.protocol import ErrorInfo, Event, Sample, encode
 from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.protocol import ErrorInfo, Event, Sample, encode
 from ddpwatch.server.recording import (
     MAGIC,
     Record,

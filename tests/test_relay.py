@@ -25,10 +25,10 @@ from conftest import LiveServer, alert_of, ddpwatch_run, poll_status
 from ddpwatch import relay as relay_module
 from ddpwatch.agent import publisher as publisher_module
 from ddpwatch.agent.publisher import Publisher
+from ddpwatch.core.protocol import Batch, Collective, Event, Hello, Sample, decode_wire, encode
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.rules import diagnose
-from ddpwatch.launch import _start_relay
-from ddpwatch.protocol import Batch, Collective, Event, Hello, Sample, decode_wire, encode
+from ddpwatch.jobs.launch import _start_relay
 from ddpwatch.relay import (
     RELAY_ENV,
     Relay,
@@ -439,7 +439,7 @@ def test_without_ipc_ddpwatch_run_starts_its_relay_on_a_loopback_port_it_tells_t
 
 
 def _free_port() -> int:
-    from ddpwatch.ports import free_port_pair
+    from ddpwatch.core.ports import free_port_pair
 
     return free_port_pair()
 

@@ -18,8 +18,8 @@ import pytest
 from conftest import ROOT
 from test_recording import Recording
 
+from ddpwatch.core.protocol import ErrorInfo, Event, Sample, encode
 from ddpwatch.outputs.postmortem import SERIES_POINTS, TIMES, load_run
-from ddpwatch.protocol import ErrorInfo, Event, Sample, encode
 from ddpwatch.server.recording import MAGIC, Recorder
 
 RANKS, STEPS = 3, 20

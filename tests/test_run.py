@@ -11,8 +11,8 @@ import pytest
 from conftest import LiveServer, ddpwatch_run, free_port_pair
 
 from ddpwatch.agent.auto import bootstrap, script_missing, started_by_launcher
-from ddpwatch.jobs import stop_job
-from ddpwatch.launch import BOOT_DIR, job_environment
+from ddpwatch.jobs.launch import BOOT_DIR, job_environment
+from ddpwatch.jobs.stop import stop_job
 
 JOBS = Path(__file__).parent / "jobs"
 

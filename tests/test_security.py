@@ -25,9 +25,8 @@ from conftest import ROOT, free_port_pair, poll_status
 
 from ddpwatch.agent.publisher import Publisher
 from ddpwatch.cli import fetch_status, main
-from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.protocol import Sample, encode
-from ddpwatch.security import (
+from ddpwatch.core.protocol import Sample, encode
+from ddpwatch.core.security import (
     CLIENT_KEY_FILE_ENV,
     SERVER_KEY_ENV,
     CurveKeyError,
@@ -38,6 +37,7 @@ from ddpwatch.security import (
     is_loopback,
     load_key_file,
 )
+from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.server.service import Server
 
 

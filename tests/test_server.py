@@ -17,8 +17,8 @@ import zmq
 from conftest import ROOT, AppliedState, LiveServer, free_port_pair, push_frames
 
 from ddpwatch.cli import fetch_status, format_status, main
+from ddpwatch.core.protocol import Collective, ErrorInfo, Event, Sample, encode
 from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.protocol import Collective, ErrorInfo, Event, Sample, encode
 from ddpwatch.server import collector as collector_module
 from ddpwatch.server.collector import RECEIVE_GAP_S, BindError, Collector
 from ddpwatch.server.document import status_document
@@ -412,7 +412,7 @@ def test_the_server_side_needs_no_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import ddpwatch.server.service, ddpwatch.server.replay, ddpwatch.outputs.prometheus\n"
-        "import ddpwatch.tui.app, ddpwatch.web, ddpwatch.demo.runner\n"
+        "import ddpwatch.tui.app, ddpwatch.commands.web, ddpwatch.demo.runner\n"
         "from ddpwatch.cli import main\n"
         f"sys.exit(main(['status', '--port', '{free_port_pair()}', '--timeout', '0.3']))\n"
     )

@@ -15,16 +15,16 @@ import zmq
 from conftest import free_port_pair
 
 from ddpwatch.cli import main
-from ddpwatch.client import StatusClient, StatusQueryError, fetch_status, status_query
+from ddpwatch.core.protocol import ErrorInfo, Event, Sample, encode
+from ddpwatch.core.ranges import parse_rank_ranges
+from ddpwatch.core.vocabulary import RANK_STATES
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
-from ddpwatch.protocol import ErrorInfo, Event, Sample, encode
-from ddpwatch.ranges import parse_rank_ranges
 from ddpwatch.server import query as query_module
 from ddpwatch.server.query import Query, QueryError, TickView, parse_request, worst_ranks
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.client import StatusClient, StatusQueryError, fetch_status, status_query
 from ddpwatch.tui.model import index_alerts, is_flagged
-from ddpwatch.vocabulary import RANK_STATES
 
 CONTRACT_KEYS = [
     "schema", "server_time", "world_size", "ranks", "alerts", "stats", "history", "job_started",

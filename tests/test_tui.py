@@ -25,7 +25,6 @@ from ddpwatch.tui.detail import split_text
 from ddpwatch.tui.fmt import DASH, human_bytes, loss_text, rank_ranges, seconds, sparkline, uptime
 from ddpwatch.tui.header import HeaderInfo, StatusHeader, header_lines, summarize
 from ddpwatch.tui.help import HelpScreen
-from ddpwatch.tui.history import History
 from ddpwatch.tui.model import (
     Query,
     index_alerts,
@@ -39,6 +38,7 @@ from ddpwatch.tui.model import (
 from ddpwatch.tui.rank_table import RankTable
 from ddpwatch.tui.screen import DashboardScreen
 from ddpwatch.tui.sources import LocalSource, RemoteSource, StatusSource
+from ddpwatch.tui.sparklines import History
 
 SLOW = 3600.0  # poll interval for tests: only the first fetch happens by itself
 
@@ -818,7 +818,7 @@ def test_run_dashboard_runs_the_server_thread_and_stops_it(monkeypatch: pytest.M
 
 async def test_dashboard_over_a_real_server(live_server: Any) -> None:
     """Messages on the wire -> Server -> status document -> LocalSource and RemoteSource -> table."""
-    from ddpwatch.protocol import Sample, encode
+    from ddpwatch.core.protocol import Sample, encode
 
     context = zmq.Context()
     push = context.socket(zmq.PUSH)

@@ -22,8 +22,8 @@ from textual.pilot import Pilot
 from textual.widgets import Button, Static
 from tui_fixtures import FixtureSource, document, healthy
 
-from ddpwatch.launch import _with_dashboard
-from ddpwatch.protocol import Sample, encode
+from ddpwatch.core.protocol import Sample, encode
+from ddpwatch.jobs.launch import _with_dashboard
 from ddpwatch.server.recording import Recorder
 from ddpwatch.server.replay import ReplayServer
 from ddpwatch.tui.alerts_panel import AlertList

@@ -28,8 +28,8 @@ from test_tui import (
     type_text,
 )
 
+from ddpwatch.core.protocol import ErrorInfo, Event, Sample
 from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.protocol import ErrorInfo, Event, Sample
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.document import status_document
 from ddpwatch.server.service import Server

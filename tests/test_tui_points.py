@@ -15,8 +15,8 @@ from test_tui import dashboard, header_text, make_app, poll, settle, table, visi
 from textual.pilot import Pilot
 from tui_fixtures import T0, FixtureSource, rank_entry
 
+from ddpwatch.core.vocabulary import RankState
 from ddpwatch.diagnosis.rules.text import STACKS_IN
-from ddpwatch.vocabulary import RankState
 
 WORLD = 4
 STRAGGLER_STACK = """\

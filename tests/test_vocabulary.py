@@ -2,7 +2,7 @@
 
 * Every phase the agent or an integration can set is known to the server (a startup phase
   ``startup_hang`` orders, or a phase past startup), and is named through
-  ``ddpwatch.vocabulary.Phase``, never as a literal.
+  ``ddpwatch.core.vocabulary.Phase``, never as a literal.
 * Integrations depend on the agent one way: the agent imports no integration, and
   integrations use only the agent's small public surface.
 * Every module of both packages imports on its own in a fresh interpreter (no import cycle
@@ -28,8 +28,7 @@ from typing import Any, get_args
 import pytest
 from conftest import ROOT
 
-from ddpwatch.diagnosis.rules import STARTUP_PHASES
-from ddpwatch.vocabulary import (
+from ddpwatch.core.vocabulary import (
     ALERT_KINDS,
     EVENT_KINDS,
     PHASES,
@@ -43,6 +42,7 @@ from ddpwatch.vocabulary import (
     Severity,
     SeverityName,
 )
+from ddpwatch.diagnosis.rules import STARTUP_PHASES
 
 SRC = ROOT / "src" / "ddpwatch"
 AGENT = sorted((SRC / "agent").glob("*.py"))
@@ -118,7 +118,7 @@ def test_every_phase_the_agent_or_an_integration_sets_is_known_to_the_server() -
         names, found = _phases_set(path)
         used |= names
         literals += found
-    assert literals == [], "name phases with ddpwatch.vocabulary.Phase"
+    assert literals == [], "name phases with ddpwatch.core.vocabulary.Phase"
     assert used - known == set()
     # the scan sees the agent's and each integration's phases
     assert {Phase.RENDEZVOUS, Phase.DATA, Phase.DEEPSPEED_INIT, Phase.EVALUATION} <= used
@@ -148,7 +148,7 @@ def test_integrations_use_only_the_agents_public_surface() -> None:
 @pytest.mark.parametrize(
     "module",
     [_module_name(path) for path in AGENT + INTEGRATIONS]
-    + ["ddpwatch.vocabulary", "ddpwatch.ranges", "ddpwatch.boot.sitecustomize"],
+    + ["ddpwatch.core.vocabulary", "ddpwatch.core.ranges", "ddpwatch.boot.sitecustomize"],
 )
 def test_each_module_imports_alone_without_a_framework(module: str) -> None:
     code = (
@@ -166,7 +166,7 @@ def test_each_module_imports_alone_without_a_framework(module: str) -> None:
 def test_the_vocabulary_imports_nothing_of_the_agent() -> None:
     code = (
         "import sys\n"
-        "import ddpwatch.vocabulary, ddpwatch.diagnosis.rules\n"
+        "import ddpwatch.core.vocabulary, ddpwatch.diagnosis.rules\n"
         "assert not [n for n in sys.modules if n.startswith('ddpwatch.agent')]\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -225,9 +225,9 @@ def test_the_vocabulary_matches_the_documented_contract() -> None:
 
 
 def test_the_server_gives_every_rank_state_of_the_vocabulary() -> None:
+    from ddpwatch.core.protocol import Collective, ErrorInfo
     from ddpwatch.diagnosis.alerts import Thresholds
     from ddpwatch.diagnosis.rules import rank_state
-    from ddpwatch.protocol import Collective, ErrorInfo
     from ddpwatch.server.document import status_document
     from ddpwatch.server.records import RankRecord
     from ddpwatch.server.state import ServerState
@@ -350,7 +350,7 @@ def test_rules_name_their_kinds_and_severities_through_the_vocabulary() -> None:
 def test_the_agent_sends_only_event_kinds_of_the_vocabulary() -> None:
     senders = [*AGENT, SRC / "demo" / "simulate.py"]
     literals = [hit for path in senders for hit in _literal_args(path, {"_event": 1, "Event": 0})]
-    assert literals == [], "name event kinds with ddpwatch.vocabulary.EventKind"
+    assert literals == [], "name event kinds with ddpwatch.core.vocabulary.EventKind"
     sent = set().union(*(_vocabulary_names(path, EventKind) for path in AGENT))
     assert sent == set(EVENT_KINDS)  # the agent sends every kind the protocol documents
     read = _vocabulary_names(SRC / "server" / "state.py", EventKind)
@@ -446,7 +446,7 @@ def test_every_screen_class_the_code_sets_is_styled() -> None:
 
 
 def test_the_rank_record_declares_every_protocol_field_it_keeps() -> None:
-    from ddpwatch.protocol import Hello, Sample
+    from ddpwatch.core.protocol import Hello, Sample
     from ddpwatch.server.records import STORED_FIELDS, RankRecord
 
     declared = {f.name for f in fields(RankRecord)}
@@ -467,7 +467,7 @@ def test_the_rank_record_refuses_a_field_it_does_not_declare() -> None:
 
 
 def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
-    from ddpwatch.protocol import Collective, CollectiveCounts, Hello, Sample
+    from ddpwatch.core.protocol import Collective, CollectiveCounts, Hello, Sample
     from ddpwatch.server.records import STORED_FIELDS
     from ddpwatch.server.state import ServerState
 
@@ -539,12 +539,12 @@ def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
 
 
 def test_rank_lists_are_written_by_one_algorithm() -> None:
-    from ddpwatch import ranges
+    from ddpwatch.core import ranges
     from ddpwatch.diagnosis.rules.text import format_ranks
     from ddpwatch.tui import fmt
 
     assert fmt.rank_ranges is ranges.rank_ranges
-    assert _imports(SRC / "ranges.py") == set()  # shared: the server and the views use it
+    assert _imports(SRC / "core" / "ranges.py") == set()  # shared: the server and the views use it
     assert format_ranks([0, 1, 2, 3, 7, 9, 10]) == "ranks 0-3, 7, 9, 10"
     assert fmt.rank_ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3,7,9-10"
     assert format_ranks(range(0, 40, 2), limit=3) == "ranks 0, 2, 4 and 17 more"

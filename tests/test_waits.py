@@ -17,10 +17,7 @@ from typing import Any
 
 import pytest
 
-from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.diagnosis.rules import TICK_RULES, Diagnosis, diagnose
-from ddpwatch.diagnosis.rules.facts import Facts
-from ddpwatch.protocol import (
+from ddpwatch.core.protocol import (
     AnyMessage,
     Collective,
     CollectiveCounts,
@@ -29,6 +26,9 @@ from ddpwatch.protocol import (
     Hello,
     Sample,
 )
+from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.rules import TICK_RULES, Diagnosis, diagnose
+from ddpwatch.diagnosis.rules.facts import Facts
 from ddpwatch.server.state import ServerState
 from ddpwatch.server.waits import WaitIndex
 

@@ -11,9 +11,9 @@ import pytest
 from cdp import BROWSER, screenshot
 from conftest import LiveServer, free_port_pair
 
+from ddpwatch.commands.web import top_command
 from ddpwatch.demo.runner import stop_job
 from ddpwatch.demo.simulate import SimulatedCluster
-from ddpwatch.web import top_command
 
 pytest.importorskip("textual_serve")
 pytestmark = pytest.mark.skipif(BROWSER is None, reason="needs Debian's chromium package")

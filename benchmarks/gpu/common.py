@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpwatch.client import fetch_status
-from ddpwatch.jobs import stop_job
-from ddpwatch.ports import free_port_pair, pick_port
+from ddpwatch.core.ports import free_port_pair, pick_port
+from ddpwatch.jobs.stop import stop_job
+from ddpwatch.status.client import fetch_status
 
 JOBS = Path(__file__).parent / "jobs"
 REPO = Path(__file__).resolve().parents[2]

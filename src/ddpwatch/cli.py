@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ddpwatch import __version__
-from ddpwatch.client import fetch_status
 from ddpwatch.commands import (
     demo,
     doctor,
@@ -29,6 +28,7 @@ from ddpwatch.commands import (
 )
 from ddpwatch.commands._args import Subparsers
 from ddpwatch.commands.status import format_status
+from ddpwatch.status.client import fetch_status
 
 __all__ = ["COMMANDS", "build_parser", "fetch_status", "format_status", "main"]
 

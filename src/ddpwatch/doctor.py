@@ -28,11 +28,10 @@ from typing import IO, Any, Literal
 from ddpwatch.agent.identity import identity_from_env
 from ddpwatch.agent.nvml import Nvml, parse_cuda_visible_devices
 from ddpwatch.agent.watcher import resolve_endpoint
-from ddpwatch.client import fetch_status, no_answer
-from ddpwatch.port_holder import Holder, find_holder
-from ddpwatch.ports import host_port
-from ddpwatch.protocol import DEFAULT_PORT
-from ddpwatch.security import (
+from ddpwatch.core.port_holder import Holder, find_holder
+from ddpwatch.core.ports import host_port
+from ddpwatch.core.protocol import DEFAULT_PORT
+from ddpwatch.core.security import (
     CLIENT_KEY_FILE_ENV,
     SERVER_KEY_ENV,
     CurveKeyError,
@@ -40,7 +39,8 @@ from ddpwatch.security import (
     is_loopback,
     load_key_file,
 )
-from ddpwatch.vocabulary import RankState
+from ddpwatch.core.vocabulary import RankState
+from ddpwatch.status.client import fetch_status, no_answer
 
 Status = Literal["ok", "warn", "fail", "skip"]
 MARKS: dict[str, str] = {"ok": "✔", "fail": "✖", "warn": "⚠", "skip": "\u2013"}  # en dash

@@ -46,8 +46,8 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from ddpwatch.ports import host_port
-from ddpwatch.protocol import (
+from ddpwatch.core.ports import host_port
+from ddpwatch.core.protocol import (
     IDENTITY_FIELDS,
     MAX_BATCH_FRAMES,
     MAX_FRAME_BYTES,
@@ -62,7 +62,7 @@ from ddpwatch.protocol import (
     encode,
     keeps_news,
 )
-from ddpwatch.security import apply_client_curve
+from ddpwatch.core.security import apply_client_curve
 
 log = logging.getLogger("ddpwatch.relay")
 

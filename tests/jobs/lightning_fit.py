@@ -6,7 +6,7 @@ ddpwatch, ``DDPWATCH_ADDR``. Environment:
 
 * ``LIGHTNING_FIT_MODE``: ``callback`` (default) passes ``DDPWatchCallback()`` to the Trainer;
   ``auto`` calls ``install_auto_callback()`` as ``ddpwatch run`` does (run it under
-  ``ddpwatch.launch.job_environment`` so the ranks attach at ``init_process_group``).
+  ``ddpwatch.jobs.launch.job_environment`` so the ranks attach at ``init_process_group``).
 * ``LIGHTNING_FIT_SLEEP_RANK`` / ``LIGHTNING_FIT_SLEEP_S``: that rank sleeps in
   ``LightningModule.setup`` (a startup hang).
 * ``LIGHTNING_FIT_TRACE``: a folder; each rank writes ``rank<N>.json`` there at the end with

@@ -35,7 +35,7 @@ class WatcherSurface(Protocol):
         ...
 
     def set_phase(self, name: str) -> None:
-        """Enter phase ``name`` (a ``ddpwatch.vocabulary.Phase``) until the next change."""
+        """Enter phase ``name`` (a ``ddpwatch.core.vocabulary.Phase``) until the next change."""
         ...
 
     def phase(self, name: str) -> AbstractContextManager[None]:

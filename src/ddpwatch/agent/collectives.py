@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ddpwatch.agent.progress import Progress
-from ddpwatch.protocol import Collective
+from ddpwatch.core.protocol import Collective
 
 log = logging.getLogger("ddpwatch")
 

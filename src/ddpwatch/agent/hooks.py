@@ -26,8 +26,8 @@ from ddpwatch.agent.loss import find_loss
 from ddpwatch.agent.patches import Patches
 from ddpwatch.agent.progress import Progress
 from ddpwatch.agent.signal_watch import SignalWatch
-from ddpwatch.protocol import ErrorInfo
-from ddpwatch.vocabulary import Phase
+from ddpwatch.core.protocol import ErrorInfo
+from ddpwatch.core.vocabulary import Phase
 
 log = logging.getLogger("ddpwatch")
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 # re-exported: the parser lives where the server can import it without torch or pynvml
-from ddpwatch.devices import parse_cuda_visible_devices
+from ddpwatch.core.devices import parse_cuda_visible_devices
 
 __all__ = ["Handle", "Nvml", "default", "parse_cuda_visible_devices"]
 

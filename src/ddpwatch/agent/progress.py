@@ -17,8 +17,8 @@ from typing import Any
 
 from ddpwatch.agent.grads import GradCheck
 from ddpwatch.agent.loss import LossReader
-from ddpwatch.protocol import MARK_EVERY, Collective
-from ddpwatch.vocabulary import Phase
+from ddpwatch.core.protocol import MARK_EVERY, Collective
+from ddpwatch.core.vocabulary import Phase
 
 EMA_WEIGHT = 0.1
 MARKS_KEPT = 16  # 128 steps of marks between two heartbeats: enough for 4 ms steps

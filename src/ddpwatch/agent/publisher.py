@@ -24,9 +24,9 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ddpwatch.protocol import AnyMessage, Event, encode
+from ddpwatch.core.protocol import AnyMessage, Event, encode
+from ddpwatch.core.security import apply_client_curve
 from ddpwatch.relay import find_relay, relay_home, relay_listening
-from ddpwatch.security import apply_client_curve
 
 log = logging.getLogger("ddpwatch")
 

@@ -24,7 +24,7 @@ from ddpwatch.agent.probes import device_info, memory_info, note_current_device
 from ddpwatch.agent.progress import Progress, SplitReader
 from ddpwatch.agent.publisher import Publisher
 from ddpwatch.agent.split import GradReady, InputTimer
-from ddpwatch.protocol import (
+from ddpwatch.core.protocol import (
     DEFAULT_PORT,
     PROTOCOL_VERSION,
     AnyMessage,
@@ -35,7 +35,7 @@ from ddpwatch.protocol import (
     Hello,
     Sample,
 )
-from ddpwatch.vocabulary import EventKind, Phase
+from ddpwatch.core.vocabulary import EventKind, Phase
 
 log = logging.getLogger("ddpwatch")
 

@@ -10,9 +10,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from ddpwatch.core.protocol import DEFAULT_PORT
+from ddpwatch.core.vocabulary import SEVERITIES, Severity
 from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.protocol import DEFAULT_PORT
-from ddpwatch.vocabulary import SEVERITIES, Severity
 
 if TYPE_CHECKING:
     from ddpwatch.outputs.notify import Notifier
@@ -118,8 +118,8 @@ def refuse_without_server(name: str, args: argparse.Namespace, timeout: float = 
     give the exit code 1; None when the client may go on."""
     import sys
 
-    from ddpwatch.client import unanswered
-    from ddpwatch.security import CurveKeyError
+    from ddpwatch.core.security import CurveKeyError
+    from ddpwatch.status.client import unanswered
 
     if args.wait:
         return None

@@ -20,6 +20,6 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpwatch.security import keygen_main
+    from ddpwatch.core.security import keygen_main
 
     return keygen_main(args)

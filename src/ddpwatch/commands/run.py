@@ -49,7 +49,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpwatch.launch import default_recording, run_command
+    from ddpwatch.jobs.launch import default_recording, run_command
 
     job = args.job[1:] if args.job[:1] == ["--"] else args.job
     if args.addr is not None and (args.notify_cmd or args.webhook):

@@ -120,9 +120,9 @@ def run(args: argparse.Namespace) -> int:
 def _make_server(args: argparse.Namespace, notify: Notifier | None) -> Server | None:
     """The server the flags ask for, its sockets bound; None once told why there is none (a
     port in use, an unusable CURVE key, a recording that cannot be written)."""
+    from ddpwatch.core.security import CurveKeyError, ServerCurve
     from ddpwatch.diagnosis.history import print_json_line
     from ddpwatch.outputs.notify import chain
-    from ddpwatch.security import CurveKeyError, ServerCurve
     from ddpwatch.server.collector import BindError
     from ddpwatch.server.recording import RecordingError
     from ddpwatch.server.service import Server
@@ -150,7 +150,7 @@ def _make_server(args: argparse.Namespace, notify: Notifier | None) -> Server | 
 def _announce(args: argparse.Namespace, notify: Notifier | None) -> None:
     """Say what the server does besides listening: warn when anyone who can reach it may
     use it (no CURVE key, not on loopback), name the recording and the notifications."""
-    from ddpwatch.security import is_loopback
+    from ddpwatch.core.security import is_loopback
 
     if not args.curve_secret_file and not is_loopback(args.host):
         print(

@@ -20,7 +20,7 @@ from ddpwatch.commands._args import (
     add_address,
     whole_number,
 )
-from ddpwatch.vocabulary import RANK_STATES, RankState
+from ddpwatch.core.vocabulary import RANK_STATES, RankState
 
 NAME = "status"
 
@@ -60,7 +60,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 def _rank_list(text: str) -> str:
     """``--ranks``: checked here, so a typo is a usage error, not a server's refusal."""
-    from ddpwatch.ranges import parse_rank_ranges
+    from ddpwatch.core.ranges import parse_rank_ranges
 
     try:
         parse_rank_ranges(text)
@@ -80,7 +80,7 @@ def _state_list(text: str) -> str:
 
 def query_of(args: argparse.Namespace) -> str | None:
     """The ``status?`` query the flags ask for; None for the whole document (no such flag)."""
-    from ddpwatch.client import status_query
+    from ddpwatch.status.client import status_query
 
     filters = {"ranks": args.ranks, "state": args.state, "host": args.on_host}
     if not args.summary and all(v is None for v in (*filters.values(), args.limit, args.offset)):
@@ -91,8 +91,8 @@ def query_of(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpwatch.client import StatusQueryError, fetch_status, no_server
-    from ddpwatch.security import CurveKeyError, client_curve_keys
+    from ddpwatch.core.security import CurveKeyError, client_curve_keys
+    from ddpwatch.status.client import StatusQueryError, fetch_status, no_server
 
     try:
         curve = client_curve_keys() is not None

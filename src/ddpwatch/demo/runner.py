@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass
 from typing import IO
 
+from ddpwatch.core.ports import pick_port
 from ddpwatch.demo.simulate import SimulatedCluster
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.history import print_json_line
-from ddpwatch.jobs import descendants, stop_job
+from ddpwatch.jobs.stop import descendants, stop_job
 from ddpwatch.outputs.summary import print_summary
-from ddpwatch.ports import pick_port
 from ddpwatch.server.collector import BindError
 from ddpwatch.server.service import Server
 from ddpwatch.status.provider import in_background

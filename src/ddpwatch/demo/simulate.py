@@ -16,8 +16,8 @@ from typing import Any
 
 import zmq
 
-from ddpwatch.protocol import PROTOCOL_VERSION, ErrorInfo, Event, Hello, Sample, encode
-from ddpwatch.vocabulary import EventKind
+from ddpwatch.core.protocol import PROTOCOL_VERSION, ErrorInfo, Event, Hello, Sample, encode
+from ddpwatch.core.vocabulary import EventKind
 
 GIB = 1 << 30
 GPUS_PER_HOST = 8

@@ -5,14 +5,14 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from ddpwatch.vocabulary import ALERT_KINDS, SeverityName
+from ddpwatch.core.vocabulary import ALERT_KINDS, SeverityName
 
 STARTUP_SILENT_S = 15.0
 """A rank still starting may go this long unheard: its heartbeats wait behind imports, model
 building and DataLoader workers on a busy host; the startup_hang rule has a minute anyway."""
 
 KINDS = ALERT_KINDS
-"""Every alert kind (``ddpwatch.vocabulary.AlertKind``): ``@rule`` checks its kinds against it."""
+"""Every alert kind (``core.vocabulary.AlertKind``): ``@rule`` checks its kinds against it."""
 
 
 @dataclass(frozen=True)

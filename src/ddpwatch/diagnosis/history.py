@@ -22,8 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal
 
+from ddpwatch.core.vocabulary import SEVERITIES
 from ddpwatch.diagnosis.alerts import Alert
-from ddpwatch.vocabulary import SEVERITIES
 
 HISTORY_KEPT = 1000
 SEVERITY_RANK = {severity: n for n, severity in enumerate(reversed(SEVERITIES))}

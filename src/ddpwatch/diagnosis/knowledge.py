@@ -21,8 +21,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ddpwatch.protocol import ErrorInfo
-from ddpwatch.vocabulary import AlertKind
+from ddpwatch.core.protocol import ErrorInfo
+from ddpwatch.core.vocabulary import AlertKind
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ddpwatch.core.protocol import ErrorInfo
+from ddpwatch.core.vocabulary import AlertKind, RankState, Severity
 from ddpwatch.diagnosis.knowledge import WAIT_NAMES, explain_error
 from ddpwatch.diagnosis.rules.text import format_ranks
-from ddpwatch.protocol import ErrorInfo
-from ddpwatch.vocabulary import AlertKind, RankState, Severity
 
 ENDINGS = frozenset({AlertKind.CRASHED, AlertKind.EXITED, AlertKind.SILENT})
 """Alert kinds that name a rank whose process failed: the candidates for what ended a job."""

@@ -23,8 +23,8 @@ from typing import Any
 from ddpwatch.agent.api import WatcherSurface
 from ddpwatch.agent.auto import after_import
 from ddpwatch.agent.registry import Integration, Kind, framework_of, register
+from ddpwatch.core.vocabulary import Phase
 from ddpwatch.integrations.shared import hand_over, startup_phase
-from ddpwatch.vocabulary import Phase
 
 _engines: weakref.WeakKeyDictionary[Any, EngineHooks] = weakref.WeakKeyDictionary()
 

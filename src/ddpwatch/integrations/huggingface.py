@@ -26,6 +26,7 @@ import ddpwatch
 from ddpwatch.agent.api import WatcherSurface
 from ddpwatch.agent.patches import Patches
 from ddpwatch.agent.registry import Integration, Kind, register
+from ddpwatch.core.vocabulary import Phase
 from ddpwatch.integrations.shared import (
     LazyClass,
     PhaseStack,
@@ -34,7 +35,6 @@ from ddpwatch.integrations.shared import (
     module_getattr,
     training_starts,
 )
-from ddpwatch.vocabulary import Phase
 
 if TYPE_CHECKING:
     DDPWatchTrainerCallback: type  # built lazily by __getattr__

@@ -34,6 +34,7 @@ from ddpwatch.agent.auto import after_import
 from ddpwatch.agent.loss import find_loss
 from ddpwatch.agent.patches import Patches
 from ddpwatch.agent.registry import Integration, Kind, register
+from ddpwatch.core.vocabulary import Phase
 from ddpwatch.integrations.shared import (
     LazyClass,
     PhaseStack,
@@ -42,7 +43,6 @@ from ddpwatch.integrations.shared import (
     startup_phase,
     training_starts,
 )
-from ddpwatch.vocabulary import Phase
 
 if TYPE_CHECKING:
     DDPWatchCallback: type  # built lazily by __getattr__

@@ -13,7 +13,7 @@ from typing import Any
 
 import ddpwatch
 from ddpwatch.agent.api import WatcherSurface
-from ddpwatch.vocabulary import Phase
+from ddpwatch.core.vocabulary import Phase
 
 
 def current_watcher(watcher: WatcherSurface | None) -> WatcherSurface | None:

@@ -25,8 +25,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ddpwatch.core.vocabulary import SEVERITIES, Severity
 from ddpwatch.diagnosis.alerts import Alert
-from ddpwatch.vocabulary import SEVERITIES, Severity
 
 log = logging.getLogger("ddpwatch.notify")
 

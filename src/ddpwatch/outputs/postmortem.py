@@ -17,13 +17,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from ddpwatch.core.protocol import ProtocolError, Sample, decode
+from ddpwatch.core.vocabulary import Severity
 from ddpwatch.diagnosis.history import event_label
 from ddpwatch.diagnosis.verdict import Run, duration, read_run
 from ddpwatch.outputs.summary import summary_lines
-from ddpwatch.protocol import ProtocolError, Sample, decode
 from ddpwatch.server.recording import RecordingError, RecordingReader
 from ddpwatch.server.replay import ReplayServer
-from ddpwatch.vocabulary import Severity
 
 SERIES_POINTS = 400  # per rank and metric: enough for a chart, small in JSON
 _COMPACT_AT = 8 * SERIES_POINTS  # series are thinned while read, so memory stays bounded

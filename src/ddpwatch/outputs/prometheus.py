@@ -20,8 +20,8 @@ import msgspec
 from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ddpwatch.core.vocabulary import RANK_STATES, RankState
 from ddpwatch.server.query import MAX_WORST
-from ddpwatch.vocabulary import RANK_STATES, RankState
 
 RANK_LABELS = ["rank", "local_rank", "host"]
 STATES = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from html import escape
 
+from ddpwatch.core.vocabulary import Severity
 from ddpwatch.outputs.postmortem import (
     Culprit,
     RunReport,
@@ -24,7 +25,6 @@ from ddpwatch.outputs.report_text import (
     ranks_text,
     shown_ranks,
 )
-from ddpwatch.vocabulary import Severity
 
 CHART_RANKS = len(PALETTE)  # more lines than colours cannot be told apart
 

@@ -9,6 +9,7 @@ import re
 from dataclasses import asdict
 from typing import Any
 
+from ddpwatch.core.vocabulary import RankState
 from ddpwatch.diagnosis.history import iso_time
 from ddpwatch.outputs.postmortem import (
     Culprit,
@@ -22,7 +23,6 @@ from ddpwatch.outputs.postmortem import (
     pair_ranks,
     ratio,
 )
-from ddpwatch.vocabulary import RankState
 
 REPORT_SCHEMA = 1
 TABLE_ROWS = 256  # ranks listed in a table; the JSON has them all

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ddpwatch.core.vocabulary import RankState
 from ddpwatch.diagnosis.history import NEW_ATTEMPT
 from ddpwatch.diagnosis.verdict import Episode, Run, duration, held_up_text, read_run
-from ddpwatch.vocabulary import RankState
 
 ALERTS_LISTED = 20
 

@@ -39,7 +39,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ddpwatch.protocol import (
+from ddpwatch.core.protocol import (
     MAX_FRAME_BYTES,
     MAX_QUERY_BYTES,
     AnyMessage,
@@ -54,7 +54,7 @@ from ddpwatch.server.relays import note_batch
 from ddpwatch.server.state import ServerState
 
 if TYPE_CHECKING:
-    from ddpwatch.security import ServerCurve
+    from ddpwatch.core.security import ServerCurve
     from ddpwatch.server.recording import Recorder
 
 log = logging.getLogger("ddpwatch.server")

@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ddpwatch.core.protocol import Collective
+from ddpwatch.core.vocabulary import RankState
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.rules import effective_stall_after, rank_state
-from ddpwatch.protocol import Collective
 from ddpwatch.server.host_memory import growth
 from ddpwatch.server.records import RankRecord
 from ddpwatch.server.relays import relay_entry
 from ddpwatch.server.state import PastAttempt, ServerState
-from ddpwatch.vocabulary import RankState
 
 SCHEMA = 1
 LOG_TAIL_IN_STATUS = 20

@@ -20,12 +20,12 @@ from urllib.parse import parse_qs
 
 import msgspec
 
+from ddpwatch.core.ranges import parse_rank_ranges
+from ddpwatch.core.vocabulary import RANK_STATES, RankState
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.rules import effective_stall_after, rank_state
-from ddpwatch.ranges import parse_rank_ranges
 from ddpwatch.server.document import document_around, missing_entry, rank_entry
 from ddpwatch.server.state import ServerState
-from ddpwatch.vocabulary import RANK_STATES, RankState
 
 PREFIX = "status?"
 KEYS = ("view", "ranks", "state", "host", "offset", "limit", "worst")

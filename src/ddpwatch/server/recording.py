@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from ddpwatch.protocol import MAX_FRAME_BYTES
+from ddpwatch.core.protocol import MAX_FRAME_BYTES
 
 log = logging.getLogger("ddpwatch.server")
 

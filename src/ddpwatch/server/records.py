@@ -12,7 +12,7 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field, fields
 
-from ddpwatch.protocol import Collective, CollectiveCounts, ErrorInfo, Sample
+from ddpwatch.core.protocol import Collective, CollectiveCounts, ErrorInfo, Sample
 
 LOG_LINES = 50
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpwatch.protocol import Batch
+from ddpwatch.core.protocol import Batch
 from ddpwatch.server.records import RankRecord
 
 MAX_RELAYS = 65_536  # one per node; more are not tracked (and their batches not noted)

@@ -21,10 +21,10 @@ from typing import Any
 
 import msgspec
 
+from ddpwatch.core.protocol import DEFAULT_PORT, ProtocolError, decode
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.history import AlertChange, AlertTracker
 from ddpwatch.diagnosis.rules import Diagnosis
-from ddpwatch.protocol import DEFAULT_PORT, ProtocolError, decode
 from ddpwatch.server.document import status_document
 from ddpwatch.server.recording import Record, RecordingReader
 from ddpwatch.server.service import TICK_S, with_port

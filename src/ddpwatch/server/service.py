@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from ddpwatch.core.protocol import DEFAULT_PORT
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.history import AlertChange, AlertTracker, diff_alerts
 from ddpwatch.diagnosis.rules import Diagnosis
-from ddpwatch.protocol import DEFAULT_PORT
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.document import status_document
 from ddpwatch.server.query import QueryCache, QueryError, TickView, error_reply, parse_request
 from ddpwatch.server.state import ServerState
 
 if TYPE_CHECKING:
-    from ddpwatch.security import ServerCurve
+    from ddpwatch.core.security import ServerCurve
     from ddpwatch.server.recording import Recorder
 
 __all__ = ["TICK_S", "AlertChange", "Server", "diff_alerts"]
@@ -117,7 +117,7 @@ class Server:
         max_ranks: int | None,
     ) -> Recorder:
         from ddpwatch import __version__
-        from ddpwatch.protocol import PROTOCOL_VERSION
+        from ddpwatch.core.protocol import PROTOCOL_VERSION
         from ddpwatch.server.recording import Recorder
 
         session = {

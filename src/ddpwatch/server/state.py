@@ -13,7 +13,7 @@ from math import isfinite
 
 from msgspec.structs import astuple, replace
 
-from ddpwatch.protocol import (
+from ddpwatch.core.protocol import (
     IDENTITY_FIELDS,
     AnyMessage,
     Collective,
@@ -22,11 +22,11 @@ from ddpwatch.protocol import (
     Identity,
     Sample,
 )
+from ddpwatch.core.vocabulary import EventKind
 from ddpwatch.server.host_memory import note as note_host_memory
 from ddpwatch.server.records import LOG_LINES, RankRecord
 from ddpwatch.server.relays import RelayRecord
 from ddpwatch.server.waits import WaitIndex
-from ddpwatch.vocabulary import EventKind
 
 MAX_WORLD = 1 << 20  # never iterate a bogus world size further than this
 MARKS_KEPT = 32

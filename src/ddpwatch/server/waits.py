@@ -13,7 +13,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 
-from ddpwatch.protocol import Collective
+from ddpwatch.core.protocol import Collective
 from ddpwatch.server.records import RankRecord
 
 Place = tuple[str | None, str | None, int | None, str | None]

@@ -18,10 +18,10 @@ from textual.message import Message
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
+from ddpwatch.core.vocabulary import Severity
 from ddpwatch.diagnosis.rules.text import STACKS_IN_ANY_PORT
 from ddpwatch.tui.fmt import rank_ranges
 from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
-from ddpwatch.vocabulary import Severity
 
 _RANK_NAMED = re.compile(r"\brank (\d+)")
 _SHOWS_IT = " shows it"

@@ -168,7 +168,7 @@ def run_client(
     host: str, port: int, timeout: float = 1.0, interval: float = 0.5, *, bell: bool = True
 ) -> int:
     """``ddpwatch top``: the dashboard of a ``ddpwatch serve`` running elsewhere."""
-    from ddpwatch.security import CurveKeyError, client_curve_keys
+    from ddpwatch.core.security import CurveKeyError, client_curve_keys
 
     try:
         client_curve_keys()

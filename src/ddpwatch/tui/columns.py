@@ -18,6 +18,7 @@ from typing import Any
 
 from rich.cells import cell_len
 
+from ddpwatch.core.vocabulary import RANK_STATES, RankState
 from ddpwatch.tui.fmt import DASH, NA, bar, human_bytes, loss_text, seconds
 from ddpwatch.tui.model import (
     SPLIT_FIELDS,
@@ -29,7 +30,6 @@ from ddpwatch.tui.model import (
     state_text,
     step_split,
 )
-from ddpwatch.vocabulary import RANK_STATES, RankState
 
 Span = tuple[str, str | None]
 Cell = tuple[str | list[Span], str | None]

@@ -11,11 +11,11 @@ from textual.geometry import Size
 from textual.widget import Widget
 from textual.widgets import Static
 
+from ddpwatch.core.vocabulary import AlertKind, RankState, Severity
 from ddpwatch.tui.fmt import NA, human_bytes, loss_text, seconds, sparkline
 from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
 from ddpwatch.tui.model import step_split
 from ddpwatch.tui.packed import Packed
-from ddpwatch.vocabulary import AlertKind, RankState, Severity
 
 STATE_STYLE = {
     RankState.RUNNING: "bold green",

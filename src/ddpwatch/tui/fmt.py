@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from ddpwatch.ranges import rank_ranges as rank_ranges  # the dashboard writes "0-3,7,9-10"
+from ddpwatch.core.ranges import rank_ranges as rank_ranges  # the dashboard writes "0-3,7,9-10"
 
 NA = "—"
 DASH = "\u2013"

@@ -9,10 +9,10 @@ from rich.text import Text
 from textual.geometry import Size
 from textual.widget import Widget
 
+from ddpwatch.core.vocabulary import SEVERITIES, RankState, Severity
 from ddpwatch.tui.fmt import DASH, NA, uptime
 from ddpwatch.tui.model import Query, job_wait_fraction
 from ddpwatch.tui.packed import pack
-from ddpwatch.vocabulary import SEVERITIES, RankState, Severity
 
 SEVERITY_STYLE = {
     Severity.ERROR: "bold red",

@@ -12,8 +12,8 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+from ddpwatch.core.vocabulary import RankState
 from ddpwatch.tui.model import state_text
-from ddpwatch.vocabulary import RankState
 
 KEYS = (
     (

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlencode
 
+from ddpwatch.core.vocabulary import RANK_STATES
 from ddpwatch.tui.model import (
     STATE_WORST,
     WORST_NONE,
@@ -25,7 +26,6 @@ from ddpwatch.tui.model import (
     parse_ranges,
     worst_score,
 )
-from ddpwatch.vocabulary import RANK_STATES
 
 
 def is_summary(document: dict[str, Any] | None) -> bool:

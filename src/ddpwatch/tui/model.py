@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpwatch.ranges import rank_ranges
-from ddpwatch.vocabulary import RANK_STATES, AlertKind, RankState, Severity
+from ddpwatch.core.ranges import rank_ranges
+from ddpwatch.core.vocabulary import RANK_STATES, AlertKind, RankState, Severity
 
 Row = dict[str, Any]
 

@@ -26,6 +26,7 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
+from ddpwatch.core.vocabulary import RankState
 from ddpwatch.tui.columns import (
     CELL_STYLES,
     FINISHED_FIELDS,
@@ -41,7 +42,6 @@ from ddpwatch.tui.columns import (
     text_width,
 )
 from ddpwatch.tui.model import AlertIndex, Row, step_split
-from ddpwatch.vocabulary import RankState
 
 
 class RankTable(ScrollView, can_focus=True, inherit_bindings=False):

@@ -24,12 +24,12 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Input, Static
 
+from ddpwatch.core.vocabulary import Severity
 from ddpwatch.tui.alerts_panel import AlertList
 from ddpwatch.tui.columns import GROUP_COLUMNS, RANK_COLUMNS
 from ddpwatch.tui.detail import RankDetail
 from ddpwatch.tui.fmt import TIMES
 from ddpwatch.tui.header import HeaderInfo, StatusHeader, summarize
-from ddpwatch.tui.history import METRICS, History
 from ddpwatch.tui.large_job import host_names, is_summary, scope_of, select_summary_groups
 from ddpwatch.tui.model import (
     WORST,
@@ -43,9 +43,9 @@ from ddpwatch.tui.model import (
 )
 from ddpwatch.tui.rank_table import RankTable
 from ddpwatch.tui.sources import StatusSource
+from ddpwatch.tui.sparklines import METRICS, History
 from ddpwatch.tui.stack_panel import StackPanel
 from ddpwatch.tui.story import cleared_alerts, ended_banner, ranks_finished
-from ddpwatch.vocabulary import Severity
 
 MIN_WIDTH, MIN_HEIGHT = 60, 15
 """Below this the dashboard shows "terminal too small" instead of a cramped view."""

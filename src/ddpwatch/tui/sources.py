@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from ddpwatch.protocol import DEFAULT_PORT
+from ddpwatch.core.protocol import DEFAULT_PORT
 from ddpwatch.status.provider import StatusProvider
 
 log = logging.getLogger("ddpwatch.tui")
@@ -230,7 +230,7 @@ class RemoteSource:
     def __init__(
         self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, timeout: float = 1.0
     ) -> None:
-        from ddpwatch.client import StatusClient
+        from ddpwatch.status.client import StatusClient
 
         self.host, self.port, self.timeout = host, port, timeout
         self.label = f"{host}:{port}"
@@ -246,7 +246,7 @@ class RemoteSource:
         return self.client.endpoint
 
     def fetch(self) -> dict[str, Any] | None:
-        from ddpwatch.client import StatusQueryError
+        from ddpwatch.status.client import StatusQueryError
 
         if self._large and self._summaries:
             try:
@@ -265,7 +265,7 @@ class RemoteSource:
     def _ask(self, query: str) -> dict[str, Any] | None:
         """The reply to ``status?<query>``; None for a scoped query the server refuses (the
         whole job's summary is shown instead); ``StatusQueryError`` for an unscoped one."""
-        from ddpwatch.client import StatusQueryError
+        from ddpwatch.status.client import StatusQueryError
 
         try:
             return self.client.query(query)
@@ -277,7 +277,7 @@ class RemoteSource:
     def whole(self) -> dict[str, Any] | None:
         """The whole status document, every rank (an export of a large job), on a socket of
         its own: the polls' socket is the poll worker's."""
-        from ddpwatch.client import StatusClient
+        from ddpwatch.status.client import StatusClient
 
         client = StatusClient(self.host, self.port, EXPORT_TIMEOUT_S)
         try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddpwatch.vocabulary import RankState
+from ddpwatch.core.vocabulary import RankState
 
 FINISHED_STATES = frozenset({RankState.CRASHED, RankState.EXITED, RankState.STOPPED})
 """A rank in one of these will not report again: a job whose ranks all are has ended."""

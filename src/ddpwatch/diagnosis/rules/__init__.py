@@ -19,6 +19,7 @@ import logging
 import math
 from collections import Counter
 
+from ddpwatch.core.vocabulary import SEVERITIES, STARTUP_PHASES
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.rules.cascade import rule_cascade, rule_clean_exit
 from ddpwatch.diagnosis.rules.collectives import (
@@ -48,7 +49,6 @@ from ddpwatch.diagnosis.rules.registry import Rule
 from ddpwatch.diagnosis.rules.relays import rule_relay_lost
 from ddpwatch.diagnosis.rules.startup import rule_not_connected, rule_startup_hang
 from ddpwatch.server.state import ServerState
-from ddpwatch.vocabulary import SEVERITIES, STARTUP_PHASES
 
 __all__ = [
     "RANK_SCANS_PER_S",

@@ -3,6 +3,7 @@ ranks that failed or wait because of it (listed as ``waiting``, never as culprit
 
 from __future__ import annotations
 
+from ddpwatch.core.vocabulary import AlertKind, Severity, SeverityName
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.rules.facts import Cascade, Facts, Root, is_clean_exit, is_term_exit
 from ddpwatch.diagnosis.rules.registry import alert, rule
@@ -18,7 +19,6 @@ from ddpwatch.diagnosis.rules.text import (
 )
 from ddpwatch.server.host_memory import oom_note
 from ddpwatch.server.records import RankRecord
-from ddpwatch.vocabulary import AlertKind, Severity, SeverityName
 
 
 def _root_alert(root: Root, cascade: Cascade | None, now: float, stepping: bool = False) -> Alert:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ddpwatch.core.vocabulary import AlertKind, Severity, SeverityName
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.knowledge import named_ranks
 from ddpwatch.diagnosis.rules.facts import (
@@ -29,7 +30,6 @@ from ddpwatch.diagnosis.rules.text import (
     where,
 )
 from ddpwatch.server.records import RankRecord
-from ddpwatch.vocabulary import AlertKind, Severity, SeverityName
 
 
 @rule(AlertKind.STRAGGLER, AlertKind.STALLED)

@@ -9,7 +9,8 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from functools import lru_cache
 
-from ddpwatch.devices import parse_cuda_visible_devices
+from ddpwatch.core.devices import parse_cuda_visible_devices
+from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.rules.facts import Facts
 from ddpwatch.diagnosis.rules.registry import alert, rule
@@ -23,7 +24,6 @@ from ddpwatch.diagnosis.rules.text import (
     verb,
 )
 from ddpwatch.server.records import RankRecord
-from ddpwatch.vocabulary import AlertKind, Severity
 
 _DUPLICATE_PAIR = re.compile(r"rank (\d+) and rank (\d+) both on CUDA device", re.IGNORECASE)
 

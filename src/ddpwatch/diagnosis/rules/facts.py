@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import TypeVar, cast
 
+from ddpwatch.core.protocol import Collective, ErrorInfo
+from ddpwatch.core.vocabulary import STARTUP_PHASES, AlertKind, RankState
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.knowledge import WAIT_NAMES, Signature, explain_error, named_ranks
 from ddpwatch.diagnosis.rules.text import collective_name, first_line
-from ddpwatch.protocol import Collective, ErrorInfo
 from ddpwatch.server.host_memory import oom_note
 from ddpwatch.server.records import RankRecord
 from ddpwatch.server.relays import RELAY_HOLD_S, LostRelay, lost_relays
 from ddpwatch.server.state import ServerState
 from ddpwatch.server.waits import WaitGroup, WaitIndex, call_of, merged
-from ddpwatch.vocabulary import STARTUP_PHASES, AlertKind, RankState
 
 T = TypeVar("T")
 MISMATCH_SETTLE_S = 1.0  # a live rank's call counts once it has waited in it this long

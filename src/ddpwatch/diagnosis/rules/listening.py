@@ -3,11 +3,11 @@ silent or stalled (``Facts.now`` is as of what it has read), and says why it is 
 
 from __future__ import annotations
 
+from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.rules.facts import Facts
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.rules.text import seconds
-from ddpwatch.vocabulary import AlertKind, Severity
 
 
 @rule(AlertKind.SERVER_BEHIND)

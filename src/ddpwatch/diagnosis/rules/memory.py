@@ -13,6 +13,7 @@ import statistics
 from bisect import bisect_left
 from collections import defaultdict
 
+from ddpwatch.core.vocabulary import AlertKind, Severity, SeverityName
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.rules.facts import Facts
 from ddpwatch.diagnosis.rules.registry import alert, rule
@@ -28,7 +29,6 @@ from ddpwatch.server.host_memory import (
     size,
 )
 from ddpwatch.server.records import RankRecord
-from ddpwatch.vocabulary import AlertKind, Severity, SeverityName
 
 PEERS_FACTOR = 3.0
 """A leaking rank grows at least this many times as fast as the median of the others."""

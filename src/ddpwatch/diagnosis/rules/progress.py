@@ -7,12 +7,12 @@ import math
 import statistics
 from collections import defaultdict
 
+from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.rules.facts import Facts, is_busy, odd_at_mark
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.rules.text import STACKS_IN, format_ranks, record_location, seconds, verb
 from ddpwatch.server.records import RankRecord
-from ddpwatch.vocabulary import AlertKind, Severity
 
 
 @rule(AlertKind.STALLED)

@@ -7,10 +7,10 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import Literal, Protocol
 
+from ddpwatch.core.vocabulary import SeverityName
 from ddpwatch.diagnosis.alerts import KINDS, Alert, Thresholds
 from ddpwatch.diagnosis.rules.facts import Facts
 from ddpwatch.server.state import ServerState
-from ddpwatch.vocabulary import SeverityName
 
 Cadence = Literal["tick", "change", "slow"]
 """How often a rule must run: ``tick``, every diagnosis tick; ``change``, when what it reads

@@ -9,12 +9,12 @@ but the batching). Ranks that went silent with their relay are left out of ``sil
 
 from __future__ import annotations
 
+from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.rules.facts import Facts
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.rules.text import format_ranks, seconds, verb
 from ddpwatch.server.relays import LostRelay
-from ddpwatch.vocabulary import AlertKind, Severity
 
 
 @rule(AlertKind.RELAY_LOST)

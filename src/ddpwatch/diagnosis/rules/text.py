@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from ddpwatch.devices import parse_cuda_visible_devices
-from ddpwatch.ranges import sorted_ranges
+from ddpwatch.core.devices import parse_cuda_visible_devices
+from ddpwatch.core.ranges import sorted_ranges
 from ddpwatch.server.records import RankRecord
 
 GIB = float(1 << 30)

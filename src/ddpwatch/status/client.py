@@ -20,7 +20,7 @@ from urllib.parse import urlencode
 
 import msgspec
 
-from ddpwatch.protocol import DEFAULT_PORT, MAX_QUERY_BYTES
+from ddpwatch.core.protocol import DEFAULT_PORT, MAX_QUERY_BYTES
 
 if TYPE_CHECKING:
     import zmq
@@ -50,7 +50,7 @@ def status_query(
     >>> status_query(view="summary", state=["stalled", "silent"], worst=5)
     'view=summary&state=stalled,silent&worst=5'
     """
-    from ddpwatch.ranges import rank_ranges
+    from ddpwatch.core.ranges import rank_ranges
 
     fields: dict[str, str] = {}
     if view is not None:
@@ -102,7 +102,7 @@ class StatusClient:
     def _socket(self) -> zmq.Socket[bytes]:
         if self._sock is None:
             zmq = self._zmq
-            from ddpwatch.security import apply_client_curve
+            from ddpwatch.core.security import apply_client_curve
 
             sock = self._context.socket(zmq.REQ)
             sock.setsockopt(zmq.LINGER, 0)
@@ -212,7 +212,7 @@ def no_server(host: str, port: int, timeout: float, *, curve: bool = False) -> s
         "COMMAND`), or point at a running one with --host/--port"
     )
     if curve:
-        from ddpwatch.security import SERVER_KEY_ENV
+        from ddpwatch.core.security import SERVER_KEY_ENV
 
         text += (
             f" (with {SERVER_KEY_ENV} set: is it the key of a server started with "
@@ -227,7 +227,7 @@ def unanswered(
     """Ask once whether a server answers on ``host:port + 1`` (a page of one rank: cheap at any
     size; a refused query is an answer too): None when one did, else ``no_server``'s line. A
     malformed CURVE key raises ``CurveKeyError``."""
-    from ddpwatch.security import client_curve_keys
+    from ddpwatch.core.security import client_curve_keys
 
     curve = client_curve_keys(environ) is not None
     client = StatusClient(host, port, timeout, environ)

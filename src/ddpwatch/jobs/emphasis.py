@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import TextIO
 
-from ddpwatch.vocabulary import Severity
+from ddpwatch.core.vocabulary import Severity
 
 MARK = "▶"
 ASCII_MARK = ">>"  # where the stream cannot encode the mark (LANG=C with an ASCII stderr)

@@ -26,23 +26,23 @@ from pathlib import Path
 from typing import IO, Any
 
 from ddpwatch.agent.auto import AUTO_ENV
+from ddpwatch.core.port_holder import holder_of
+from ddpwatch.core.ports import pick_port
+from ddpwatch.core.protocol import DEFAULT_PORT
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.history import describe
-from ddpwatch.emphasis import emphasize_for, mark_for
-from ddpwatch.job_output import StderrTee, tail_of_file
-from ddpwatch.jobs import stop_job
-from ddpwatch.launch_failure import not_started_reason, why_not_started
+from ddpwatch.jobs.emphasis import emphasize_for, mark_for
+from ddpwatch.jobs.failure import not_started_reason, why_not_started
+from ddpwatch.jobs.output import StderrTee, tail_of_file
+from ddpwatch.jobs.stop import stop_job
 from ddpwatch.outputs.notify import Notifier, chain
 from ddpwatch.outputs.summary import print_summary
-from ddpwatch.port_holder import holder_of
-from ddpwatch.ports import pick_port
-from ddpwatch.protocol import DEFAULT_PORT
 from ddpwatch.relay import RELAY_ENV, Relay, RelayError, find_relay
 from ddpwatch.server.recording import RecordingError
 from ddpwatch.server.service import AlertChange, Server
 from ddpwatch.status.provider import in_background
 
-BOOT_DIR = Path(__file__).resolve().parent / "boot"
+BOOT_DIR = Path(__file__).resolve().parent.parent / "boot"
 RECORD_DIR_ENV = "DDPWATCH_RECORD_DIR"  # where run's default recordings go
 
 

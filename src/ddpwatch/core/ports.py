@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from ddpwatch.protocol import DEFAULT_PORT
+from ddpwatch.core.protocol import DEFAULT_PORT
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
