@@ -21,9 +21,8 @@ from typing import Any, Generic, Literal, TypeVar, cast
 
 from ddpwatch.agent.identity import identity_from_env
 from ddpwatch.agent.nvml import Nvml
-from ddpwatch.agent.watcher import resolve_endpoint
 from ddpwatch.core.port_holder import Holder, find_holder
-from ddpwatch.core.ports import host_port
+from ddpwatch.core.ports import host_port, resolve_endpoint
 from ddpwatch.core.security import (
     CLIENT_KEY_FILE_ENV,
     SERVER_KEY_ENV,
@@ -278,7 +277,7 @@ def server_endpoint(addr: str | None, env: Mapping[str, str]) -> tuple[str, str,
         source, explicit = "the agent's default, $MASTER_ADDR", False
     else:
         source, explicit = "the agent's default", False
-    return resolve_endpoint(addr, dict(env)), source, explicit
+    return resolve_endpoint(addr, env), source, explicit
 
 
 def curve_environment(

@@ -272,7 +272,7 @@ def _start_relay(addr: str, env: dict[str, str]) -> Relay | None:
     """This node's relay to the server at ``addr``, on a thread, unless the node already has
     one (the job's ranks find that one) or ``$DDPWATCH_RELAY`` says otherwise. A relay that
     cannot start is one line: the ranks then send to the server directly."""
-    from ddpwatch.agent.watcher import resolve_endpoint
+    from ddpwatch.core.ports import resolve_endpoint
 
     if env.get(RELAY_ENV):
         return None  # the user chose: a relay of their own, or "off"
