@@ -26,9 +26,8 @@ RankCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
 
 
 # Every struct here is ``gc=False``: decoded data never forms a reference cycle, and the
-# server keeps some on each of up to 65,536 ranks' records (and decodes 10^5 a second), so
-# Python's cyclic collector is spared scanning them (at 32,768 ranks it took over half of
-# each diagnosis tick).
+# server keeps some on every rank's record, so Python's cyclic collector is spared scanning
+# them (what that scan cost at scale: docs/performance.md, section 7).
 
 
 class Collective(msgspec.Struct, omit_defaults=True, gc=False):

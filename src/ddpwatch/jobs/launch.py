@@ -6,10 +6,10 @@ collector runs here and prints each alert as it is raised and cleared. With ``--
 server elsewhere, one ``run`` per node) a relay runs here and batches this node's ranks
 (``relay.py``), unless the node already has one.
 
-The job's stderr passes through ``job_output.StderrTee`` unchanged, which keeps its first and
-last lines: a launcher that ends with an error before any rank reported is a job that did
-not start, and the summary (or, with ``--addr``, one line) says why in its own words
-(``launch_failure.py``).
+The job's stderr passes through ``StderrTee`` (``jobs/output.py``) unchanged, which keeps its
+first and last lines: a launcher that ends with an error before any rank reported is a job
+that did not start, and the summary (or, with ``--addr``, one line) says why in its own words
+(``jobs/failure.py``).
 """
 
 from __future__ import annotations
