@@ -100,7 +100,7 @@ class Recorder:
     def on_change(self, change: Any) -> None:
         if change.event == "cleared":
             return  # raised, or escalated (a step_skew warning that became stalled)
-        from ddpwatch.diagnosis.rules import Facts
+        from ddpwatch.diagnosis.facts import Facts
 
         now = time.time()
         server = self.server

@@ -35,6 +35,7 @@ from ddpwatch.core.vocabulary import (
     RANK_STATES,
     RUN_PHASES,
     SEVERITIES,
+    STARTUP_PHASES,
     AlertKind,
     EventKind,
     Phase,
@@ -42,7 +43,6 @@ from ddpwatch.core.vocabulary import (
     Severity,
     SeverityName,
 )
-from ddpwatch.diagnosis.rules import STARTUP_PHASES
 
 SRC = ROOT / "src" / "ddpwatch"
 AGENT = sorted((SRC / "agent").glob("*.py"))
@@ -227,7 +227,7 @@ def test_the_vocabulary_matches_the_documented_contract() -> None:
 def test_the_server_gives_every_rank_state_of_the_vocabulary() -> None:
     from ddpwatch.core.protocol import Collective, ErrorInfo
     from ddpwatch.diagnosis.alerts import Thresholds
-    from ddpwatch.diagnosis.rules import rank_state
+    from ddpwatch.diagnosis.facts.ranks import rank_state
     from ddpwatch.server.document import status_document
     from ddpwatch.server.records import RankRecord
     from ddpwatch.server.state import ServerState
@@ -540,7 +540,7 @@ def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
 
 def test_rank_lists_are_written_by_one_algorithm() -> None:
     from ddpwatch.core import ranges
-    from ddpwatch.diagnosis.rules.text import format_ranks
+    from ddpwatch.diagnosis.text import format_ranks
     from ddpwatch.tui import fmt
 
     assert fmt.rank_ranges is ranges.rank_ranges

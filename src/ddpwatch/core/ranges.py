@@ -1,7 +1,7 @@
 """Rank lists written short: ``[0, 1, 2, 3, 7, 9, 10]`` -> ``"0-3,7,9-10"``, and read back
 (``parse_rank_ranges``: ``ddpwatch status --ranks``, the query socket's ``ranks=``).
 
-One algorithm for the alert messages (``diagnosis.rules.text.format_ranks``: "ranks 0-5, 9")
+One algorithm for the alert messages (``diagnosis.text.format_ranks``: "ranks 0-5, 9")
 and the dashboard (``tui.fmt.rank_ranges``: "0-5,9"). A shared module: it imports nothing of
 ddpwatch, so the server and the views may both use it.
 """

@@ -86,7 +86,7 @@ PHASES: Final = frozenset(STARTUP_PHASES + RUN_PHASES)
 class RankState:
     """The one word the server gives each rank (the status document's ``state``).
 
-    Diagnosis works it out (``diagnosis.rules.facts.rank_state``; ``not_connected`` for a rank
+    Diagnosis works it out (``diagnosis.facts.ranks.rank_state``; ``not_connected`` for a rank
     below the world size that never reported); the views, the summary and Prometheus read it.
     """
 

@@ -21,7 +21,7 @@ from typing import Any
 from ddpwatch.core.protocol import ErrorInfo
 from ddpwatch.core.vocabulary import AlertKind, RankState, Severity
 from ddpwatch.diagnosis.knowledge import WAIT_NAMES, explain_error
-from ddpwatch.diagnosis.rules.text import format_ranks
+from ddpwatch.diagnosis.text import format_ranks
 
 ENDINGS = frozenset({AlertKind.CRASHED, AlertKind.EXITED, AlertKind.SILENT})
 """Alert kinds that name a rank whose process failed: the candidates for what ended a job."""

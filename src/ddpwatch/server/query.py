@@ -23,7 +23,8 @@ import msgspec
 from ddpwatch.core.ranges import parse_rank_ranges
 from ddpwatch.core.vocabulary import RANK_STATES, RankState
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
-from ddpwatch.diagnosis.rules import effective_stall_after, rank_state
+from ddpwatch.diagnosis.facts.census import effective_stall_after
+from ddpwatch.diagnosis.facts.ranks import rank_state
 from ddpwatch.server.document import document_around, missing_entry, rank_entry
 from ddpwatch.server.state import ServerState
 

@@ -1,11 +1,12 @@
 """Diagnosis: pure rules over ``ServerState`` that name the rank behind a problem, its cause
 and the fix.
 
-``facts`` holds the attribution model every family shares (who failed first, who has
-entered which collective, on what evidence); ``text`` the words. Each family module
-(cascade, collectives, progress, startup, devices, memory) imports those two and never another
-family. A rule is a function of ``Facts`` declared with ``@rule(kinds...)``: the kinds it
-may raise are checked against the contract when the module is imported.
+``diagnosis.facts`` holds the attribution model every family shares (who failed first, who
+has entered which collective, on what evidence); ``diagnosis.text`` the words. Each family
+module (cascade, collectives, progress, startup, devices, memory, relays, listening) imports
+those two and the registry, never another family. A rule is a function of ``Facts`` declared
+with ``@rule(kinds...)``: the kinds it may raise are checked against the contract when the
+module is imported.
 
 The server ticks four times a second with up to 65,536 ranks (``Diagnosis``), so a rule is at
 most one or two linear passes plus a sort, and ``Facts`` does shared work once per tick: the
@@ -19,8 +20,10 @@ import logging
 import math
 from collections import Counter
 
-from ddpwatch.core.vocabulary import SEVERITIES, STARTUP_PHASES
+from ddpwatch.core.vocabulary import SEVERITIES
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
+from ddpwatch.diagnosis.facts import Facts
+from ddpwatch.diagnosis.facts.census import Pace
 from ddpwatch.diagnosis.rules.cascade import rule_cascade, rule_clean_exit
 from ddpwatch.diagnosis.rules.collectives import (
     rule_collective_desync,
@@ -34,7 +37,6 @@ from ddpwatch.diagnosis.rules.devices import (
     rule_local_rank_mismatch,
     rule_uneven_memory,
 )
-from ddpwatch.diagnosis.rules.facts import Facts, Pace, effective_stall_after, rank_state
 from ddpwatch.diagnosis.rules.listening import rule_server_behind
 from ddpwatch.diagnosis.rules.memory import rule_host_memory
 from ddpwatch.diagnosis.rules.progress import (
@@ -54,13 +56,9 @@ __all__ = [
     "RANK_SCANS_PER_S",
     "RULES",
     "SLOW_S",
-    "STARTUP_PHASES",
     "Diagnosis",
-    "Facts",
     "Rule",
     "diagnose",
-    "effective_stall_after",
-    "rank_state",
     "rule_batch_desync",
     "rule_cascade",
     "rule_checkpoint_conflict",

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from ddpwatch.core.vocabulary import AlertKind, Severity, SeverityName
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
-from ddpwatch.diagnosis.rules.facts import Cascade, Facts, Root, is_clean_exit, is_term_exit
+from ddpwatch.diagnosis.facts import Facts
+from ddpwatch.diagnosis.facts.cascade import Cascade, Root
+from ddpwatch.diagnosis.facts.ranks import is_clean_exit, is_term_exit
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.rules.text import (
+from ddpwatch.diagnosis.text import (
     STACKS_IN,
     collective_name,
     first_line,

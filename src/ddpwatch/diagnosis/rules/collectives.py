@@ -7,18 +7,14 @@ from collections import Counter
 
 from ddpwatch.core.vocabulary import AlertKind, Severity, SeverityName
 from ddpwatch.diagnosis.alerts import Alert
+from ddpwatch.diagnosis.facts import Facts
+from ddpwatch.diagnosis.facts.census import world_complete
+from ddpwatch.diagnosis.facts.mismatch import Mismatch, odd_at_mark
+from ddpwatch.diagnosis.facts.ranks import is_busy, normal_op
+from ddpwatch.diagnosis.facts.stragglers import Straggle
 from ddpwatch.diagnosis.knowledge import named_ranks
-from ddpwatch.diagnosis.rules.facts import (
-    Facts,
-    Mismatch,
-    Straggle,
-    is_busy,
-    normal_op,
-    odd_at_mark,
-    world_complete,
-)
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.rules.text import (
+from ddpwatch.diagnosis.text import (
     STACKS_IN,
     collective_name,
     duration,

@@ -15,9 +15,9 @@ from collections import defaultdict
 
 from ddpwatch.core.vocabulary import AlertKind, Severity, SeverityName
 from ddpwatch.diagnosis.alerts import Alert
-from ddpwatch.diagnosis.rules.facts import Facts
+from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.rules.text import duration, format_ranks
+from ddpwatch.diagnosis.text import duration, format_ranks
 from ddpwatch.server.host_memory import (
     GIB,
     LEAK_RATE,

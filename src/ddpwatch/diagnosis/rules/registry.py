@@ -9,7 +9,7 @@ from typing import Literal, Protocol
 
 from ddpwatch.core.vocabulary import SeverityName
 from ddpwatch.diagnosis.alerts import KINDS, Alert, Thresholds
-from ddpwatch.diagnosis.rules.facts import Facts
+from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.server.state import ServerState
 
 Cadence = Literal["tick", "change", "slow"]

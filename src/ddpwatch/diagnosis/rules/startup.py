@@ -7,9 +7,10 @@ from collections import Counter
 
 from ddpwatch.core.vocabulary import STARTUP_PHASES, AlertKind, Severity, SeverityName
 from ddpwatch.diagnosis.alerts import Alert
-from ddpwatch.diagnosis.rules.facts import Facts, missing_ranks
+from ddpwatch.diagnosis.facts import Facts
+from ddpwatch.diagnosis.facts.census import missing_ranks
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.rules.text import format_ranks, record_location, seconds, verb
+from ddpwatch.diagnosis.text import format_ranks, record_location, seconds, verb
 from ddpwatch.server.records import RankRecord
 
 _PHASE_ORDER = {name: index for index, name in enumerate(STARTUP_PHASES)}
