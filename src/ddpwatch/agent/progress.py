@@ -13,7 +13,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from ddpwatch.agent.grads import GradCheck
 from ddpwatch.agent.loss import LossReader
@@ -23,6 +23,7 @@ from ddpwatch.core.vocabulary import Phase
 EMA_WEIGHT = 0.1
 MARKS_KEPT = 16  # 128 steps of marks between two heartbeats: enough for 4 ms steps
 DRAWN_KEPT = 8  # DataLoader iterators counted at once (training, evaluation, a new epoch's)
+_FORWARD: Final = Phase.FORWARD  # a global: an Enum member off its class is slower (hooks.py)
 
 
 class Progress:
@@ -183,7 +184,7 @@ class Progress:
         if self.waiting_for_data and self.last_step_end is not None:
             self.data_wait_s = now - self.last_step_end
             self.waiting_for_data = False
-        self.auto_phase(Phase.FORWARD)
+        self.auto_phase(_FORWARD)
 
     def enter_collective(self, op: str, tensor: Any = None, counted: bool = True) -> None:
         """Enter a Python-level collective. ``tensor``: what this rank contributes (its shape

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from ddpwatch.core.vocabulary import ALERT_KINDS, SeverityName
+from ddpwatch.core.vocabulary import ALERT_KINDS, Severity
 
 STARTUP_SILENT_S = 15.0
 """A rank still starting may go this long unheard: its heartbeats wait behind imports, model
@@ -25,7 +25,7 @@ class Alert:
     """
 
     kind: str
-    severity: SeverityName
+    severity: Severity
     ranks: tuple[int, ...]
     waiting: tuple[int, ...]
     message: str

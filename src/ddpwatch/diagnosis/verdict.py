@@ -104,7 +104,7 @@ class _Open:
         self.raised_s, self.attempt = raised_s, attempt
         self.alert: dict[str, Any] = {}
         self.first: dict[str, Any] = {}
-        self.severity = Severity.INFO
+        self.severity: str = Severity.INFO
         self.waiting: set[int] = set()
         self.escalated_s: float | None = None
         self.cleared_s: float | None = None
@@ -150,7 +150,7 @@ class _Open:
         )
 
 
-_SEVERITY_ORDER = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2}
+_SEVERITY_ORDER: dict[str, int] = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2}
 
 
 @dataclass(frozen=True)
@@ -561,7 +561,7 @@ def _episode_text(e: Episode, end_s: float, nan_steps: dict[int, Any]) -> str:
     return f"{e.kind} about {who} (+{e.raised_s:.1f} s, {duration(e.duration_s(end_s))})"
 
 
-_DID = {
+_DID: dict[str, str] = {
     AlertKind.COLLECTIVE_MISMATCH: "made a collective call the others did not",
     AlertKind.NOT_CONNECTED: "never reported",
     AlertKind.STARTUP_HANG: "hung while starting",

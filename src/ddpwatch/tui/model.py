@@ -21,7 +21,7 @@ Row = dict[str, Any]
 STATE_SCORE = {state: n for n, state in enumerate(RANK_STATES)}
 """Worst first (``vocabulary.RANK_STATES``): a lower score is a worse state."""
 
-STATE_TEXT = {RankState.NOT_CONNECTED: "absent"}
+STATE_TEXT: dict[str, str] = {RankState.NOT_CONNECTED: "absent"}
 """How the views write a state where it differs from its name."""
 
 
@@ -30,7 +30,7 @@ def state_text(state: str) -> str:
     return STATE_TEXT.get(state, state)
 
 
-SHORT_STATE = {
+SHORT_STATE: dict[str, str] = {
     RankState.RUNNING: "run",
     RankState.WAITING: "wait",
     RankState.STALLED: "stall",
@@ -77,7 +77,7 @@ CULPRIT_SCORE = {
     Severity.INFO: WORST_INFO_CULPRIT,
 }
 """The score an alert of each severity gives its culprits (unknown severities: info's)."""
-STATE_WORST = {
+STATE_WORST: dict[str, int] = {
     RankState.CRASHED: WORST_CRASHED,
     RankState.SILENT: WORST_SILENT,
     RankState.STALLED: WORST_STALLED,

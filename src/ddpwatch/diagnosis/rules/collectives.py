@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ddpwatch.core.vocabulary import AlertKind, Severity, SeverityName
+from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.census import world_complete
@@ -84,7 +84,7 @@ def rule_straggler(f: Facts) -> list[Alert]:
             "; if that rank's work is legitimate (saving, evaluating on one rank), raise "
             "timeout= in init_process_group or let the other ranks do it too"
         )
-    severity: SeverityName = Severity.ERROR if found.age >= f.stall_after else Severity.WARNING
+    severity = Severity.ERROR if found.age >= f.stall_after else Severity.WARNING
     return [
         alert(
             AlertKind.STRAGGLER,

@@ -13,7 +13,7 @@ import statistics
 from bisect import bisect_left
 from collections import defaultdict
 
-from ddpwatch.core.vocabulary import AlertKind, Severity, SeverityName
+from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.rules.registry import alert, rule
@@ -136,7 +136,7 @@ def _leak_alert(r: RankRecord, pace: _Pace) -> Alert:
         message += f"; the others' median {mib_s(peers)}"
     left = pace.time_left(r)
     room = headroom(r)
-    severity: SeverityName = Severity.WARNING
+    severity = Severity.WARNING
     if left is None or room is None:
         message += "; how much memory is left is not known"
     else:

@@ -7,7 +7,7 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import Literal, Protocol
 
-from ddpwatch.core.vocabulary import SeverityName
+from ddpwatch.core.vocabulary import Severity
 from ddpwatch.diagnosis.alerts import KINDS, Alert, Thresholds
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.server.state import ServerState
@@ -57,7 +57,7 @@ def rule(*kinds: str, every: Cadence = "tick") -> Callable[[Callable[[Facts], li
 
 def alert(
     kind: str,
-    severity: SeverityName,
+    severity: Severity,
     ranks: Iterable[int],
     waiting: Iterable[int],
     message: str,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ddpwatch.core.vocabulary import STARTUP_PHASES, AlertKind, Severity, SeverityName
+from ddpwatch.core.vocabulary import STARTUP_PHASES, AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.census import missing_ranks
@@ -96,7 +96,7 @@ def rule_startup_hang(f: Facts) -> list[Alert]:
             f" while {format_ranks(ahead)} {verb(len(ahead), 'waits', 'wait')} in '{ahead_phase}'"
         )
     hint = _PHASE_HINTS.get(phase, "look at the stacks of the ranks furthest behind")
-    severity: SeverityName = Severity.ERROR if longest > 2 * th.startup_after else Severity.WARNING
+    severity = Severity.ERROR if longest > 2 * th.startup_after else Severity.WARNING
     return [alert(AlertKind.STARTUP_HANG, severity, culprits, ahead, message, hint)]
 
 
@@ -137,7 +137,7 @@ def rule_not_connected(f: Facts) -> list[Alert]:
         "check that those ranks started (launcher log; nnodes x nproc_per_node = WORLD_SIZE), "
         "that they call ddpwatch.attach(), and that they can reach the ddpwatch server"
     )
-    severity: SeverityName = Severity.ERROR if elapsed > th.startup_after else Severity.WARNING
+    severity = Severity.ERROR if elapsed > th.startup_after else Severity.WARNING
     waiting = [r.rank for r in f.live if r.step is None]
     waiting += [r.rank for r in f.records if r.finished]  # died waiting for them (store timeout)
     return [alert(AlertKind.NOT_CONNECTED, severity, missing, waiting, message, hint)]
