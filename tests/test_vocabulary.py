@@ -39,7 +39,9 @@ from ddpwatch.core.vocabulary import (
     SEVERITIES,
     STARTUP_PHASES,
     AlertKind,
+    CollectiveSource,
     EventKind,
+    HistoryEvent,
     Phase,
     RankState,
     Severity,
@@ -194,7 +196,9 @@ def _doc_field_row(path: Path, field: str) -> list[str]:
     return re.findall(r"`([a-z_]+)`", row)[1:]
 
 
-@pytest.mark.parametrize("cls", [Phase, RankState, Severity, EventKind, AlertKind])
+@pytest.mark.parametrize(
+    "cls", [Phase, RankState, Severity, EventKind, AlertKind, HistoryEvent, CollectiveSource]
+)
 def test_each_name_is_its_plain_string(cls: type[Word]) -> None:
     """A member is its string wherever it goes: compared, hashed, printed, formatted, quoted,
     and encoded on the wire (msgpack) and in the status JSON (msgspec, json), byte for byte."""
@@ -219,6 +223,10 @@ def test_the_vocabulary_matches_the_documented_contract() -> None:
     documented = _doc_field_row(status, "state")
     assert set(RANK_STATES) <= set(documented)
     assert set(documented) - set(RANK_STATES) <= {"exit_code"}  # "`exit_code` says how"
+    history = [name for name in _doc_field_row(status, "event") if name in set(HistoryEvent)]
+    assert history == list(HistoryEvent)
+    source = next(line for line in protocol.read_text().splitlines() if "`collective.source`" in line)
+    assert re.findall(r"`(fr|py)`", source) == list(CollectiveSource)
     # byte-identical on the wire: what older agents send and older servers read
     assert EVENT_KINDS == ("phase", "crash", "exit", "stack", "checkpoint", "log")
 

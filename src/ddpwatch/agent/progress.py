@@ -18,7 +18,7 @@ from typing import Any, Final
 from ddpwatch.agent.grads import GradCheck
 from ddpwatch.agent.loss import LossReader
 from ddpwatch.core.protocol import MARK_EVERY, Collective
-from ddpwatch.core.vocabulary import Phase
+from ddpwatch.core.vocabulary import CollectiveSource, Phase
 
 EMA_WEIGHT = 0.1
 MARKS_KEPT = 16  # 128 steps of marks between two heartbeats: enough for 4 ms steps
@@ -219,7 +219,7 @@ class Progress:
             op=op,
             seq=self.collective_seq if self.collective_counted else None,
             since_s=time.perf_counter() - self.collective_start,
-            source="py",
+            source=CollectiveSource.PY,
             shape=shape,
             dtype=dtype,
         )

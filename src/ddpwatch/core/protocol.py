@@ -33,9 +33,10 @@ RankCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
 class Collective(msgspec.Struct, omit_defaults=True, gc=False):
     """A collective a rank is in: blocked in it right now (samples) or failed in (crash events).
 
-    ``source`` says which counter ``seq`` belongs to: ``"fr"`` the flight recorder's per-group
-    sequence (it counts DDP's own all-reduces too), ``"py"`` the agent's count of Python-level
-    ``torch.distributed`` calls. Sequence numbers of different sources never compare.
+    ``source`` says which counter ``seq`` belongs to (``vocabulary.CollectiveSource``): ``"fr"``
+    the flight recorder's per-group sequence (it counts DDP's own all-reduces too), ``"py"``
+    the agent's count of Python-level ``torch.distributed`` calls. Sequence numbers of
+    different sources never compare.
     """
 
     op: str

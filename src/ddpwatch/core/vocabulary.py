@@ -8,6 +8,8 @@ its members in order.
 * ``Severity``: an alert's severity, ``SEVERITIES`` most severe first.
 * ``EventKind``: the kinds of protocol events the agent sends and the server reads.
 * ``AlertKind``: the kinds of alerts diagnosis may raise.
+* ``HistoryEvent``: what happened to an alert, in the status document's ``history``.
+* ``CollectiveSource``: which counter a collective's number comes from.
 
 Importable anywhere (the server included): no torch, no third-party package. The agent and
 the integrations set only these phases (a user's ``ddpwatch.phase(name)`` may set any);
@@ -164,3 +166,21 @@ class AlertKind(Word):
 
 ALERT_KINDS: Final[tuple[str, ...]] = tuple(AlertKind)
 """Every alert kind, in ``docs/status.md``'s order: a rule declaring another fails at import."""
+
+
+@unique
+class HistoryEvent(Word):
+    """The ``event`` of a ``history`` entry (``docs/status.md``): what happened to an alert."""
+
+    RAISED = "raised"
+    ESCALATED = "escalated"  # more severe than before, about the same ranks, in one tick
+    CLEARED = "cleared"
+
+
+@unique
+class CollectiveSource(Word):
+    """A ``Collective``'s ``source`` (``docs/protocol.md``): the counter its ``seq`` comes from.
+    Numbers of different sources never compare."""
+
+    FR = "fr"  # the flight recorder's sequence, per process group (DDP's all-reduces too)
+    PY = "py"  # the agent's count of Python-level torch.distributed calls

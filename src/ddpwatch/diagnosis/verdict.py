@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpwatch.core.protocol import ErrorInfo
-from ddpwatch.core.vocabulary import AlertKind, RankState, Severity
+from ddpwatch.core.vocabulary import AlertKind, HistoryEvent, RankState, Severity
 from ddpwatch.diagnosis.knowledge import WAIT_NAMES, explain_error
 from ddpwatch.diagnosis.text import format_ranks
 
@@ -84,15 +84,16 @@ def episodes(history: Iterable[dict[str, Any]]) -> list[Episode]:
         event = entry.get("event")
         elapsed = _float(entry.get("elapsed_s"))
         current = open_by_key.pop(key, None)
-        if event == "escalated":
+        if event == HistoryEvent.ESCALATED:
             previous = entry.get("from") or {}
             current = current or open_by_key.pop((str(previous.get("kind")), key[1]), None)
         if current is None:
-            since = elapsed - _float(entry.get("duration_s")) if event == "cleared" else elapsed
+            cleared = event == HistoryEvent.CLEARED
+            since = elapsed - _float(entry.get("duration_s")) if cleared else elapsed
             current = _Open(since, int(entry.get("attempt") or 1))
             found.append(current)
         current.take(entry, alert, elapsed)
-        if event != "cleared":
+        if event != HistoryEvent.CLEARED:
             open_by_key[key] = current
     return [e.episode() for e in found if e.alert]
 
@@ -118,9 +119,9 @@ class _Open:
         if _SEVERITY_ORDER.get(str(alert.get("severity")), 0) > _SEVERITY_ORDER[self.severity]:
             self.severity = str(alert.get("severity"))
         event = entry.get("event")
-        if event == "escalated":
+        if event == HistoryEvent.ESCALATED:
             self.escalated_s = elapsed
-        elif event == "cleared":
+        elif event == HistoryEvent.CLEARED:
             self.cleared_s = elapsed
             self.closed_by = entry.get("closed_by")
         waited = alert.get("waited_s")

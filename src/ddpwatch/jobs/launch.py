@@ -29,6 +29,7 @@ from ddpwatch.agent.auto import AUTO_ENV
 from ddpwatch.core.port_holder import holder_of
 from ddpwatch.core.ports import pick_port
 from ddpwatch.core.protocol import DEFAULT_PORT
+from ddpwatch.core.vocabulary import HistoryEvent
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.history import describe
 from ddpwatch.jobs.emphasis import emphasize_for, mark_for
@@ -264,7 +265,7 @@ def _banner(command: Sequence[str], addr: str, local: bool, preferred_port: int)
 
 
 def _print_change(change: AlertChange) -> None:
-    severity = None if change.event == "cleared" else change.alert.severity
+    severity = None if change.event == HistoryEvent.CLEARED else change.alert.severity
     print(emphasize_for(sys.stderr, describe(change), severity), file=sys.stderr, flush=True)
 
 

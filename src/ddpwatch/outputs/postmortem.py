@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpwatch.core.protocol import ProtocolError, Sample, decode
-from ddpwatch.core.vocabulary import Severity
+from ddpwatch.core.vocabulary import HistoryEvent, Severity
 from ddpwatch.diagnosis.history import event_label
 from ddpwatch.diagnosis.verdict import Run, duration, read_run
 from ddpwatch.outputs.summary import summary_lines
@@ -215,7 +215,7 @@ class RunReport:
 
     @property
     def alerts_raised(self) -> int:
-        return sum(1 for e in self.history if e.get("event") != "cleared")
+        return sum(1 for e in self.history if e.get("event") != HistoryEvent.CLEARED)
 
     @property
     def median_step_time_s(self) -> float | None:
@@ -251,7 +251,7 @@ class RunReport:
         seen: dict[tuple[str, str], None] = {}
         for entry in self.history:
             alert = entry.get("alert") or {}
-            if entry.get("event") != "cleared" and alert.get("hint"):
+            if entry.get("event") != HistoryEvent.CLEARED and alert.get("hint"):
                 seen.setdefault((str(alert.get("kind")), str(alert["hint"])), None)
         return list(seen)
 
@@ -321,7 +321,9 @@ def load_run(path: str | os.PathLike[str]) -> RunReport:
 
 
 def _raised(history: Iterable[dict[str, Any]]) -> Iterable[dict[str, Any]]:
-    return (e["alert"] for e in history if e.get("event") != "cleared" and e.get("alert"))
+    return (
+        e["alert"] for e in history if e.get("event") != HistoryEvent.CLEARED and e.get("alert")
+    )
 
 
 def _rank_stats(document: dict[str, Any], series: dict[int, RankSeries]) -> list[RankStats]:
@@ -420,7 +422,7 @@ def event_text(entry: dict[str, Any]) -> str:
     """A timeline entry's event (``history.event_label``) and, once its episode ended, how
     long it was up: "cleared #2 after 28.3 s"."""
     event = event_label(entry)
-    if entry.get("event") == "cleared" and entry.get("duration_s") is not None:
+    if entry.get("event") == HistoryEvent.CLEARED and entry.get("duration_s") is not None:
         event += f" after {fmt_seconds(entry['duration_s'])}"
     return event
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from html import escape
 
-from ddpwatch.core.vocabulary import Severity
+from ddpwatch.core.vocabulary import HistoryEvent, Severity
 from ddpwatch.outputs.postmortem import (
     Culprit,
     RunReport,
@@ -90,7 +90,7 @@ def _verdict(report: RunReport) -> str:
     bad = any(
         (e.get("alert") or {}).get("severity") == Severity.ERROR
         for e in report.history
-        if e.get("event") != "cleared"
+        if e.get("event") != HistoryEvent.CLEARED
     )
     css = "verdict bad" if bad else "verdict"
     return f'<p class="{css}"><strong>Verdict:</strong> {escape(report.verdict)}</p>'

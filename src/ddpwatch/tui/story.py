@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddpwatch.core.vocabulary import RankState
+from ddpwatch.core.vocabulary import HistoryEvent, RankState
 
 FINISHED_STATES = frozenset({RankState.CRASHED, RankState.EXITED, RankState.STOPPED})
 """A rank in one of these will not report again: a job whose ranks all are has ended."""
@@ -70,7 +70,7 @@ def cleared_alerts(document: dict[str, Any], everything: bool) -> list[Entry]:
     found = [
         entry
         for entry in history
-        if entry.get("event") == "cleared"
+        if entry.get("event") == HistoryEvent.CLEARED
         and isinstance(entry.get("alert"), dict)
         and _key(entry["alert"]) not in open_now
         and (since is None or float(entry.get("elapsed_s") or 0.0) >= since)
@@ -80,7 +80,8 @@ def cleared_alerts(document: dict[str, Any], everything: bool) -> list[Entry]:
 
 def alerts_raised(document: dict[str, Any]) -> int:
     """How many alerts the run raised (an escalation is the same alert)."""
-    return sum(1 for entry in document.get("history") or () if entry.get("event") == "raised")
+    history = document.get("history") or ()
+    return sum(1 for entry in history if entry.get("event") == HistoryEvent.RAISED)
 
 
 def ended_banner(document: dict[str, Any]) -> str:

@@ -274,7 +274,7 @@ def _place_silent(facts: Evidence, buckets: _Buckets) -> None:
         root = Root(
             AlertKind.SILENT, [r.rank for r in early], min(r.last_seen for r in early), early
         )
-        buckets.primary[("silent",)] = root
+        buckets.primary[(AlertKind.SILENT,)] = root
 
 
 def _first_to_die(facts: Evidence, buckets: _Buckets, early: list[RankRecord]) -> list[RankRecord]:

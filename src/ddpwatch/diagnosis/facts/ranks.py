@@ -9,14 +9,14 @@ import re
 from functools import lru_cache
 
 from ddpwatch.core.protocol import Collective
-from ddpwatch.core.vocabulary import STARTUP_PHASES, RankState
+from ddpwatch.core.vocabulary import STARTUP_PHASES, CollectiveSource, Phase, RankState
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.server.records import RankRecord
 from ddpwatch.server.relays import RELAY_HOLD_S
 
 _TERM_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
 _TERM_CODES = frozenset({-15, -2, -1, 143, 130, 129})
-_STARTING = frozenset(STARTUP_PHASES) - {"train"}
+_STARTING = frozenset(STARTUP_PHASES) - {Phase.TRAIN}
 
 
 def silent_after(record: RankRecord, th: Thresholds, stepping: bool = False) -> float:
@@ -121,7 +121,7 @@ def key_of_place(
     """``wait_key`` of a collective's raw fields (a ``server.waits`` place)."""
     if seq is None:
         return ("op", normal_op(op or ""))
-    return (source, (group or "0") if source == "fr" else None, seq)
+    return (source, (group or "0") if source == CollectiveSource.FR else None, seq)
 
 
 def entered(record: RankRecord, key: WaitKey) -> bool | None:
@@ -131,8 +131,8 @@ def entered(record: RankRecord, key: WaitKey) -> bool | None:
     source, group, seq = key if len(key) == 3 else (None, None, None)
     if counts is None or not isinstance(seq, int):
         return None
-    if source == "py":
+    if source == CollectiveSource.PY:
         return counts.py >= seq
-    if source == "fr" and counts.fr is not None and group in counts.fr:
+    if source == CollectiveSource.FR and counts.fr is not None and group in counts.fr:
         return counts.fr[str(group)] >= seq
     return None

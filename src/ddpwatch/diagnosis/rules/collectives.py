@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ddpwatch.core.vocabulary import AlertKind, Severity
+from ddpwatch.core.vocabulary import AlertKind, CollectiveSource, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.census import world_complete
@@ -182,7 +182,7 @@ def _mismatch_alert(f: Facts, found: Mismatch) -> Alert:
     source, group, seq = found.key
     (usual, majority), *odd = found.calls
     number = f"collective #{seq}"
-    if source == "fr" and group != "0":
+    if source == CollectiveSource.FR and group != "0":
         number += f" of process group {group}"
     if found.culprits:
         odd_text = "; ".join(
