@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from ddpwatch.core.protocol import Collective, ErrorInfo, Event, Hello, Sample
-from ddpwatch.diagnosis.alerts import KINDS, Alert, Thresholds
+from ddpwatch.core.vocabulary import ALERT_KINDS as KINDS
+from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.facts.census import effective_stall_after
 from ddpwatch.diagnosis.facts.ranks import rank_state
 from ddpwatch.diagnosis.rules import (

@@ -5,14 +5,11 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from ddpwatch.core.vocabulary import ALERT_KINDS, Severity
+from ddpwatch.core.vocabulary import Severity
 
 STARTUP_SILENT_S = 15.0
 """A rank still starting may go this long unheard: its heartbeats wait behind imports, model
 building and DataLoader workers on a busy host; the startup_hang rule has a minute anyway."""
-
-KINDS = ALERT_KINDS
-"""Every alert kind (``core.vocabulary.AlertKind``): ``@rule`` checks its kinds against it."""
 
 
 @dataclass(frozen=True)

@@ -132,18 +132,18 @@ SLOW_S = 1.0
 """How often a ``slow`` rule runs, at least (and the job's step-time thresholds are redone)."""
 RANK_SCANS_PER_S = 131_072
 """How many ranks the ``change`` and ``slow`` rules may scan a second, each scanning every rank
-once (1-2 µs a rank): every rule that is due at a few thousand ranks, two a second at 65,536,
-about a tenth of a core. It counts ranks, not CPU, so that a replay paces them exactly as the
-live server did."""
+once: every rule that is due at a few thousand ranks, two a second at 65,536, so that they
+take a small, bounded part of a core at any size (``docs/performance.md``). It counts ranks,
+not CPU, so that a replay paces them exactly as the live server did."""
 
 
 class Diagnosis:
     """``diagnose`` for a server that ticks four times a second: ``tick`` rules every call;
     a ``change`` rule when ``state.generation`` or the set of silent ranks moved since it
     last ran; a ``slow`` rule every ``SLOW_S`` (see ``registry.Cadence``); of those due, the
-    longest waiting first, as many as ``RANK_SCANS_PER_TICK`` allows. In between, a rule's
-    last alerts stand. So the alerts are those ``diagnose`` gives, the paced ones a little
-    late, and no tick at 65,536 ranks rescans every rank for devices and memory."""
+    longest waiting first, as many as the ``RANK_SCANS_PER_S`` budget allows. In between, a
+    rule's last alerts stand. So the alerts are those ``diagnose`` gives, the paced ones a
+    little late, and no tick at 65,536 ranks rescans every rank for devices and memory."""
 
     def __init__(self) -> None:
         self._kept: dict[str, list[Alert]] = {}  # each paced rule's last alerts

@@ -25,7 +25,6 @@ from ddpwatch.diagnosis.text import (
     verb,
     where,
 )
-from ddpwatch.server.records import RankRecord
 
 
 @rule(AlertKind.STRAGGLER, AlertKind.STALLED)
@@ -216,14 +215,6 @@ def _mismatch_alert(f: Facts, found: Mismatch) -> Alert:
         "all_gather the sizes first); TORCH_DISTRIBUTED_DEBUG=DETAIL checks every call"
     )
     return alert(AlertKind.COLLECTIVE_MISMATCH, Severity.ERROR, culprits, affected, message, hint)
-
-
-def _calls(calls: list[tuple[str, list[RankRecord]]], limit: int = 3) -> str:
-    """ "rank 2 called all_gather with 5 elements (float32); rank 4 called barrier"."""
-    text = "; ".join(
-        f"{format_ranks(r.rank for r in group)} called {what}" for what, group in calls[:limit]
-    )
-    return text + (f"; and {len(calls) - limit} more calls" if len(calls) > limit else "")
 
 
 def _dead_or_blocked(f: Facts) -> set[int]:
