@@ -10,6 +10,8 @@
 * Rank states, severities, event kinds and alert kinds are defined once, in the vocabulary:
   they match the documented contract, the agent and the rules name them through the
   vocabulary, and every table keyed by one of them covers all of them.
+* Diagnosis in layers: its models (``diagnosis/facts``) import no rule, each imports on its
+  own, and a rule family imports no other family.
 * Every CSS class the dashboard's code gives is styled, and every class styled is given.
 * ``RankRecord`` declares every protocol field the server keeps, and refuses any other.
 """
@@ -51,6 +53,10 @@ from ddpwatch.core.vocabulary import (
 SRC = ROOT / "src" / "ddpwatch"
 AGENT = sorted((SRC / "agent").glob("*.py"))
 INTEGRATIONS = sorted((SRC / "integrations").glob("*.py"))
+FACTS = sorted((SRC / "diagnosis" / "facts").glob("*.py"))
+FAMILIES = sorted(
+    p for p in (SRC / "diagnosis" / "rules").glob("*.py") if p.stem not in ("__init__", "registry")
+)
 
 # calls whose string arguments are phase names
 PHASE_SETTERS = {"set_phase", "auto_phase", "_enter_phase", "phase", "startup_phase", "_startup"}
@@ -151,7 +157,7 @@ def test_integrations_use_only_the_agents_public_surface() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    [_module_name(path) for path in AGENT + INTEGRATIONS]
+    [_module_name(path) for path in AGENT + INTEGRATIONS + FACTS]
     + ["ddpwatch.core.vocabulary", "ddpwatch.core.ranges", "ddpwatch.boot.sitecustomize"],
 )
 def test_each_module_imports_alone_without_a_framework(module: str) -> None:
@@ -165,6 +171,16 @@ def test_each_module_imports_alone_without_a_framework(module: str) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_facts_read_no_rule_and_no_rule_family_reads_another() -> None:
+    """Diagnosis in layers: the models (``diagnosis/facts``) know no rule; a rule family reads
+    the facts, the words and the registry, never another family."""
+    for path in FACTS:
+        assert not [n for n in _imports(path) if n.startswith("ddpwatch.diagnosis.rules")], path
+    for path in FAMILIES:
+        others = {_module_name(other) for other in FAMILIES if other != path}
+        assert not _imports(path) & others, path
 
 
 def test_the_vocabulary_imports_nothing_of_the_agent() -> None:
