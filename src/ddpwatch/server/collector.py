@@ -1,22 +1,19 @@
 """Sockets of the server: PULL for the ranks' messages, REP for read-only status queries.
 
-Every frame is validated by the protocol decoder; a bad one is counted in
-``state.rejected`` and dropped, never raised. So is a valid frame that would make
-the server track more ranks than ``rank_cap()`` allows (memory stays bounded
-whatever arrives). Failed handshakes are counted in ``refused``: with CURVE on, a
-client with no key, the wrong server key or a key not allowed; always, a peer that
-is not ZeroMQ. Accepted frames go to the optional ``recorder`` with their receive
-time.
+What a receive takes off the PULL socket goes through ingest (``server/ingest.py``): one path
+for every rank frame, alone or in a relay's ``Batch`` (``ddpwatch/relay.py``), validated,
+admitted, recorded and applied in the order they came; a bad one is counted in
+``state.rejected`` and dropped, never raised. So is a valid frame that would make the server
+track more ranks than ``rank_cap()`` allows (memory stays bounded whatever arrives). Failed
+handshakes are counted in ``refused``: with CURVE on, a client with no key, the wrong server
+key or a key not allowed; always, a peer that is not ZeroMQ.
 
-A relay's ``Batch`` (``ddpwatch/relay.py``) is opened here: each frame in it is validated,
-admitted, recorded and counted as if it had come alone, in the order the relay took them.
-
-Behind its queue, the collector reads more per receive and applies only each rank's newest
-heartbeat (``BEHIND_BEATS``); far behind, it counts superseded heartbeats without decoding
-them, leaving each rank's record as that coalescing would (``SHED_AFTER_S``). A status query
-is not kept waiting by such a long receive (``ANSWER_EVERY``). The records of ranks new
-since the last time are moved out of Python's cyclic garbage collector's passes
-(``FREEZE_AFTER_RANKS``).
+The collector says how much a receive takes and whether it sheds: behind its queue, it reads
+more per receive and ingest applies only each rank's newest heartbeat (``BEHIND_BEATS``); far
+behind, ingest counts superseded heartbeats without decoding them, leaving each rank's record
+as that coalescing would (``SHED_AFTER_S``). A status query is not kept waiting by such a long
+receive (``ANSWER_EVERY``). The records of ranks new since the last time are moved out of
+Python's cyclic garbage collector's passes (``FREEZE_AFTER_RANKS``).
 
 The collector also tells diagnosis how far its view is complete: ``state.heard_until`` is
 the last time it found its queue empty, and ``state.listening_since`` moves forward when it
@@ -35,22 +32,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
-import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ddpwatch.core.protocol import (
-    MAX_FRAME_BYTES,
-    MAX_QUERY_BYTES,
-    AnyMessage,
-    Batch,
-    ProtocolError,
-    Sample,
-    decode,
-    decode_wire,
-    keeps_news,
-)
-from ddpwatch.server.relays import note_batch
+from ddpwatch.core.protocol import MAX_FRAME_BYTES, MAX_QUERY_BYTES, AnyMessage
+from ddpwatch.server.ingest import Receive
 from ddpwatch.server.state import ServerState
 
 if TYPE_CHECKING:
@@ -70,9 +56,9 @@ SHED_AFTER_S = 10.0
 """Behind for longer than this (since the queue was last found empty), the server sheds: a
 plain heartbeat (no identity, a finite loss) of a known rank that a newer one of the same
 rank follows in the same receive is counted from its head alone (``state.received`` and
-``state.shed``), not decoded (``_Shedding`` says which: those whose records come out the
-same either way). Validating and holding them is most of a superseded heartbeat's cost, so a
-server far behind spends up to a quarter less a heartbeat and catches up sooner
+``state.shed``), not decoded (``ingest._Shedding`` says which: those whose records come out
+the same either way). Validating and holding them is most of a superseded heartbeat's cost,
+so a server far behind spends up to a quarter less a heartbeat and catches up sooner
 (``benchmarks/ingest_cpu.py``). A frame refused only when decoded that follows a shed
 heartbeat still counts as its successor."""
 SHED_BEATS = 4
@@ -93,7 +79,6 @@ and hold no reference cycles (a record dropped for a restarted worker is freed b
 reference count all the same), yet every full collection walked all of them, 350 ms at
 65,536 ranks, landing on whichever diagnosis tick allocated when one was due. Garbage is
 collected first, so nothing unreachable is frozen; ``close`` unfreezes."""
-MAX_RELAY_AGE_US = 60_000_000  # a frame a relay held longer is dated a minute back, no more
 PAUSE_S = 1.0
 """Wall time this much longer than the server's own CPU time and waits: it was not running."""
 RECEIVE_GAP_S = 0.01
@@ -245,31 +230,22 @@ class Collector:
 
     def _receive(self) -> int:
         """Take in up to ``RECV_BATCH`` messages (a batch counts each one in it; behind, up to
-        ``BEHIND_BEATS`` per known rank). Under backlog a known rank's heartbeats are
-        coalesced: only its newest ``Sample`` of the batch is applied, plus any that
-        ``keeps_news`` (one skipped loses only what the newer one overwrites, and a step of
-        the collective-wait average); its events keep their order.
-
-        The frames are first taken off the socket and each one's head read (``_Head``: its
-        type and rank), so a rank's last heartbeat of the batch is known when it comes and
-        applied at once, while it is fresh in the CPU's cache. A heartbeat is held back in
-        ``pending`` only when another of the same rank follows it; held, tens of thousands
-        of decoded heartbeats went cold before the end of the batch and cost more than the
-        rest of ingest. Ranks' records do not depend on each other, so applying a heartbeat
-        sooner than the end of the batch changes nothing but when.
+        ``BEHIND_BEATS`` per known rank), through ingest's one path (``ingest.Receive``).
 
         Python's cyclic garbage collector waits meanwhile (if it was on at all): it would
-        otherwise scan, again and again within one batch, what the batch holds (a backlog's
-        heartbeats) or creates (the records of ranks new in it: at a job's start, 65,536 ranks
-        took twice the CPU with it on). Nothing taken in here forms a reference cycle; the
-        collector runs as before once the batch is in."""
+        otherwise scan, again and again within one receive, what the receive holds (a
+        backlog's heartbeats) or creates (the records of ranks new in it: at a job's start,
+        65,536 ranks took twice the CPU with it on). Nothing taken in here forms a reference
+        cycle; the collector runs as before once the receive is in."""
         now = self._clock()
+        shedding, limit = self._window(now)
         collecting = gc.isenabled()
         if collecting:
             gc.disable()
         try:
-            taken, last, shed, count, drained = self._read(now)
-            self._take_all(taken, last, shed, now)
+            taking = Receive(self.state, now, self._admit, self.recorder, shedding=shedding)
+            count, drained = self._read(taking, limit)
+            taking.take_all(self._answer_waiting, ANSWER_EVERY)
         finally:
             if collecting:
                 gc.enable()
@@ -281,23 +257,10 @@ class Collector:
             self._behind = True
         return count
 
-    def _read(  # noqa: C901 -- hot path: every frame, kept flat
-        self, now: float
-    ) -> tuple[list[bytes | Batch], dict[int, int], _Shedding | None, int, bool]:
-        """Take frames off the socket until ``RECV_BATCH`` messages (behind: ``BEHIND_BEATS``
-        per known rank) or none is left: rank frames as they came, batches decoded (their size
-        counts). Returns them, the position of each rank's last heartbeat among the rank
-        messages (empty when a head could not be read: then every heartbeat waits), what may
-        be shed (``SHED_AFTER_S``; None when not shedding), the count, and whether it ran
-        dry."""
-        state = self.state
-        shed, limit = self._window(now)
-        recv, noblock = self._pull.recv, zmq.NOBLOCK  # bound once
-        head_of = _heads.decode if shed is None else _shed_heads.decode
-        taken: list[bytes | Batch] = []
-        last: dict[int, int] = {}
-        position = 0  # rank messages, direct or in a batch, in the order they are taken
-        read_ahead = True
+    def _read(self, taking: Receive, limit: int) -> tuple[int, bool]:
+        """Take frames off the socket into ``taking`` until ``limit`` messages (a batch counts
+        the heartbeats it holds) or none is left; returns the count and whether it ran dry."""
+        recv, noblock, add = self._pull.recv, zmq.NOBLOCK, taking.add  # bound once
         count = 0
         answer_at = ANSWER_EVERY
         while count < limit:
@@ -309,88 +272,24 @@ class Collector:
                 # (getsockopt(RCVMORE) looks its option up in a Python enum, every frame)
                 part = recv(noblock, copy=False)
             except zmq.Again:
-                return taken, *_kept(last, shed, read_ahead), count, True
+                return count, True
             count += 1
             if part.more:
                 self._drop_multipart()
                 continue
-            frame = part.bytes
-            try:
-                head: _Head | None = head_of(frame)
-            except _HEAD_ERRORS:
-                head = None
-            if head is not None and head.type in _RANK_TYPES:
-                if head.type == "sample" and type(head.rank) is int:
-                    last[head.rank] = position
-                if shed is not None:
-                    shed.note(head, position)
-                taken.append(frame)
-                position += 1
-                continue
-            try:  # a batch, or a frame the decoder refuses
-                message = decode_wire(frame)
-            except ProtocolError:
-                state.rejected += 1
-                continue
-            if type(message) is Batch:
-                count += len(message.frames)  # the limit counts heartbeats, not frames
-                read_ahead &= _read_ahead(message.frames, last, position, shed)
-                position += len(message.frames)
-                taken.append(message)
-            else:  # a message whose head could not be read (the head is looser: never)
-                read_ahead = False
-                taken.append(frame)
-                position += 1
-        return taken, *_kept(last, shed, read_ahead), count, False
+            count += add(part.bytes)
+        return count, False
 
-    def _window(self, now: float) -> tuple[_Shedding | None, int]:
+    def _window(self, now: float) -> tuple[bool, int]:
         """Whether this receive sheds (``SHED_AFTER_S``), and how many messages it takes:
         ``RECV_BATCH``, or behind ``BEHIND_BEATS`` (shedding ``SHED_BEATS``) per known rank."""
         state = self.state
         if not self._behind:
-            return None, RECV_BATCH
+            return False, RECV_BATCH
         heard = state.heard_until
         if heard is not None and now - heard > SHED_AFTER_S:
-            return _Shedding(state.ranks), max(RECV_BATCH, SHED_BEATS * len(state.ranks))
-        return None, max(RECV_BATCH, BEHIND_BEATS * len(state.ranks))
-
-    def _take_all(
-        self,
-        taken: list[bytes | Batch],
-        last: dict[int, int],
-        shed: _Shedding | None,
-        now: float,
-    ) -> None:
-        """Decode and take what ``_read`` took off the socket, in order (but what ``shed``
-        says to shed); a heartbeat held back for a newer one that did not come (refused) is
-        applied at the end."""
-        state = self.state
-        pending: dict[int, tuple[Sample, float]] = {}
-        take = self._take
-        position = 0
-        answer_at = ANSWER_EVERY
-        for item in taken:
-            if position >= answer_at:
-                answer_at = position + ANSWER_EVERY
-                self._answer_waiting()
-            if isinstance(item, Batch):
-                self._open_batch(item, now, pending, last, shed, position)
-                position += len(item.frames)
-                continue
-            if shed is not None and position in shed.positions:
-                self._shed(item, now)
-                position += 1
-                continue
-            try:
-                message = decode(item)  # not a batch: its head said what it is
-            except ProtocolError:
-                state.rejected += 1
-            else:
-                take(item, message, now, pending, False, last.get(message.rank) == position)
-            position += 1
-        apply = state.apply
-        for sample, at in pending.values():
-            apply(sample, at)
+            return True, max(RECV_BATCH, SHED_BEATS * len(state.ranks))
+        return False, max(RECV_BATCH, BEHIND_BEATS * len(state.ranks))
 
     def _caught_up(self, now: float) -> None:
         """The queue was found empty at ``now``: the state is complete up to then; after a
@@ -400,96 +299,6 @@ class Collector:
         if self._behind:
             self._behind = False
             state.listening_since = now
-
-    def _open_batch(
-        self,
-        batch: Batch,
-        now: float,
-        pending: dict[int, tuple[Sample, float]],
-        last: dict[int, int],
-        shed: _Shedding | None,
-        position: int,
-    ) -> None:
-        """Take a relay's frames, each dated by its arrival at the relay; ``position`` is
-        the first one's among the rank messages of this receive (see ``last`` and ``shed``)."""
-        state = self.state
-        state.rejected += batch.rejected  # frames the relay refused count as ours would
-        state.received += batch.coalesced  # as our own coalescing counts what it leaves out
-        relay = note_batch(state.relays, batch, now)
-        carried = None if relay is None else relay.ranks
-        frames = batch.frames
-        ages = batch.ages_us if len(batch.ages_us) == len(frames) else None
-        take = self._take
-        for i, frame in enumerate(frames):
-            at = now if ages is None else now - min(ages[i], MAX_RELAY_AGE_US) / 1e6
-            if shed is not None and position + i in shed.positions:
-                self._shed(frame, at)
-                continue
-            try:
-                message = decode(frame)
-            except ProtocolError:
-                state.rejected += 1
-                continue
-            final = last.get(message.rank) == position + i
-            if take(frame, message, at, pending, True, final) and carried is not None:
-                carried.add(message.rank)
-
-    def _shed(self, frame: bytes, at: float) -> None:
-        """A heartbeat superseded within this receive, counted from its head
-        (``SHED_AFTER_S``); recorded like the others, so a recording holds every frame."""
-        state = self.state
-        state.received += 1
-        state.shed += 1
-        if self.recorder is not None:
-            self.recorder.frame(at, frame)
-
-    def _take(  # noqa: C901 -- hot path: every rank message, kept flat
-        self,
-        frame: bytes,
-        message: AnyMessage,
-        at: float,
-        pending: dict[int, tuple[Sample, float]],
-        relayed: bool,
-        final: bool,
-    ) -> bool:
-        """Admit, record and apply one rank message that arrived ``at``, through a relay or
-        not; False when not admitted. A known rank's heartbeat waits in ``pending`` for a
-        newer one unless it is ``final``: the rank's last heartbeat of this receive."""
-        state = self.state
-        rank = message.rank
-        record = state.ranks.get(rank)
-        if type(message) is Sample and record is not None:
-            # a known rank's heartbeat: admitted, unless it tells a world size (``_admit``)
-            if message.world_size is not None and not self._admit(message):
-                state.rejected += 1
-                return False
-            if self.recorder is not None:
-                self.recorder.frame(at, frame)
-            record.relayed = relayed
-            superseded = pending.get(rank)
-            if superseded is not None:
-                if keeps_news(superseded[0], message):
-                    state.apply(*superseded)
-                else:
-                    state.received += 1  # counted, not applied
-            if final:  # nothing newer will come in this receive: apply it now
-                if superseded is not None:
-                    del pending[rank]
-                state.apply(message, at)
-            else:
-                pending[rank] = (message, at)
-            return True
-        if not self._admit(message):
-            state.rejected += 1
-            return False
-        if self.recorder is not None:
-            self.recorder.frame(at, frame)
-        earlier = pending.pop(rank, None)
-        if earlier is not None:
-            state.apply(*earlier)
-        state.apply(message, at)
-        state.ranks[rank].relayed = relayed
-        return True
 
     def _drop_multipart(self) -> None:
         """The protocol is one frame per message: a multipart message is one reject."""
@@ -551,113 +360,6 @@ class PauseWatch:
         lost = (wall - self._wall) - (cpu - self._cpu) - idle_s
         self._wall, self._cpu = wall, cpu
         return lost > PAUSE_S
-
-
-class _Head(msgspec.Struct, gc=False):
-    """What a frame says it is: its ``type`` and ``rank``, whatever their values, every
-    other key skipped. It reads the same keys the protocol's decoder reads, the last of a
-    repeated one as it does, and takes any value, so any frame that decodes as a ``Sample``
-    of rank r has the head ("sample", r); the converse need not hold (the frame may still
-    be refused), which only holds back a heartbeat that could have been applied at once."""
-
-    type: Any = None
-    rank: Any = None
-
-
-class _ShedHead(_Head, gc=False):
-    """The head and what tells whether a heartbeat is plain (``SHED_AFTER_S``): its loss
-    and the identity fields ``tells_identity`` reads."""
-
-    loss: Any = None
-    pid: Any = None
-    host: Any = None
-    world_size: Any = None
-    device: Any = None
-
-
-_heads = msgspec.msgpack.Decoder(_Head)
-_shed_heads = msgspec.msgpack.Decoder(_ShedHead)
-_HEAD_ERRORS = (msgspec.MsgspecError, UnicodeDecodeError, RecursionError)
-_RANK_TYPES = ("hello", "sample", "event")
-
-
-class _Shedding:
-    """Which heartbeats of one receive are shed (``SHED_AFTER_S``): a plain one of a rank
-    known before the receive whose rank's next message in it is a heartbeat and whose
-    rank's previous message in it (if any) is not a heartbeat that is not plain. Coalescing
-    applies a superseded heartbeat only when ``keeps_news`` says so (never for a plain one)
-    or when an event or hello of its rank comes next; and a plain heartbeat decides whether
-    the one before it is applied only when that one is not plain. So the records come out
-    the same whether these are decoded or not."""
-
-    def __init__(self, known: dict[int, Any]) -> None:
-        self.known = known
-        self.positions: set[int] = set()  # the heartbeats to shed
-        self._previous: dict[int, tuple[int, int, bool]] = {}  # rank -> position, kind, ok
-
-    def note(self, head: Any, position: int) -> None:
-        """``head`` (a ``_ShedHead``: read while shedding) came at ``position``; plain: no
-        identity field ``tells_identity`` reads, and a finite float loss or none (an int
-        loss, valid but rare, is taken as not plain)."""
-        rank = head.rank
-        if type(rank) is not int:
-            return  # refused when decoded
-        kind = _OTHER
-        if head.type == "sample":
-            kind = _NOT_PLAIN
-            loss = head.loss
-            if (
-                rank in self.known
-                and (loss is None or (type(loss) is float and loss - loss == 0.0))  # finite
-                and head.pid is None
-                and head.host is None
-                and head.world_size is None
-                and head.device is None
-            ):
-                kind = _PLAIN
-        previous = self._previous.get(rank)
-        if previous is not None and kind != _OTHER and previous[1] == _PLAIN and previous[2]:
-            self.positions.add(previous[0])  # a heartbeat supersedes it
-        ok = previous is None or previous[1] != _NOT_PLAIN
-        self._previous[rank] = (position, kind, ok)
-
-
-_PLAIN, _NOT_PLAIN, _OTHER = 0, 1, 2  # what a rank message is, to ``_Shedding``
-
-
-def _kept(
-    last: dict[int, int], shed: _Shedding | None, read_ahead: bool
-) -> tuple[dict[int, int], _Shedding | None]:
-    """``last`` and ``shed`` as ``_read`` returns them: neither when a head could not be
-    read (no heartbeat is known to be the last of its rank)."""
-    return (last, shed) if read_ahead else ({}, None)
-
-
-def _read_ahead(
-    frames: list[bytes], last: dict[int, int], position: int, shed: _Shedding | None
-) -> bool:
-    """Note in ``last`` the position of each heartbeat among a batch's ``frames`` (the first
-    is at ``position``), by rank, and in ``shed`` (when shedding) what each frame is; False
-    if a frame whose head cannot be read still decodes (never: the head is looser than the
-    decoder)."""
-    head_of = _heads.decode if shed is None else _shed_heads.decode
-    for frame in frames:
-        try:
-            head = head_of(frame)
-        except _HEAD_ERRORS:
-            try:
-                decode(frame)
-            except ProtocolError:
-                pass
-            else:
-                return False
-        else:
-            if head.type == "sample" and type(head.rank) is int:
-                last[head.rank] = position
-            if shed is not None:
-                shed.note(head, position)
-        position += 1
-    return True
 
 
 def freeze_new_records(ranks: int, frozen: int) -> int:
