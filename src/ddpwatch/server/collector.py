@@ -260,7 +260,8 @@ class Collector:
     def _read(self, taking: Receive, limit: int) -> tuple[int, bool]:
         """Take frames off the socket into ``taking`` until ``limit`` messages (a batch counts
         the heartbeats it holds) or none is left; returns the count and whether it ran dry."""
-        recv, noblock, add = self._pull.recv, zmq.NOBLOCK, taking.add  # bound once
+        recv, noblock = self._pull.recv, zmq.NOBLOCK  # bound once
+        add, add_other = taking.add, taking.add_other
         count = 0
         answer_at = ANSWER_EVERY
         while count < limit:
@@ -277,7 +278,9 @@ class Collector:
             if part.more:
                 self._drop_multipart()
                 continue
-            count += add(part.bytes)
+            frame = part.bytes
+            if not add(frame):  # no rank message: a relay's batch (its heartbeats count), or bad
+                count += add_other(frame)
         return count, False
 
     def _window(self, now: float) -> tuple[bool, int]:

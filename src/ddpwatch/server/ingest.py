@@ -4,7 +4,7 @@ The collector (``server/collector.py``) takes frames off its socket and hands ea
 ``Receive``. A frame is a rank's message, or a relay's ``Batch`` (``ddpwatch/relay.py``) whose
 frames are rank messages, each dated by its arrival at the relay. Either way every rank frame
 goes through the same two steps, in the order it came: its head is read as it is taken
-(``Receive._ahead``), and once the receive is in it is shed, or decoded, validated, admitted,
+(``Receive.add``), and once the receive is in it is shed, or decoded, validated, admitted,
 recorded and applied (``Receive._take``), exactly as if it had come alone. A bad frame is
 counted in ``state.rejected`` and dropped, never raised; so is a valid one that ``admit``
 refuses (the collector's rank cap). Accepted frames go to the optional ``recorder`` with
@@ -39,8 +39,8 @@ MAX_RELAY_AGE_US = 60_000_000  # a frame a relay held longer is dated a minute b
 class Receive:
     """The rank messages of one receive, direct or in a relay's batch, in the order they came.
 
-    Each frame's head (``_Head``: its type and rank) is read as it is taken (``add``), so a
-    rank's last heartbeat of the receive is known when it comes (``take_all``) and applied at
+    Each rank frame's head (``_Head``: its type and rank) is read as it is taken (``add``), so
+    a rank's last heartbeat of the receive is known when it comes (``take_all``) and applied at
     once, while it is fresh in the CPU's cache. Under backlog a known rank's heartbeats are
     coalesced: a heartbeat waits in ``pending`` only when another of the same rank follows it,
     and of those only the ones that ``keeps_news`` are applied (one skipped loses only what the
@@ -66,47 +66,22 @@ class Receive:
         self.recorder = recorder
         self.shed = _Shedding(state.ranks) if shedding else None
         """Which heartbeats are shed (``collector.SHED_AFTER_S``); None when not shedding."""
-        self.taken: list[bytes | Batch] = []
+        self.frames: list[bytes] = []
+        """Every rank frame taken, alone or in a batch, in order: its index is its position."""
+        self.batches: list[tuple[int, Batch]] = []
+        """Each relay's batch taken, with the position of its first frame."""
         self.last: dict[int, int] = {}
-        """The position of each rank's last heartbeat among the rank messages, by rank."""
+        """The position of each rank's last heartbeat, by rank."""
         self.pending: dict[int, tuple[Sample, float]] = {}
         self._head_of = _heads.decode if self.shed is None else _shed_heads.decode
-        self._position = 0  # rank messages, direct or in a batch, in the order they are taken
         self._read_ahead = True  # every head read: ``last`` and ``shed`` can be trusted
 
     # ---------------------------------------------------------------- taken off the socket
 
-    def add(self, frame: bytes) -> int:
-        """A frame taken off the socket: a rank message, or a relay's batch (each of its
-        frames read as a direct one is); a frame the decoder refuses is counted and dropped.
-        Returns the rank messages a batch holds, 0 for any other frame: a receive's limit
-        counts heartbeats, not frames."""
-        if self._ahead(frame, self._position):
-            self.taken.append(frame)
-            self._position += 1
-            return 0
-        try:  # a batch, or a frame the decoder refuses
-            message = decode_wire(frame)
-        except ProtocolError:
-            self.state.rejected += 1
-            return 0
-        if type(message) is Batch:
-            frames = message.frames
-            position = self._position
-            for i, relayed in enumerate(frames):
-                if not self._ahead(relayed, position + i) and _decodes(relayed):
-                    self._read_ahead = False
-            self._position += len(frames)
-            self.taken.append(message)
-            return len(frames)
-        self._read_ahead = False  # a message whose head could not be read (never: it is looser)
-        self.taken.append(frame)
-        self._position += 1
-        return 0
-
-    def _ahead(self, frame: bytes, position: int) -> bool:
-        """Read the head of the rank frame at ``position``: note it in ``last`` (a heartbeat)
-        and ``shed`` (when shedding). False when it is not a rank message's head."""
+    def add(self, frame: bytes) -> bool:
+        """Take a rank message's frame, alone or out of a batch: read its head, note it in
+        ``last`` (a heartbeat) and ``shed`` (when shedding). False, taking nothing, for a frame
+        that is no rank message (``add_other``)."""
         try:
             head = self._head_of(frame)
         except _HEAD_ERRORS:
@@ -114,33 +89,60 @@ class Receive:
         kind = head.type
         if kind not in _RANK_TYPES:
             return False
+        frames = self.frames
         if kind == "sample" and type(head.rank) is int:
-            self.last[head.rank] = position
+            self.last[head.rank] = len(frames)
         if self.shed is not None:
-            self.shed.note(head, position)
+            self.shed.note(head, len(frames))
+        frames.append(frame)
         return True
+
+    def add_other(self, frame: bytes) -> int:
+        """Take a frame off the socket that ``add`` did not: a relay's batch, each of its
+        frames added as if it had come alone, or a frame the decoder refuses, counted. Returns
+        the rank messages the batch holds: a receive's limit counts heartbeats, not frames."""
+        try:
+            message = decode_wire(frame)
+        except ProtocolError:
+            self.state.rejected += 1
+            return 0
+        frames = self.frames
+        if type(message) is not Batch:  # a rank message whose head could not be read: never
+            self._read_ahead = False
+            frames.append(frame)
+            return 0
+        self.batches.append((len(frames), message))
+        add = self.add
+        for relayed in message.frames:
+            if not add(relayed):  # refused when taken in, in its place
+                frames.append(relayed)
+                if _decodes(relayed):  # its head could not be read: never
+                    self._read_ahead = False
+        return len(message.frames)
 
     # ---------------------------------------------------------------- into the state
 
     def take_all(self, answer_waiting: Callable[[], None], every: int) -> None:
-        """Take in what ``add`` took, in order (but what ``shed`` says to shed), calling
+        """Take in the frames added, in order (but what ``shed`` says to shed), calling
         ``answer_waiting`` every ``every`` messages; a heartbeat held back for a newer one
         that did not come (refused) is applied at the end."""
         if not self._read_ahead:  # no heartbeat is known to be the last of its rank
             self.last, self.shed = {}, None
-        take, now = self._take, self.now
-        position = 0
+        frames, take, now = self.frames, self._take, self.now
         answer_at = every
-        for item in self.taken:
-            if position >= answer_at:
-                answer_at = position + every
-                answer_waiting()
-            if isinstance(item, Batch):
-                self._open(item, position)
-                position += len(item.frames)
-            else:
-                take(item, position, now, False)
-                position += 1
+        alone = 0  # the position of the next frame that came alone
+        for start, batch in [*self.batches, (len(frames), None)]:
+            for position in range(alone, start):
+                if position >= answer_at:
+                    answer_at = position + every
+                    answer_waiting()
+                take(frames[position], position, now, False)
+            if batch is not None:
+                if start >= answer_at:
+                    answer_at = start + every
+                    answer_waiting()
+                self._open(batch, start)
+                alone = start + len(batch.frames)
         apply = self.state.apply
         for sample, at in self.pending.values():
             apply(sample, at)
