@@ -54,9 +54,10 @@ from ddpwatch.core.ports import free_port_pair
 from ddpwatch.core.vocabulary import HistoryEvent
 from ddpwatch.demo.runner import stop_job
 from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.history import AlertChange
 from ddpwatch.diagnosis.verdict import read_run
 from ddpwatch.relay import Relay
-from ddpwatch.server.service import AlertChange, Server
+from ddpwatch.server.service import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "failures.py"

@@ -669,7 +669,7 @@ def _offline_costs(server: Any, frozen: float, reps: int = 3) -> dict[str, float
     """CPU time of a diagnosis tick and of a status reply on the final state, with the
     server stopped (nothing else on its thread) and its clock frozen at the end of the run
     (diagnosis sees the state as it was then); medians of ``reps``."""
-    server.clock = lambda: frozen
+    server.engine.clock = lambda: frozen
     tick, status = [], []
     for _ in range(reps):
         c0 = time.thread_time()

@@ -20,7 +20,8 @@ from ddpwatch.core.ports import free_port_pair
 from ddpwatch.core.protocol import AnyMessage, Sample
 from ddpwatch.demo.runner import stop_job
 from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.server.service import AlertChange, Server
+from ddpwatch.diagnosis.history import AlertChange
+from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -84,7 +84,7 @@ def test_iso_time_has_an_offset_and_milliseconds() -> None:
 
 
 def test_hints_name_the_servers_port_when_it_is_not_the_default() -> None:
-    from ddpwatch.server.service import with_port
+    from ddpwatch.server.engine import with_port
 
     hint = Alert("straggler", "warning", (1,), (0,), "m", "its stack in ddpwatch status --json")
     assert with_port([hint], 5599) == [hint]

@@ -15,7 +15,7 @@ from ddpwatch.core.protocol import ErrorInfo, Event, Sample
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.rules import diagnose
 from ddpwatch.outputs.prometheus import RANK_GAUGES, STATES, serve_metrics, summary_from_query
-from ddpwatch.server import service
+from ddpwatch.server import engine
 from ddpwatch.server.document import status_document
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
@@ -237,13 +237,13 @@ def test_a_scrape_past_max_ranks_never_builds_the_whole_document(
     port: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     built: list[int] = []
-    real = service.status_document
+    real = engine.status_document
 
     def counting(*args: Any, **kwargs: Any) -> dict[str, Any]:
         built.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(service, "status_document", counting)
+    monkeypatch.setattr(engine, "status_document", counting)
     clock = FrozenClock(1.0)
     server = Server("127.0.0.1", port, clock=clock)  # not running: its methods are called here
     try:

@@ -22,6 +22,7 @@ from ddpwatch.cli import main
 from ddpwatch.commands.replay import parse_speed
 from ddpwatch.core.protocol import ErrorInfo, Event, Sample, encode
 from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.history import AlertChange
 from ddpwatch.server.recording import (
     MAGIC,
     Record,
@@ -32,7 +33,7 @@ from ddpwatch.server.recording import (
     read_records,
 )
 from ddpwatch.server.replay import ReplayServer
-from ddpwatch.server.service import AlertChange, Server
+from ddpwatch.server.service import Server
 
 
 class Recording:

@@ -19,10 +19,10 @@ from conftest import ROOT, AppliedState, LiveServer, free_port_pair, push_frames
 from ddpwatch.cli import fetch_status, format_status, main
 from ddpwatch.core.protocol import Collective, ErrorInfo, Event, Sample, encode
 from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.history import AlertChange, diff_alerts
 from ddpwatch.server import collector as collector_module
 from ddpwatch.server.collector import RECEIVE_GAP_S, BindError, Collector
 from ddpwatch.server.document import status_document
-from ddpwatch.server.service import AlertChange, diff_alerts
 from ddpwatch.server.state import ServerState
 
 RANK_FIELDS = {

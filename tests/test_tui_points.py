@@ -347,7 +347,7 @@ async def test_hints_in_the_dashboard_name_the_key_not_a_shell_command() -> None
 
 def test_every_phrasing_of_the_servers_hints_is_rewritten() -> None:
     from ddpwatch.diagnosis.alerts import Alert
-    from ddpwatch.server.service import with_port
+    from ddpwatch.server.engine import with_port
     from ddpwatch.tui.alerts_panel import dashboard_hint
 
     assert dashboard_hint(f"look at rank 7's stack ({STACKS_IN}) or run py-spy", [2, 7]) == (

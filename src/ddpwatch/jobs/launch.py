@@ -31,7 +31,7 @@ from ddpwatch.core.ports import pick_port
 from ddpwatch.core.protocol import DEFAULT_PORT
 from ddpwatch.core.vocabulary import HistoryEvent
 from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.diagnosis.history import describe
+from ddpwatch.diagnosis.history import AlertChange, describe
 from ddpwatch.jobs.emphasis import emphasize_for, mark_for
 from ddpwatch.jobs.failure import not_started_reason, why_not_started
 from ddpwatch.jobs.output import StderrTee, tail_of_file
@@ -40,7 +40,7 @@ from ddpwatch.outputs.notify import Notifier, chain
 from ddpwatch.outputs.summary import print_summary
 from ddpwatch.relay import RELAY_ENV, Relay, RelayError, find_relay
 from ddpwatch.server.recording import RecordingError
-from ddpwatch.server.service import AlertChange, Server
+from ddpwatch.server.service import Server
 from ddpwatch.status.provider import in_background
 
 BOOT_DIR = Path(__file__).resolve().parent.parent / "boot"

@@ -1,11 +1,11 @@
-"""``ddpwatch replay``: a recording fed through the same state and diagnosis as a live server.
+"""``ddpwatch replay``: a recording fed through the same engine as a live server.
 
-``ReplayServer`` is a ``StatusProvider`` like ``Server`` (``status()``, ``run()``,
-``stop()``; also ``state``, ``alerts``, ``lock``): frames are applied with their
-recorded receive times and diagnosis runs at the recorded tick times, on a
-virtual clock that advances ``speed`` times as fast as the recording did (or as
-fast as possible). Diagnosis is a pure function of state and time, so a replay
-raises and clears the same alerts, in the same order, as the live server did.
+``ReplayServer`` is a ``StatusProvider`` like ``Server`` (``status()``, ``run()``, ``stop()``;
+also ``state``, ``alerts``, ``lock``): an engine (``server/engine.py``), a recording reader and
+a ``VirtualClock``. Frames are applied with their recorded receive times and diagnosis runs at
+the recorded tick times, on the recorded horizon, on a clock that advances ``speed`` times as
+fast as the recording did (or as fast as possible). So a replay raises and clears the same
+alerts, in the same order, as the live server did.
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ import msgspec
 
 from ddpwatch.core.protocol import DEFAULT_PORT, ProtocolError, decode
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
-from ddpwatch.diagnosis.history import AlertChange, AlertTracker
+from ddpwatch.diagnosis.history import AlertChange
 from ddpwatch.diagnosis.rules import Diagnosis
-from ddpwatch.server.document import status_document
+from ddpwatch.server.engine import TICK_S, Engine
 from ddpwatch.server.recording import Record, RecordingReader
-from ddpwatch.server.service import TICK_S, with_port
 from ddpwatch.server.state import ServerState
 
 log = logging.getLogger("ddpwatch")
@@ -43,6 +42,52 @@ def _thresholds(recorded: Any, overrides: Mapping[str, Any]) -> Thresholds:
         values.update((k, v) for k, v in recorded.items() if k in names)
     values.update((k, v) for k, v in overrides.items() if k in names and v is not None)
     return Thresholds(**values)
+
+
+class VirtualClock:
+    """A recording's time: the receive time of the last record taken in (``now``), moving
+    on ``speed`` times as fast as real time toward the next one's while the replay waits
+    for it; standing still at max speed (``speed`` None) and once ``stop``ped."""
+
+    def __init__(self, start: float, speed: float | None) -> None:
+        self.speed = speed
+        self.now = start  # virtual time of the last record taken in
+        self._horizon = start  # virtual time of the record being waited for
+        self._anchor_t = start
+        self._anchor_m = time.monotonic()
+        self._stopped = False
+
+    def __call__(self) -> float:
+        """The virtual now: between the last record taken in and the next one."""
+        if self.speed is None or self._stopped:
+            return self.now
+        elapsed = (time.monotonic() - self._anchor_m) * self.speed
+        return min(max(self._anchor_t + elapsed, self.now), max(self._horizon, self.now))
+
+    def reach(self, t: float) -> None:
+        """A record of time ``t`` was taken in."""
+        self.now = max(self.now, t)
+
+    def restart(self, t: float) -> None:
+        """A new session starts at ``t``: the clock stands there."""
+        self.now = self._horizon = self._anchor_t = t
+        self._anchor_m = time.monotonic()
+
+    def wait_until(self, t: float, stop: threading.Event) -> None:
+        """Sleep until the clock reaches ``t`` (not at all at max speed), or ``stop``."""
+        self._horizon = max(t, self.now)
+        if self.speed is None:
+            return
+        if t - self.now > MAX_GAP_S:
+            log.info("replay: skipping %.0f s without records", t - self.now)
+            self._anchor_t, self._anchor_m = t, time.monotonic()
+        delay = (t - self._anchor_t) / self.speed - (time.monotonic() - self._anchor_m)
+        if delay > 0:
+            stop.wait(delay)
+
+    def stop(self) -> None:
+        """The replay is over: the clock stands at its last record from now on."""
+        self._stopped = True
 
 
 class ReplayServer:
@@ -66,33 +111,42 @@ class ReplayServer:
         self._on_change = on_change
         self._fixed_thresholds = thresholds
         self._overrides = dict(overrides or {})
-        self.lock = threading.Lock()
         self._stop = threading.Event()
         self.finished = threading.Event()
         self.messages = 0
         self.sessions = 0
         self.raised = 0
         self.cleared = 0
-        self.alerts: list[Alert] = []
-        self.tracker = AlertTracker()
-        self._diagnosis = Diagnosis()
-        self._port = DEFAULT_PORT
         self._reader = RecordingReader(self.path)
         self._records: Iterator[Record] = iter(self._reader)
         self._pending: Record | None = next(self._records, None)
         start = self._pending.t if self._pending is not None else time.time()
-        self.thresholds = thresholds or _thresholds(None, self._overrides)
-        self.state = ServerState(started=start)
+        self.clock = VirtualClock(start, speed)
+        self.engine = Engine(
+            ServerState(started=start),
+            thresholds or _thresholds(None, self._overrides),
+            self.clock,
+        )
+        self.lock = self.engine.lock
         self._ticks = False
         self._tick_s = TICK_S
         self._next_tick = start
-        self._now = start  # virtual time of the last record taken in
-        self._horizon = start  # virtual time of the record being waited for
-        self._anchor_t = start
-        self._anchor_m = time.monotonic()
         if self._pending is not None and self._pending.kind == "session":
             self._begin_session(self._pending)
             self._pending = None
+
+    @property
+    def state(self) -> ServerState:
+        return self.engine.state
+
+    @property
+    def alerts(self) -> list[Alert]:
+        """The alerts up as of the last tick."""
+        return self.engine.alerts
+
+    @property
+    def thresholds(self) -> Thresholds:
+        return self.engine.thresholds
 
     @property
     def tail_bytes(self) -> int:
@@ -112,20 +166,11 @@ class ReplayServer:
 
     # ---------------------------------------------------------------- the views' side
 
-    def clock(self) -> float:
-        """The virtual now: between the last record taken in and the next one."""
-        if self.speed is None or self.finished.is_set():
-            return self._now
-        elapsed = (time.monotonic() - self._anchor_m) * self.speed
-        return min(max(self._anchor_t + elapsed, self._now), max(self._horizon, self._now))
-
     def status(self) -> dict[str, Any]:
+        """The status document as of the virtual now, built afresh: the clock moves."""
         with self.lock:
             now = self.clock()
-            document = status_document(
-                self.state, self.alerts, now, self.thresholds, self.tracker.entries()
-            )
-        document["stats"]["refused"] = 0
+            document = self.engine.document_at(now)
         document["replay"] = {
             "file": str(self.path),
             "speed": self.speed,
@@ -156,6 +201,7 @@ class ReplayServer:
                 self._end_session()
         finally:
             self._reader.close()
+            self.clock.stop()
             self.finished.set()
 
     def _take(self, record: Record) -> None:
@@ -165,7 +211,7 @@ class ReplayServer:
             return
         if record.kind not in ("frame", "tick"):
             return  # a kind from a newer format
-        self._wait_until(record.t)
+        self.clock.wait_until(record.t, self._stop)
         if self._stop.is_set():
             return
         if record.kind == "tick":
@@ -191,16 +237,14 @@ class ReplayServer:
             return
         with self.lock:
             self.state.apply(message, record.t)
-            self._now = max(self._now, record.t)
+            self.clock.reach(record.t)
         self.messages += 1
 
     def tick(self, now: float) -> list[AlertChange]:
         """Run diagnosis at virtual time ``now`` and report what changed."""
         with self.lock:
-            self._now = max(self._now, now)
-            alerts = with_port(self._diagnosis(self.state, now, self.thresholds), self._port)
-            changes = self.tracker.update(alerts, now, self.state.job_started, self.state.attempt)
-            self.alerts = alerts
+            self.clock.reach(now)
+            changes = self.engine.tick(now)
         for change in changes:
             if change.event == "cleared":
                 self.cleared += 1
@@ -211,44 +255,30 @@ class ReplayServer:
         return changes
 
     def _begin_session(self, record: Record) -> None:
-        """A server run starts: fresh state and alerts, its thresholds and tick times."""
+        """A server run starts: fresh state and alerts, its thresholds, port and tick times."""
         meta = record.session
         started = meta.get("started", record.t)
         started = float(started) if isinstance(started, (int, float)) else record.t
         tick_s = meta.get("tick_s")
         port = meta.get("port")
+        engine = self.engine
         with self.lock:
             self.sessions += 1
-            self._port = port if isinstance(port, int) else DEFAULT_PORT  # hints name it
+            engine.port = port if isinstance(port, int) else DEFAULT_PORT  # hints name it
             if self._fixed_thresholds is None:
-                self.thresholds = _thresholds(meta.get("thresholds"), self._overrides)
+                engine.thresholds = _thresholds(meta.get("thresholds"), self._overrides)
             self._ticks = meta.get("ticks") is True
             self._tick_s = (
                 float(tick_s) if isinstance(tick_s, (int, float)) and tick_s > 0 else (TICK_S)
             )
-            self._diagnosis = Diagnosis()  # the live server's cadence, from its start
             if self.sessions > 1:
-                self.state = ServerState(started=started)
-                self.alerts = []
-                self.tracker.restart()
+                engine.restart(ServerState(started=started))
             else:
-                self.state.started = started
+                engine.state.started = started
+                engine.diagnosis = Diagnosis()  # the live server's cadence, from its start
             self._next_tick = started
-            self._now = self._horizon = self._anchor_t = started
-            self._anchor_m = time.monotonic()
+            self.clock.restart(started)
 
     def _end_session(self) -> None:
         if not self._ticks and self.messages:
-            self.tick(self._now)  # a recording without ticks: diagnose its final state too
-
-    def _wait_until(self, t: float) -> None:
-        """Sleep until the virtual clock reaches ``t`` (not at all at max speed)."""
-        self._horizon = max(t, self._now)
-        if self.speed is None:
-            return
-        if t - self._now > MAX_GAP_S:
-            log.info("replay: skipping %.0f s without records", t - self._now)
-            self._anchor_t, self._anchor_m = t, time.monotonic()
-        delay = (t - self._anchor_t) / self.speed - (time.monotonic() - self._anchor_m)
-        if delay > 0:
-            self._stop.wait(delay)
+            self.tick(self.clock.now)  # a recording without ticks: diagnose its final state too

@@ -1,61 +1,32 @@
-"""The running server: collector in, diagnosis every tick, raised/cleared alerts out.
+"""The running server: an engine (``server/engine.py``) with a collector filling its state and a
+recorder, diagnosis every tick, raised/cleared alerts out.
 
-Views (headless printer, TUI) subscribe to ``AlertChange``s and read
-``status()``; they never own state.
+Views (headless printer, TUI) subscribe to ``AlertChange``s and read ``status()``; they never
+own state.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
-from ddpwatch.core.protocol import DEFAULT_PORT
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
-from ddpwatch.diagnosis.history import AlertChange, AlertTracker, diff_alerts
-from ddpwatch.diagnosis.rules import Diagnosis
+from ddpwatch.diagnosis.history import AlertChange
 from ddpwatch.server.collector import Collector
-from ddpwatch.server.document import status_document
-from ddpwatch.server.query import QueryCache, QueryError, TickView, error_reply, parse_request
+from ddpwatch.server.engine import TICK_S, Engine
 from ddpwatch.server.state import ServerState
 
 if TYPE_CHECKING:
     from ddpwatch.core.security import ServerCurve
     from ddpwatch.server.recording import Recorder
 
-__all__ = ["TICK_S", "AlertChange", "Server", "diff_alerts"]
-
-TICK_S = 0.25
-
-log = logging.getLogger("ddpwatch.server")
-
-
-def with_port(alerts: list[Alert], port: int) -> list[Alert]:
-    """Hints that send users to ``ddpwatch status`` name this server's port when it is not
-    the default one (``ddpwatch run`` moves off a busy 5599)."""
-    if port == DEFAULT_PORT:
-        return alerts
-    command = f"ddpwatch status --port {port}"
-    return [
-        dataclasses.replace(
-            a,
-            message=a.message.replace("ddpwatch status", command),
-            hint=a.hint.replace("ddpwatch status", command),
-        )
-        if "ddpwatch status" in a.hint or "ddpwatch status" in a.message
-        else a
-        for a in alerts
-    ]
-
 
 class Server:
-    """Owns the state; ``run`` loops until ``stop`` is called (thread-safe). A
+    """An engine fed by a collector; ``run`` loops until ``stop`` is called (thread-safe). A
     ``StatusProvider`` (``status/provider.py``), as ``ReplayServer`` is.
 
     ``record``: append every accepted frame and each diagnosis tick to this file
@@ -76,28 +47,26 @@ class Server:
         curve: ServerCurve | None = None,
         max_ranks: int | None = None,
     ) -> None:
-        self.thresholds = thresholds or Thresholds()
-        self.clock = clock
-        self.state = ServerState(started=clock())
-        self.alerts: list[Alert] = []
-        self.tracker = AlertTracker()
-        self.diagnosis = Diagnosis()
+        self.engine = Engine(
+            ServerState(started=clock()),
+            thresholds or Thresholds(),
+            clock,
+            port=port,
+            refused=self._refused,
+        )
         self.port = port
-        self._document: dict[str, Any] | None = None
-        self._encoded: bytes | None = None
-        self.queries = QueryCache()  # paged queries' replies, per tick like the document
+        self.lock = self.engine.lock  # the collector answers queries within a receive
         self._on_change = on_change
         self._stop = threading.Event()
-        self.lock = threading.RLock()  # the collector answers queries within a receive
         self.collector = Collector(
             self.state,
-            self.status_json,
+            self.engine.document_json,
             host,
             port,
             clock,
             max_ranks=max_ranks,
             curve=curve,
-            query=self.query_json,
+            query=self.engine.query_json,
         )
         self.recorder: Recorder | None = None
         if record is not None:
@@ -107,6 +76,26 @@ class Server:
                 self.collector.close()
                 raise
             self.collector.recorder = self.recorder
+
+    @property
+    def state(self) -> ServerState:
+        return self.engine.state
+
+    @property
+    def alerts(self) -> list[Alert]:
+        """The alerts up as of the last tick."""
+        return self.engine.alerts
+
+    @property
+    def thresholds(self) -> Thresholds:
+        return self.engine.thresholds
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.engine.clock
+
+    def _refused(self) -> int:
+        return self.collector.refused
 
     def _open_recorder(
         self,
@@ -138,11 +127,7 @@ class Server:
         """Run diagnosis once and report what changed."""
         with self.lock:
             now = self.clock()
-            alerts = with_port(self.diagnosis(self.state, now, self.thresholds), self.port)
-            changes = self.tracker.update(alerts, now, self.state.job_started, self.state.attempt)
-            self.alerts = alerts
-            self._document = self._encoded = None
-            self.queries.clear()
+            changes = self.engine.tick(now)
             if self.recorder is not None:
                 # replay runs diagnosis at exactly these times, on the same horizon
                 self.recorder.tick(now, self.state.heard_until, self.state.listening_since)
@@ -154,53 +139,15 @@ class Server:
         return changes
 
     def status(self) -> dict[str, Any]:
-        """The status document as of the last tick, built once per tick however many viewers
-        ask (8,192 ranks take tens of milliseconds). Treat it as read-only."""
-        with self.lock:
-            if self._document is None:
-                document = status_document(
-                    self.state, self.alerts, self.clock(), self.thresholds, self.tracker.entries()
-                )
-                document["stats"]["refused"] = self.collector.refused  # an addition to the contract
-                self._document = document
-            return self._document
+        """The status document as of the last tick (``Engine.document``). Read-only."""
+        return self.engine.document()
 
     def status_json(self) -> bytes:
-        document = self.status()
-        with self.lock:
-            if self._encoded is None or self._document is not document:
-                self._encoded = msgspec.json.encode(document)
-            return self._encoded
+        return self.engine.document_json()
 
     def query_json(self, request: bytes) -> bytes:
-        """The encoded reply to a ``status?...`` request (``server/query.py``): a summary or a
-        page built from a per-tick index, never the whole document; a bad request gets
-        ``{"error": ...}``. Never raises: the query socket must always answer."""
-        key = request.strip()
-        with self.lock:
-            cached = self.queries.get(key)
-        if cached is not None:
-            return cached
-        try:
-            query = parse_request(key)  # outside the lock: a long rank list takes a moment
-            with self.lock:
-                return self.queries.answer(key, query, self._tick_view)
-        except QueryError as exc:
-            return error_reply(str(exc))
-        except Exception:
-            log.exception("failed to answer the status query %r", key[:200])
-            return error_reply("the server failed to answer this query; see its log")
-
-    def _tick_view(self) -> TickView:
-        """What this tick's queries read (made under ``lock``, at the first query)."""
-        return TickView(
-            self.state,
-            self.alerts,
-            self.clock(),
-            self.thresholds,
-            self.tracker.entries(),
-            refused=self.collector.refused,
-        )
+        """The encoded reply to a ``status?...`` request (``Engine.query_json``)."""
+        return self.engine.query_json(request)
 
     def run(self) -> None:
         next_tick = time.monotonic()
