@@ -156,10 +156,10 @@ class Receive:
         relay = note_batch(state.relays, batch, now)
         carried = None if relay is None else relay.ranks
         frames = batch.frames
-        ages = batch.ages_us if len(batch.ages_us) == len(frames) else None
-        take = self._take
-        for i, frame in enumerate(frames):
-            at = now if ages is None else now - min(ages[i], MAX_RELAY_AGE_US) / 1e6
+        ages = batch.ages_us if len(batch.ages_us) == len(frames) else [0] * len(frames)
+        take, most = self._take, MAX_RELAY_AGE_US
+        for i, (frame, age) in enumerate(zip(frames, ages, strict=True)):
+            at = now - (age if age < most else most) / 1e6  # min(): a call, every frame
             rank = take(frame, position + i, at, True)
             if rank is not None and carried is not None:
                 carried.add(rank)
@@ -196,7 +196,7 @@ class Receive:
             if self.recorder is not None:
                 self.recorder.frame(at, frame)
             record.relayed = relayed
-            superseded = pending.get(rank)
+            superseded = pending.get(rank) if pending else None  # keeping up: none pending
             if superseded is not None:
                 if keeps_news(superseded[0], message):
                     state.apply(*superseded)
