@@ -86,14 +86,16 @@ class Receive:
             head = self._head_of(frame)
         except _HEAD_ERRORS:
             return False
-        kind = head.type
-        if kind not in _RANK_TYPES:
-            return False
         frames = self.frames
-        if kind == "sample" and type(head.rank) is int:
-            self.last[head.rank] = len(frames)
+        position = len(frames)
+        kind = head.type
+        if kind == "sample":
+            if type(head.rank) is int:
+                self.last[head.rank] = position
+        elif kind not in _RANK_TYPES:
+            return False
         if self.shed is not None:
-            self.shed.note(head, len(frames))
+            self.shed.note(head, position)
         frames.append(frame)
         return True
 
@@ -159,7 +161,7 @@ class Receive:
         ages = batch.ages_us if len(batch.ages_us) == len(frames) else [0] * len(frames)
         take, most = self._take, MAX_RELAY_AGE_US
         for i, (frame, age) in enumerate(zip(frames, ages, strict=True)):
-            at = now - (age if age < most else most) / 1e6  # min(): a call, every frame
+            at = now - (age if age < most else most) / 1e6  # not min(): a call a frame
             rank = take(frame, position + i, at, True)
             if rank is not None and carried is not None:
                 carried.add(rank)
