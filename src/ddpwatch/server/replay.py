@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from ddpwatch.core.protocol import DEFAULT_PORT, ProtocolError, decode
+from ddpwatch.core.vocabulary import HistoryEvent
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.history import AlertChange
 from ddpwatch.diagnosis.rules import Diagnosis
@@ -246,7 +247,7 @@ class ReplayServer:
             self.clock.reach(now)
             changes = self.engine.tick(now)
         for change in changes:
-            if change.event == "cleared":
+            if change.event == HistoryEvent.CLEARED:
                 self.cleared += 1
             else:
                 self.raised += 1
