@@ -116,7 +116,7 @@ STACKS_IN = "ddpwatch status --json"
 shows them in its detail pane and writes that in its place (``tui.alerts_panel``)."""
 STACKS_IN_ANY_PORT = re.compile(r"ddpwatch status(?: --port \d+)? --json")
 """``STACKS_IN`` as the server writes it, with its port where it is not the default one
-(``service.with_port``)."""
+(``server.engine.with_port``)."""
 
 _LOADER_PARTS = ("torch/utils/data/", "torch\\utils\\data\\")
 _WORKER_WAITS = frozenset({"_get_data", "_try_get_data"})
