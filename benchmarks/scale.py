@@ -1126,7 +1126,7 @@ def _model_build(payload: bytes, history: Any = None) -> float:
     import msgspec
 
     from ddpwatch.tui.header import summarize
-    from ddpwatch.tui.model import Query, index_alerts, select_rows
+    from ddpwatch.tui.model import TableQuery, index_alerts, select_rows
     from ddpwatch.tui.sparklines import History
 
     history = History() if history is None else history
@@ -1135,7 +1135,7 @@ def _model_build(payload: bytes, history: Any = None) -> float:
     summarize(document)
     index = index_alerts(document.get("alerts") or [])
     history.update(document.get("ranks") or [])
-    select_rows(document.get("ranks") or [], Query(), index)
+    select_rows(document.get("ranks") or [], TableQuery(), index)
     return time.process_time() - c0
 
 

@@ -26,7 +26,7 @@ from ddpwatch.tui.fmt import DASH, human_bytes, loss_text, rank_ranges, seconds,
 from ddpwatch.tui.header import HeaderInfo, StatusHeader, header_lines, summarize
 from ddpwatch.tui.help import HelpScreen
 from ddpwatch.tui.model import (
-    Query,
+    TableQuery,
     index_alerts,
     is_flagged,
     job_wait_fraction,
@@ -875,10 +875,10 @@ def test_flagged_and_worst_first_from_alerts() -> None:
     index = index_alerts(doc["alerts"])
     assert index.counts == {"error": 4, "warning": 2, "info": 1}
     assert index.nan == {3}
-    ranks = select_rows(doc["ranks"], Query(), index)
+    ranks = select_rows(doc["ranks"], TableQuery(), index)
     assert [r["rank"] for r in ranks[:6]] == [5, 14, 3, 7, 15, 11]
     assert all(is_flagged(r, index) for r in doc["ranks"])
-    groups = select_groups(doc["ranks"], Query(), index)
+    groups = select_groups(doc["ranks"], TableQuery(), index)
     assert [g["host"] for g in groups] == ["node-a", "node-b", "?"]
 
 

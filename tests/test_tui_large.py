@@ -34,6 +34,7 @@ from ddpwatch.server.collector import Collector
 from ddpwatch.server.document import status_document
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.query import Query
 from ddpwatch.tui import sources
 from ddpwatch.tui.header import summarize
 from ddpwatch.tui.large_job import scope_of
@@ -46,7 +47,7 @@ RANKS = 12
 @pytest.fixture(autouse=True)
 def small_large_job(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sources, "PAGED_ABOVE", 5)
-    monkeypatch.setattr(sources, "SUMMARY_QUERY", "view=summary&worst=3")
+    monkeypatch.setattr(sources, "SUMMARY_QUERY", Query(view="summary", worst=3))
 
 
 def fill(state: ServerState, now: float) -> None:
@@ -198,12 +199,14 @@ async def test_the_header_says_the_table_holds_the_worst_ranks_only(port: int) -
 
 def test_the_filter_box_becomes_the_servers_scope() -> None:
     hosts = ["node0", "node 1"]
-    assert scope_of("r:0-15", hosts) == "ranks=0-15"
-    assert scope_of("3, 5-7", hosts) == "ranks=3,5-7"
-    assert scope_of("node 1", hosts) == "host=node+1"  # a host's exact name, URL-encoded
-    assert scope_of("silent", hosts) == "state=silent"
-    assert scope_of("node", hosts) == ""  # a word: matched among the ranks held
-    assert scope_of("  ", hosts) == ""
+    assert scope_of("r:0-15", hosts) == Query(ranks=frozenset(range(16)))
+    assert scope_of("3, 5-7", hosts) == Query(ranks=frozenset({3, 5, 6, 7}))
+    scope = scope_of("node 1", hosts)  # a host's exact name, URL-encoded
+    assert scope == Query(hosts=frozenset({"node 1"})) and scope.text == "host=node+1"
+    assert scope_of("silent", hosts) == Query(states=frozenset({"silent"}))
+    assert scope_of("node", hosts) is None  # a word: matched among the ranks held
+    assert scope_of("  ", hosts) is None
+    assert scope_of("0-99999999", hosts) is None  # more than a query may name
 
 
 async def test_the_host_view_of_a_large_job_counts_every_rank(port: int) -> None:
@@ -226,7 +229,7 @@ async def test_the_host_view_of_a_large_job_counts_every_rank(port: int) -> None
             assert hosts["node1"]["flagged"] >= 1 and hosts["node1"]["worst"] <= WORST_CRASHED
             widget.move_cursor_to_key("node2")
             await pilot.press("enter")
-            assert source.scope == "host=node2"
+            assert source.scope == Query(hosts=frozenset({"node2"}))
             await settle(pilot)
             assert not widget.grouped and sorted(shown_ranks(pilot)) == [8, 9, 10]
             assert "ranks 12/12" in header_text(pilot)  # the header still counts the job
@@ -244,13 +247,13 @@ async def test_a_rank_range_on_a_large_job_lists_those_ranks(port: int) -> None:
             assert 10 not in shown_ranks(pilot)  # not among the worst 3
             dashboard(pilot).action_filter()
             await type_text(pilot, "r:10-11")
-            assert source.scope == "ranks=10-11"
+            assert source.scope == Query(ranks=frozenset({10, 11}))
             await settle(pilot)
             assert shown_ranks(pilot) == [10, 11]
             assert "ranks 12/12" in header_text(pilot) and "hosts 3" in header_text(pilot)
             await pilot.press("escape")
             await settle(pilot)
-            assert source.scope == "" and shown_ranks(pilot)[0] == 7
+            assert source.scope is None and shown_ranks(pilot)[0] == 7
     finally:
         server.collector.close()
 
@@ -259,9 +262,9 @@ def test_a_scope_the_server_refuses_falls_back_to_the_whole_summary(live: LiveSe
     source = RemoteSource("127.0.0.1", live.port, timeout=5.0)
     try:
         source.fetch()  # the job is large: the next fetches ask for summaries
-        source.scope = "ranks=0-99999999"  # more ranks than a query may name
+        source.scope = Query(states=frozenset({"sleepy"}))  # no such state: refused
         document = source.fetch()
-        source.scope = "ranks=4-5"
+        source.scope = Query(ranks=frozenset({4, 5}))
         scoped = source.fetch()
     finally:
         source.close()

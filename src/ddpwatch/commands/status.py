@@ -8,6 +8,7 @@ at 65,536 ranks the whole document is tens of megabytes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from ddpwatch.commands._args import (
     whole_number,
 )
 from ddpwatch.core.vocabulary import RANK_STATES, RankState
+from ddpwatch.status.query import DEFAULT_LIMIT, DEFAULT_WORST, Query
 
 NAME = "status"
 
@@ -78,16 +80,28 @@ def _state_list(text: str) -> str:
     return text
 
 
-def query_of(args: argparse.Namespace) -> str | None:
+def query_of(args: argparse.Namespace) -> Query | None:
     """The ``status?`` query the flags ask for; None for the whole document (no such flag)."""
-    from ddpwatch.status.client import status_query
+    from ddpwatch.core.ranges import parse_rank_ranges
 
-    filters = {"ranks": args.ranks, "state": args.state, "host": args.on_host}
-    if not args.summary and all(v is None for v in (*filters.values(), args.limit, args.offset)):
+    given = (args.ranks, args.state, args.on_host, args.limit, args.offset)
+    if not args.summary and all(v is None for v in given):
         return None
+    filters = Query(
+        ranks=None if args.ranks is None else parse_rank_ranges(args.ranks),
+        states=_names(args.state),
+        hosts=_names(args.on_host),
+    )
     if args.summary:
-        return status_query(view="summary", worst=args.limit, **filters)
-    return status_query(view="page", offset=args.offset, limit=args.limit, **filters)
+        worst = DEFAULT_WORST if args.limit is None else args.limit
+        return dataclasses.replace(filters, view="summary", worst=worst)
+    limit = DEFAULT_LIMIT if args.limit is None else args.limit
+    return dataclasses.replace(filters, offset=args.offset or 0, limit=limit)
+
+
+def _names(text: str | None) -> frozenset[str] | None:
+    """``--state`` and ``--on-host``: a comma-separated list."""
+    return None if text is None else frozenset(name.strip() for name in text.split(","))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ exactly what ``ddpwatch status --json`` shows.
 Bounded at any job size (docs/prometheus.md, "Large jobs"): per-rank series for at most
 ``max_ranks`` ranks, the worst ones, and all-rank counts by state. Past ``max_ranks`` ranks a
 scrape reads the server's per-tick summary (``status?view=summary&worst=N``, see
-``server/query.py``) instead of building the whole document.
+``server/pages.py``) instead of building the whole document.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ddpwatch.core.vocabulary import RANK_STATES, RankState
-from ddpwatch.server.query import MAX_WORST
+from ddpwatch.status.query import MAX_WORST, Query
 
 RANK_LABELS = ["rank", "local_rank", "host"]
 STATES = (
@@ -173,7 +173,7 @@ def summary_from_query(query_json: Callable[[bytes], bytes]) -> Summary:
 
     def summary(worst: int) -> dict[str, Any]:
         reply: dict[str, Any] = msgspec.json.decode(
-            query_json(f"status?view=summary&worst={worst}".encode())
+            query_json(Query(view="summary", worst=worst).request())
         )
         if "error" in reply:
             raise RuntimeError(f"the status summary failed: {reply['error']}")

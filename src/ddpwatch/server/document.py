@@ -177,7 +177,7 @@ def document_around(
     attempts: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The document with these rank entries: ``status_document`` gives every rank (and the
-    past attempts' ranks), the paged queries (``server/query.py``) some, in the same
+    past attempts' ranks), the paged queries (``server/pages.py``) some, in the same
     envelope."""
     return {
         "schema": SCHEMA,

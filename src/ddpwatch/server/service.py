@@ -22,8 +22,9 @@ from ddpwatch.diagnosis.history import AlertChange, AlertTracker, diff_alerts
 from ddpwatch.diagnosis.rules import Diagnosis
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.document import status_document
-from ddpwatch.server.query import QueryCache, QueryError, TickView, error_reply, parse_request
+from ddpwatch.server.pages import QueryCache, TickView, error_reply
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.query import Query, QueryError
 
 if TYPE_CHECKING:
     from ddpwatch.core.security import ServerCurve
@@ -173,7 +174,7 @@ class Server:
             return self._encoded
 
     def query_json(self, request: bytes) -> bytes:
-        """The encoded reply to a ``status?...`` request (``server/query.py``): a summary or a
+        """The encoded reply to a ``status?...`` request (``server/pages.py``): a summary or a
         page built from a per-tick index, never the whole document; a bad request gets
         ``{"error": ...}``. Never raises: the query socket must always answer."""
         key = request.strip()
@@ -182,7 +183,7 @@ class Server:
         if cached is not None:
             return cached
         try:
-            query = parse_request(key)  # outside the lock: a long rank list takes a moment
+            query = Query.from_request(key)  # outside the lock: a long rank list takes a moment
             with self.lock:
                 return self.queries.answer(key, query, self._tick_view)
         except QueryError as exc:

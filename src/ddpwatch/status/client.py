@@ -6,21 +6,21 @@ kept open between requests (the dashboard of ``ddpwatch top`` polls through it);
 on when the environment names the server's key (``DDPWATCH_SERVER_KEY``).
 
 A summary or a page of ranks instead of the whole document (docs/status.md, "Summary and
-pages"): ``status_query(...)`` writes the query, ``StatusClient.query`` or
-``fetch_status(..., query=...)`` sends it; a refused query raises ``StatusQueryError``.
+pages"): a ``status.query.Query``, sent by ``StatusClient.query`` or
+``fetch_status(..., query=...)``; a refused query raises ``StatusQueryError``.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlencode
 
 import msgspec
 
 from ddpwatch.core.protocol import DEFAULT_PORT, MAX_QUERY_BYTES
+from ddpwatch.status.query import WHOLE, Query
 
 if TYPE_CHECKING:
     import zmq
@@ -31,42 +31,6 @@ _decoder = msgspec.json.Decoder()
 class StatusQueryError(Exception):
     """The server refused a query (its ``{"error": ...}`` reply), or did not send JSON: the
     message says why, on one line."""
-
-
-def status_query(
-    *,
-    view: str | None = None,
-    ranks: str | Iterable[int] | None = None,
-    state: str | Iterable[str] | None = None,
-    host: str | Iterable[str] | None = None,
-    offset: int | None = None,
-    limit: int | None = None,
-    worst: int | None = None,
-) -> str:
-    """The URL query of a ``status?`` request, from the arguments given (None: left out, the
-    server's default). ``ranks``: ``"0-63,70"`` or rank numbers; ``state``, ``host``: a
-    comma-separated string or names.
-
-    >>> status_query(view="summary", state=["stalled", "silent"], worst=5)
-    'view=summary&state=stalled,silent&worst=5'
-    """
-    from ddpwatch.core.ranges import rank_ranges
-
-    fields: dict[str, str] = {}
-    if view is not None:
-        fields["view"] = view
-    if isinstance(ranks, str):
-        fields["ranks"] = ranks
-    elif ranks is not None:
-        numbers = sorted(set(ranks))
-        fields["ranks"] = rank_ranges(numbers, limit=len(numbers))
-    for key, names in (("state", state), ("host", host)):
-        if names is not None:
-            fields[key] = names if isinstance(names, str) else ",".join(names)
-    for key, number in (("offset", offset), ("limit", limit), ("worst", worst)):
-        if number is not None:
-            fields[key] = str(number)
-    return urlencode(fields, safe=",")
 
 
 class StatusClient:
@@ -120,11 +84,11 @@ class StatusClient:
             self._sock.close(linger=0)
             self._sock = None
 
-    def request(self, query: str | None = None) -> bytes | None:
+    def request(self, query: Query | None = None) -> bytes | None:
         """The server's raw reply to ``status`` (``status?<query>`` with a ``query``), or None
         (no answer in time, a socket error, closed)."""
         zmq = self._zmq
-        message = b"status" if query is None else _request_bytes(query)
+        message = WHOLE if query is None else _request_bytes(query)
         with self._lock:
             if self._closed:
                 return None
@@ -152,8 +116,8 @@ class StatusClient:
             return None
         return document
 
-    def query(self, query: str) -> dict[str, Any] | None:
-        """The reply to ``status?<query>`` (``status_query``), or None when none came in time;
+    def query(self, query: Query) -> dict[str, Any] | None:
+        """The reply to ``status?<query>``, or None when none came in time;
         ``StatusQueryError`` when the server refused the query."""
         reply = self.request(query)
         return None if reply is None else _query_reply(reply)
@@ -174,10 +138,10 @@ def fetch_status(
     port: int,
     timeout: float,
     environ: Mapping[str, str] | None = None,
-    query: str | None = None,
+    query: Query | None = None,
 ) -> dict[str, Any] | None:
     """Ask a running server for its status document once; None if none answered in time.
-    With a ``query`` (``status_query``): a summary or a page instead, and a refused query
+    With a ``query``: a summary or a page instead, and a refused query
     raises ``StatusQueryError``.
 
     ``environ`` (default ``os.environ``) is where the CURVE keys are read from."""
@@ -232,16 +196,16 @@ def unanswered(
     curve = client_curve_keys(environ) is not None
     client = StatusClient(host, port, timeout, environ)
     try:
-        reply = client.request(status_query(view="page", limit=1))
+        reply = client.request(Query(limit=1))
     finally:
         client.close()
     return None if reply is not None else no_server(host, port, timeout, curve=curve)
 
 
-def _request_bytes(query: str) -> bytes:
+def _request_bytes(query: Query) -> bytes:
     """``status?<query>``, checked against the server's size limit: it drops a longer one
     unanswered, which would read as no server at all."""
-    message = f"status?{query}".encode()
+    message = query.request()
     if len(message) > MAX_QUERY_BYTES:
         raise StatusQueryError(
             f"the query is {len(message)} bytes, over the server's {MAX_QUERY_BYTES}"

@@ -11,7 +11,7 @@ from textual.widget import Widget
 
 from ddpwatch.core.vocabulary import SEVERITIES, RankState, Severity
 from ddpwatch.tui.fmt import DASH, NA, uptime
-from ddpwatch.tui.model import Query, job_wait_fraction
+from ddpwatch.tui.model import TableQuery, job_wait_fraction
 from ddpwatch.tui.packed import pack
 
 SEVERITY_STYLE = {
@@ -43,7 +43,7 @@ class HeaderInfo:
     alerts: dict[str, int] = field(default_factory=dict)
     msg_rate: float | None = None
     uptime_s: float | None = None
-    query: Query = field(default_factory=Query)
+    query: TableQuery = field(default_factory=TableQuery)
     sort_title: str = "worst first"
     shown: int = 0
     paused: bool = False

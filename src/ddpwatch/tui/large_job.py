@@ -12,16 +12,17 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
-from urllib.parse import urlencode
 
+from ddpwatch.core.ranges import MAX_PARSED_RANKS
 from ddpwatch.core.vocabulary import RANK_STATES
+from ddpwatch.status.query import Query
 from ddpwatch.tui.model import (
     STATE_WORST,
     WORST_NONE,
     WORST_RUNNING,
     AlertIndex,
-    Query,
     Row,
+    TableQuery,
     order_groups,
     parse_ranges,
     worst_score,
@@ -33,22 +34,24 @@ def is_summary(document: dict[str, Any] | None) -> bool:
     return isinstance((document or {}).get("summary"), dict)
 
 
-def scope_of(text: str, hosts: Iterable[str]) -> str:
-    """The server-side filter for the filter box's ``text``: ``ranks=0-15,20`` for rank
-    ranges, ``host=<name>`` for a host's exact name (enter on a host row types it),
-    ``state=<state>`` for a rank state's name; "" for anything else, which the dashboard
-    matches among the ranks it holds."""
+def scope_of(text: str, hosts: Iterable[str]) -> Query | None:
+    """The server-side filter for the filter box's ``text``: its rank ranges, a host's exact
+    name (enter on a host row types it) or a rank state's name; None for anything else (and
+    for more ranks than a query may name), which the dashboard matches among the ranks it
+    holds."""
     text = text.strip()
     if not text:
-        return ""
+        return None
     spans = parse_ranges(text)
     if spans is not None:
-        return "ranks=" + ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+        if sum(last - first + 1 for first, last in spans) > MAX_PARSED_RANKS:
+            return None
+        return Query(ranks=frozenset(r for first, last in spans for r in range(first, last + 1)))
     if text in set(hosts):
-        return urlencode({"host": text})
+        return Query(hosts=frozenset({text}))
     if text in RANK_STATES:
-        return f"state={text}"
-    return ""
+        return Query(states=frozenset({text}))
+    return None
 
 
 def host_names(document: dict[str, Any] | None) -> list[str]:
@@ -90,7 +93,9 @@ def summary_groups(document: dict[str, Any], index: AlertIndex) -> list[Row]:
     return groups
 
 
-def select_summary_groups(document: dict[str, Any], query: Query, index: AlertIndex) -> list[Row]:
+def select_summary_groups(
+    document: dict[str, Any], query: TableQuery, index: AlertIndex
+) -> list[Row]:
     """Host rows for the host view of a large job: filter words match the host's name and
     states (the scope did rank ranges on the server), ``flagged`` keeps hosts with flagged
     ranks; ordered as the other host rows (``model.order_groups``)."""

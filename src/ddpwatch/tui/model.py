@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpwatch.core.ranges import rank_ranges
+from ddpwatch.core.ranges import rank_ranges, rank_spans
 from ddpwatch.core.vocabulary import RANK_STATES, AlertKind, RankState, Severity
 
 Row = dict[str, Any]
@@ -167,22 +167,20 @@ def is_flagged(row: Row, index: AlertIndex) -> bool:
 
 # ----------------------------------------------------------------------------- filter
 
-_RANGES = re.compile(
-    r"^\s*(?:r(?:ank)?s?\s*[:=]\s*)?(\d+(?:\s*-\s*\d+)?(?:\s*,\s*\d+(?:\s*-\s*\d+)?)*)\s*,?\s*$"
-)
+_RANGES = re.compile(r"^\s*(?:r(?:ank)?s?\s*[:=]\s*)?(.*?)\s*,?\s*$", re.DOTALL)
+"""The filter box's rank list: ``r:``, ``rank=``, ``ranks:`` before it and a comma after are
+allowed; the list itself is ``core.ranges``'."""
 
 
 def parse_ranges(text: str) -> list[tuple[int, int]] | None:
     """ "r:0-15" or "3,5-7" -> [(0, 15)] / [(3, 3), (5, 7)]; None when ``text`` is not a range."""
     match = _RANGES.match(text)
-    if not match:
+    if match is None:
         return None
-    spans = []
-    for piece in match.group(1).split(","):
-        low, _, high = piece.strip().partition("-")
-        a, b = int(low), int(high or low)
-        spans.append((min(a, b), max(a, b)))
-    return spans
+    try:
+        return rank_spans(match[1], backwards=True)
+    except ValueError:
+        return None
 
 
 def make_filter(text: str) -> Callable[[Row], bool] | None:
@@ -314,7 +312,7 @@ def sort_rows(
 
 
 @dataclass(frozen=True)
-class Query:
+class TableQuery:
     """What the user asked the table to show."""
 
     sort: str = WORST
@@ -324,7 +322,7 @@ class Query:
     grouped: bool = False
 
 
-def select_rows(ranks: Sequence[Row], query: Query, index: AlertIndex) -> list[Row]:
+def select_rows(ranks: Sequence[Row], query: TableQuery, index: AlertIndex) -> list[Row]:
     """The rank rows to show, filtered and ordered (default: worst first, then rank)."""
     predicate = make_filter(query.filter)
     rows: list[Row] = list(ranks)
@@ -405,7 +403,7 @@ def group_by_host(ranks: Iterable[Row], index: AlertIndex) -> list[Row]:
     return list(groups.values())
 
 
-def select_groups(ranks: Sequence[Row], query: Query, index: AlertIndex) -> list[Row]:
+def select_groups(ranks: Sequence[Row], query: TableQuery, index: AlertIndex) -> list[Row]:
     """Host rows for the grouped view (the filter and ``flagged`` apply to ranks first)."""
     predicate = make_filter(query.filter)
     rows: Iterable[Row] = ranks
@@ -416,7 +414,7 @@ def select_groups(ranks: Sequence[Row], query: Query, index: AlertIndex) -> list
     return order_groups(group_by_host(rows, index), query)
 
 
-def order_groups(groups: list[Row], query: Query) -> list[Row]:
+def order_groups(groups: list[Row], query: TableQuery) -> list[Row]:
     """Host rows in the query's order: by a host column, else worst first, then by name."""
     if query.sort in GROUP_SORT_VALUES:
         return sort_rows(groups, GROUP_SORT_VALUES[query.sort], query.reverse, lambda g: g["host"])

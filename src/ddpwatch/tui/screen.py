@@ -34,8 +34,8 @@ from ddpwatch.tui.large_job import host_names, is_summary, scope_of, select_summ
 from ddpwatch.tui.model import (
     WORST,
     AlertIndex,
-    Query,
     Row,
+    TableQuery,
     index_alerts,
     select_groups,
     select_rows,
@@ -110,7 +110,7 @@ class DashboardScreen(Screen[None]):
         self.document: dict[str, Any] | None = None
         self.connected: bool | None = None
         self.paused = False
-        self.query_state = Query()
+        self.query_state = TableQuery()
         self.index = AlertIndex()
         self.history = History(history)
         self.started: float | None = getattr(source, "started", None)
@@ -441,7 +441,7 @@ class DashboardScreen(Screen[None]):
     def _row_selected(self, event: RankTable.Selected) -> None:
         if self.table.grouped:
             host = event.key
-            self.query_state = Query(
+            self.query_state = TableQuery(
                 sort=WORST,
                 reverse=False,
                 filter=str(host),
@@ -468,7 +468,9 @@ class DashboardScreen(Screen[None]):
         """Put the table's cursor on ``rank``, clearing a filter or grouping that hides it."""
         table = self.table
         if table.grouped or not any(r["rank"] == rank for r in table.rows):
-            self.query_state = Query(sort=self.query_state.sort, reverse=self.query_state.reverse)
+            self.query_state = TableQuery(
+                sort=self.query_state.sort, reverse=self.query_state.reverse
+            )
             self._show_filter_box("")
             self.refresh_view()
         found = table.move_cursor_to_key(rank)

@@ -16,6 +16,7 @@ job has ended once every rank seen has finished.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ import msgspec
 
 from ddpwatch.core.protocol import DEFAULT_PORT
 from ddpwatch.status.provider import StatusProvider
+from ddpwatch.status.query import Query
 
 log = logging.getLogger("ddpwatch.tui")
 
@@ -35,8 +37,8 @@ PAGED_ABOVE = 4096
 ``WORST_SHOWN`` worst ranks) instead of the whole document: tens of megabytes at 65,536
 ranks, to build on the server and to decode here every poll."""
 WORST_SHOWN = 1000
-SUMMARY_QUERY = f"view=summary&worst={WORST_SHOWN}"
-COUNTS_QUERY = "view=summary&worst=0"
+SUMMARY_QUERY = Query(view="summary", worst=WORST_SHOWN)
+COUNTS_QUERY = Query(view="summary", worst=0)
 EXPORT_TIMEOUT_S = 60.0
 """How long an export waits for the whole document (tens of megabytes on a large job)."""
 
@@ -50,17 +52,17 @@ def ranks_in(document: dict[str, Any]) -> int:
 
 
 def scoped_summary(
-    ask: Callable[[str], dict[str, Any] | None], scope: str
+    ask: Callable[[Query], dict[str, Any] | None], scope: Query | None
 ) -> dict[str, Any] | None:
     """The summary the dashboard shows, from ``ask`` (a query in, a reply or None out).
 
-    With a ``scope`` (``ranks=0-63`` or ``host=node7``: what the filter box names), the reply
+    With a ``scope`` (ranks 0-63 or host node7: what the filter box names), the reply
     lists the worst ranks of the scope, its ``scope`` holds the scope's counts and host rows,
     and its ``summary`` still counts the whole job, for the header. A scope the server
     refuses (an ``ask`` that gives None) falls back to the whole job's summary."""
-    if not scope:
+    if scope is None:
         return ask(SUMMARY_QUERY)
-    part = ask(f"{SUMMARY_QUERY}&{scope}")
+    part = ask(dataclasses.replace(scope, view="summary", worst=SUMMARY_QUERY.worst))
     whole = ask(COUNTS_QUERY if part is not None else SUMMARY_QUERY)
     if part is None or whole is None:
         return whole
@@ -92,7 +94,7 @@ class LocalSource:
         state = getattr(server, "state", None)
         self.started: float | None = getattr(state, "started", None)
         self._large = False  # the last document had more than PAGED_ABOVE ranks
-        self.scope = ""  # the summary's filter, set by the dashboard (``scoped_summary``)
+        self.scope: Query | None = None  # the summary's filter, set by the dashboard
 
     def fetch(self) -> dict[str, Any] | None:
         try:
@@ -112,12 +114,12 @@ class LocalSource:
             log.exception("status() failed")
             return None
 
-    def _ask(self, query: str) -> dict[str, Any] | None:
+    def _ask(self, query: Query) -> dict[str, Any] | None:
         """The server's reply to ``status?<query>`` (``Server.query_json``), if it gives one."""
         answer = getattr(self.server, "query_json", None)
         if answer is None:
             return None
-        document = msgspec.json.decode(answer(f"status?{query}".encode()))
+        document = msgspec.json.decode(answer(query.request()))
         return document if isinstance(document, dict) and "summary" in document else None
 
     def close(self) -> None:
@@ -239,7 +241,7 @@ class RemoteSource:
         self.client = StatusClient(host, port, timeout)
         self._large = False  # the last document had more than PAGED_ABOVE ranks
         self._summaries = True  # the server answers summaries
-        self.scope = ""  # the summary's filter, set by the dashboard (``scoped_summary``)
+        self.scope: Query | None = None  # the summary's filter, set by the dashboard
 
     @property
     def endpoint(self) -> str:
@@ -262,7 +264,7 @@ class RemoteSource:
             self._large = ranks_in(document) > PAGED_ABOVE
         return document
 
-    def _ask(self, query: str) -> dict[str, Any] | None:
+    def _ask(self, query: Query) -> dict[str, Any] | None:
         """The reply to ``status?<query>``; None for a scoped query the server refuses (the
         whole job's summary is shown instead); ``StatusQueryError`` for an unscoped one."""
         from ddpwatch.status.client import StatusQueryError

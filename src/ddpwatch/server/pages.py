@@ -1,5 +1,6 @@
-"""Paged status queries: ``status?<query>`` on the query socket (docs/status.md, "Summary and
-pages").
+"""The replies to ``status?<query>`` on the query socket (docs/status.md, "Summary and
+pages"): a page of ranks or a summary, from this tick's view of the state. The request itself
+is ``status.query.Query``.
 
 At 65,536 ranks the whole status document is tens of megabytes, built every tick. A query
 asks for a summary or one page of ranks instead. Each rank's state is worked out once per tick
@@ -11,160 +12,28 @@ cached per tick by request (``QueryCache``), like the full document.
 from __future__ import annotations
 
 import heapq
-import re
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Literal
-from urllib.parse import parse_qs
+from typing import Any
 
 import msgspec
 
-from ddpwatch.core.ranges import parse_rank_ranges
 from ddpwatch.core.vocabulary import RANK_STATES, RankState
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.rules import effective_stall_after, rank_state
 from ddpwatch.server.document import document_around, missing_entry, rank_entry
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.query import Query, one_line
 
-PREFIX = "status?"
-KEYS = ("view", "ranks", "state", "host", "offset", "limit", "worst")
-DEFAULT_LIMIT, MAX_LIMIT = 500, 5000
-DEFAULT_WORST, MAX_WORST = 20, 1000
-MAX_OFFSET = 1 << 31
 MAX_HOSTS = 1000  # hosts listed in a summary; the rest are counted in hosts_omitted
 CACHED_REPLIES = 32  # per tick: a few viewers' pages and summaries
-_NUMBER = re.compile(r"[0-9]{1,10}")
 _STATE_ORDER = {state: i for i, state in enumerate(RANK_STATES)}
 _UNFLAGGED = frozenset({RankState.RUNNING, RankState.EXITED, RankState.STOPPED})
-
-View = Literal["page", "summary"]
-
-
-class QueryError(ValueError):
-    """A request the server cannot answer; its message is the reply's one-line ``error``."""
-
-
-@dataclass(frozen=True)
-class Query:
-    """A parsed ``status?...`` request. Filters are None when not given (all ranks match)."""
-
-    view: View = "page"
-    ranks: frozenset[int] | None = None
-    states: frozenset[str] | None = None
-    hosts: frozenset[str] | None = None
-    offset: int = 0
-    limit: int = DEFAULT_LIMIT
-    worst: int = DEFAULT_WORST
-
-
-# ------------------------------------------------------------------------------ parsing
-
-
-def parse_request(request: bytes) -> Query:
-    """The query of ``status?<url query>``; ``QueryError`` for anything else."""
-    try:
-        text = request.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise QueryError("the request is not UTF-8 text") from None
-    if not text.startswith(PREFIX):
-        raise QueryError("unknown request; send status, or status?<query> (docs/status.md)")
-    return query_of(_fields(text[len(PREFIX) :]))
-
-
-def _fields(query: str) -> dict[str, str]:
-    """The URL query's keys and values: each known key at most once, no other key."""
-    try:
-        parsed = parse_qs(
-            query,
-            keep_blank_values=True,
-            strict_parsing=True,
-            errors="strict",
-            max_num_fields=2 * len(KEYS),
-        )
-    except ValueError as exc:  # a UnicodeDecodeError too
-        raise QueryError(f"not a URL query string: {_one_line(str(exc))}") from None
-    for key, values in parsed.items():
-        if key not in KEYS:
-            raise QueryError(f"unknown key {_quote(key)}; known: {', '.join(KEYS)}")
-        if len(values) > 1:
-            raise QueryError(f"{key} given more than once")
-    return {key: values[0] for key, values in parsed.items()}
-
-
-def query_of(fields: dict[str, str]) -> Query:
-    """A ``Query`` from the request's fields (already split); ``QueryError`` on a bad value."""
-    view = fields.get("view", "page")
-    if view not in ("page", "summary"):
-        raise QueryError(f"view must be page or summary, not {_quote(view)}")
-    if view == "summary" and ("offset" in fields or "limit" in fields):
-        raise QueryError("offset and limit are for view=page; a summary takes worst")
-    if view == "page" and "worst" in fields:
-        raise QueryError("worst is for view=summary; a page takes offset and limit")
-    return Query(
-        view="summary" if view == "summary" else "page",
-        ranks=_ranks(fields.get("ranks")),
-        states=_states(fields.get("state")),
-        hosts=_names("host", fields.get("host")),
-        offset=_number(fields, "offset", 0, 0, MAX_OFFSET),
-        limit=_number(fields, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT),
-        worst=_number(fields, "worst", DEFAULT_WORST, 0, MAX_WORST),
-    )
-
-
-def _ranks(text: str | None) -> frozenset[int] | None:
-    if text is None:
-        return None
-    try:
-        return parse_rank_ranges(text)
-    except ValueError as exc:
-        raise QueryError(f"ranks: {exc}") from None
-
-
-def _states(text: str | None) -> frozenset[str] | None:
-    states = _names("state", text)
-    if states is not None:
-        unknown = sorted(states - set(RANK_STATES))
-        if unknown:
-            raise QueryError(
-                f"state: unknown {_quote(unknown[0])}; known: {', '.join(RANK_STATES)}"
-            )
-    return states
-
-
-def _names(key: str, text: str | None) -> frozenset[str] | None:
-    """A comma-separated list of names, none of them empty."""
-    if text is None:
-        return None
-    names = [name.strip() for name in text.split(",")]
-    if not all(names):
-        raise QueryError(f"{key}: an empty name in {_quote(text)}")
-    return frozenset(names)
-
-
-def _number(fields: dict[str, str], key: str, default: int, low: int, high: int) -> int:
-    text = fields.get(key)
-    if text is None:
-        return default
-    value = int(text) if _NUMBER.fullmatch(text) else None
-    if value is None or not low <= value <= high:
-        raise QueryError(f"{key} must be a whole number from {low} to {high}, not {_quote(text)}")
-    return value
-
-
-def _quote(text: str, width: int = 40) -> str:
-    """``text`` quoted on one line, cut to about ``width``: errors echo what was sent."""
-    return repr(text if len(text) <= width else text[:width] + "...")
-
-
-def _one_line(text: str, width: int = 80) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= width else line[:width] + "..."
 
 
 def error_reply(message: str) -> bytes:
     """The reply to a request the server cannot answer: ``{"error": "<one line>"}``."""
-    return msgspec.json.encode({"error": _one_line(message, 200)})
+    return msgspec.json.encode({"error": one_line(message, 200)})
 
 
 # ------------------------------------------------------------------------------ the tick's view
