@@ -20,10 +20,11 @@ from ddpwatch.core.ranges import parse_rank_ranges
 from ddpwatch.core.vocabulary import RANK_STATES
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.server import pages as query_module
-from ddpwatch.server.pages import TickView, worst_ranks
+from ddpwatch.server.pages import TickView
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
 from ddpwatch.status.client import StatusClient, StatusQueryError, fetch_status
+from ddpwatch.status.order import worst_ranks
 from ddpwatch.status.query import Query, QueryError
 from ddpwatch.tui.model import index_alerts, is_flagged
 
@@ -482,6 +483,6 @@ def test_alert_culprits_come_first_within_a_state() -> None:
     state = big_state(6)
     culprit = Alert("straggler", "warning", (4,), (0, 1), "m", "h")
     view = TickView(state, [culprit], 2.0, Thresholds())
-    assert worst_ranks(view, view.ranks, 3) == [6, 7, 8]  # not_connected first
+    assert worst_ranks(view.ranks, view.states, view.culprits, 3) == [6, 7, 8]  # not_connected first
     running = [r for r in view.ranks if view.states[r] == "running"]
-    assert worst_ranks(view, running, 3) == [4, 0, 1]
+    assert worst_ranks(running, view.states, view.culprits, 3) == [4, 0, 1]

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from tui_fixtures import big, document, rank_entry
 
+from ddpwatch.status.order import STATE_ORDER
 from ddpwatch.tui.columns import (
     ALERT_LOOKUPS,
     FINISHED_FIELDS,
@@ -30,7 +31,6 @@ from ddpwatch.tui.columns import (
 )
 from ddpwatch.tui.model import (
     CULPRIT_SCORE,
-    STATE_SCORE,
     AlertIndex,
     Row,
     group_by_host,
@@ -98,7 +98,7 @@ def _variants(value: Any, pool: list[Any]) -> Iterator[Any]:
     elif isinstance(value, (int, float)):
         yield from (value + 1, value * 3 + 7, value / 2, 0, -value - 1, 10**12)
     elif isinstance(value, str):
-        yield from (value + "x", "", value.upper(), *STATE_SCORE)
+        yield from (value + "x", "", value.upper(), *STATE_ORDER)
     elif isinstance(value, dict):
         yield {}
         for key, item in value.items():

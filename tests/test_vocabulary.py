@@ -256,10 +256,11 @@ def test_the_server_gives_every_rank_state_of_the_vocabulary() -> None:
 
 def test_every_table_keyed_by_rank_state_covers_every_state() -> None:
     from ddpwatch.outputs import prometheus
+    from ddpwatch.status import order
     from ddpwatch.tui import detail, help, model
 
     tables: dict[str, Any] = {
-        "model.STATE_SCORE": model.STATE_SCORE,
+        "order.STATE_ORDER": order.STATE_ORDER,
         "model.SHORT_STATE": model.SHORT_STATE,
         "model.STATE_WORST": model.STATE_WORST,
         "detail.STATE_STYLE": detail.STATE_STYLE,
@@ -269,7 +270,7 @@ def test_every_table_keyed_by_rank_state_covers_every_state() -> None:
     for name, table in tables.items():
         assert len(table) == len(set(table)), name
         assert set(table) == set(RANK_STATES), name
-    assert list(model.STATE_SCORE) == list(RANK_STATES)  # worst first
+    assert list(order.STATE_ORDER) == list(RANK_STATES)  # worst first
     worst = [model.STATE_WORST[state] for state in RANK_STATES]
     assert worst == sorted(worst)  # the culprit-and-state scale orders states the same way
     assert set(model.STATE_TEXT) <= set(RANK_STATES)
@@ -285,23 +286,21 @@ def test_the_help_names_the_states_worst_first() -> None:
 
 
 def test_every_table_keyed_by_severity_covers_every_severity() -> None:
-    from ddpwatch.diagnosis import history, rules
     from ddpwatch.outputs import notify
+    from ddpwatch.status import order
     from ddpwatch.tui import header, model
 
     for name, table in {
         "model.CULPRIT_SCORE": model.CULPRIT_SCORE,
         "header.SEVERITY_STYLE": header.SEVERITY_STYLE,
         "header.SEVERITY_GLYPH": header.SEVERITY_GLYPH,
-        "history.SEVERITY_RANK": history.SEVERITY_RANK,
+        "order.SEVERITY_LEVEL": order.SEVERITY_LEVEL,
         "notify.LEVELS": notify.LEVELS,
-        "rules._SEVERITY_ORDER": rules._SEVERITY_ORDER,
     }.items():
         assert set(table) == set(SEVERITIES), name
     # one order everywhere: most severe first, or least severe first where it counts up
     assert sorted(SEVERITIES, key=model.CULPRIT_SCORE.__getitem__) == list(SEVERITIES)
-    assert sorted(SEVERITIES, key=rules._SEVERITY_ORDER.__getitem__) == list(SEVERITIES)
-    assert sorted(SEVERITIES, key=history.SEVERITY_RANK.__getitem__) == list(SEVERITIES)[::-1]
+    assert sorted(SEVERITIES, key=order.SEVERITY_LEVEL.__getitem__) == list(SEVERITIES)[::-1]
     assert list(notify.LEVELS) == list(SEVERITIES)[::-1]
 
 

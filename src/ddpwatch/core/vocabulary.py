@@ -112,7 +112,7 @@ RANK_STATES: Final = (
     RankState.STOPPED,
     RankState.EXITED,
 )
-"""Every rank state, worst first: the dashboard's order (``tui.model.STATE_SCORE``)."""
+"""Every rank state, worst first: the dashboard's order (``status.order.STATE_ORDER``)."""
 
 SeverityName = Literal["error", "warning", "info"]
 """The type of an alert's ``severity``: one of ``SEVERITIES``."""

@@ -22,12 +22,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal
 
-from ddpwatch.core.vocabulary import SEVERITIES
 from ddpwatch.diagnosis.alerts import Alert
+from ddpwatch.status.order import severity_level
 
 HISTORY_KEPT = 1000
-SEVERITY_RANK = {severity: n for n, severity in enumerate(reversed(SEVERITIES))}
-"""0 for info, up to the most severe (``vocabulary.SEVERITIES`` is most severe first)."""
 
 Event = Literal["raised", "escalated", "cleared"]
 NEW_ATTEMPT = "new_attempt"
@@ -138,7 +136,7 @@ def diff_alerts(before: dict[Any, Alert], after: list[Alert]) -> list[AlertChang
         old = before.get(key)
         if old is None:
             changes.append(AlertChange("raised", alert))
-        elif SEVERITY_RANK[alert.severity] > SEVERITY_RANK[old.severity]:
+        elif severity_level(alert.severity) > severity_level(old.severity):
             changes.append(AlertChange("escalated", alert, previous=old))
     return _merge_escalations(changes)
 
@@ -153,7 +151,7 @@ def _merge_escalations(changes: list[AlertChange]) -> list[AlertChange]:
         old = cleared.get(change.alert.ranks) if change.event == "raised" else None
         if (
             old is not None
-            and SEVERITY_RANK[change.alert.severity] > SEVERITY_RANK[old.alert.severity]
+            and severity_level(change.alert.severity) > severity_level(old.alert.severity)
         ):
             merged.append(AlertChange("escalated", change.alert, previous=old.alert))
             replaced.add(id(old))

@@ -22,6 +22,7 @@ from ddpwatch.core.protocol import ErrorInfo
 from ddpwatch.core.vocabulary import AlertKind, RankState, Severity
 from ddpwatch.diagnosis.knowledge import WAIT_NAMES, explain_error
 from ddpwatch.diagnosis.rules.text import format_ranks
+from ddpwatch.status.order import severity_level
 
 ENDINGS = frozenset({AlertKind.CRASHED, AlertKind.EXITED, AlertKind.SILENT})
 """Alert kinds that name a rank whose process failed: the candidates for what ended a job."""
@@ -115,7 +116,7 @@ class _Open:
         self.first = self.first or alert
         self.alert = alert
         self.waiting.update(alert.get("waiting") or ())
-        if _SEVERITY_ORDER.get(str(alert.get("severity")), 0) > _SEVERITY_ORDER[self.severity]:
+        if severity_level(str(alert.get("severity"))) > severity_level(self.severity):
             self.severity = str(alert.get("severity"))
         event = entry.get("event")
         if event == "escalated":
@@ -150,7 +151,6 @@ class _Open:
         )
 
 
-_SEVERITY_ORDER = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2}
 
 
 @dataclass(frozen=True)
@@ -392,11 +392,11 @@ def _named(
 ) -> set[int]:
     """The culprits of the episodes of these kinds, ``least`` as severe at least (a rank
     that never came is one while the others time out waiting for it, warning or error)."""
-    floor = _SEVERITY_ORDER[least]
+    floor = severity_level(least)
     return {
         r
         for e in found
-        if e.kind in kinds and _SEVERITY_ORDER.get(e.severity, 0) >= floor
+        if e.kind in kinds and severity_level(e.severity) >= floor
         for r in e.ranks
     }
 

@@ -20,7 +20,8 @@ import msgspec
 from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ddpwatch.core.vocabulary import RANK_STATES, RankState
+from ddpwatch.core.vocabulary import RankState
+from ddpwatch.status.order import worst_ranks
 from ddpwatch.status.query import MAX_WORST, Query
 
 RANK_LABELS = ["rank", "local_rank", "host"]
@@ -39,7 +40,6 @@ STATES = (
 DEFAULT_MAX_RANKS = MAX_WORST
 """Ranks with per-rank series by default, and at most when read from the summary (which
 lists at most ``MAX_WORST`` worst ranks): 1000 ranks are about 16,000 series."""
-_STATE_ORDER = {state: i for i, state in enumerate(RANK_STATES)}  # worst first
 # (metric name, status field, help)
 RANK_GAUGES = (
     ("ddpwatch_rank_step", "step", "Last training step reached."),
@@ -72,10 +72,9 @@ def worst(document: dict[str, Any], ranks: list[dict[str, Any]], n: int) -> list
     """The ``n`` worst of ``ranks``, by rank: the summary's order (worst state first, then the
     culprits of the document's alerts, then by rank) picks them."""
     culprits = {r for alert in document["alerts"] for r in alert["ranks"]}
-    chosen = sorted(
-        ranks, key=lambda e: (_STATE_ORDER[e["state"]], e["rank"] not in culprits, e["rank"])
-    )[:n]
-    return sorted(chosen, key=lambda e: int(e["rank"]))
+    by_rank = {int(e["rank"]): e for e in ranks}
+    states = {rank: str(e["state"]) for rank, e in by_rank.items()}
+    return [by_rank[r] for r in sorted(worst_ranks(by_rank, states, culprits, n))]
 
 
 class StatusCollector:

@@ -159,8 +159,8 @@ def status_document(
         )
         for r in sorted(state.ranks)
     ]
-    if world_size:
-        missing = [r for r in range(world_size) if r not in state.ranks]
+    missing = state.missing_ranks()  # below the world size, MAX_WORLD at most
+    if world_size and missing:
         ranks = sorted(
             ranks + [missing_entry(r, world_size) for r in missing], key=lambda e: e["rank"]
         )

@@ -11,7 +11,6 @@ cached per tick by request (``QueryCache``), like the full document.
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -23,12 +22,11 @@ from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.rules import effective_stall_after, rank_state
 from ddpwatch.server.document import document_around, missing_entry, rank_entry
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.order import HostTally, host_rows, is_flagged, worst_ranks
 from ddpwatch.status.query import Query, one_line
 
 MAX_HOSTS = 1000  # hosts listed in a summary; the rest are counted in hosts_omitted
 CACHED_REPLIES = 32  # per tick: a few viewers' pages and summaries
-_STATE_ORDER = {state: i for i, state in enumerate(RANK_STATES)}
-_UNFLAGGED = frozenset({RankState.RUNNING, RankState.EXITED, RankState.STOPPED})
 
 
 def error_reply(message: str) -> bytes:
@@ -78,9 +76,8 @@ class TickView:
             rank: rank_state(record, as_of, th, self.stall_after, self.since, stepping)
             for rank, record in records.items()
         }
-        for rank in range(self.world_size or 0):
-            if rank not in records:
-                states[rank] = RankState.NOT_CONNECTED
+        for rank in self.state.missing_ranks():
+            states[rank] = RankState.NOT_CONNECTED
         return states
 
     def host(self, rank: int) -> str | None:
@@ -147,9 +144,9 @@ def summary(view: TickView, query: Query) -> dict[str, Any]:
     """Counts by state and by host of the matching ranks, and the ``worst`` of them."""
     matched = view.matching(query)
     states = Counter(view.states[r] for r in matched)
-    hosts, omitted = host_rows(view, matched)
+    hosts, omitted = _host_rows(view, matched)
     return view.reply(
-        [view.entry(r) for r in worst_ranks(view, matched, query.worst)],
+        [view.entry(r) for r in worst_ranks(matched, view.states, view.culprits, query.worst)],
         summary={
             "ranks": len(matched),
             "states": {state: states[state] for state in RANK_STATES},
@@ -165,48 +162,34 @@ def summary(view: TickView, query: Query) -> dict[str, Any]:
     )
 
 
-def worst_ranks(view: TickView, ranks: list[int], n: int) -> list[int]:
-    """The ``n`` worst: worst state first (``RANK_STATES``), then alert culprits, then rank."""
-    order, states, culprits = _STATE_ORDER, view.states, view.culprits
-    return heapq.nsmallest(n, ranks, key=lambda r: (order[states[r]], r not in culprits, r))
-
-
-def host_rows(
+def _host_rows(
     view: TickView, ranks: list[int], most: int = MAX_HOSTS
 ) -> tuple[list[dict[str, Any]], int]:
-    """One row per host of ``ranks``, by host name (ranks with no host last, as null), the
-    first ``most`` of them; and how many hosts were left out."""
-    by_host: dict[str | None, list[int]] = {}
+    """One row per host of ``ranks`` (``order.host_rows``), the first ``most`` hosts; and how
+    many hosts were left out."""
+    tallies: dict[str | None, HostTally] = {}
+    records, states, named = view.state.ranks, view.states, view.named
     for rank in ranks:
-        by_host.setdefault(view.host(rank), []).append(rank)
-    names = sorted(by_host, key=lambda h: (h is None, h or ""))
-    return [_host_row(view, name, by_host[name]) for name in names[:most]], len(names[most:])
-
-
-def _host_row(view: TickView, host: str | None, ranks: list[int]) -> dict[str, Any]:
-    records = [view.state.ranks[r] for r in ranks if r in view.state.ranks]
-    steps = [r.step for r in records if r.step is not None]
-    step_times = [r.step_time_s for r in records if r.step_time_s is not None]
-    allocated = [r.mem_allocated_bytes for r in records if r.mem_allocated_bytes is not None]
-    memory = [r.gpu_mem_used_bytes for r in records if r.gpu_mem_used_bytes is not None]
-    counts = Counter(view.states[r] for r in ranks)
-    return {
-        "host": host,
-        "ranks": len(ranks),
-        "states": {state: counts[state] for state in RANK_STATES if counts[state]},
-        "flagged": sum(1 for r in ranks if _flagged(view, r)),
-        "step_min": min(steps, default=None),
-        "step_max": max(steps, default=None),
-        "step_time_max_s": max(step_times, default=None),
-        "mem_allocated_sum_bytes": sum(allocated) if allocated else None,
-        "gpu_mem_used_max_bytes": max(memory, default=None),
-    }
-
-
-def _flagged(view: TickView, rank: int) -> bool:
-    """Named by an alert (culprit or waiting), or in a state that is not a rank's usual one
-    (running, exited, stopped): what the dashboard's ``a`` (flagged) shows."""
-    return rank in view.named or view.states[rank] not in _UNFLAGGED
+        record = records.get(rank)
+        host = None if record is None else record.host
+        tally = tallies.get(host)
+        if tally is None:
+            tally = tallies[host] = HostTally(host)
+        state = states[rank]
+        flagged = is_flagged(state, rank in named)
+        if record is None:
+            tally.add(state, flagged)
+        else:
+            tally.add(
+                state,
+                flagged,
+                record.step,
+                record.step_time_s,
+                record.mem_allocated_bytes,
+                record.gpu_mem_used_bytes,
+            )
+    rows, omitted = host_rows(tallies, most)
+    return [msgspec.to_builtins(row) for row in rows], omitted
 
 
 def build_reply(view: TickView, query: Query) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from urllib.parse import parse_qs, urlencode
 
 from ddpwatch.core.ranges import parse_rank_ranges, rank_ranges
 from ddpwatch.core.vocabulary import RANK_STATES
+from ddpwatch.status.order import state_order
 
 PREFIX: Final = "status?"
 WHOLE: Final = b"status"
@@ -25,7 +26,6 @@ DEFAULT_LIMIT, MAX_LIMIT = 500, 5000
 DEFAULT_WORST, MAX_WORST = 20, 1000
 MAX_OFFSET = 1 << 31
 _NUMBER = re.compile(r"[0-9]{1,10}")
-_STATE_ORDER = {state: i for i, state in enumerate(RANK_STATES)}
 
 View = Literal["page", "summary"]
 
@@ -64,7 +64,7 @@ class Query:
         if self.ranks is not None:
             fields["ranks"] = rank_ranges(self.ranks, limit=len(self.ranks))
         if self.states is not None:
-            fields["state"] = ",".join(sorted(self.states, key=_state_key))
+            fields["state"] = ",".join(sorted(self.states, key=lambda s: (state_order(s), s)))
         if self.hosts is not None:
             fields["host"] = ",".join(sorted(self.hosts))
         defaults = {"offset": 0, "limit": DEFAULT_LIMIT, "worst": DEFAULT_WORST}
@@ -112,10 +112,6 @@ class Query:
             limit=_number(fields, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT),
             worst=_number(fields, "worst", DEFAULT_WORST, 0, MAX_WORST),
         )
-
-
-def _state_key(state: str) -> tuple[int, str]:
-    return _STATE_ORDER.get(state, len(_STATE_ORDER)), state
 
 
 def _fields(query: str) -> dict[str, str]:

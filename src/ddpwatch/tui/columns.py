@@ -19,13 +19,13 @@ from typing import Any
 from rich.cells import cell_len
 
 from ddpwatch.core.vocabulary import RANK_STATES, RankState
+from ddpwatch.status.order import state_order
 from ddpwatch.tui.fmt import DASH, NA, bar, human_bytes, loss_text, seconds
 from ddpwatch.tui.model import (
     SPLIT_FIELDS,
     AlertIndex,
     Row,
     score_style,
-    state_score,
     state_summary,
     state_text,
     step_split,
@@ -293,7 +293,7 @@ def _group_host(row: Row, index: AlertIndex, width: int) -> Cell:
 
 
 def _group_states(row: Row, index: AlertIndex, width: int) -> Cell:
-    worst = min(row["states"], key=state_score, default=RankState.RUNNING)
+    worst = min(row["states"], key=state_order, default=RankState.RUNNING)
     return state_summary(row["states"]), state_style(worst)
 
 

@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpwatch.core.ranges import rank_ranges, rank_spans
-from ddpwatch.core.vocabulary import RANK_STATES, AlertKind, RankState, Severity
+from ddpwatch.core.vocabulary import AlertKind, RankState, Severity
+from ddpwatch.status import order
+from ddpwatch.status.order import state_order
 
 Row = dict[str, Any]
-
-STATE_SCORE = {state: n for n, state in enumerate(RANK_STATES)}
-"""Worst first (``vocabulary.RANK_STATES``): a lower score is a worse state."""
 
 STATE_TEXT = {RankState.NOT_CONNECTED: "absent"}
 """How the views write a state where it differs from its name."""
@@ -41,15 +40,6 @@ SHORT_STATE = {
     RankState.STOPPED: "stop",
     RankState.NOT_CONNECTED: "absent",
 }
-
-UNKNOWN_STATE_SCORE = 9
-"""``STATE_SCORE`` of a state it does not list."""
-
-
-def state_score(state: Any) -> int:
-    """The state's place in ``STATE_SCORE`` (worst first; unknown states and None last)."""
-    return STATE_SCORE.get(state, UNKNOWN_STATE_SCORE)
-
 
 # The worst-first score of a rank, or of a host (its worst rank): 0 is the worst. Alerts and
 # states share the scale, so an error alert's culprit comes before a crashed rank, a warning's
@@ -156,13 +146,9 @@ def worst_score(row: Row, index: AlertIndex) -> int:
 
 
 def is_flagged(row: Row, index: AlertIndex) -> bool:
-    """Named by an alert (culprit or waiting), or in a state other than running/exited."""
+    """``order.is_flagged``: named by an alert (culprit or waiting), or in an unusual state."""
     rank = row["rank"]
-    return (
-        rank in index.culprit
-        or rank in index.waiting
-        or row.get("state") not in (RankState.RUNNING, RankState.EXITED, RankState.STOPPED)
-    )
+    return order.is_flagged(row.get("state"), rank in index.culprit or rank in index.waiting)
 
 
 # ----------------------------------------------------------------------------- filter
@@ -273,7 +259,7 @@ SORT_VALUES: dict[str, Callable[[Row], Any]] = {
     "host": lambda r: r.get("host"),
     "pid": lambda r: r.get("pid"),
     "device": lambda r: r.get("device"),
-    "state": lambda r: state_score(r.get("state")),
+    "state": lambda r: state_order(r.get("state")),
     "phase": lambda r: r.get("phase"),
     "step": lambda r: r.get("step"),
     "loss": lambda r: r.get("loss"),
@@ -353,7 +339,7 @@ def worst_first(rows: Sequence[Row], index: AlertIndex) -> list[Row]:
             plain.append(row)
         else:
             special.append(row)
-    special.sort(key=lambda r: (worst_score(r, index), state_score(r.get("state")), r["rank"]))
+    special.sort(key=lambda r: (worst_score(r, index), state_order(r.get("state")), r["rank"]))
     cut = next(
         (i for i, row in enumerate(special) if worst_score(row, index) > WORST_RUNNING),
         len(special),
@@ -426,5 +412,5 @@ def state_summary(states: Counter[str]) -> str:
     """Counter({"running": 14, "crashed": 1}) -> "1 crash 14 run" (worst first)."""
     return " ".join(
         f"{n} {SHORT_STATE.get(s, s)}"
-        for s, n in sorted(states.items(), key=lambda kv: state_score(kv[0]))
+        for s, n in sorted(states.items(), key=lambda kv: state_order(kv[0]))
     )
