@@ -20,9 +20,11 @@ from textual.pilot import Pilot
 from textual.widgets import Input, Static
 from tui_fixtures import STARTED, FixtureSource, big, document, healthy
 
+from ddpwatch.core.ranges import rank_ranges
+from ddpwatch.status.fmt import human_bytes, short_seconds, uptime
 from ddpwatch.tui.app import DashboardApp, run_dashboard
 from ddpwatch.tui.detail import split_text
-from ddpwatch.tui.fmt import DASH, human_bytes, loss_text, rank_ranges, seconds, sparkline, uptime
+from ddpwatch.tui.fmt import DASH, loss_text, sparkline
 from ddpwatch.tui.header import HeaderInfo, StatusHeader, header_lines, summarize
 from ddpwatch.tui.help import HelpScreen
 from ddpwatch.tui.model import (
@@ -883,13 +885,13 @@ def test_flagged_and_worst_first_from_alerts() -> None:
 
 
 def test_formatting() -> None:
-    assert seconds(None) == "—"
-    assert seconds(0.0123) == "12ms"
-    assert seconds(2.5) == "2.50s"
-    assert seconds(75) == "1m15s"
-    assert seconds(4000) == "1h06m"
+    assert short_seconds(None) == "—"
+    assert short_seconds(0.0123) == "12ms"
+    assert short_seconds(2.5) == "2.50s"
+    assert short_seconds(75) == "1m15s"
+    assert short_seconds(4000) == "1h06m"
     assert all(
-        len(seconds(v)) <= 5 for v in (0.00001, 0.5, 9.99, 59.9, 599, 3599, 35999, 86399, 10**6)
+        len(short_seconds(v)) <= 5 for v in (0.00001, 0.5, 9.99, 59.9, 599, 3599, 35999, 86399, 10**6)
     )
     assert uptime(3725) == "1h02m05s"
     assert human_bytes(None) == "—"

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Literal
 
 from ddpwatch.diagnosis.alerts import Alert
+from ddpwatch.status.fmt import elapsed
 from ddpwatch.status.order import severity_level
 
 HISTORY_KEPT = 1000
@@ -41,7 +42,7 @@ def describe(change: AlertChange) -> str:
     """One line for people (two with the fix), stamped: the alert stream of ``ddpwatch run``
     and the end-of-run summary. ``2026-11-23T19:02:05+01:00 +12.3 s [error] straggler: …``"""
     alert = change.alert
-    when = f"{iso_time(change.at, 'seconds')} +{change.elapsed_s:.1f} s"
+    when = f"{iso_time(change.at, 'seconds')} {elapsed(change.elapsed_s)}"
     culprits = ", ".join(str(r) for r in alert.ranks[:16]) + ("…" if len(alert.ranks) > 16 else "")
     if change.event == "cleared":
         who = f" (rank {culprits})" if culprits else ""

@@ -22,6 +22,7 @@ from ddpwatch.core.protocol import ErrorInfo
 from ddpwatch.core.vocabulary import AlertKind, RankState, Severity
 from ddpwatch.diagnosis.knowledge import WAIT_NAMES, explain_error
 from ddpwatch.diagnosis.rules.text import format_ranks
+from ddpwatch.status.fmt import duration, elapsed
 from ddpwatch.status.order import severity_level
 
 ENDINGS = frozenset({AlertKind.CRASHED, AlertKind.EXITED, AlertKind.SILENT})
@@ -547,7 +548,7 @@ def _episode_text(e: Episode, end_s: float, nan_steps: dict[int, Any]) -> str:
     who = format_ranks(e.ranks) if e.ranks else "no single rank"
     if e.kind == AlertKind.NAN_LOSS:
         step, what = nan_steps.get(e.ranks[0], (None, "loss")) if e.ranks else (None, "loss")
-        when = f"at step {step}" if isinstance(step, int) else f"at +{e.raised_s:.1f} s"
+        when = f"at step {step}" if isinstance(step, int) else f"at {elapsed(e.raised_s)}"
         return f"{who} produced the first non-finite {what} {when}"
     if e.kind == AlertKind.SILENT and e.cleared_s is not None:
         return f"{who} fell silent for {duration(e.duration_s(end_s))} and came back"
@@ -557,8 +558,8 @@ def _episode_text(e: Episode, end_s: float, nan_steps: dict[int, Any]) -> str:
         return f"{e.kind}: {e.message}"
     did = _DID.get(e.kind)
     if did is not None:
-        return f"{who} {did} (+{e.raised_s:.1f} s)"
-    return f"{e.kind} about {who} (+{e.raised_s:.1f} s, {duration(e.duration_s(end_s))})"
+        return f"{who} {did} ({elapsed(e.raised_s)})"
+    return f"{e.kind} about {who} ({elapsed(e.raised_s)}, {duration(e.duration_s(end_s))})"
 
 
 _DID = {
@@ -572,18 +573,6 @@ _DID = {
     AlertKind.STEP_SKEW: "fell out of step with the others",
 }
 """What an error episode's culprits did, in words, where the kind alone says it."""
-
-
-def duration(seconds: float) -> str:
-    """How long a run took or an alert was up: "2.3 s", "4 min 12 s", "3 h 5 min"."""
-    seconds = max(0.0, seconds)
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes} min {secs} s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes} min"
 
 
 # ------------------------------------------------------------------------------ a document

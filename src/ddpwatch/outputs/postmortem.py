@@ -20,10 +20,11 @@ from typing import Any
 from ddpwatch.core.protocol import ProtocolError, Sample, decode
 from ddpwatch.core.vocabulary import Severity
 from ddpwatch.diagnosis.history import event_label
-from ddpwatch.diagnosis.verdict import Run, duration, read_run
+from ddpwatch.diagnosis.verdict import Run, read_run
 from ddpwatch.outputs.summary import summary_lines
 from ddpwatch.server.recording import RecordingError, RecordingReader
 from ddpwatch.server.replay import ReplayServer
+from ddpwatch.status.fmt import step_seconds
 
 SERIES_POINTS = 400  # per rank and metric: enough for a chart, small in JSON
 _COMPACT_AT = 8 * SERIES_POINTS  # series are thinned while read, so memory stays bounded
@@ -421,30 +422,8 @@ def event_text(entry: dict[str, Any]) -> str:
     long it was up: "cleared #2 after 28.3 s"."""
     event = event_label(entry)
     if entry.get("event") == "cleared" and entry.get("duration_s") is not None:
-        event += f" after {fmt_seconds(entry['duration_s'])}"
+        event += f" after {step_seconds(entry['duration_s'])}"
     return event
-
-
-def fmt_seconds(value: float | None) -> str:
-    if value is None:
-        return "—"
-    if value >= 100:
-        return f"{value:.0f} s"
-    return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
-
-
-def fmt_duration(value: float | None) -> str:
-    """How long a run took, as the summary writes it; "—" when not known."""
-    return "—" if value is None else duration(value)
-
-
-def fmt_bytes(value: float | None) -> str:
-    if value is None:
-        return "—"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value:.0f} B"
 
 
 def fmt_change(before: float | None, after: float | None) -> str:

@@ -11,9 +11,7 @@ from ddpwatch.outputs.postmortem import (
     Culprit,
     RunReport,
     event_text,
-    fmt_bytes,
     fmt_change,
-    fmt_seconds,
 )
 from ddpwatch.outputs.report_svg import PALETTE, Line, line_chart
 from ddpwatch.outputs.report_text import (
@@ -25,6 +23,7 @@ from ddpwatch.outputs.report_text import (
     ranks_text,
     shown_ranks,
 )
+from ddpwatch.status.fmt import byte_unit, elapsed, report_bytes, step_seconds
 
 CHART_RANKS = len(PALETTE)  # more lines than colours cannot be told apart
 
@@ -108,10 +107,8 @@ def memory_metric(runs: list[RunReport]) -> str:
 
 
 def _memory_unit(top: float) -> tuple[float, str]:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if top >= size:
-            return float(size), unit
-    return 1.0, "bytes"
+    found = byte_unit(top)
+    return (1.0, "bytes") if found is None else (float(found[0]), found[1])
 
 
 def _lines(report: RunReport, metric: str) -> list[Line]:
@@ -212,7 +209,7 @@ def _timeline(report: RunReport) -> str:
         severity = str(alert.get("severity", ""))
         rows.append(
             [
-                escape(f"+{entry.get('elapsed_s', 0.0):.1f} s"),
+                escape(elapsed(entry.get("elapsed_s", 0.0))),
                 escape(str(entry.get("time", ""))),
                 escape(event),
                 f'<span class="{escape(severity)}">{escape(severity)}</span>',
@@ -235,8 +232,8 @@ def _ranks(report: RunReport) -> str:
             escape(r.host or "—"),
             escape(r.state or "—"),
             "—" if r.steps is None else str(r.steps),
-            escape(fmt_seconds(r.median_step_time_s)),
-            escape(fmt_bytes(r.peak_mem_bytes)),
+            escape(step_seconds(r.median_step_time_s)),
+            escape(report_bytes(r.peak_mem_bytes)),
             escape(alerts_text(r.alerts)),
         ]
         for r in shown
@@ -317,11 +314,11 @@ def _pairs(a: RunReport, b: RunReport) -> str:
                 str(pair.rank),
                 "—" if x is None or x.steps is None else str(x.steps),
                 "—" if y is None or y.steps is None else str(y.steps),
-                escape(fmt_seconds(x and x.median_step_time_s)),
-                escape(fmt_seconds(y and y.median_step_time_s)),
+                escape(step_seconds(x and x.median_step_time_s)),
+                escape(step_seconds(y and y.median_step_time_s)),
                 escape(fmt_change(x and x.median_step_time_s, y and y.median_step_time_s)),
-                escape(fmt_bytes(x and x.peak_mem_bytes)),
-                escape(fmt_bytes(y and y.peak_mem_bytes)),
+                escape(report_bytes(x and x.peak_mem_bytes)),
+                escape(report_bytes(y and y.peak_mem_bytes)),
                 escape(fmt_change(x and x.peak_mem_bytes, y and y.peak_mem_bytes)),
                 escape(alerts_text(x.alerts if x else ())),
                 escape(alerts_text(y.alerts if y else ())),

@@ -16,13 +16,11 @@ from ddpwatch.outputs.postmortem import (
     RankStats,
     RunReport,
     event_text,
-    fmt_bytes,
     fmt_change,
-    fmt_duration,
-    fmt_seconds,
     pair_ranks,
     ratio,
 )
+from ddpwatch.status.fmt import duration, elapsed, report_bytes, step_seconds
 
 REPORT_SCHEMA = 1
 TABLE_ROWS = 256  # ranks listed in a table; the JSON has them all
@@ -43,7 +41,7 @@ def header_line(report: RunReport) -> str:
     parts = []
     if isinstance(started, (int, float)) and report.frames:
         parts.append(f"started {iso_time(started, 'seconds')}")
-    parts.append(f"ran {fmt_duration(report.duration_s)}")
+    parts.append(f"ran {duration(report.duration_s)}")
     parts.append(f"{len(seen)} rank{'s' if len(seen) != 1 else ''}")
     parts.append(f"{report.frames} messages recorded")
     return ", ".join(parts)
@@ -134,7 +132,7 @@ def to_markdown(report: RunReport) -> str:
             lines.append(
                 _row(
                     [
-                        f"+{entry.get('elapsed_s', 0.0):.1f} s",
+                        elapsed(entry.get("elapsed_s", 0.0)),
                         entry.get("time", ""),
                         event,
                         alert.get("severity", ""),
@@ -185,8 +183,8 @@ def _rank_table(report: RunReport) -> list[str]:
                     r.host or "—",
                     r.state or "—",
                     "—" if r.steps is None else r.steps,
-                    fmt_seconds(r.median_step_time_s),
-                    fmt_bytes(r.peak_mem_bytes),
+                    step_seconds(r.median_step_time_s),
+                    report_bytes(r.peak_mem_bytes),
                     alerts_text(r.alerts),
                     f"`{spark}`" if spark else "",
                 ]
@@ -261,11 +259,11 @@ def compare_markdown(runs: list[RunReport]) -> str:
                     pair.rank,
                     _steps(x),
                     _steps(y),
-                    fmt_seconds(x and x.median_step_time_s),
-                    fmt_seconds(y and y.median_step_time_s),
+                    step_seconds(x and x.median_step_time_s),
+                    step_seconds(y and y.median_step_time_s),
                     fmt_change(x and x.median_step_time_s, y and y.median_step_time_s),
-                    fmt_bytes(x and x.peak_mem_bytes),
-                    fmt_bytes(y and y.peak_mem_bytes),
+                    report_bytes(x and x.peak_mem_bytes),
+                    report_bytes(y and y.peak_mem_bytes),
                     fmt_change(x and x.peak_mem_bytes, y and y.peak_mem_bytes),
                     alerts_text(x.alerts if x else ()),
                     alerts_text(y.alerts if y else ()),
@@ -295,25 +293,25 @@ def overview_rows(a: RunReport, b: RunReport) -> list[tuple[str, str, str, str]]
 
     return [
         ("verdict", a.verdict, b.verdict, ""),
-        ("duration", fmt_duration(a.duration_s), fmt_duration(b.duration_s), ""),
+        ("duration", duration(a.duration_s), duration(b.duration_s), ""),
         ("ranks seen", seen(a), seen(b), ""),
         ("alerts raised", str(a.alerts_raised), str(b.alerts_raised), ""),
         (
             "median step time, all ranks",
-            fmt_seconds(a.median_step_time_s),
-            fmt_seconds(b.median_step_time_s),
+            step_seconds(a.median_step_time_s),
+            step_seconds(b.median_step_time_s),
             fmt_change(a.median_step_time_s, b.median_step_time_s),
         ),
         (
             "median step time, slowest rank",
-            fmt_seconds(a.slowest_step_time_s),
-            fmt_seconds(b.slowest_step_time_s),
+            step_seconds(a.slowest_step_time_s),
+            step_seconds(b.slowest_step_time_s),
             fmt_change(a.slowest_step_time_s, b.slowest_step_time_s),
         ),
         (
             "peak memory, any rank",
-            fmt_bytes(a.peak_mem_bytes),
-            fmt_bytes(b.peak_mem_bytes),
+            report_bytes(a.peak_mem_bytes),
+            report_bytes(b.peak_mem_bytes),
             fmt_change(a.peak_mem_bytes, b.peak_mem_bytes),
         ),
     ]

@@ -11,7 +11,8 @@ from typing import Any
 
 from ddpwatch.core.vocabulary import RankState
 from ddpwatch.diagnosis.history import NEW_ATTEMPT
-from ddpwatch.diagnosis.verdict import Episode, Run, duration, held_up_text, read_run
+from ddpwatch.diagnosis.verdict import Episode, Run, held_up_text, read_run
+from ddpwatch.status.fmt import duration, elapsed
 
 ALERTS_LISTED = 20
 
@@ -64,10 +65,10 @@ def verdict(document: dict[str, Any]) -> str:
 def episode_line(episode: Episode, end_s: float) -> str:
     """One alert episode with its own times: "+5.1 s [error] straggler (warning until
     +13.1 s), cleared after 10.0 s: rank 0 has not entered barrier #46 …"."""
-    line = f"+{episode.raised_s:.1f} s [{episode.severity}] {episode.kind}"
+    line = f"{elapsed(episode.raised_s)} [{episode.severity}] {episode.kind}"
     if episode.escalated_s is not None:
         was = episode.first_kind or episode.first_severity
-        line += f" ({was} until +{episode.escalated_s:.1f} s)"
+        line += f" ({was} until {elapsed(episode.escalated_s)})"
     up = duration(episode.duration_s(end_s))
     if episode.closed_by == NEW_ATTEMPT:
         line += f", ended with attempt {episode.attempt} after {up}"

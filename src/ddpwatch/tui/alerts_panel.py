@@ -18,9 +18,10 @@ from textual.message import Message
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
+from ddpwatch.core.ranges import rank_ranges
 from ddpwatch.core.vocabulary import Severity
 from ddpwatch.diagnosis.rules.text import STACKS_IN_ANY_PORT
-from ddpwatch.tui.fmt import rank_ranges
+from ddpwatch.status.fmt import elapsed
 from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
 
 _RANK_NAMED = re.compile(r"\brank (\d+)")
@@ -85,7 +86,7 @@ def cleared_prompt(entry: dict[str, Any]) -> Group:
     if ranks:
         head.append(f"  rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}", style="dim")
     up = entry.get("duration_s")
-    when = f"+{float(entry.get('elapsed_s') or 0.0):.1f} s"
+    when = elapsed(float(entry.get("elapsed_s") or 0.0))
     cleared = f"cleared after {up:.1f} s, at {when}" if isinstance(up, (int, float)) else when
     head.append(f"  {cleared}", style="green")
     return Group(head, Padding(Text(alert.get("message") or "", style="dim"), (0, 0, 0, 2)))

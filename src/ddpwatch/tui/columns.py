@@ -19,8 +19,9 @@ from typing import Any
 from rich.cells import cell_len
 
 from ddpwatch.core.vocabulary import RANK_STATES, RankState
+from ddpwatch.status.fmt import NA, human_bytes, short_seconds
 from ddpwatch.status.order import state_order
-from ddpwatch.tui.fmt import DASH, NA, bar, human_bytes, loss_text, seconds
+from ddpwatch.tui.fmt import DASH, bar, loss_text
 from ddpwatch.tui.model import (
     SPLIT_FIELDS,
     AlertIndex,
@@ -154,7 +155,7 @@ def _loss(row: Row, index: AlertIndex, width: int) -> Cell:
 def _secs(field: str) -> Callable[[Row, AlertIndex, int], Cell]:
     def cell(row: Row, index: AlertIndex, width: int) -> Cell:
         value = row.get(field)
-        return (NA, "dim") if value is None else (seconds(value), None)
+        return (NA, "dim") if value is None else (short_seconds(value), None)
 
     return cell
 
@@ -167,7 +168,7 @@ def _collective(row: Row, index: AlertIndex, width: int) -> Cell:
     if coll.get("seq") is not None:
         name += f" #{coll['seq']}"
     since = coll.get("since_s") or 0.0
-    age = seconds(since)
+    age = short_seconds(since)
     room = width - len(age) - 1
     if len(name) > room:
         name = name[: max(0, room - 1)] + "…"
@@ -232,7 +233,7 @@ def _seen(row: Row, index: AlertIndex, width: int) -> Cell:
     value = row.get("last_seen_s")
     if value is None:
         return NA, "dim"
-    return seconds(value), "error" if row.get("state") == RankState.SILENT else None
+    return short_seconds(value), "error" if row.get("state") == RankState.SILENT else None
 
 
 def _plain_column(key: str, title: str, width: int, priority: int, **options: Any) -> Column:
@@ -313,7 +314,7 @@ def _group_flagged(row: Row, index: AlertIndex, width: int) -> Cell:
 
 
 def _group_step_time(row: Row, index: AlertIndex, width: int) -> Cell:
-    return seconds(row["step_time_max"]), None
+    return short_seconds(row["step_time_max"]), None
 
 
 def _group_mem(row: Row, index: AlertIndex, width: int) -> Cell:

@@ -12,7 +12,8 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 from ddpwatch.core.vocabulary import AlertKind, RankState, Severity
-from ddpwatch.tui.fmt import NA, human_bytes, loss_text, seconds, sparkline
+from ddpwatch.status.fmt import NA, human_bytes, short_seconds
+from ddpwatch.tui.fmt import loss_text, sparkline
 from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
 from ddpwatch.tui.model import step_split
 from ddpwatch.tui.packed import Packed
@@ -61,16 +62,19 @@ def split_text(row: dict[str, Any]) -> Text | None:
     share = f"{round(100 * wait / step)}%"
     grads = min(wait, row.get("grad_wait_s") or 0.0)
     if 0 < grads < wait:
-        share += f": {seconds(grads)} in DDP's all-reduce, {seconds(wait - grads)} in collectives"
+        share += (
+            f": {short_seconds(grads)} in DDP's all-reduce, "
+            f"{short_seconds(wait - grads)} in collectives"
+        )
     return Text.assemble(
         ("input ", "dim"),
-        (seconds(inputs), "bold"),
+        (short_seconds(inputs), "bold"),
         (" · compute ", "dim"),
-        (seconds(compute), "bold"),
+        (short_seconds(compute), "bold"),
         (" · waiting ", "dim"),
-        (seconds(wait), "bold"),
+        (short_seconds(wait), "bold"),
         (f" ({share}) of a ", "dim"),
-        (seconds(step), "bold"),
+        (short_seconds(step), "bold"),
         (" step", "dim"),
     )
 
@@ -119,12 +123,12 @@ def identity_paragraphs(row: dict[str, Any], alerts: list[dict[str, Any]]) -> li
             state_text,
             kv("phase", _v(row.get("phase"))),
             kv("step", _v(row.get("step"))),
-            kv("seen", NA if seen is None else f"{seconds(seen)} ago"),
+            kv("seen", NA if seen is None else f"{short_seconds(seen)} ago"),
             kv("loss", loss, "bold red" if loss == "nan" else "bold"),
-            kv("step time", seconds(row.get("step_time_s"))),
-            kv("avg", seconds(row.get("avg_step_time_s"))),
-            kv("data wait", seconds(row.get("data_wait_s"))),
-            kv("in collectives", seconds(row.get("collective_time_s"))),
+            kv("step time", short_seconds(row.get("step_time_s"))),
+            kv("avg", short_seconds(row.get("avg_step_time_s"))),
+            kv("data wait", short_seconds(row.get("data_wait_s"))),
+            kv("in collectives", short_seconds(row.get("collective_time_s"))),
         ],
         [
             kv("alloc", human_bytes(row.get("mem_allocated_bytes"))),
@@ -149,7 +153,7 @@ def identity_paragraphs(row: dict[str, Any], alerts: list[dict[str, Any]]) -> li
                     ("in collective ", "dim"),
                     (f"{coll.get('op')}{seq}", "bold"),
                     (" for ", "dim"),
-                    (seconds(coll.get("since_s")), "bold yellow"),
+                    (short_seconds(coll.get("since_s")), "bold yellow"),
                 )
             ]
         )
@@ -240,7 +244,7 @@ class Sparks(Widget):
     """
 
     LABELS = (
-        ("step_time", "step time", seconds),
+        ("step_time", "step time", short_seconds),
         ("loss", "loss", loss_text),
         ("mem", "memory", human_bytes),
     )

@@ -10,7 +10,8 @@ from textual.geometry import Size
 from textual.widget import Widget
 
 from ddpwatch.core.vocabulary import SEVERITIES, RankState, Severity
-from ddpwatch.tui.fmt import DASH, NA, uptime
+from ddpwatch.status.fmt import NA, uptime
+from ddpwatch.tui.fmt import DASH
 from ddpwatch.tui.model import TableQuery, job_wait_fraction
 from ddpwatch.tui.packed import pack
 

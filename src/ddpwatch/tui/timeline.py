@@ -23,9 +23,10 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 from textual.widgets.data_table import CellDoesNotExist
 
+from ddpwatch.core.ranges import rank_ranges
 from ddpwatch.diagnosis.history import event_label
+from ddpwatch.status.fmt import elapsed
 from ddpwatch.tui.alerts_panel import append_who, dashboard_hint
-from ddpwatch.tui.fmt import rank_ranges
 from ddpwatch.tui.header import SEVERITY_STYLE
 
 COLUMNS = ("time", "elapsed", "event", "severity", "kind", "ranks", "up", "message")
@@ -46,7 +47,7 @@ def timeline_rows(history: list[dict[str, Any]]) -> list[tuple[str, ...]]:
         rows.append(
             (
                 _clock(str(entry.get("time", ""))),
-                f"+{float(entry.get('elapsed_s') or 0.0):.1f} s",
+                elapsed(float(entry.get("elapsed_s") or 0.0)),
                 event,
                 str(alert.get("severity", "")),
                 str(alert.get("kind", "")),
@@ -82,7 +83,7 @@ def entry_text(entry: dict[str, Any]) -> Text:
         (event, "bold"),
     )
     append_who(head, alert)
-    head.append(f"  at +{float(entry.get('elapsed_s') or 0.0):.1f} s", style="dim")
+    head.append(f"  at {elapsed(float(entry.get('elapsed_s') or 0.0))}", style="dim")
     head.append(f" ({_clock(str(entry.get('time', '')))})", style="dim")
     duration = entry.get("duration_s")
     if isinstance(duration, (int, float)):

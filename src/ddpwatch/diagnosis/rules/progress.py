@@ -11,8 +11,9 @@ from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.rules.facts import Facts, is_busy, odd_at_mark
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.rules.text import STACKS_IN, format_ranks, record_location, seconds, verb
+from ddpwatch.diagnosis.rules.text import STACKS_IN, format_ranks, record_location, verb
 from ddpwatch.server.records import RankRecord
+from ddpwatch.status.fmt import seconds
 
 
 @rule(AlertKind.STALLED)

@@ -9,8 +9,9 @@ from ddpwatch.core.vocabulary import STARTUP_PHASES, AlertKind, Severity, Severi
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.rules.facts import Facts, missing_ranks
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.rules.text import format_ranks, record_location, seconds, verb
+from ddpwatch.diagnosis.rules.text import format_ranks, record_location, verb
 from ddpwatch.server.records import RankRecord
+from ddpwatch.status.fmt import seconds
 
 _PHASE_ORDER = {name: index for index, name in enumerate(STARTUP_PHASES)}
 
