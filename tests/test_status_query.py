@@ -26,6 +26,7 @@ from ddpwatch.server.state import ServerState
 from ddpwatch.status.client import StatusClient, StatusQueryError, fetch_status
 from ddpwatch.status.order import worst_ranks
 from ddpwatch.status.query import Query, QueryError
+from ddpwatch.status.schema import PageReply, StatusDocument, SummaryReply
 from ddpwatch.tui.model import index_alerts, is_flagged
 
 CONTRACT_KEYS = [
@@ -329,9 +330,10 @@ def test_the_summary_counts_what_the_full_document_shows(job: Running) -> None:
             "mem_allocated_sum_bytes": None, "gpu_mem_used_max_bytes": None,
         },
     ]  # fmt: skip
-    index = index_alerts(full["alerts"])  # the dashboard's ``a`` (flagged) counts the same
+    typed = msgspec.convert(full, StatusDocument)
+    index = index_alerts(typed.alerts)  # the dashboard's ``a`` (flagged) counts the same
     for row in summary["hosts"]:
-        on_host = [e for e in full["ranks"] if e.get("host") == row["host"]]
+        on_host = [e for e in typed.ranks if e.host == row["host"]]
         assert row["flagged"] == sum(is_flagged(e, index) for e in on_host)
 
 
@@ -363,11 +365,11 @@ def test_bad_requests_get_an_error_and_the_socket_answers_on(job: Running) -> No
 
 def test_the_client_asks_for_pages_and_raises_on_a_refusal(job: Running) -> None:
     page = fetch_status("127.0.0.1", job.port, 2.0, query=Query(states=frozenset({"silent"})))
-    assert page is not None and [e["rank"] for e in page["ranks"]] == list(SILENT)
+    assert isinstance(page, PageReply) and [e.rank for e in page.ranks] == list(SILENT)
     client = StatusClient("127.0.0.1", job.port, 2.0)
     try:
         summary = client.query(Query(view="summary", worst=1))
-        assert summary is not None and summary["ranks"][0]["rank"] == CRASHED
+        assert isinstance(summary, SummaryReply) and summary.ranks[0].rank == CRASHED
         with pytest.raises(StatusQueryError, match="limit must be a whole number"):
             client.query(Query(limit=0))
         with pytest.raises(StatusQueryError, match="over the server's 4096"):
@@ -376,7 +378,7 @@ def test_the_client_asks_for_pages_and_raises_on_a_refusal(job: Running) -> None
     finally:
         client.close()
     document = fetch_status("127.0.0.1", job.port, 2.0)
-    assert document is not None and "page" not in document
+    assert type(document) is StatusDocument
 
 
 # ------------------------------------------------------------------------------ the CLI

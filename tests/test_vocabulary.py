@@ -250,7 +250,7 @@ def test_the_server_gives_every_rank_state_of_the_vocabulary() -> None:
     state = ServerState(started=0.0)
     state.ranks[0] = RankRecord(rank=0, first_seen=0.0, last_seen=0.0, world_size=2)
     document = status_document(state, [], 1.0, th)
-    seen.update(rank["state"] for rank in document["ranks"])
+    seen.update(rank.state for rank in document.ranks)
     assert seen == set(RANK_STATES)
 
 
@@ -375,16 +375,17 @@ def _classes_styled(css: str, prefix: str) -> set[str]:
     return set(re.findall(rf"\.({re.escape(prefix)}[A-Za-z0-9_-]*)", css))
 
 
-def _status_rows() -> Iterator[dict[str, Any]]:
+def _status_rows() -> Iterator[Any]:
     """Rank rows in every state, with and without exit codes, from the fixture documents."""
-    from tui_fixtures import document
+    import msgspec
+    from tui_fixtures import document, typed
 
     for tick in (0, 6, 40):
-        yield from document(tick)["ranks"]
-    base = document(0)["ranks"][0]
+        yield from typed(document(tick)).ranks
+    base = typed(document(0)).ranks[0]
     for state in [*RANK_STATES, None]:
         for code in (None, 0, 3):
-            yield {**base, "state": state, "exit_code": code}
+            yield msgspec.structs.replace(base, state=state, exit_code=code)
 
 
 def test_every_css_class_the_rank_table_gives_is_styled() -> None:
@@ -403,9 +404,9 @@ def test_every_css_class_the_rank_table_gives_is_styled() -> None:
     assert {style_class(state_style(s)) for s in RANK_STATES} <= RankTable.COMPONENT_CLASSES
     assert {style_class(name) for name in CELL_STYLES} <= RankTable.COMPONENT_CLASSES
     # every style a cell gives, over rows in every state, is one of CELL_STYLES
-    from tui_fixtures import document
+    from tui_fixtures import document, typed
 
-    index = index_alerts(document(6)["alerts"])
+    index = index_alerts(typed(document(6)).alerts)
     rows = list(_status_rows())
     given: set[str] = set()
     for columns, table in [(RANK_COLUMNS, rows), (GROUP_COLUMNS, group_by_host(rows, index))]:

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Literal
 
 from ddpwatch.agent.identity import identity_from_env
 from ddpwatch.agent.nvml import Nvml, parse_cuda_visible_devices
@@ -41,6 +41,7 @@ from ddpwatch.core.security import (
 )
 from ddpwatch.core.vocabulary import RankState
 from ddpwatch.status.client import fetch_status, no_answer
+from ddpwatch.status.schema import StatusDocument
 
 Status = Literal["ok", "warn", "fail", "skip"]
 MARKS: dict[str, str] = {"ok": "✔", "fail": "✖", "warn": "⚠", "skip": "\u2013"}  # en dash
@@ -685,10 +686,9 @@ def check_curve(s: Setup) -> Check:
     )
 
 
-def _ranks_seen(document: Mapping[str, Any]) -> str:
-    ranks = document.get("ranks") or []
-    connected = sum(1 for r in ranks if r.get("state") != RankState.NOT_CONNECTED)
-    world = document.get("world_size")
+def _ranks_seen(document: StatusDocument) -> str:
+    connected = sum(1 for r in document.ranks if r.state != RankState.NOT_CONNECTED)
+    world = document.world_size
     if world is not None:
         return f"{connected} of {_plural(world, 'rank')} connected"
     return f"{_plural(connected, 'rank')} connected" if connected else "no rank connected yet"

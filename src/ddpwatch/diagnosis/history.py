@@ -22,9 +22,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal
 
+import msgspec
+
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.status.fmt import elapsed
 from ddpwatch.status.order import severity_level
+from ddpwatch.status.schema import UNSET, HistoryEntry, PreviousAlert
 
 HISTORY_KEPT = 1000
 
@@ -59,23 +62,20 @@ def describe(change: AlertChange) -> str:
     return f"ddpwatch: {when} {what}: {alert.message}\nddpwatch:   fix: {alert.hint}"
 
 
-def event_label(entry: dict[str, Any]) -> str:
+def event_label(entry: HistoryEntry) -> str:
     """A timeline entry's event, with its episode: "raised #2", "escalated #2 from
     straggler", "cleared #2", "ended with attempt 1 #3", "raised #4 in attempt 2" (the report
     and the dashboard's timeline write it the same)."""
-    event = str(entry.get("event", ""))
-    attempt = entry.get("attempt")
-    closed = entry.get("closed_by") == NEW_ATTEMPT
+    event = entry.event
+    closed = entry.closed_by == NEW_ATTEMPT
     if closed:
-        event = f"ended with attempt {attempt}"
-    episode = entry.get("episode")
-    if isinstance(episode, int) and episode > 0:
-        event += f" #{episode}"
-    previous = entry.get("from")
-    if entry.get("event") == "escalated" and isinstance(previous, dict):
-        event += f" from {previous.get('kind')}"
-    if isinstance(attempt, int) and attempt > 1 and not closed:
-        event += f" in attempt {attempt}"
+        event = f"ended with attempt {entry.attempt}"
+    if entry.episode > 0:
+        event += f" #{entry.episode}"
+    if entry.event == "escalated" and entry.previous is not UNSET:
+        event += f" from {entry.previous.kind}"
+    if entry.attempt > 1 and not closed:
+        event += f" in attempt {entry.attempt}"
     return event
 
 
@@ -109,24 +109,26 @@ class AlertChange:
     attempt: int = 1
     closed_by: str | None = None
 
+    def entry(self) -> HistoryEntry:
+        """One entry of the status document's ``history``; also, as JSON, the line of
+        ``serve --headless``, ``run``, ``demo --headless`` and ``replay``."""
+        previous = self.previous
+        return HistoryEntry(
+            event=self.event,
+            time=iso_time(self.at),
+            elapsed_s=round(self.elapsed_s, 3),
+            alert=self.alert.entry(),
+            episode=self.episode,
+            attempt=self.attempt,
+            previous=UNSET if previous is None else PreviousAlert(previous.kind, previous.severity),
+            duration_s=UNSET if self.duration_s is None else round(self.duration_s, 3),
+            closed_by=UNSET if self.closed_by is None else self.closed_by,
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        """The JSON line of ``serve --headless``, ``run``, ``demo --headless``, ``replay``
-        and one entry of the status document's ``history``."""
-        entry: dict[str, Any] = {
-            "event": self.event,
-            "time": iso_time(self.at),
-            "elapsed_s": round(self.elapsed_s, 3),
-            "alert": self.alert.to_dict(),
-            "episode": self.episode,
-            "attempt": self.attempt,
-        }
-        if self.previous is not None:
-            entry["from"] = {"kind": self.previous.kind, "severity": self.previous.severity}
-        if self.duration_s is not None:
-            entry["duration_s"] = round(self.duration_s, 3)
-        if self.closed_by is not None:
-            entry["closed_by"] = self.closed_by
-        return entry
+        """``entry()`` as plain JSON values."""
+        found: dict[str, Any] = msgspec.to_builtins(self.entry())
+        return found
 
 
 def diff_alerts(before: dict[Any, Alert], after: list[Alert]) -> list[AlertChange]:
@@ -150,9 +152,8 @@ def _merge_escalations(changes: list[AlertChange]) -> list[AlertChange]:
     replaced: set[int] = set()
     for change in changes:
         old = cleared.get(change.alert.ranks) if change.event == "raised" else None
-        if (
-            old is not None
-            and severity_level(change.alert.severity) > severity_level(old.alert.severity)
+        if old is not None and severity_level(change.alert.severity) > severity_level(
+            old.alert.severity
         ):
             merged.append(AlertChange("escalated", change.alert, previous=old.alert))
             replaced.add(id(old))
@@ -175,7 +176,7 @@ class AlertTracker:
     episodes: int = 0
     """Episodes ever raised: the last one's number."""
     attempt: int = 1
-    _entries: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY_KEPT))
+    _entries: deque[HistoryEntry] = field(default_factory=lambda: deque(maxlen=HISTORY_KEPT))
 
     def update(
         self, alerts: list[Alert], now: float, started: float, attempt: int = 1
@@ -202,7 +203,7 @@ class AlertTracker:
             stamped.append(self._stamp(change, now, started))
         self.active = {alert.key: alert for alert in alerts}
         self.history.extend(stamped)
-        self._entries.extend(change.to_dict() for change in stamped)
+        self._entries.extend(change.entry() for change in stamped)
         self.total += len(stamped)
         return stamped
 
@@ -230,6 +231,6 @@ class AlertTracker:
         self.since.clear()
         self.attempt = 1
 
-    def entries(self) -> list[dict[str, Any]]:
+    def entries(self) -> list[HistoryEntry]:
         """The timeline for the status document, oldest first (each entry built once)."""
         return list(self._entries)

@@ -86,11 +86,7 @@ def _pre(text: str, css: str = "") -> str:
 
 
 def _verdict(report: RunReport) -> str:
-    bad = any(
-        (e.get("alert") or {}).get("severity") == Severity.ERROR
-        for e in report.history
-        if e.get("event") != "cleared"
-    )
+    bad = any(e.alert.severity == Severity.ERROR for e in report.history if e.event != "cleared")
     css = "verdict bad" if bad else "verdict"
     return f'<p class="{css}"><strong>Verdict:</strong> {escape(report.verdict)}</p>'
 
@@ -204,18 +200,17 @@ def _timeline(report: RunReport) -> str:
         return "<p>No alerts were raised.</p>"
     rows = []
     for entry in report.history:
-        alert = entry.get("alert") or {}
-        event = event_text(entry)
-        severity = str(alert.get("severity", ""))
+        alert = entry.alert
+        severity = alert.severity
         rows.append(
             [
-                escape(elapsed(entry.get("elapsed_s", 0.0))),
-                escape(str(entry.get("time", ""))),
-                escape(event),
+                escape(elapsed(entry.elapsed_s)),
+                escape(entry.time),
+                escape(event_text(entry)),
                 f'<span class="{escape(severity)}">{escape(severity)}</span>',
-                escape(str(alert.get("kind", ""))),
-                escape(ranks_text(alert.get("ranks"))),
-                escape(str(alert.get("message", ""))),
+                escape(alert.kind),
+                escape(ranks_text(alert.ranks)),
+                escape(alert.message),
             ]
         )
     head = ["elapsed", "time", "event", "severity", "kind", "ranks", "message"]
@@ -249,23 +244,19 @@ def _culprit(culprit: Culprit) -> str:
     where = f" at step {culprit.step}" if culprit.step is not None else ""
     out = [f"<h3>rank {culprit.rank}: {escape(culprit.state or 'unknown')}{where}</h3>", "<ul>"]
     for alert in culprit.alerts:
-        severity = escape(str(alert.get("severity")))
+        severity = escape(alert.severity)
         out.append(
             f'<li><span class="{severity}">[{severity}]</span> '
-            f"<strong>{escape(str(alert.get('kind')))}</strong>: "
-            f"{escape(str(alert.get('message')))}"
-            + (f"<br>fix: {escape(str(alert['hint']))}" if alert.get("hint") else "")
+            f"<strong>{escape(alert.kind)}</strong>: {escape(alert.message)}"
+            + (f"<br>fix: {escape(alert.hint)}" if alert.hint else "")
             + "</li>"
         )
     out.append("</ul>")
     error = culprit.error
-    if error:
-        out.append(
-            f"<p>Error: <code>{escape(str(error.get('type')))}: "
-            f"{escape(str(error.get('message') or ''))}</code></p>"
-        )
-        if error.get("traceback"):
-            out += ["<p>Traceback:</p>", _pre(str(error["traceback"]), "traceback")]
+    if error is not None:
+        out.append(f"<p>Error: <code>{escape(error.type)}: {escape(error.message)}</code></p>")
+        if error.traceback:
+            out += ["<p>Traceback:</p>", _pre(error.traceback, "traceback")]
     if culprit.stack:
         out += ["<p>Last stack:</p>", _pre(culprit.stack, "stack")]
     if culprit.log_tail:

@@ -9,6 +9,8 @@ import re
 from dataclasses import asdict
 from typing import Any
 
+import msgspec
+
 from ddpwatch.core.vocabulary import RankState
 from ddpwatch.diagnosis.history import iso_time
 from ddpwatch.outputs.postmortem import (
@@ -35,11 +37,10 @@ _INT_METRICS = frozenset({"step", "mem_allocated_bytes", "gpu_mem_used_bytes"})
 
 def header_line(report: RunReport) -> str:
     """When the job ran, for how long, how big: the line under every title."""
-    doc = report.document
-    started = doc.get("job_started")
+    started = report.document.job_started
     seen = [r for r in report.ranks if r.state != RankState.NOT_CONNECTED]
     parts = []
-    if isinstance(started, (int, float)) and report.frames:
+    if started is not None and report.frames:
         parts.append(f"started {iso_time(started, 'seconds')}")
     parts.append(f"ran {duration(report.duration_s)}")
     parts.append(f"{len(seen)} rank{'s' if len(seen) != 1 else ''}")
@@ -127,18 +128,17 @@ def to_markdown(report: RunReport) -> str:
         lines.append(_row(["elapsed", "time", "event", "severity", "kind", "ranks", "message"]))
         lines.append("|---:|---|---|---|---|---|---|")
         for entry in report.history:
-            alert = entry.get("alert") or {}
-            event = event_text(entry)
+            alert = entry.alert
             lines.append(
                 _row(
                     [
-                        elapsed(entry.get("elapsed_s", 0.0)),
-                        entry.get("time", ""),
-                        event,
-                        alert.get("severity", ""),
-                        alert.get("kind", ""),
-                        ranks_text(alert.get("ranks")),
-                        alert.get("message", ""),
+                        elapsed(entry.elapsed_s),
+                        entry.time,
+                        event_text(entry),
+                        alert.severity,
+                        alert.kind,
+                        ranks_text(alert.ranks),
+                        alert.message,
                     ]
                 )
             )
@@ -199,15 +199,14 @@ def _culprit(culprit: Culprit) -> list[str]:
     where = f" at step {culprit.step}" if culprit.step is not None else ""
     lines = [f"### rank {culprit.rank}: {culprit.state or 'unknown'}{where}", ""]
     for alert in culprit.alerts:
-        lines.append(f"- **[{alert['severity']}] {alert['kind']}**: {_text(alert['message'])}")
-        if alert.get("hint"):
-            lines.append(f"  fix: {_text(alert['hint'])}")
+        lines.append(f"- **[{alert.severity}] {alert.kind}**: {_text(alert.message)}")
+        if alert.hint:
+            lines.append(f"  fix: {_text(alert.hint)}")
     error = culprit.error
-    if error:
-        message = _text(error.get("message") or "")
-        lines += ["", f"Error: **{_text(error.get('type'))}**: {message}"]
-        if error.get("traceback"):
-            lines += ["", "Traceback:", "", *_fence(str(error["traceback"]))]
+    if error is not None:
+        lines += ["", f"Error: **{_text(error.type)}**: {_text(error.message)}"]
+        if error.traceback:
+            lines += ["", "Traceback:", "", *_fence(error.traceback)]
     if culprit.stack:
         lines += ["", "Last stack:", "", *_fence(culprit.stack)]
     if culprit.log_tail:
@@ -393,8 +392,11 @@ def run_data(report: RunReport) -> dict[str, Any]:
                 "rank": c.rank,
                 "state": c.state,
                 "step": c.step,
-                "alerts": list(c.alerts),
-                "error": c.error,
+                "alerts": [
+                    {"kind": a.kind, "severity": a.severity, "message": a.message, "hint": a.hint}
+                    for a in c.alerts
+                ],
+                "error": None if c.error is None else msgspec.to_builtins(c.error),
                 "stack": c.stack,
                 "log_tail": list(c.log_tail),
             }
@@ -405,7 +407,7 @@ def run_data(report: RunReport) -> dict[str, Any]:
         "time_lost": [asdict(h) for a in run.accounts for h in a.held],
         "attempts": [{"attempt": a.attempt, "verdict": a.text} for a in run.accounts],
         "series": series,
-        "status": report.document,
+        "status": msgspec.to_builtins(report.document),
     }
 
 

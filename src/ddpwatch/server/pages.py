@@ -24,6 +24,16 @@ from ddpwatch.server.document import document_around, missing_entry, rank_entry
 from ddpwatch.server.state import ServerState
 from ddpwatch.status.order import HostTally, host_rows, is_flagged, worst_ranks
 from ddpwatch.status.query import Query, one_line
+from ddpwatch.status.schema import (
+    HistoryEntry,
+    HostRow,
+    PageInfo,
+    PageReply,
+    RankEntry,
+    Summary,
+    SummaryPageInfo,
+    SummaryReply,
+)
 
 MAX_HOSTS = 1000  # hosts listed in a summary; the rest are counted in hosts_omitted
 CACHED_REPLIES = 32  # per tick: a few viewers' pages and summaries
@@ -52,7 +62,7 @@ class TickView:
         alerts: list[Alert],
         now: float,
         th: Thresholds,
-        history: list[dict[str, Any]] | None = None,
+        history: list[HistoryEntry] | None = None,
         *,
         refused: int = 0,
     ) -> None:
@@ -63,7 +73,7 @@ class TickView:
         self.states = self._rank_states()
         self.ranks = sorted(self.states)  # every rank the full document lists
         self.envelope = document_around([], state, alerts, now, history)
-        self.envelope["stats"]["refused"] = refused  # as ``Server.status`` adds it
+        self.envelope.stats.refused = refused  # as ``Server.status`` adds it
         self.culprits = frozenset(r for alert in alerts for r in alert.ranks)
         self.named = self.culprits | {r for alert in alerts for r in alert.waiting}
 
@@ -99,7 +109,7 @@ class TickView:
             ranks = (r for r in ranks if self.host(r) in hosts)
         return list(ranks)
 
-    def entry(self, rank: int) -> dict[str, Any]:
+    def entry(self, rank: int) -> RankEntry:
         """The rank's entry in the full document's format, with the state it was indexed by."""
         record = self.state.ranks.get(rank)
         if record is None:
@@ -113,58 +123,56 @@ class TickView:
             since=self.since,
             stepping=self.state.stepping_since is not None,
         )
-        entry["state"] = self.states[rank]
+        entry.state = self.states[rank]
         return entry
 
-    def reply(self, ranks: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        """The envelope of the full document around ``ranks``, plus ``extra`` keys."""
-        return {**self.envelope, "ranks": ranks, **extra}
+    def around(self, ranks: list[RankEntry]) -> dict[str, Any]:
+        """The envelope of the full document around ``ranks``: a reply's fields but its own."""
+        return {**msgspec.structs.asdict(self.envelope), "ranks": ranks}
 
 
 # ------------------------------------------------------------------------------ replies
 
 
-def page(view: TickView, query: Query) -> dict[str, Any]:
+def page(view: TickView, query: Query) -> PageReply:
     """The matching ranks from ``offset``, at most ``limit`` of them."""
     matched = view.matching(query)
     chosen = matched[query.offset : query.offset + query.limit]
-    return view.reply(
-        [view.entry(r) for r in chosen],
-        page={
-            "view": "page",
-            "total": len(view.ranks),
-            "matched": len(matched),
-            "offset": query.offset,
-            "limit": query.limit,
-        },
+    return PageReply(
+        **view.around([view.entry(r) for r in chosen]),
+        page=PageInfo(
+            view="page",
+            total=len(view.ranks),
+            matched=len(matched),
+            offset=query.offset,
+            limit=query.limit,
+        ),
     )
 
 
-def summary(view: TickView, query: Query) -> dict[str, Any]:
+def summary(view: TickView, query: Query) -> SummaryReply:
     """Counts by state and by host of the matching ranks, and the ``worst`` of them."""
     matched = view.matching(query)
     states = Counter(view.states[r] for r in matched)
     hosts, omitted = _host_rows(view, matched)
-    return view.reply(
-        [view.entry(r) for r in worst_ranks(matched, view.states, view.culprits, query.worst)],
-        summary={
-            "ranks": len(matched),
-            "states": {state: states[state] for state in RANK_STATES},
-            "hosts": hosts,
-            "hosts_omitted": omitted,
-        },
-        page={
-            "view": "summary",
-            "total": len(view.ranks),
-            "matched": len(matched),
-            "worst": query.worst,
-        },
+    worst = worst_ranks(matched, view.states, view.culprits, query.worst)
+    return SummaryReply(
+        **view.around([view.entry(r) for r in worst]),
+        summary=Summary(
+            ranks=len(matched),
+            states={state: states[state] for state in RANK_STATES},
+            hosts=hosts,
+            hosts_omitted=omitted,
+        ),
+        page=SummaryPageInfo(
+            view="summary", total=len(view.ranks), matched=len(matched), worst=query.worst
+        ),
     )
 
 
 def _host_rows(
     view: TickView, ranks: list[int], most: int = MAX_HOSTS
-) -> tuple[list[dict[str, Any]], int]:
+) -> tuple[list[HostRow], int]:
     """One row per host of ``ranks`` (``order.host_rows``), the first ``most`` hosts; and how
     many hosts were left out."""
     tallies: dict[str | None, HostTally] = {}
@@ -188,11 +196,10 @@ def _host_rows(
                 record.mem_allocated_bytes,
                 record.gpu_mem_used_bytes,
             )
-    rows, omitted = host_rows(tallies, most)
-    return [msgspec.to_builtins(row) for row in rows], omitted
+    return host_rows(tallies, most)
 
 
-def build_reply(view: TickView, query: Query) -> dict[str, Any]:
+def build_reply(view: TickView, query: Query) -> PageReply | SummaryReply:
     return summary(view, query) if query.view == "summary" else page(view, query)
 
 

@@ -29,6 +29,7 @@ from ddpwatch.server.document import status_document
 from ddpwatch.server.recording import Record, RecordingReader
 from ddpwatch.server.service import TICK_S, with_port
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.schema import ReplayInfo, StatusDocument
 
 log = logging.getLogger("ddpwatch")
 
@@ -119,19 +120,19 @@ class ReplayServer:
         elapsed = (time.monotonic() - self._anchor_m) * self.speed
         return min(max(self._anchor_t + elapsed, self._now), max(self._horizon, self._now))
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StatusDocument:
         with self.lock:
             now = self.clock()
             document = status_document(
                 self.state, self.alerts, now, self.thresholds, self.tracker.entries()
             )
-        document["stats"]["refused"] = 0
-        document["replay"] = {
-            "file": str(self.path),
-            "speed": self.speed,
-            "position_s": round(now - self.state.started, 3),
-            "finished": self.finished.is_set(),
-        }
+        document.stats.refused = 0
+        document.replay = ReplayInfo(
+            file=str(self.path),
+            speed=self.speed,
+            position_s=round(now - self.state.started, 3),
+            finished=self.finished.is_set(),
+        )
         return document
 
     def status_json(self) -> bytes:

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -25,6 +25,7 @@ from ddpwatch.server.document import status_document
 from ddpwatch.server.pages import QueryCache, TickView, error_reply
 from ddpwatch.server.state import ServerState
 from ddpwatch.status.query import Query, QueryError
+from ddpwatch.status.schema import StatusDocument
 
 if TYPE_CHECKING:
     from ddpwatch.core.security import ServerCurve
@@ -84,7 +85,7 @@ class Server:
         self.tracker = AlertTracker()
         self.diagnosis = Diagnosis()
         self.port = port
-        self._document: dict[str, Any] | None = None
+        self._document: StatusDocument | None = None
         self._encoded: bytes | None = None
         self.queries = QueryCache()  # paged queries' replies, per tick like the document
         self._on_change = on_change
@@ -154,7 +155,7 @@ class Server:
                 self._on_change(change)
         return changes
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StatusDocument:
         """The status document as of the last tick, built once per tick however many viewers
         ask (8,192 ranks take tens of milliseconds). Treat it as read-only."""
         with self.lock:
@@ -162,7 +163,7 @@ class Server:
                 document = status_document(
                     self.state, self.alerts, self.clock(), self.thresholds, self.tracker.entries()
                 )
-                document["stats"]["refused"] = self.collector.refused  # an addition to the contract
+                document.stats.refused = self.collector.refused  # an addition to the contract
                 self._document = document
             return self._document
 

@@ -12,20 +12,23 @@ pages"): a ``status.query.Query``, sent by ``StatusClient.query`` or
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from ddpwatch.core.protocol import DEFAULT_PORT, MAX_QUERY_BYTES
 from ddpwatch.status.query import WHOLE, Query
+from ddpwatch.status.schema import PageReply, StatusDocument, SummaryReply
 
 if TYPE_CHECKING:
     import zmq
 
 _decoder = msgspec.json.Decoder()
+_document = msgspec.json.Decoder(StatusDocument)
+_page = msgspec.json.Decoder(PageReply)
+_summary = msgspec.json.Decoder(SummaryReply)
 
 
 class StatusQueryError(Exception):
@@ -103,24 +106,19 @@ class StatusClient:
                 self._reset()
                 return None
 
-    def fetch(self) -> dict[str, Any] | None:
+    def fetch(self) -> StatusDocument | None:
         """The status document, or None (no answer, or an answer that is not one)."""
         reply = self.request()
-        if reply is None:
-            return None
         try:
-            document = _decoder.decode(reply)
-        except msgspec.DecodeError:
+            return None if reply is None else decode_reply(reply)
+        except StatusQueryError:
             return None
-        if not isinstance(document, dict) or "ranks" not in document:
-            return None
-        return document
 
-    def query(self, query: Query) -> dict[str, Any] | None:
-        """The reply to ``status?<query>``, or None when none came in time;
-        ``StatusQueryError`` when the server refused the query."""
+    def query(self, query: Query) -> StatusDocument | None:
+        """The reply to ``status?<query>`` (a ``PageReply`` or a ``SummaryReply``), or None
+        when none came in time; ``StatusQueryError`` when the server refused the query."""
         reply = self.request(query)
-        return None if reply is None else _query_reply(reply)
+        return None if reply is None else decode_reply(reply, query)
 
     def close(self) -> None:
         """Close the socket (after a request in flight, at most ``timeout`` away) and the
@@ -139,22 +137,48 @@ def fetch_status(
     timeout: float,
     environ: Mapping[str, str] | None = None,
     query: Query | None = None,
-) -> dict[str, Any] | None:
+) -> StatusDocument | None:
     """Ask a running server for its status document once; None if none answered in time.
     With a ``query``: a summary or a page instead, and a refused query
     raises ``StatusQueryError``.
 
     ``environ`` (default ``os.environ``) is where the CURVE keys are read from."""
+    reply = fetch_reply(host, port, timeout, environ, query)
+    try:
+        return None if reply is None else decode_reply(reply, query)
+    except StatusQueryError:
+        if query is not None:
+            raise
+        return None  # not a status document: as if none answered
+
+
+def fetch_reply(
+    host: str,
+    port: int,
+    timeout: float,
+    environ: Mapping[str, str] | None = None,
+    query: Query | None = None,
+) -> bytes | None:
+    """The server's reply as it came (``ddpwatch status --json`` prints it), or None if none
+    came in time or the CURVE key is bad; ``StatusQueryError`` for a query too long to send."""
     client = StatusClient(host, port, timeout, environ)
     try:
-        if query is not None:
-            return client.query(query)
-        reply = client.request()  # DDPWATCH_SERVER_KEY set: CurveZMQ (a bad key: ValueError)
-        return None if reply is None else json.loads(reply)
-    except ValueError:
+        return client.request(query)  # DDPWATCH_SERVER_KEY set: CurveZMQ (a bad key: ValueError)
+    except ValueError:  # ``CurveKeyError``: a malformed key in the environment
         return None
     finally:
         client.close()
+
+
+def decode_reply(reply: bytes, query: Query | None = None) -> StatusDocument:
+    """The document a reply holds: the whole one, or the page or the summary ``query`` asked
+    for; ``StatusQueryError`` for the server's error or anything that is not one."""
+    try:
+        if query is None:
+            return _document.decode(reply)
+        return (_summary if query.view == "summary" else _page).decode(reply)
+    except msgspec.DecodeError as exc:  # a ValidationError too
+        raise StatusQueryError(_not_a_document(reply, exc)) from None
 
 
 def no_answer(host: str, port: int, timeout: float) -> str:
@@ -213,16 +237,16 @@ def _request_bytes(query: Query) -> bytes:
     return message
 
 
-def _query_reply(reply: bytes) -> dict[str, Any]:
-    """A summary or a page; ``StatusQueryError`` for the server's error or a non-answer."""
+def _not_a_document(reply: bytes, exc: msgspec.DecodeError) -> str:
+    """Why ``reply`` is no document: the server's ``error``, or what is wrong with it."""
     try:
-        document = _decoder.decode(reply)
+        found = _decoder.decode(reply)
     except msgspec.DecodeError:
-        raise StatusQueryError("the server's reply is not JSON") from None
-    if not isinstance(document, dict):
-        raise StatusQueryError("the server's reply is not a JSON object")
-    if "error" in document:
-        raise StatusQueryError(str(document["error"]))
-    if "ranks" not in document:
-        raise StatusQueryError("the server's reply has no ranks")
-    return document
+        return "the server's reply is not JSON"
+    if not isinstance(found, dict):
+        return "the server's reply is not a JSON object"
+    if "error" in found:
+        return str(found["error"])
+    if "ranks" not in found:
+        return "the server's reply has no ranks"
+    return f"the server's reply is not a status document: {exc}"

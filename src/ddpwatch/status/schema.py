@@ -4,7 +4,8 @@ into them, the views decode into them and read typed attributes.
 The JSON is a contract, byte for byte: fields encode in the order declared here, a key the
 contract always writes is always written (``null`` when unknown), and the keys it writes only
 sometimes are ``UNSET`` (``Stats.refused``, ``StatusDocument.replay``, the replies' ``page``
-and ``summary``) or, in alerts and timeline entries, omitted while None (``omit_defaults``).
+and ``summary``, a timeline entry's ``from``, ``duration_s`` and ``closed_by``) or, in alerts,
+omitted while None (``omit_defaults``).
 ``tests/test_status_contract.py`` holds the bytes.
 
 Decoding takes a document from an older server, which lacks keys added since: every always
@@ -163,20 +164,20 @@ class PreviousAlert(msgspec.Struct, gc=False):
     severity: str
 
 
-class HistoryEntry(msgspec.Struct, omit_defaults=True, gc=False):
+class HistoryEntry(msgspec.Struct, kw_only=True, gc=False):
     """One change on the alert timeline (docs/status.md, "The timeline"), also the JSON line
     of ``serve --headless``. ``from`` (``previous``), ``duration_s`` and ``closed_by`` only
-    on the events they belong to."""
+    on the events they belong to: ``UNSET`` elsewhere."""
 
     event: str
-    time: str
-    elapsed_s: float
+    time: str = ""
+    elapsed_s: float = 0.0
     alert: AlertEntry
-    episode: int
-    attempt: int
-    previous: PreviousAlert | None = msgspec.field(default=None, name="from")
-    duration_s: float | None = None
-    closed_by: str | None = None
+    episode: int = 0
+    attempt: int = 1
+    previous: PreviousAlert | UnsetType = msgspec.field(default=UNSET, name="from")
+    duration_s: float | UnsetType = UNSET
+    closed_by: str | UnsetType = UNSET
 
 
 class Stats(msgspec.Struct, gc=False):
