@@ -25,7 +25,7 @@ from typing import IO, Any, Literal
 import msgspec
 
 from ddpwatch.diagnosis.alerts import Alert
-from ddpwatch.status.fmt import elapsed
+from ddpwatch.status.fmt import elapsed, seconds
 from ddpwatch.status.order import severity_level
 from ddpwatch.status.schema import UNSET, HistoryEntry, PreviousAlert
 
@@ -49,7 +49,7 @@ def describe(change: AlertChange) -> str:
     culprits = ", ".join(str(r) for r in alert.ranks[:16]) + ("…" if len(alert.ranks) > 16 else "")
     if change.event == "cleared":
         who = f" (rank {culprits})" if culprits else ""
-        up = f" after {change.duration_s:.1f} s" if change.duration_s is not None else ""
+        up = f" after {seconds(change.duration_s)}" if change.duration_s is not None else ""
         if change.closed_by == NEW_ATTEMPT:
             return (
                 f"ddpwatch: {when} attempt {change.attempt + 1} began: {alert.kind}{who} "

@@ -20,7 +20,7 @@ from textual.widgets.option_list import Option
 
 from ddpwatch.core.ranges import rank_ranges
 from ddpwatch.diagnosis.rules.text import STACKS_IN_ANY_PORT
-from ddpwatch.status.fmt import elapsed
+from ddpwatch.status.fmt import elapsed, seconds
 from ddpwatch.status.schema import UNSET, AlertEntry, HistoryEntry
 from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
 
@@ -84,7 +84,7 @@ def cleared_prompt(entry: HistoryEntry) -> Group:
         head.append(f"  rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}", style="dim")
     up = entry.duration_s
     when = elapsed(entry.elapsed_s)
-    cleared = f"cleared after {up:.1f} s, at {when}" if up is not UNSET else when
+    cleared = f"cleared after {seconds(up)}, at {when}" if up is not UNSET else when
     head.append(f"  {cleared}", style="green")
     return Group(head, Padding(Text(alert.message, style="dim"), (0, 0, 0, 2)))
 

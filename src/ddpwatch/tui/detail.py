@@ -12,7 +12,7 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 from ddpwatch.core.vocabulary import AlertKind, RankState
-from ddpwatch.status.fmt import NA, human_bytes, short_seconds
+from ddpwatch.status.fmt import MIB, NA, human_bytes, short_seconds
 from ddpwatch.status.schema import AlertEntry, RankEntry
 from ddpwatch.tui.fmt import loss_text, sparkline
 from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
@@ -46,7 +46,7 @@ def _host_memory(row: RankEntry, kv: Any) -> list[Text]:
     if row.workers_rss_bytes:
         text += f" +{human_bytes(row.workers_rss_bytes)} workers"
     rate = row.host_mem_growth_bytes_per_s
-    if rate is not None and abs(rate) >= 1 << 20:
+    if rate is not None and abs(rate) >= MIB:
         text += f" {'+' if rate > 0 else '-'}{human_bytes(abs(rate))}/s"
     return [kv("host mem", text)]
 

@@ -25,7 +25,7 @@ from textual.widgets.data_table import CellDoesNotExist
 
 from ddpwatch.core.ranges import rank_ranges
 from ddpwatch.diagnosis.history import event_label
-from ddpwatch.status.fmt import elapsed
+from ddpwatch.status.fmt import elapsed, seconds
 from ddpwatch.status.schema import UNSET, HistoryEntry, StatusDocument
 from ddpwatch.tui.alerts_panel import append_who, dashboard_hint
 from ddpwatch.tui.header import SEVERITY_STYLE
@@ -52,7 +52,7 @@ def timeline_rows(history: list[HistoryEntry]) -> list[tuple[str, ...]]:
                 alert.severity,
                 alert.kind,
                 rank_ranges(alert.ranks) or "-",
-                f"{duration:.1f} s" if duration is not UNSET else "",
+                seconds(duration) if duration is not UNSET else "",
                 alert.message,
             )
         )
@@ -85,7 +85,7 @@ def entry_text(entry: HistoryEntry) -> Text:
     head.append(f"  at {elapsed(entry.elapsed_s)}", style="dim")
     head.append(f" ({_clock(entry.time)})", style="dim")
     if entry.duration_s is not UNSET:
-        head.append(f"  up {entry.duration_s:.1f} s", style="green")
+        head.append(f"  up {seconds(entry.duration_s)}", style="green")
     text = Text("\n").join([head, Text(alert.message)])
     if alert.hint:
         text.append("\n")

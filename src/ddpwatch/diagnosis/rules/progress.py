@@ -299,7 +299,7 @@ def _pace(step: float, bare: bool = False) -> str:
         rate = 1.0 / max(step, 1e-6)
         text = f"{rate:.0f}" if rate >= 10 else f"{rate:.1f}"
         return text if bare else f"runs at {text} steps/s"
-    return f"{step:.1f} s" if bare else f"takes {step:.1f} s a step"
+    return seconds(step) if bare else f"takes {seconds(step)} a step"
 
 
 def _slow_hint(slowest: RankRecord, lost: float, part: tuple[str, float, float] | None) -> str:
