@@ -330,3 +330,24 @@ def test_the_dashboards_fixture_documents_fit_the_schema() -> None:
     for doc in (document(0), document(80), healthy(4), big(64)):
         typed = msgspec.convert(doc, StatusDocument)
         assert [entry.rank for entry in typed.ranks] == [entry["rank"] for entry in doc["ranks"]]
+
+
+def test_the_contract_imports_only_the_shared_kernel() -> None:
+    """``ddpwatch.status`` is what the server and every view share: it imports nothing of
+    either side (only ``core`` and itself), so a view reads it without the server."""
+    import ast
+
+    import ddpwatch.status
+
+    folder = Path(ddpwatch.status.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "ddpwatch":
+                    assert parts[1] in ("core", "status"), f"{path.name} imports {name}"
