@@ -19,7 +19,7 @@ from ddpwatch.core.protocol import ErrorInfo, Event, Sample, encode
 from ddpwatch.core.ranges import parse_rank_ranges
 from ddpwatch.core.vocabulary import RANK_STATES
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
-from ddpwatch.server import pages as query_module
+from ddpwatch.server import pages
 from ddpwatch.server.pages import TickView
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
@@ -446,13 +446,13 @@ def big_state(ranks: int, state: ServerState | None = None) -> ServerState:
 
 def test_a_page_builds_only_its_entries(port: int, monkeypatch: pytest.MonkeyPatch) -> None:
     built: list[int] = []
-    real = query_module.rank_entry
+    real = pages.rank_entry
 
     def counting(record: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         built.append(record.rank)
         return real(record, *args, **kwargs)
 
-    monkeypatch.setattr(query_module, "rank_entry", counting)
+    monkeypatch.setattr(pages, "rank_entry", counting)
     clock = FrozenClock()
     server = Server("127.0.0.1", port, clock=clock)  # not running: its methods are called here
     try:
