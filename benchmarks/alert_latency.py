@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpwatch.core.ports import free_port_pair
+from ddpwatch.core.vocabulary import HistoryEvent
 
 INTERVAL = 0.5
 STEP_S = 0.02
@@ -98,9 +99,9 @@ class Recorder:
     event: threading.Event = field(default_factory=threading.Event)
 
     def on_change(self, change: Any) -> None:
-        if change.event == "cleared":
+        if change.event == HistoryEvent.CLEARED:
             return  # raised, or escalated (a step_skew warning that became stalled)
-        from ddpwatch.diagnosis.rules import Facts
+        from ddpwatch.diagnosis.facts import Facts
 
         now = time.time()
         server = self.server

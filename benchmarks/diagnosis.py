@@ -53,6 +53,7 @@ from typing import Any
 import msgspec
 
 from ddpwatch.core.ports import free_port_pair
+from ddpwatch.core.vocabulary import HistoryEvent
 from ddpwatch.demo.runner import stop_job
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.verdict import read_run
@@ -256,7 +257,7 @@ class RunResult:
     def scored(self) -> list[Stamped]:
         """The raised alerts that count: those before the harness stopped the job."""
         limit = self.stopped_at if self.stopped_at is not None else float("inf")
-        return [c for c in self.changes if c.event != "cleared" and c.at < limit]
+        return [c for c in self.changes if c.event != HistoryEvent.CLEARED and c.at < limit]
 
 
 class _Recorder:

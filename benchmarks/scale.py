@@ -1020,7 +1020,8 @@ def offline(size: int, culprit: int, reps: int = 3) -> Offline:
 
     from ddpwatch.core.protocol import decode
     from ddpwatch.diagnosis.alerts import Thresholds
-    from ddpwatch.diagnosis.rules import RULES, Facts, diagnose
+    from ddpwatch.diagnosis.facts import Facts
+    from ddpwatch.diagnosis.rules import RULES, diagnose
     from ddpwatch.server.document import status_document
     from ddpwatch.server.state import ServerState
 

@@ -18,7 +18,8 @@ from ddpwatch.agent.collectives import ensure_flight_recorder
 from ddpwatch.agent.hooks import find_loss
 from ddpwatch.agent.progress import LossReader, Progress
 from ddpwatch.agent.publisher import QUEUE_LEN, Publisher
-from ddpwatch.agent.watcher import Watcher, main_thread_stack, resolve_endpoint
+from ddpwatch.agent.watcher import Watcher, main_thread_stack
+from ddpwatch.core.ports import resolve_endpoint
 from ddpwatch.core.protocol import Event, Sample
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.state import ServerState

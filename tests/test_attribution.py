@@ -16,8 +16,9 @@ import pytest
 
 from ddpwatch.core.protocol import Collective, CollectiveCounts, ErrorInfo, Event, Sample
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
-from ddpwatch.diagnosis.rules import diagnose, rank_state
-from ddpwatch.diagnosis.rules.facts import Facts
+from ddpwatch.diagnosis.facts import Facts
+from ddpwatch.diagnosis.facts.ranks import rank_state
+from ddpwatch.diagnosis.rules import diagnose
 from ddpwatch.server.document import status_document
 from ddpwatch.server.state import ServerState
 
@@ -747,7 +748,7 @@ def test_peers_released_after_the_stragglers_last_report_do_not_make_it_stalled(
 def test_data_loading_is_the_cause_only_with_a_worker_to_wait_for() -> None:
     """With ``num_workers=0`` the batch is made on the main thread: its stack passes through
     the loader into the dataset's own code, and the loader's worker hint would be wrong."""
-    from ddpwatch.diagnosis.rules.text import in_data_loading
+    from ddpwatch.diagnosis.text import in_data_loading
 
     no_workers = """\
   File "/home/ann/train.py", line 88, in validate

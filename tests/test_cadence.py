@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from ddpwatch.core.protocol import Collective, CollectiveCounts, Sample
 from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.facts.census import take_census
+from ddpwatch.diagnosis.facts.ranks import wait_key
 from ddpwatch.diagnosis.rules import RULES, SLOW_S, Diagnosis, diagnose
-from ddpwatch.diagnosis.rules.facts import take_census, wait_key
 from ddpwatch.server.state import ServerState
 
 TH = Thresholds()

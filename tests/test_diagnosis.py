@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 
 from ddpwatch.core.protocol import Collective, ErrorInfo, Event, Hello, Sample
-from ddpwatch.diagnosis.alerts import KINDS, Alert, Thresholds
+from ddpwatch.core.vocabulary import ALERT_KINDS as KINDS
+from ddpwatch.diagnosis.alerts import Alert, Thresholds
+from ddpwatch.diagnosis.facts.census import effective_stall_after
+from ddpwatch.diagnosis.facts.ranks import rank_state
 from ddpwatch.diagnosis.rules import (
     RULES,
     diagnose,
-    effective_stall_after,
-    rank_state,
     registry,
     rule_batch_desync,
     rule_cascade,
@@ -38,7 +39,7 @@ from ddpwatch.diagnosis.rules import (
     rule_straggler,
     rule_uneven_memory,
 )
-from ddpwatch.diagnosis.rules.text import format_ranks, location
+from ddpwatch.diagnosis.text import format_ranks, location
 from ddpwatch.server.records import RankRecord
 from ddpwatch.server.state import ServerState
 

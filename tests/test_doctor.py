@@ -26,13 +26,15 @@ import torch.distributed as dist
 import zmq
 from conftest import LiveServer
 
-import ddpwatch.doctor as doctor_module
+import ddpwatch.doctor.gather as gathering
 from ddpwatch.cli import main
 from ddpwatch.core.ports import free_port_pair
 from ddpwatch.core.protocol import Sample, encode
 from ddpwatch.core.security import ServerCurve, generate_keys
 from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.doctor import MARKS, Check, check_gpus, gather, report, run_checks
+from ddpwatch.doctor.checks import Check, check_gpus, run_checks
+from ddpwatch.doctor.gather import gather
+from ddpwatch.doctor.report import MARKS, report
 from ddpwatch.server.service import Server
 
 
@@ -53,7 +55,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 HOST = socket.gethostname()
-REAL_TORCHRUN_PORT = doctor_module.TORCHRUN_PORT
+REAL_TORCHRUN_PORT = gathering.TORCHRUN_PORT
 SKIP = MARKS["skip"]  # an en dash
 TORCH_LINE = (
     f"✔ torch: {torch.__version__}, a CPU build (no CUDA)"
@@ -80,7 +82,7 @@ LAUNCHER_NAMES = {"MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"
 def _torchrun_port_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """With MASTER_PORT unset doctor checks torchrun's default, 29500, which another job on
     this shared machine may hold: the tests move that default to a port known to be free."""
-    monkeypatch.setattr(doctor_module, "TORCHRUN_PORT", free_port())
+    monkeypatch.setattr(gathering, "TORCHRUN_PORT", free_port())
 
 
 @pytest.fixture(autouse=True)
@@ -364,7 +366,7 @@ def test_unset_master_port_checks_torchrun_default(
     """torchrun listens on 29500 when MASTER_PORT is unset, so that port is checked. This
     machine's 29500 may be anyone's (the demo job takes it when free): whichever it is, the
     line says it was checked as torchrun's default."""
-    monkeypatch.setattr(doctor_module, "TORCHRUN_PORT", REAL_TORCHRUN_PORT)
+    monkeypatch.setattr(gathering, "TORCHRUN_PORT", REAL_TORCHRUN_PORT)
     code, lines = doctor(capsys, "--addr", addr(live_server))
     checked = "MASTER_PORT: 29500 (unset: torchrun's default) is "
     line = entry(lines, "MASTER_PORT")[0]
@@ -381,7 +383,7 @@ def test_a_held_master_port_names_the_process_holding_it(
     """A leftover process on torchrun's default port (here the default is moved to a port a
     real ``http.server`` holds: 29500 itself cannot be taken on a shared machine)."""
     process, port = http_server
-    monkeypatch.setattr(doctor_module, "TORCHRUN_PORT", port)
+    monkeypatch.setattr(gathering, "TORCHRUN_PORT", port)
     code, lines = doctor(capsys, "--addr", addr(live_server))
     busy = entry(lines, "MASTER_PORT")
     program = os.path.basename(sys.executable)
@@ -679,7 +681,7 @@ def test_nvml_absent_for_real(
     code, lines = doctor(capsys, "--addr", addr(live_server), "--backend", "nccl")
     assert entry(lines, "NVML") == [f"⚠ {NVML_ABSENT}", NVML_FIX]
 
-    monkeypatch.setattr(doctor_module, "NVIDIA_DEVICE", __file__)  # a GPU machine, gloo
+    monkeypatch.setattr(gathering, "NVIDIA_DEVICE", __file__)  # a GPU machine, gloo
     code, lines = doctor(capsys, "--addr", addr(live_server), "--backend", "gloo")
     assert entry(lines, "NVML") == [f"⚠ {NVML_ABSENT}", NVML_FIX]
     assert code == 0

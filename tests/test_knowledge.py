@@ -19,7 +19,7 @@ import pytest
 
 from ddpwatch.core.ports import free_port_pair
 from ddpwatch.core.protocol import ErrorInfo
-from ddpwatch.diagnosis.alerts import KINDS
+from ddpwatch.core.vocabulary import ALERT_KINDS
 from ddpwatch.diagnosis.knowledge import (
     FAMILIES,
     SIGNATURES,
@@ -438,7 +438,7 @@ def test_signatures_are_well_formed() -> None:
     assert TIMEOUT_NAMES.issubset(names)
     for sig in SIGNATURES:
         assert sig.cause and sig.hint
-        assert sig.kind is None or sig.kind in KINDS
+        assert sig.kind is None or sig.kind in ALERT_KINDS
         assert not (sig.peer_failure and sig.kind)
         assert sig.family in FAMILIES
         assert sig.peer_failure is (sig.family == "peer_failure")

@@ -29,7 +29,8 @@ from conftest import ROOT, free_port_pair, push_frames
 
 from ddpwatch.core.protocol import Collective, CollectiveCounts, Sample, encode
 from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.diagnosis.rules import diagnose, rank_state
+from ddpwatch.diagnosis.facts.ranks import rank_state
+from ddpwatch.diagnosis.rules import diagnose
 from ddpwatch.server.collector import RECV_BATCH, Collector, PauseWatch
 from ddpwatch.server.document import status_document
 from ddpwatch.server.state import ServerState

@@ -10,6 +10,8 @@
 * Rank states, severities, event kinds and alert kinds are defined once, in the vocabulary:
   they match the documented contract, the agent and the rules name them through the
   vocabulary, and every table keyed by one of them covers all of them.
+* Diagnosis in layers: its models (``diagnosis/facts``) import no rule, each imports on its
+  own, and a rule family imports no other family.
 * Every CSS class the dashboard's code gives is styled, and every class styled is given.
 * ``RankRecord`` declares every protocol field the server keeps, and refuses any other.
 """
@@ -17,14 +19,16 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
+import msgspec
 import pytest
 from conftest import ROOT
 
@@ -35,18 +39,24 @@ from ddpwatch.core.vocabulary import (
     RANK_STATES,
     RUN_PHASES,
     SEVERITIES,
+    STARTUP_PHASES,
     AlertKind,
+    CollectiveSource,
     EventKind,
+    HistoryEvent,
     Phase,
     RankState,
     Severity,
-    SeverityName,
+    Word,
 )
-from ddpwatch.diagnosis.rules import STARTUP_PHASES
 
 SRC = ROOT / "src" / "ddpwatch"
 AGENT = sorted((SRC / "agent").glob("*.py"))
 INTEGRATIONS = sorted((SRC / "integrations").glob("*.py"))
+FACTS = sorted((SRC / "diagnosis" / "facts").glob("*.py"))
+FAMILIES = sorted(
+    p for p in (SRC / "diagnosis" / "rules").glob("*.py") if p.stem not in ("__init__", "registry")
+)
 
 # calls whose string arguments are phase names
 PHASE_SETTERS = {"set_phase", "auto_phase", "_enter_phase", "phase", "startup_phase", "_startup"}
@@ -147,7 +157,7 @@ def test_integrations_use_only_the_agents_public_surface() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    [_module_name(path) for path in AGENT + INTEGRATIONS]
+    [_module_name(path) for path in AGENT + INTEGRATIONS + FACTS]
     + ["ddpwatch.core.vocabulary", "ddpwatch.core.ranges", "ddpwatch.boot.sitecustomize"],
 )
 def test_each_module_imports_alone_without_a_framework(module: str) -> None:
@@ -161,6 +171,16 @@ def test_each_module_imports_alone_without_a_framework(module: str) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_facts_read_no_rule_and_no_rule_family_reads_another() -> None:
+    """Diagnosis in layers: the models (``diagnosis/facts``) know no rule; a rule family reads
+    the facts, the words and the registry, never another family."""
+    for path in FACTS:
+        assert not [n for n in _imports(path) if n.startswith("ddpwatch.diagnosis.rules")], path
+    for path in FAMILIES:
+        others = {_module_name(other) for other in FAMILIES if other != path}
+        assert not _imports(path) & others, path
 
 
 def test_the_vocabulary_imports_nothing_of_the_agent() -> None:
@@ -178,11 +198,6 @@ def test_the_vocabulary_imports_nothing_of_the_agent() -> None:
 DOCS = ROOT / "docs"
 
 
-def _names(cls: type) -> list[str]:
-    """The values of a vocabulary class's constants, in the order it defines them."""
-    return [value for name, value in vars(cls).items() if name.isupper()]
-
-
 def _doc_table_keys(path: Path, heading: str) -> list[str]:
     """The first column's backticked names of the table under ``heading`` in ``path``."""
     text = path.read_text()
@@ -197,17 +212,21 @@ def _doc_field_row(path: Path, field: str) -> list[str]:
     return re.findall(r"`([a-z_]+)`", row)[1:]
 
 
-def test_each_vocabulary_tuple_lists_its_class_once() -> None:
-    for cls, every in [
-        (RankState, RANK_STATES),
-        (Severity, SEVERITIES),
-        (EventKind, EVENT_KINDS),
-        (AlertKind, ALERT_KINDS),
-    ]:
-        assert len(set(every)) == len(every), cls
-        assert set(every) == set(_names(cls)), cls
-        assert all(isinstance(n, str) and re.fullmatch(r"[a-z_]+", n) for n in every), cls
-    assert list(get_args(SeverityName)) == list(SEVERITIES)
+@pytest.mark.parametrize(
+    "cls", [Phase, RankState, Severity, EventKind, AlertKind, HistoryEvent, CollectiveSource]
+)
+def test_each_name_is_its_plain_string(cls: type[Word]) -> None:
+    """A member is its string wherever it goes: compared, hashed, printed, formatted, quoted,
+    and encoded on the wire (msgpack) and in the status JSON (msgspec, json), byte for byte."""
+    for member in cls:
+        value = member.value
+        assert type(value) is str and re.fullmatch(r"[a-z_]+", value), member
+        assert member == value and hash(member) == hash(value) and {value: 1}[member] == 1
+        written = [str(member), f"{member}", f"{member:>20}", " ".join([member]), repr(member)]
+        assert written == [value, value, f"{value:>20}", value, repr(value)]
+        assert json.dumps({member: [member]}) == json.dumps({value: [value]})
+        assert msgspec.json.encode({member: [member]}) == msgspec.json.encode({value: [value]})
+        assert msgspec.msgpack.encode(member) == msgspec.msgpack.encode(value)
 
 
 def test_the_vocabulary_matches_the_documented_contract() -> None:
@@ -220,6 +239,10 @@ def test_the_vocabulary_matches_the_documented_contract() -> None:
     documented = _doc_field_row(status, "state")
     assert set(RANK_STATES) <= set(documented)
     assert set(documented) - set(RANK_STATES) <= {"exit_code"}  # "`exit_code` says how"
+    history = [name for name in _doc_field_row(status, "event") if name in set(HistoryEvent)]
+    assert history == list(HistoryEvent)
+    source = next(line for line in protocol.read_text().splitlines() if "`collective.source`" in line)
+    assert re.findall(r"`(fr|py)`", source) == list(CollectiveSource)
     # byte-identical on the wire: what older agents send and older servers read
     assert EVENT_KINDS == ("phase", "crash", "exit", "stack", "checkpoint", "log")
 
@@ -227,7 +250,7 @@ def test_the_vocabulary_matches_the_documented_contract() -> None:
 def test_the_server_gives_every_rank_state_of_the_vocabulary() -> None:
     from ddpwatch.core.protocol import Collective, ErrorInfo
     from ddpwatch.diagnosis.alerts import Thresholds
-    from ddpwatch.diagnosis.rules import rank_state
+    from ddpwatch.diagnosis.facts.ranks import rank_state
     from ddpwatch.server.document import status_document
     from ddpwatch.server.records import RankRecord
     from ddpwatch.server.state import ServerState
@@ -333,13 +356,11 @@ def _vocabulary_names(path: Path, cls: type) -> set[str]:
 
 
 def test_rules_name_their_kinds_and_severities_through_the_vocabulary() -> None:
-    from ddpwatch.diagnosis.alerts import KINDS
     from ddpwatch.diagnosis.rules import RULES
 
     rules = sorted((SRC / "diagnosis" / "rules").glob("*.py"))
     literals = [hit for path in rules for hit in _literal_args(path, {"rule": None, "alert": 2})]
     assert literals == [], "name alert kinds and severities with AlertKind and Severity"
-    assert KINDS is ALERT_KINDS
     declared = {kind for rule in RULES for kind in rule.kinds}
     assert declared == set(ALERT_KINDS)  # every kind has a rule that may raise it
     raised = set().union(*(_vocabulary_names(path, AlertKind) for path in rules))
@@ -540,7 +561,7 @@ def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
 
 def test_rank_lists_are_written_by_one_algorithm() -> None:
     from ddpwatch.core import ranges
-    from ddpwatch.diagnosis.rules.text import format_ranks
+    from ddpwatch.diagnosis.text import format_ranks
 
     assert _imports(SRC / "core" / "ranges.py") == set()  # shared: the server and the views use it
     assert format_ranks([0, 1, 2, 3, 7, 9, 10]) == "ranks 0-3, 7, 9, 10"

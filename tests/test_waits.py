@@ -27,8 +27,8 @@ from ddpwatch.core.protocol import (
     Sample,
 )
 from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.rules import TICK_RULES, Diagnosis, diagnose
-from ddpwatch.diagnosis.rules.facts import Facts
 from ddpwatch.server.state import ServerState
 from ddpwatch.server.waits import WaitIndex
 

@@ -77,7 +77,7 @@ UPSTREAM_HWM = 2
 """Batches queued in ZeroMQ for the server. What the server does not take stays with the
 relay, which coalesces it (held back) and counts what it cannot keep (``dropped``, and at
 stop), rather than in ZeroMQ's queue, which holds stale heartbeats in order and is lost
-uncounted when the relay stops (seen: 200 batches a relay at 65,536 ranks)."""
+uncounted when the relay stops (docs/performance.md, section 7, R5)."""
 UPSTREAM_KERNEL_BYTES = 64 * 1024
 """The relay's send buffer in the kernel (``SO_SNDBUF``), for the same reason: the kernel
 otherwise grows it to megabytes, which hold stale batches in order too."""

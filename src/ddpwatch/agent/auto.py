@@ -102,7 +102,7 @@ def script_missing(argv: Sequence[str]) -> bool:
     Python then says "can't open file" and exits 2 having run nothing, after this boot hook.
     Such a process is no rank: attached, it would report a rank that never started, and end
     it with an exit it did not have; left alone, ``ddpwatch run`` sees a job that did not
-    start and says why (``launch_failure.py``)."""
+    start and says why (``jobs/failure.py``)."""
     kind, target = _what_runs(argv)
     return kind == "script" and target not in (None, "-") and not os.path.exists(target or "")
 

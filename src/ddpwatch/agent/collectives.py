@@ -18,6 +18,7 @@ from typing import Any
 
 from ddpwatch.agent.progress import Progress
 from ddpwatch.core.protocol import Collective
+from ddpwatch.core.vocabulary import CollectiveSource
 
 log = logging.getLogger("ddpwatch")
 
@@ -199,7 +200,10 @@ class FlightRecorder:
         group, seq = pending
         since = max(0.0, time.time() - created) if created else 0.0
         name = op if group == "0" else f"{op}[pg {group}]"
-        return Collective(op=name, seq=seq, since_s=since, source="fr", group=group), enqueued
+        found = Collective(
+            op=name, seq=seq, since_s=since, source=CollectiveSource.FR, group=group
+        )
+        return found, enqueued
 
     def _describe(self, key: tuple[str, int]) -> tuple[tuple[str, int], str, float]:
         """The op name and creation time of one pending collective (one full read)."""

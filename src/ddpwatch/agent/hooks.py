@@ -20,7 +20,7 @@ import traceback
 import weakref
 from collections.abc import Callable
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, Final
 
 from ddpwatch.agent.loss import find_loss
 from ddpwatch.agent.patches import Patches
@@ -32,6 +32,12 @@ from ddpwatch.core.vocabulary import Phase
 log = logging.getLogger("ddpwatch")
 
 TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+# the phases the step hooks set, as module globals: on Python 3.10 and 3.11, reading an Enum
+# member off its class goes through ``EnumType.__getattr__``, 0.1 µs a hook
+_BACKWARD: Final = Phase.BACKWARD
+_OPTIMIZER: Final = Phase.OPTIMIZER
+_DATA: Final = Phase.DATA
 
 
 class ModelHooks:
@@ -84,7 +90,7 @@ class ModelHooks:
     def _after_forward(self, module: Any, args: Any, output: Any) -> None:
         try:
             progress = self._progress
-            progress.auto_phase(Phase.BACKWARD)
+            progress.auto_phase(_BACKWARD)
             loss = find_loss(output)
             if progress.step_mode in (None, "forward"):
                 progress.end_step(loss, mode="forward")
@@ -97,14 +103,14 @@ class ModelHooks:
         with contextlib.suppress(Exception):
             if self.on_optimizer is not None:
                 self.on_optimizer()  # the end of a gradient wait no backward's end took
-            self._progress.auto_phase(Phase.OPTIMIZER)
+            self._progress.auto_phase(_OPTIMIZER)
 
     def _after_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
             progress = self._progress
             progress.prefer_optimizer_steps()
             progress.end_step(mode="optimizer")
-            progress.auto_phase(Phase.DATA)
+            progress.auto_phase(_DATA)
         except Exception:
             pass
 

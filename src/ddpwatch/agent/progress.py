@@ -13,16 +13,17 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from ddpwatch.agent.grads import GradCheck
 from ddpwatch.agent.loss import LossReader
 from ddpwatch.core.protocol import MARK_EVERY, Collective
-from ddpwatch.core.vocabulary import Phase
+from ddpwatch.core.vocabulary import CollectiveSource, Phase
 
 EMA_WEIGHT = 0.1
 MARKS_KEPT = 16  # 128 steps of marks between two heartbeats: enough for 4 ms steps
 DRAWN_KEPT = 8  # DataLoader iterators counted at once (training, evaluation, a new epoch's)
+_FORWARD: Final = Phase.FORWARD  # a global: an Enum member off its class is slower (hooks.py)
 
 
 class Progress:
@@ -183,7 +184,7 @@ class Progress:
         if self.waiting_for_data and self.last_step_end is not None:
             self.data_wait_s = now - self.last_step_end
             self.waiting_for_data = False
-        self.auto_phase(Phase.FORWARD)
+        self.auto_phase(_FORWARD)
 
     def enter_collective(self, op: str, tensor: Any = None, counted: bool = True) -> None:
         """Enter a Python-level collective. ``tensor``: what this rank contributes (its shape
@@ -218,7 +219,7 @@ class Progress:
             op=op,
             seq=self.collective_seq if self.collective_counted else None,
             since_s=time.perf_counter() - self.collective_start,
-            source="py",
+            source=CollectiveSource.PY,
             shape=shape,
             dtype=dtype,
         )

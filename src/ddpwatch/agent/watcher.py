@@ -24,8 +24,8 @@ from ddpwatch.agent.probes import device_info, memory_info, note_current_device
 from ddpwatch.agent.progress import Progress, SplitReader
 from ddpwatch.agent.publisher import Publisher
 from ddpwatch.agent.split import GradReady, InputTimer
+from ddpwatch.core.ports import resolve_endpoint
 from ddpwatch.core.protocol import (
-    DEFAULT_PORT,
     PROTOCOL_VERSION,
     AnyMessage,
     Collective,
@@ -48,18 +48,6 @@ STACK_AFTER_S = 5.0  # half the server's default stall threshold
 CRASH_FLUSH_S = 1.0  # the most a crash or an exit waits for its report to leave
 FINAL_SAMPLE_WAIT_S = 0.1  # for a heartbeat being built on the publisher thread
 _BEFORE_TRAINING = (Phase.STARTED, Phase.SETUP, Phase.FIRST_STEP)  # "train" once a step ends
-
-
-def resolve_endpoint(addr: str | None = None, environ: dict[str, str] | None = None) -> str:
-    """``addr``, else ``DDPWATCH_ADDR``, else ``$MASTER_ADDR`` (or 127.0.0.1) on port 5599."""
-    env = os.environ if environ is None else environ
-    addr = addr or env.get("DDPWATCH_ADDR") or env.get("MASTER_ADDR") or "127.0.0.1"
-    if addr.startswith("tcp://"):
-        return addr
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or host.endswith(":") or "]" in port:
-        host, port = addr, str(DEFAULT_PORT)
-    return f"tcp://{host}:{port}"
 
 
 class Watcher:

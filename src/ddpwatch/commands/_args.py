@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from ddpwatch.core.ports import named_port
 from ddpwatch.core.protocol import DEFAULT_PORT
 from ddpwatch.core.vocabulary import SEVERITIES, Severity
 from ddpwatch.diagnosis.alerts import Thresholds
@@ -67,11 +68,11 @@ def _rank_port(text: str) -> int:
 
 def _addr(text: str) -> str:
     """``run --addr``: HOST, HOST:PORT or tcp://HOST:PORT, read as the ranks will read it
-    (``agent/watcher.py``: a bare host, IPv6 ones included, means port 5599)."""
-    host, sep, number = text.removeprefix("tcp://").rpartition(":")
-    if sep and not host.endswith(":") and "]" not in number:
+    (``core/ports.py``: a bare host, IPv6 ones included, means port 5599)."""
+    named = named_port(text.removeprefix("tcp://"))
+    if named is not None:
         try:
-            _rank_port(number)
+            _rank_port(named[1])
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"{text}: the port {exc}") from None
     return text

@@ -1,4 +1,4 @@
-"""``ddpwatch doctor``: pre-flight checks before a launch (``ddpwatch/doctor.py``)."""
+"""``ddpwatch doctor``: pre-flight checks before a launch (``ddpwatch/doctor/``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``ddpwatch keygen``: create a CurveZMQ key pair (``security.py``, docs/security.md)."""
+"""``ddpwatch keygen``: create a CurveZMQ key pair (``core/security.py``, docs/security.md)."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpwatch.agent.watcher import resolve_endpoint
+    from ddpwatch.core.ports import resolve_endpoint
     from ddpwatch.relay import Relay, RelayError
 
     upstream = resolve_endpoint(args.to)

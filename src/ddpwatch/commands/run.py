@@ -1,4 +1,4 @@
-"""``ddpwatch run -- COMMAND``: a launch command with ddpwatch in every rank (``launch.py``)."""
+"""``ddpwatch run -- COMMAND``: a launch command, ddpwatch in every rank (``jobs/launch.py``)."""
 
 from __future__ import annotations
 

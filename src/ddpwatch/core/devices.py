@@ -1,8 +1,9 @@
 """``CUDA_VISIBLE_DEVICES`` read exactly as the CUDA runtime reads it, for both sides.
 
 The agent maps a CUDA ordinal to an NVML device with it, ``ddpwatch doctor`` checks it before a
-launch, and the server's device rules use it to tell which physical GPU a rank is on: one parser,
-so the three never disagree about a list. Pure Python: no torch, no pynvml.
+launch, and the device rules (``diagnosis/rules/devices.py``) use it to tell which physical GPU
+a rank is on: one parser, so the three never disagree about a list. Pure Python: no torch, no
+pynvml.
 """
 
 from __future__ import annotations

@@ -26,17 +26,17 @@ RankCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
 
 
 # Every struct here is ``gc=False``: decoded data never forms a reference cycle, and the
-# server keeps some on each of up to 65,536 ranks' records (and decodes 10^5 a second), so
-# Python's cyclic collector is spared scanning them (at 32,768 ranks it took over half of
-# each diagnosis tick).
+# server keeps some on every rank's record, so Python's cyclic collector is spared scanning
+# them (what that scan cost at scale: docs/performance.md, section 7).
 
 
 class Collective(msgspec.Struct, omit_defaults=True, gc=False):
     """A collective a rank is in: blocked in it right now (samples) or failed in (crash events).
 
-    ``source`` says which counter ``seq`` belongs to: ``"fr"`` the flight recorder's per-group
-    sequence (it counts DDP's own all-reduces too), ``"py"`` the agent's count of Python-level
-    ``torch.distributed`` calls. Sequence numbers of different sources never compare.
+    ``source`` says which counter ``seq`` belongs to (``vocabulary.CollectiveSource``): ``"fr"``
+    the flight recorder's per-group sequence (it counts DDP's own all-reduces too), ``"py"``
+    the agent's count of Python-level ``torch.distributed`` calls. Sequence numbers of
+    different sources never compare.
     """
 
     op: str

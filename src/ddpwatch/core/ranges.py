@@ -2,7 +2,7 @@
 (``parse_rank_ranges``: ``ddpwatch status --ranks``, the query socket's ``ranks=``;
 ``rank_spans``: the dashboard's filter box, which never expands a range).
 
-One algorithm for the alert messages (``diagnosis.rules.text.format_ranks``: "ranks 0-5, 9")
+One algorithm for the alert messages (``diagnosis.text.format_ranks``: "ranks 0-5, 9")
 and the dashboard ("0-5,9"). A shared module: it imports nothing of
 ddpwatch, so the server and the views may both use it.
 """

@@ -8,15 +8,12 @@ from typing import Any
 
 import msgspec
 
-from ddpwatch.core.vocabulary import ALERT_KINDS, SeverityName
+from ddpwatch.core.vocabulary import Severity
 from ddpwatch.status.schema import AlertEntry
 
 STARTUP_SILENT_S = 15.0
 """A rank still starting may go this long unheard: its heartbeats wait behind imports, model
 building and DataLoader workers on a busy host; the startup_hang rule has a minute anyway."""
-
-KINDS = ALERT_KINDS
-"""Every alert kind (``core.vocabulary.AlertKind``): ``@rule`` checks its kinds against it."""
 
 
 @dataclass(frozen=True)
@@ -29,7 +26,7 @@ class Alert:
     """
 
     kind: str
-    severity: SeverityName
+    severity: Severity
     ranks: tuple[int, ...]
     waiting: tuple[int, ...]
     message: str

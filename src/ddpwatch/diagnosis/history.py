@@ -20,10 +20,11 @@ import json
 import sys
 from collections import deque
 from dataclasses import dataclass, field
-from typing import IO, Any, Literal
+from typing import IO, Any
 
 import msgspec
 
+from ddpwatch.core.vocabulary import HistoryEvent
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.status.fmt import elapsed, seconds
 from ddpwatch.status.order import severity_level
@@ -31,7 +32,6 @@ from ddpwatch.status.schema import UNSET, HistoryEntry, PreviousAlert
 
 HISTORY_KEPT = 1000
 
-Event = Literal["raised", "escalated", "cleared"]
 NEW_ATTEMPT = "new_attempt"
 """``closed_by`` of an alert the launcher's restart ended (``AlertChange.closed_by``)."""
 
@@ -47,7 +47,7 @@ def describe(change: AlertChange) -> str:
     alert = change.alert
     when = f"{iso_time(change.at, 'seconds')} {elapsed(change.elapsed_s)}"
     culprits = ", ".join(str(r) for r in alert.ranks[:16]) + ("…" if len(alert.ranks) > 16 else "")
-    if change.event == "cleared":
+    if change.event == HistoryEvent.CLEARED:
         who = f" (rank {culprits})" if culprits else ""
         up = f" after {seconds(change.duration_s)}" if change.duration_s is not None else ""
         if change.closed_by == NEW_ATTEMPT:
@@ -57,7 +57,7 @@ def describe(change: AlertChange) -> str:
             )
         return f"ddpwatch: {when} cleared {alert.kind}{who}{up}"
     what = f"[{alert.severity}] {alert.kind}"
-    if change.event == "escalated" and change.previous is not None:
+    if change.event == HistoryEvent.ESCALATED and change.previous is not None:
         what += f" (was {change.previous.kind}, {change.previous.severity})"
     return f"ddpwatch: {when} {what}: {alert.message}\nddpwatch:   fix: {alert.hint}"
 
@@ -72,7 +72,7 @@ def event_label(entry: HistoryEntry) -> str:
         event = f"ended with attempt {entry.attempt}"
     if entry.episode > 0:
         event += f" #{entry.episode}"
-    if entry.event == "escalated" and entry.previous is not UNSET:
+    if entry.event == HistoryEvent.ESCALATED and entry.previous is not UNSET:
         event += f" from {entry.previous.kind}"
     if entry.attempt > 1 and not closed:
         event += f" in attempt {entry.attempt}"
@@ -99,7 +99,7 @@ class AlertChange:
     ``NEW_ATTEMPT`` for an alert a restart ended rather than one that cleared.
     """
 
-    event: Event
+    event: HistoryEvent
     alert: Alert
     at: float = 0.0
     elapsed_s: float = 0.0
@@ -134,28 +134,33 @@ class AlertChange:
 def diff_alerts(before: dict[Any, Alert], after: list[Alert]) -> list[AlertChange]:
     """Alerts that appeared, went away or became more severe between two ticks."""
     now = {alert.key: alert for alert in after}
-    changes = [AlertChange("cleared", alert) for key, alert in before.items() if key not in now]
+    changes = [
+        AlertChange(HistoryEvent.CLEARED, alert) for key, alert in before.items() if key not in now
+    ]
     for key, alert in now.items():
         old = before.get(key)
         if old is None:
-            changes.append(AlertChange("raised", alert))
+            changes.append(AlertChange(HistoryEvent.RAISED, alert))
         elif severity_level(alert.severity) > severity_level(old.severity):
-            changes.append(AlertChange("escalated", alert, previous=old))
+            changes.append(AlertChange(HistoryEvent.ESCALATED, alert, previous=old))
     return _merge_escalations(changes)
 
 
 def _merge_escalations(changes: list[AlertChange]) -> list[AlertChange]:
     """One tick clears a warning and raises an error about the same culprits (``straggler``
     → ``stalled``): that is one escalation, not an unrelated pair."""
-    cleared = {c.alert.ranks: c for c in changes if c.event == "cleared" and c.alert.ranks}
+    cleared = {
+        c.alert.ranks: c for c in changes if c.event == HistoryEvent.CLEARED and c.alert.ranks
+    }
     merged: list[AlertChange] = []
     replaced: set[int] = set()
     for change in changes:
-        old = cleared.get(change.alert.ranks) if change.event == "raised" else None
-        if old is not None and severity_level(change.alert.severity) > severity_level(
-            old.alert.severity
+        old = cleared.get(change.alert.ranks) if change.event == HistoryEvent.RAISED else None
+        if (
+            old is not None
+            and severity_level(change.alert.severity) > severity_level(old.alert.severity)
         ):
-            merged.append(AlertChange("escalated", change.alert, previous=old.alert))
+            merged.append(AlertChange(HistoryEvent.ESCALATED, change.alert, previous=old.alert))
             replaced.add(id(old))
         else:
             merged.append(change)
@@ -187,14 +192,16 @@ class AlertTracker:
         stamped: list[AlertChange] = []
         if attempt > self.attempt:
             stamped += [
-                self._stamp(AlertChange("cleared", a), now, started, closed_by=NEW_ATTEMPT)
+                self._stamp(
+                    AlertChange(HistoryEvent.CLEARED, a), now, started, closed_by=NEW_ATTEMPT
+                )
                 for a in self.active.values()
             ]
             self.active = {}
             self.attempt = attempt
         for change in diff_alerts(self.active, alerts):
             key = change.alert.key
-            if change.event == "raised":
+            if change.event == HistoryEvent.RAISED:
                 self.episodes += 1
                 self.since[key] = (now, self.episodes)
             elif change.previous is not None and change.previous.key != key:
@@ -211,7 +218,7 @@ class AlertTracker:
         self, change: AlertChange, now: float, started: float, closed_by: str | None = None
     ) -> AlertChange:
         key = change.alert.key
-        cleared = change.event == "cleared"
+        cleared = change.event == HistoryEvent.CLEARED
         raised_at, episode = (self.since.pop if cleared else self.since.get)(key, (now, 0))
         return AlertChange(
             change.event,

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpwatch.core.protocol import ErrorInfo
-from ddpwatch.core.vocabulary import AlertKind, RankState, Severity
+from ddpwatch.core.vocabulary import AlertKind, HistoryEvent, RankState, Severity
 from ddpwatch.diagnosis.knowledge import WAIT_NAMES, explain_error
-from ddpwatch.diagnosis.rules.text import format_ranks
+from ddpwatch.diagnosis.text import format_ranks
 from ddpwatch.status.fmt import duration, elapsed
 from ddpwatch.status.order import severity_level
 from ddpwatch.status.schema import (
@@ -93,15 +93,15 @@ def episodes(history: Iterable[HistoryEntry]) -> list[Episode]:
         key = (alert.kind, tuple(alert.ranks))
         event, at = entry.event, entry.elapsed_s
         current = open_by_key.pop(key, None)
-        if event == "escalated" and entry.previous is not UNSET:
+        if event == HistoryEvent.ESCALATED and entry.previous is not UNSET:
             current = current or open_by_key.pop((entry.previous.kind, key[1]), None)
         if current is None:
             up = entry.duration_s if entry.duration_s is not UNSET else 0.0
-            since = at - up if event == "cleared" else at
+            since = at - up if event == HistoryEvent.CLEARED else at
             current = _Open(since, entry.attempt or 1, alert)
             found.append(current)
         current.take(entry, at)
-        if event != "cleared":
+        if event != HistoryEvent.CLEARED:
             open_by_key[key] = current
     return [e.episode() for e in found]
 
@@ -124,9 +124,9 @@ class _Open:
         self.waiting.update(alert.waiting)
         if severity_level(alert.severity) > severity_level(self.severity):
             self.severity = alert.severity
-        if entry.event == "escalated":
+        if entry.event == HistoryEvent.ESCALATED:
             self.escalated_s = at
-        elif entry.event == "cleared":
+        elif entry.event == HistoryEvent.CLEARED:
             self.cleared_s = at
             self.closed_by = entry.closed_by if entry.closed_by is not UNSET else None
         if alert.waited_s is not None:
@@ -551,7 +551,7 @@ def _episode_text(e: Episode, end_s: float, nan_steps: dict[int, tuple[int | Non
     return f"{e.kind} about {who} ({elapsed(e.raised_s)}, {duration(e.duration_s(end_s))})"
 
 
-_DID = {
+_DID: dict[str, str] = {
     AlertKind.COLLECTIVE_MISMATCH: "made a collective call the others did not",
     AlertKind.NOT_CONNECTED: "never reported",
     AlertKind.STARTUP_HANG: "hung while starting",

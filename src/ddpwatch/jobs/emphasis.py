@@ -16,7 +16,8 @@ from ddpwatch.core.vocabulary import Severity
 
 MARK = "▶"
 ASCII_MARK = ">>"  # where the stream cannot encode the mark (LANG=C with an ASCII stderr)
-SGR = {Severity.ERROR: "1;31", Severity.WARNING: "1;33"}  # bold red, bold yellow; else bold
+SGR: dict[str, str] = {Severity.ERROR: "1;31", Severity.WARNING: "1;33"}
+"""Bold red, bold yellow; any other severity bold."""
 RESET = "\x1b[0m"
 
 

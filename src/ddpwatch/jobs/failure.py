@@ -1,6 +1,6 @@
 """Why a job never started, in the launcher's own words: one plain sentence with the fix.
 
-``ddpwatch run`` keeps the last lines the job printed (``job_output.py``); when the launcher
+``ddpwatch run`` keeps the last lines the job printed (``jobs/output.py``); when the launcher
 ends before any rank reported, ``why_not_started`` reads them. Pure: text in, text out
 (``holder_of``, which names the process on a port, is passed in).
 

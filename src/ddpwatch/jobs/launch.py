@@ -6,10 +6,10 @@ collector runs here and prints each alert as it is raised and cleared. With ``--
 server elsewhere, one ``run`` per node) a relay runs here and batches this node's ranks
 (``relay.py``), unless the node already has one.
 
-The job's stderr passes through ``job_output.StderrTee`` unchanged, which keeps its first and
-last lines: a launcher that ends with an error before any rank reported is a job that did
-not start, and the summary (or, with ``--addr``, one line) says why in its own words
-(``launch_failure.py``).
+The job's stderr passes through ``StderrTee`` (``jobs/output.py``) unchanged, which keeps its
+first and last lines: a launcher that ends with an error before any rank reported is a job
+that did not start, and the summary (or, with ``--addr``, one line) says why in its own words
+(``jobs/failure.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from ddpwatch.agent.auto import AUTO_ENV
 from ddpwatch.core.port_holder import holder_of
 from ddpwatch.core.ports import pick_port
 from ddpwatch.core.protocol import DEFAULT_PORT
+from ddpwatch.core.vocabulary import HistoryEvent
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.history import describe
 from ddpwatch.jobs.emphasis import emphasize_for, mark_for
@@ -264,7 +265,7 @@ def _banner(command: Sequence[str], addr: str, local: bool, preferred_port: int)
 
 
 def _print_change(change: AlertChange) -> None:
-    severity = None if change.event == "cleared" else change.alert.severity
+    severity = None if change.event == HistoryEvent.CLEARED else change.alert.severity
     print(emphasize_for(sys.stderr, describe(change), severity), file=sys.stderr, flush=True)
 
 
@@ -272,7 +273,7 @@ def _start_relay(addr: str, env: dict[str, str]) -> Relay | None:
     """This node's relay to the server at ``addr``, on a thread, unless the node already has
     one (the job's ranks find that one) or ``$DDPWATCH_RELAY`` says otherwise. A relay that
     cannot start is one line: the ranks then send to the server directly."""
-    from ddpwatch.agent.watcher import resolve_endpoint
+    from ddpwatch.core.ports import resolve_endpoint
 
     if env.get(RELAY_ENV):
         return None  # the user chose: a relay of their own, or "off"

@@ -1,5 +1,5 @@
 """The job's stderr, passed through to the terminal unchanged, with its first and last lines
-kept: when the launcher ends before any rank reported, they say why (``launch_failure.py``).
+kept: when the launcher ends before any rank reported, they say why (``jobs/failure.py``).
 
 ``ddpwatch run`` gives the job a stderr of its own (``StderrTee.child_fd``) and a thread
 copies every byte read there to ddpwatch's own stderr as it comes, then keeps the text.

@@ -1,6 +1,6 @@
 """Stopping a launched job whole: the launcher and every process under it.
 
-Used by ``ddpwatch run`` (``launch.py``) and ``ddpwatch demo`` (``demo/runner.py``).
+Used by ``ddpwatch run`` (``jobs/launch.py``) and ``ddpwatch demo`` (``demo/runner.py``).
 """
 
 from __future__ import annotations

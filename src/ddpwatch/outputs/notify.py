@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ddpwatch.core.vocabulary import SEVERITIES, Severity
+from ddpwatch.core.vocabulary import SEVERITIES, HistoryEvent, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.status.order import SEVERITY_LEVEL, severity_level
 
@@ -33,7 +33,7 @@ log = logging.getLogger("ddpwatch.notify")
 
 LEVELS = tuple(reversed(SEVERITIES))
 """Severities from least to most severe (``--notify-level``)."""
-NOTIFY_EVENTS = frozenset({"raised", "escalated"})
+NOTIFY_EVENTS = frozenset({HistoryEvent.RAISED, HistoryEvent.ESCALATED})
 """Changes worth telling someone about; "cleared" is not."""
 TEXT_ENV = "DDPWATCH_ALERT_TEXT"
 """The command also gets the one-line text here, for ``notify-send "$DDPWATCH_ALERT_TEXT"``."""
@@ -67,7 +67,7 @@ def check_webhook_url(url: str) -> str:
 def alert_text(change: Change) -> str:
     """One line for chat: ``[error] straggler: rank 1 has not entered ... — fix: ...``."""
     alert = change.alert
-    escalated = " (escalated)" if change.event == "escalated" else ""
+    escalated = " (escalated)" if change.event == HistoryEvent.ESCALATED else ""
     return f"[{alert.severity}] {alert.kind}{escalated}: {alert.message} — fix: {alert.hint}"
 
 

@@ -17,7 +17,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ddpwatch.core.protocol import ProtocolError, Sample, decode
-from ddpwatch.core.vocabulary import Severity
+from ddpwatch.core.vocabulary import HistoryEvent, Severity
 from ddpwatch.diagnosis.history import event_label
 from ddpwatch.diagnosis.verdict import Run, read_run
 from ddpwatch.outputs.summary import summary_lines
@@ -221,7 +221,7 @@ class RunReport:
 
     @property
     def alerts_raised(self) -> int:
-        return sum(1 for e in self.history if e.event != "cleared")
+        return sum(1 for e in self.history if e.event != HistoryEvent.CLEARED)
 
     @property
     def median_step_time_s(self) -> float | None:
@@ -256,7 +256,7 @@ class RunReport:
         """(kind, hint) of every raised alert, once each, in the order they first came up."""
         seen: dict[tuple[str, str], None] = {}
         for entry in self.history:
-            if entry.event != "cleared" and entry.alert.hint:
+            if entry.event != HistoryEvent.CLEARED and entry.alert.hint:
                 seen.setdefault((entry.alert.kind, entry.alert.hint), None)
         return list(seen)
 
@@ -326,7 +326,7 @@ def load_run(path: str | os.PathLike[str]) -> RunReport:
 
 
 def _raised(history: Iterable[HistoryEntry]) -> Iterable[AlertEntry]:
-    return (e.alert for e in history if e.event != "cleared")
+    return (e.alert for e in history if e.event != HistoryEvent.CLEARED)
 
 
 def _rank_stats(document: StatusDocument, series: dict[int, RankSeries]) -> list[RankStats]:
@@ -420,7 +420,7 @@ def event_text(entry: HistoryEntry) -> str:
     """A timeline entry's event (``history.event_label``) and, once its episode ended, how
     long it was up: "cleared #2 after 28.3 s"."""
     event = event_label(entry)
-    if entry.event == "cleared" and entry.duration_s is not UNSET:
+    if entry.event == HistoryEvent.CLEARED and entry.duration_s is not UNSET:
         event += f" after {step_seconds(entry.duration_s)}"
     return event
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from html import escape
 
-from ddpwatch.core.vocabulary import Severity
+from ddpwatch.core.vocabulary import HistoryEvent, Severity
 from ddpwatch.outputs.postmortem import (
     Culprit,
     RunReport,
@@ -86,7 +86,11 @@ def _pre(text: str, css: str = "") -> str:
 
 
 def _verdict(report: RunReport) -> str:
-    bad = any(e.alert.severity == Severity.ERROR for e in report.history if e.event != "cleared")
+    bad = any(
+        e.alert.severity == Severity.ERROR
+        for e in report.history
+        if e.event != HistoryEvent.CLEARED
+    )
     css = "verdict bad" if bad else "verdict"
     return f'<p class="{css}"><strong>Verdict:</strong> {escape(report.verdict)}</p>'
 

@@ -8,7 +8,8 @@ import math
 from ddpwatch.core.protocol import Collective
 from ddpwatch.core.vocabulary import RankState
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
-from ddpwatch.diagnosis.rules import effective_stall_after, rank_state
+from ddpwatch.diagnosis.facts.census import effective_stall_after
+from ddpwatch.diagnosis.facts.ranks import rank_state
 from ddpwatch.server.host_memory import growth
 from ddpwatch.server.records import RankRecord
 from ddpwatch.server.relays import relay_entry

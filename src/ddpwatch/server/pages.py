@@ -19,7 +19,8 @@ import msgspec
 
 from ddpwatch.core.vocabulary import RANK_STATES, RankState
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
-from ddpwatch.diagnosis.rules import effective_stall_after, rank_state
+from ddpwatch.diagnosis.facts.census import effective_stall_after
+from ddpwatch.diagnosis.facts.ranks import rank_state
 from ddpwatch.server.document import document_around, missing_entry, rank_entry
 from ddpwatch.server.state import ServerState
 from ddpwatch.status.order import HostTally, host_rows, is_flagged, worst_ranks

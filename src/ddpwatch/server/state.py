@@ -79,7 +79,7 @@ class ServerState:
     senders drop heartbeats, or the server itself paused): silence counts from here."""
     stepping_since: float | None = None
     """When a rank of this attempt first reported a step: from then on no rank gets the
-    start-up grace for silence (``rules.facts.silent_after``)."""
+    start-up grace for silence (``diagnosis.facts.ranks.silent_after``)."""
     attempt: int = 1
     """The launcher's attempt the job is in: 2 once it restarted the workers (torchrun's
     ``--max-restarts``, an elastic membership change), and so on."""

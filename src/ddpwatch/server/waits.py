@@ -1,6 +1,6 @@
 """Which collective each unfinished rank is in, kept up to date as heartbeats arrive.
 
-The per-tick rules start from these groups (``rules/facts.py``: who waits in what, the
+The per-tick rules start from these groups (``diagnosis/facts/``: who waits in what, the
 straggler, a collective mismatch). ``ServerState.apply`` keeps the index with one
 comparison per heartbeat, so a diagnosis tick at 65,536 ranks reads a handful of groups
 instead of regrouping every rank four times a second. ``WaitIndex.of`` builds the same
@@ -18,8 +18,8 @@ from ddpwatch.server.records import RankRecord
 
 Place = tuple[str | None, str | None, int | None, str | None]
 """A collective as a rank reports it: source, group, seq, and the op when there is no seq:
-the raw fields ``rules.facts.wait_key`` reads (two places may still be one collective there,
-spelled two ways)."""
+the raw fields ``diagnosis.facts.ranks.wait_key`` reads (two places may still be one
+collective there, spelled two ways)."""
 Call = tuple[str, tuple[int, ...] | None, str | None]
 """How a rank called its collective: op, shape, dtype. Ranks in one collective should agree."""
 
@@ -93,7 +93,7 @@ class WaitGroup:
         return ranks
 
     def oldest_start(self, now: float) -> float | None:
-        """When the longest wait began, as ``rules.facts`` times a wait as of ``now`` (a
+        """When the longest wait began, as ``diagnosis.facts`` times a wait as of ``now`` (a
         report sent after ``now`` counts from ``now``: ``RankRecord.collective_age``); None
         when a member was seen after ``now``, and only a pass over the members can tell."""
         if self.latest > now:

@@ -19,7 +19,7 @@ from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
 from ddpwatch.core.ranges import rank_ranges
-from ddpwatch.diagnosis.rules.text import STACKS_IN_ANY_PORT
+from ddpwatch.diagnosis.text import STACKS_IN_ANY_PORT
 from ddpwatch.status.fmt import elapsed, seconds
 from ddpwatch.status.schema import UNSET, AlertEntry, HistoryEntry
 from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
@@ -30,7 +30,7 @@ _SHOWS_IT = " shows it"
 
 def dashboard_hint(hint: str, culprits: Sequence[int] = ()) -> str:
     """``hint`` as the dashboard writes it: where the server sends people to a shell for a
-    rank's stack or traceback (``rules.text.STACKS_IN``, "ddpwatch status --json", with
+    rank's stack or traceback (``diagnosis.text.STACKS_IN``, "ddpwatch status --json", with
     ``--port N`` where the server is not on the default one), the key
     that shows it here, for the rank the hint names just before (else the first culprit).
 

@@ -19,7 +19,7 @@ from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
 from ddpwatch.tui.model import step_split
 from ddpwatch.tui.packed import Packed
 
-STATE_STYLE = {
+STATE_STYLE: dict[str, str] = {
     RankState.RUNNING: "bold green",
     RankState.WAITING: "bold yellow",
     RankState.STALLED: "bold yellow",

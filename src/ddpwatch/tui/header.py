@@ -16,12 +16,12 @@ from ddpwatch.tui.fmt import DASH
 from ddpwatch.tui.model import TableQuery, job_wait_fraction
 from ddpwatch.tui.packed import pack
 
-SEVERITY_STYLE = {
+SEVERITY_STYLE: dict[str, str] = {
     Severity.ERROR: "bold red",
     Severity.WARNING: "bold yellow",
     Severity.INFO: "bold cyan",
 }
-SEVERITY_GLYPH = {Severity.ERROR: "✖", Severity.WARNING: "▲", Severity.INFO: "●"}
+SEVERITY_GLYPH: dict[str, str] = {Severity.ERROR: "✖", Severity.WARNING: "▲", Severity.INFO: "●"}
 NOTE_SEP = " · "
 """Between the parts of a source's ``note``: the header breaks its line there first."""
 

@@ -25,7 +25,7 @@ from ddpwatch.status.schema import AlertEntry, HostRow, RankEntry
 
 Row = RankEntry
 
-STATE_TEXT = {RankState.NOT_CONNECTED: "absent"}
+STATE_TEXT: dict[str, str] = {RankState.NOT_CONNECTED: "absent"}
 """How the views write a state where it differs from its name."""
 
 
@@ -34,7 +34,7 @@ def state_text(state: str) -> str:
     return STATE_TEXT.get(state, state)
 
 
-SHORT_STATE = {
+SHORT_STATE: dict[str, str] = {
     RankState.RUNNING: "run",
     RankState.WAITING: "wait",
     RankState.STALLED: "stall",
@@ -66,13 +66,13 @@ WORST_DONE = 9
 WORST_NONE = 99
 """No score yet: above every other."""
 
-CULPRIT_SCORE = {
+CULPRIT_SCORE: dict[str, int] = {
     Severity.ERROR: WORST_ERROR_CULPRIT,
     Severity.WARNING: WORST_WARNING_CULPRIT,
     Severity.INFO: WORST_INFO_CULPRIT,
 }
 """The score an alert of each severity gives its culprits (unknown severities: info's)."""
-STATE_WORST = {
+STATE_WORST: dict[str, int] = {
     RankState.CRASHED: WORST_CRASHED,
     RankState.SILENT: WORST_SILENT,
     RankState.STALLED: WORST_STALLED,

@@ -15,7 +15,7 @@ When a job has *ended*:
 
 from __future__ import annotations
 
-from ddpwatch.core.vocabulary import RankState
+from ddpwatch.core.vocabulary import HistoryEvent, RankState
 from ddpwatch.status.schema import AlertEntry, HistoryEntry, StatusDocument, SummaryReply
 
 FINISHED_STATES = frozenset({RankState.CRASHED, RankState.EXITED, RankState.STOPPED})
@@ -60,7 +60,7 @@ def cleared_alerts(document: StatusDocument, everything: bool) -> list[HistoryEn
     found = [
         entry
         for entry in document.history
-        if entry.event == "cleared"
+        if entry.event == HistoryEvent.CLEARED
         and _key(entry.alert) not in open_now
         and (since is None or entry.elapsed_s >= since)
     ]
@@ -69,7 +69,7 @@ def cleared_alerts(document: StatusDocument, everything: bool) -> list[HistoryEn
 
 def alerts_raised(document: StatusDocument) -> int:
     """How many alerts the run raised (an escalation is the same alert)."""
-    return sum(1 for entry in document.history if entry.event == "raised")
+    return sum(1 for entry in document.history if entry.event == HistoryEvent.RAISED)
 
 
 def ended_banner(document: StatusDocument) -> str:

@@ -1,11 +1,12 @@
 """Diagnosis: pure rules over ``ServerState`` that name the rank behind a problem, its cause
 and the fix.
 
-``facts`` holds the attribution model every family shares (who failed first, who has
-entered which collective, on what evidence); ``text`` the words. Each family module
-(cascade, collectives, progress, startup, devices, memory) imports those two and never another
-family. A rule is a function of ``Facts`` declared with ``@rule(kinds...)``: the kinds it
-may raise are checked against the contract when the module is imported.
+``diagnosis.facts`` holds the attribution model every family shares (who failed first, who
+has entered which collective, on what evidence); ``diagnosis.text`` the words. Each family
+module (cascade, collectives, progress, startup, devices, memory, relays, listening) imports
+those two and the registry, never another family. A rule is a function of ``Facts`` declared
+with ``@rule(kinds...)``: the kinds it may raise are checked against the contract when the
+module is imported.
 
 The server ticks four times a second with up to 65,536 ranks (``Diagnosis``), so a rule is at
 most one or two linear passes plus a sort, and ``Facts`` does shared work once per tick: the
@@ -19,8 +20,9 @@ import logging
 import math
 from collections import Counter
 
-from ddpwatch.core.vocabulary import STARTUP_PHASES
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
+from ddpwatch.diagnosis.facts import Facts
+from ddpwatch.diagnosis.facts.census import Pace
 from ddpwatch.diagnosis.rules.cascade import rule_cascade, rule_clean_exit
 from ddpwatch.diagnosis.rules.collectives import (
     rule_collective_desync,
@@ -34,7 +36,6 @@ from ddpwatch.diagnosis.rules.devices import (
     rule_local_rank_mismatch,
     rule_uneven_memory,
 )
-from ddpwatch.diagnosis.rules.facts import Facts, Pace, effective_stall_after, rank_state
 from ddpwatch.diagnosis.rules.listening import rule_server_behind
 from ddpwatch.diagnosis.rules.memory import rule_host_memory
 from ddpwatch.diagnosis.rules.progress import (
@@ -55,13 +56,9 @@ __all__ = [
     "RANK_SCANS_PER_S",
     "RULES",
     "SLOW_S",
-    "STARTUP_PHASES",
     "Diagnosis",
-    "Facts",
     "Rule",
     "diagnose",
-    "effective_stall_after",
-    "rank_state",
     "rule_batch_desync",
     "rule_cascade",
     "rule_checkpoint_conflict",
@@ -134,18 +131,18 @@ SLOW_S = 1.0
 """How often a ``slow`` rule runs, at least (and the job's step-time thresholds are redone)."""
 RANK_SCANS_PER_S = 131_072
 """How many ranks the ``change`` and ``slow`` rules may scan a second, each scanning every rank
-once (1-2 µs a rank): every rule that is due at a few thousand ranks, two a second at 65,536,
-about a tenth of a core. It counts ranks, not CPU, so that a replay paces them exactly as the
-live server did."""
+once: every rule that is due at a few thousand ranks, two a second at 65,536, so that they
+take a small, bounded part of a core at any size (``docs/performance.md``). It counts ranks,
+not CPU, so that a replay paces them exactly as the live server did."""
 
 
 class Diagnosis:
     """``diagnose`` for a server that ticks four times a second: ``tick`` rules every call;
     a ``change`` rule when ``state.generation`` or the set of silent ranks moved since it
     last ran; a ``slow`` rule every ``SLOW_S`` (see ``registry.Cadence``); of those due, the
-    longest waiting first, as many as ``RANK_SCANS_PER_TICK`` allows. In between, a rule's
-    last alerts stand. So the alerts are those ``diagnose`` gives, the paced ones a little
-    late, and no tick at 65,536 ranks rescans every rank for devices and memory."""
+    longest waiting first, as many as the ``RANK_SCANS_PER_S`` budget allows. In between, a
+    rule's last alerts stand. So the alerts are those ``diagnose`` gives, the paced ones a
+    little late, and no tick at 65,536 ranks rescans every rank for devices and memory."""
 
     def __init__(self) -> None:
         self._kept: dict[str, list[Alert]] = {}  # each paced rule's last alerts

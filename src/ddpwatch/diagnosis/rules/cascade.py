@@ -3,11 +3,13 @@ ranks that failed or wait because of it (listed as ``waiting``, never as culprit
 
 from __future__ import annotations
 
-from ddpwatch.core.vocabulary import AlertKind, Severity, SeverityName
+from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
-from ddpwatch.diagnosis.rules.facts import Cascade, Facts, Root, is_clean_exit, is_term_exit
+from ddpwatch.diagnosis.facts import Facts
+from ddpwatch.diagnosis.facts.cascade import Cascade, Root
+from ddpwatch.diagnosis.facts.ranks import is_clean_exit, is_term_exit
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.rules.text import (
+from ddpwatch.diagnosis.text import (
     STACKS_IN,
     collective_name,
     first_line,
@@ -290,5 +292,5 @@ def rule_clean_exit(f: Facts) -> list[Alert]:
         "the ranks ran different numbers of steps: give every rank the same number of "
         "batches (DistributedSampler with drop_last=True, or the DDP join() context manager)"
     )
-    severity: SeverityName = Severity.ERROR if stuck else Severity.WARNING
+    severity = Severity.ERROR if stuck else Severity.WARNING
     return [alert(AlertKind.EXITED, severity, ranks, [r.rank for r in stuck], message, hint)]

@@ -5,20 +5,16 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ddpwatch.core.vocabulary import AlertKind, Severity, SeverityName
+from ddpwatch.core.vocabulary import AlertKind, CollectiveSource, Severity
 from ddpwatch.diagnosis.alerts import Alert
+from ddpwatch.diagnosis.facts import Facts
+from ddpwatch.diagnosis.facts.census import world_complete
+from ddpwatch.diagnosis.facts.mismatch import Mismatch, odd_at_mark
+from ddpwatch.diagnosis.facts.ranks import is_busy, normal_op
+from ddpwatch.diagnosis.facts.stragglers import Straggle
 from ddpwatch.diagnosis.knowledge import named_ranks
-from ddpwatch.diagnosis.rules.facts import (
-    Facts,
-    Mismatch,
-    Straggle,
-    is_busy,
-    normal_op,
-    odd_at_mark,
-    world_complete,
-)
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.rules.text import (
+from ddpwatch.diagnosis.text import (
     STACKS_IN,
     collective_name,
     first_line,
@@ -27,7 +23,6 @@ from ddpwatch.diagnosis.rules.text import (
     verb,
     where,
 )
-from ddpwatch.server.records import RankRecord
 from ddpwatch.status.fmt import seconds, wait
 
 
@@ -87,7 +82,7 @@ def rule_straggler(f: Facts) -> list[Alert]:
             "; if that rank's work is legitimate (saving, evaluating on one rank), raise "
             "timeout= in init_process_group or let the other ranks do it too"
         )
-    severity: SeverityName = Severity.ERROR if found.age >= f.stall_after else Severity.WARNING
+    severity = Severity.ERROR if found.age >= f.stall_after else Severity.WARNING
     return [
         alert(
             AlertKind.STRAGGLER,
@@ -185,7 +180,7 @@ def _mismatch_alert(f: Facts, found: Mismatch) -> Alert:
     source, group, seq = found.key
     (usual, majority), *odd = found.calls
     number = f"collective #{seq}"
-    if source == "fr" and group != "0":
+    if source == CollectiveSource.FR and group != "0":
         number += f" of process group {group}"
     if found.culprits:
         odd_text = "; ".join(
@@ -219,14 +214,6 @@ def _mismatch_alert(f: Facts, found: Mismatch) -> Alert:
         "all_gather the sizes first); TORCH_DISTRIBUTED_DEBUG=DETAIL checks every call"
     )
     return alert(AlertKind.COLLECTIVE_MISMATCH, Severity.ERROR, culprits, affected, message, hint)
-
-
-def _calls(calls: list[tuple[str, list[RankRecord]]], limit: int = 3) -> str:
-    """ "rank 2 called all_gather with 5 elements (float32); rank 4 called barrier"."""
-    text = "; ".join(
-        f"{format_ranks(r.rank for r in group)} called {what}" for what, group in calls[:limit]
-    )
-    return text + (f"; and {len(calls) - limit} more calls" if len(calls) > limit else "")
 
 
 def _dead_or_blocked(f: Facts) -> set[int]:

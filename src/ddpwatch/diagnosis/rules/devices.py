@@ -12,9 +12,9 @@ from functools import lru_cache
 from ddpwatch.core.devices import parse_cuda_visible_devices
 from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
-from ddpwatch.diagnosis.rules.facts import Facts
+from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.rules.text import (
+from ddpwatch.diagnosis.text import (
     MAX_LISTED,
     first_line,
     format_ranks,

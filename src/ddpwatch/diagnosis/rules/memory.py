@@ -13,11 +13,11 @@ import statistics
 from bisect import bisect_left
 from collections import defaultdict
 
-from ddpwatch.core.vocabulary import AlertKind, Severity, SeverityName
+from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
-from ddpwatch.diagnosis.rules.facts import Facts
+from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.rules.text import format_ranks
+from ddpwatch.diagnosis.text import format_ranks
 from ddpwatch.server.host_memory import GIB, LEAK_RATE, WHERE, Growth, growth, headroom
 from ddpwatch.server.records import RankRecord
 from ddpwatch.status.fmt import memory, mib_per_s, wait
@@ -129,7 +129,7 @@ def _leak_alert(r: RankRecord, pace: _Pace) -> Alert:
         message += f"; the others' median {mib_per_s(peers)}"
     left = pace.time_left(r)
     room = headroom(r)
-    severity: SeverityName = Severity.WARNING
+    severity = Severity.WARNING
     if left is None or room is None:
         message += "; how much memory is left is not known"
     else:

@@ -9,9 +9,11 @@ from collections import defaultdict
 
 from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
-from ddpwatch.diagnosis.rules.facts import Facts, is_busy, odd_at_mark
+from ddpwatch.diagnosis.facts import Facts
+from ddpwatch.diagnosis.facts.mismatch import odd_at_mark
+from ddpwatch.diagnosis.facts.ranks import is_busy
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.rules.text import STACKS_IN, format_ranks, record_location, verb
+from ddpwatch.diagnosis.text import STACKS_IN, format_ranks, record_location, verb
 from ddpwatch.server.records import RankRecord
 from ddpwatch.status.fmt import seconds
 

@@ -7,9 +7,9 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import Literal, Protocol
 
-from ddpwatch.core.vocabulary import SeverityName
-from ddpwatch.diagnosis.alerts import KINDS, Alert, Thresholds
-from ddpwatch.diagnosis.rules.facts import Facts
+from ddpwatch.core.vocabulary import ALERT_KINDS, Severity
+from ddpwatch.diagnosis.alerts import Alert, Thresholds
+from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.server.state import ServerState
 
 Cadence = Literal["tick", "change", "slow"]
@@ -37,9 +37,9 @@ def rule(*kinds: str, every: Cadence = "tick") -> Callable[[Callable[[Facts], li
     """Declare a rule over ``Facts`` raising only ``kinds``; a kind not in the contract's
     list fails here, when the module is imported, not when the rule first fires. ``every``:
     its ``Cadence``."""
-    unknown = [kind for kind in kinds if kind not in KINDS]
+    unknown = [kind for kind in kinds if kind not in ALERT_KINDS]
     if unknown or not kinds:
-        raise ValueError(f"rule declares unknown alert kinds {unknown}; known: {KINDS}")
+        raise ValueError(f"rule declares unknown alert kinds {unknown}; known: {ALERT_KINDS}")
 
     def declare(body: Callable[[Facts], list[Alert]]) -> Rule:
         @functools.wraps(body)
@@ -57,7 +57,7 @@ def rule(*kinds: str, every: Cadence = "tick") -> Callable[[Callable[[Facts], li
 
 def alert(
     kind: str,
-    severity: SeverityName,
+    severity: Severity,
     ranks: Iterable[int],
     waiting: Iterable[int],
     message: str,

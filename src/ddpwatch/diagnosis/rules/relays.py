@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
-from ddpwatch.diagnosis.rules.facts import Facts
+from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.rules.text import format_ranks, verb
+from ddpwatch.diagnosis.text import format_ranks, verb
 from ddpwatch.server.relays import LostRelay
 from ddpwatch.status.fmt import seconds
 

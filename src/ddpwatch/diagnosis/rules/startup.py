@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ddpwatch.core.vocabulary import STARTUP_PHASES, AlertKind, Severity, SeverityName
+from ddpwatch.core.vocabulary import STARTUP_PHASES, AlertKind, Phase, Severity
 from ddpwatch.diagnosis.alerts import Alert
-from ddpwatch.diagnosis.rules.facts import Facts, missing_ranks
+from ddpwatch.diagnosis.facts import Facts
+from ddpwatch.diagnosis.facts.census import missing_ranks
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.rules.text import format_ranks, record_location, verb
+from ddpwatch.diagnosis.text import format_ranks, record_location, verb
 from ddpwatch.server.records import RankRecord
 from ddpwatch.status.fmt import seconds
 
@@ -22,33 +23,33 @@ def _phase_index(record: RankRecord) -> int:
     return max(index, len(STARTUP_PHASES) - 1) if record.step is not None else index
 
 
-_PHASE_HINTS = {
-    "started": "the rank has not reached init_process_group: it may be downloading or "
+_PHASE_HINTS: dict[str, str] = {
+    Phase.STARTED: "the rank has not reached init_process_group: it may be downloading or "
     "preparing data while the others wait; prepare data beforehand or only on rank 0 "
     "followed by a barrier",
-    "rendezvous": "the ranks wait for each other in init_process_group: check that every "
+    Phase.RENDEZVOUS: "the ranks wait for each other in init_process_group: check that every "
     "rank started, WORLD_SIZE, and that MASTER_ADDR:MASTER_PORT is reachable",
-    "setup": "the process group exists but the rank has not wrapped its model: it may be "
+    Phase.SETUP: "the process group exists but the rank has not wrapped its model: it may be "
     "loading data or a checkpoint, or in a branch that only some ranks take",
-    "device": "setting up the GPU hangs: check the GPU with nvidia-smi and "
+    Phase.DEVICE: "setting up the GPU hangs: check the GPU with nvidia-smi and "
     "CUDA_VISIBLE_DEVICES on that host",
-    "model_wrap": "DistributedDataParallel(...) broadcasts rank 0's parameters and checks "
+    Phase.MODEL_WRAP: "DistributedDataParallel(...) broadcasts rank 0's parameters and checks "
     "shapes: a rank that never gets there, or builds a different model, hangs the others",
-    "configure_model": "the rank is in Lightning's configure_model or loads ckpt_path's "
+    Phase.CONFIGURE_MODEL: "the rank is in Lightning's configure_model or loads ckpt_path's "
     "weights: a model built differently on some ranks, or a slow checkpoint read, keeps the "
     "others waiting",
-    "strategy_setup": "Lightning moves the model to its device, wraps it (DDP broadcasts rank "
+    Phase.STRATEGY_SETUP: "Lightning moves the model to its device, wraps it (DDP broadcasts rank "
     "0's parameters) and builds the optimizers: every rank must build the same model",
-    "deepspeed_init": "deepspeed.initialize broadcasts the parameters and builds the optimizer: "
-    "every rank must call it with the same model and config",
-    "zero_partition": "ZeRO partitions parameters, gradients and optimizer states across the "
+    Phase.DEEPSPEED_INIT: "deepspeed.initialize broadcasts the parameters and builds the "
+    "optimizer: every rank must call it with the same model and config",
+    Phase.ZERO_PARTITION: "ZeRO partitions parameters, gradients and optimizer states across the "
     "ranks: a rank with a different model, or missing from the process group, hangs the others",
-    "fit_start": "on_fit_start hooks and restoring the training state from ckpt_path: a slow or "
-    "rank-dependent on_fit_start, or reading a large checkpoint, keeps the others waiting",
-    "sanity_check": "Lightning's sanity check runs validation batches before training: a "
+    Phase.FIT_START: "on_fit_start hooks and restoring the training state from ckpt_path: a "
+    "slow or rank-dependent on_fit_start, or reading a large checkpoint, keeps the others waiting",
+    Phase.SANITY_CHECK: "Lightning's sanity check runs validation batches before training: a "
     "validation_step that syncs (sync_dist, all_gather) on some ranks only hangs; "
     "num_sanity_val_steps=0 tells",
-    "first_step": "the first step compiles and allocates; if it lasts, a collective that only "
+    Phase.FIRST_STEP: "the first step compiles and allocates; if it lasts, a collective that only "
     "some ranks call or a rank-dependent branch keeps the ranks apart",
 }
 
@@ -78,7 +79,7 @@ def rule_startup_hang(f: Facts) -> list[Alert]:
     if not ahead and min(now - (r.phase_since or r.first_seen) for r in behind) <= th.startup_after:
         return []  # the last rank has just joined the others: the phase is about to end
     first = behind[0]
-    phase = first.phase or "started"
+    phase = first.phase or Phase.STARTED
     culprits = sorted({r.rank for r in behind} | set(missing))
     own = max(now - (r.phase_since or r.first_seen) for r in behind)
     loc = record_location(first)
@@ -90,18 +91,18 @@ def rule_startup_hang(f: Facts) -> list[Alert]:
         message += f" and {format_ranks(missing)} never connected"
     if ahead:
         ahead_phase = Counter(
-            r.phase or "started" for r in live if _phase_index(r) > earliest
+            r.phase or Phase.STARTED for r in live if _phase_index(r) > earliest
         ).most_common(1)[0][0]
         message += (
             f" while {format_ranks(ahead)} {verb(len(ahead), 'waits', 'wait')} in '{ahead_phase}'"
         )
     hint = _PHASE_HINTS.get(phase, "look at the stacks of the ranks furthest behind")
-    severity: SeverityName = Severity.ERROR if longest > 2 * th.startup_after else Severity.WARNING
+    severity = Severity.ERROR if longest > 2 * th.startup_after else Severity.WARNING
     return [alert(AlertKind.STARTUP_HANG, severity, culprits, ahead, message, hint)]
 
 
 def _waiting_for_missing(missing: list[int], behind: list[RankRecord], longest: float) -> Alert:
-    phase = behind[0].phase or "started"
+    phase = behind[0].phase or Phase.STARTED
     message = (
         f"{format_ranks(missing)} never connected while {format_ranks(r.rank for r in behind)} "
         f"{verb(len(behind), 'has', 'have')} waited in '{phase}' for {seconds(longest)}"
@@ -137,7 +138,7 @@ def rule_not_connected(f: Facts) -> list[Alert]:
         "check that those ranks started (launcher log; nnodes x nproc_per_node = WORLD_SIZE), "
         "that they call ddpwatch.attach(), and that they can reach the ddpwatch server"
     )
-    severity: SeverityName = Severity.ERROR if elapsed > th.startup_after else Severity.WARNING
+    severity = Severity.ERROR if elapsed > th.startup_after else Severity.WARNING
     waiting = [r.rank for r in f.live if r.step is None]
     waiting += [r.rank for r in f.records if r.finished]  # died waiting for them (store timeout)
     return [alert(AlertKind.NOT_CONNECTED, severity, missing, waiting, message, hint)]

@@ -1,0 +1,159 @@
+"""The attribution model every rule family shares, worked out once per ``diagnose`` call.
+
+Four models, one module each: ``census`` (live, quiet and finished ranks, grouped by the
+collective they wait in, and the thresholds the job's step times set), ``cascade`` (who
+failed first and who only failed because of it), ``stragglers`` (which collective most
+ranks wait in and which live ranks have not entered it, across process groups) and
+``mismatch`` (ranks that called different collectives, or drifted apart in their counts);
+``ranks`` is what one rank's own record says, which they all read. ``Facts`` holds them
+for the rules. The principle: a rank is named only on its own evidence; a rank whose data
+cannot tell is left out until fresh data arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cached_property
+from typing import TypeVar, cast
+
+from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.facts.cascade import Cascade, find_cascade
+from ddpwatch.diagnosis.facts.census import (
+    Census,
+    Pace,
+    collective_threshold,
+    effective_stall_after,
+    take_census,
+)
+from ddpwatch.diagnosis.facts.mismatch import MISMATCH_SETTLE_S, Mismatch, find_mismatch
+from ddpwatch.diagnosis.facts.ranks import is_silent
+from ddpwatch.diagnosis.facts.stragglers import Straggle, find_straggle
+from ddpwatch.diagnosis.knowledge import Signature, explain_error
+from ddpwatch.server.records import RankRecord
+from ddpwatch.server.relays import LostRelay, lost_relays
+from ddpwatch.server.state import ServerState
+from ddpwatch.server.waits import WaitIndex
+
+T = TypeVar("T")
+
+
+class Facts:
+    """What several rules need, worked out at most once per ``diagnose`` call.
+
+    A rule called alone builds its own; ``diagnose`` shares one between all rules so
+    that 8192 ranks cost a few linear passes, not one per rule.
+    """
+
+    def __init__(
+        self,
+        state: ServerState,
+        now: float,
+        th: Thresholds,
+        pace: Pace | None = None,
+        waits: WaitIndex | None = None,
+    ) -> None:
+        self.state = state
+        self._waits = waits
+        self.clock = now  # the server's clock, for a rule called with these facts
+        self.now = state.as_of(now)
+        """As of what the server has read: a server behind its queue judges the ranks as
+        they were when it last caught up, never by messages it has not read yet."""
+        self.lag = now - self.now
+        self.th = th
+        self.since = state.listening_since
+        self._pace = pace
+        self._memo: dict[str, object] = {}
+
+    def silent(self, record: RankRecord) -> bool:
+        """Unheard for too long, over time the server really listened (``is_silent``)."""
+        return is_silent(record, self.now, self.th, self.since, self.stepping)
+
+    @cached_property
+    def stepping(self) -> bool:
+        """A rank of this attempt has reported a step: nobody is still starting up."""
+        return self.state.stepping_since is not None
+
+    def idle(self, record: RankRecord) -> float:
+        """Seconds without progress the server can vouch for (from ``since`` at most)."""
+        return self.now - max(record.last_progress, self.since)
+
+    @cached_property
+    def records(self) -> list[RankRecord]:
+        return list(self.state.ranks.values())
+
+    @cached_property
+    def live(self) -> list[RankRecord]:
+        """Ranks still sending heartbeats and not finished."""
+        return self.census.live
+
+    @property
+    def quiet(self) -> frozenset[int]:
+        """Unfinished ranks that are silent (``silent``)."""
+        return self.census.quiet_ranks
+
+    @cached_property
+    def census(self) -> Census:
+        """Every rank sorted once (``take_census``): what the per-tick rules start from."""
+        return take_census(self.records, self.now - self.th.silent, self.silent, self._waits)
+
+    @cached_property
+    def lost_relays(self) -> list[LostRelay]:
+        """Per-node relays gone quiet while ranks still ran (``server/relays.py``)."""
+        state = self.state
+        return lost_relays(
+            state.relays, state.ranks, self.live, self.now, self.since, self.th.silent, self.silent
+        )
+
+    @cached_property
+    def relay_silent(self) -> frozenset[int]:
+        """Ranks that went silent with their relay: the relay is named, not each of them."""
+        return frozenset(r.rank for lost in self.lost_relays for r in lost.silent)
+
+    @cached_property
+    def pace(self) -> Pace:
+        """The job's step-time thresholds: given (a ticking server's, from its last slow
+        run), else worked out now."""
+        if self._pace is not None:
+            return self._pace
+        stall_after = effective_stall_after(self.state, self.th)
+        return Pace(stall_after, collective_threshold(self.live, stall_after))
+
+    @property
+    def stall_after(self) -> float:
+        return self.pace.stall_after
+
+    @property
+    def collective_limit(self) -> float:
+        return self.pace.collective_limit
+
+    @cached_property
+    def mismatch(self) -> Mismatch | None:
+        return find_mismatch(self.census, self.now, MISMATCH_SETTLE_S)
+
+    @cached_property
+    def signatures(self) -> dict[int, Signature | None]:
+        """The knowledge base's reading of every crashed rank's error."""
+        return {r.rank: explain_error(r.error) for r in self.records if r.error is not None}
+
+    @cached_property
+    def cascade(self) -> Cascade:
+        return find_cascade(self)
+
+    @cached_property
+    def straggle(self) -> Straggle | None:
+        return find_straggle(self.census, self.now, self.collective_limit, self.th.interval)
+
+    def memo(self, key: str, compute: Callable[[], T]) -> T:
+        """Work one rule family shares between its rules, done once per ``diagnose`` call."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return cast(T, self._memo[key])
+
+    def crashes_of_kind(self, kind: str) -> list[RankRecord]:
+        """Crashed ranks whose error the knowledge base ties to alert ``kind``, by rank."""
+        found = [
+            self.state.ranks[rank]
+            for rank, sig in self.signatures.items()
+            if sig is not None and sig.kind == kind
+        ]
+        return sorted(found, key=lambda r: r.rank)

@@ -1,0 +1,348 @@
+"""The cascade: who failed first (the roots: a crash of its own, a failing exit, silence
+before anything else failed) and who only failed, stopped or blocks because of them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ddpwatch.core.protocol import ErrorInfo
+from ddpwatch.core.vocabulary import AlertKind
+from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.facts.census import Census, missing_ranks
+from ddpwatch.diagnosis.facts.mismatch import Mismatch
+from ddpwatch.diagnosis.facts.ranks import entered, is_clean_exit, is_term_exit, wait_key
+from ddpwatch.diagnosis.knowledge import WAIT_NAMES, Signature, named_ranks
+from ddpwatch.diagnosis.text import first_line
+from ddpwatch.server.host_memory import oom_note
+from ddpwatch.server.records import RankRecord
+from ddpwatch.server.state import ServerState
+
+
+class Evidence(Protocol):
+    """What the cascade reads of ``Facts``, which works it out (a protocol, so that this
+    module need not import the object that imports it)."""
+
+    @property
+    def state(self) -> ServerState: ...
+    @property
+    def now(self) -> float: ...
+    @property
+    def th(self) -> Thresholds: ...
+    @property
+    def records(self) -> list[RankRecord]: ...
+    @property
+    def live(self) -> list[RankRecord]: ...
+    @property
+    def quiet(self) -> frozenset[int]: ...
+    @property
+    def census(self) -> Census: ...
+    @property
+    def signatures(self) -> dict[int, Signature | None]: ...
+    @property
+    def relay_silent(self) -> frozenset[int]: ...
+    @property
+    def mismatch(self) -> Mismatch | None: ...
+
+
+@dataclass
+class Root:
+    """One group of ranks that failed first for the same reason."""
+
+    kind: str
+    ranks: list[int]
+    time: float
+    records: list[RankRecord]
+    signature: Signature | None = None
+    named: bool = False  # ``ranks`` come from the error text; ``records`` only reported it
+    timed_out: list[RankRecord] = field(default_factory=list)
+    """A ``straggler`` root: the ranks whose collective timed out waiting for it."""
+
+
+@dataclass
+class Cascade:
+    """Who failed first (roots) and who only failed or blocks because of them (victims)."""
+
+    roots: list[Root]
+    symptoms: list[RankRecord]  # peer failures (and timeouts when a real root exists)
+    stopped: list[RankRecord]  # SIGTERM/SIGINT exits
+    blocked: list[int]  # live ranks waiting in a collective
+    mismatched: list[RankRecord] = field(default_factory=list)
+    """Ranks that died of a collective mismatch: the mismatch rule decides who caused it."""
+    missing: list[int] = field(default_factory=list)
+    """Ranks of the world that never connected: the ones a rendezvous timeout waited for."""
+    together: list[RankRecord] = field(default_factory=list)
+    """Every rank fell silent at once with no failure: the job or the path to us is gone."""
+
+
+def _crash_key(error: ErrorInfo, signature: Signature | None) -> tuple[str, str]:
+    if signature is not None:
+        return ("sig", signature.name)
+    return (error.type, first_line(error.message))
+
+
+def _group(
+    roots: dict[tuple[object, ...], Root],
+    key: tuple[object, ...],
+    kind: str,
+    record: RankRecord,
+    t: float,
+    signature: Signature | None = None,
+) -> None:
+    """Add ``record`` to the root group ``key``: the same error on many ranks is one alert.
+
+    An error whose text blames other ranks ("Rank 1 failed to pass monitoredBarrier",
+    "did not receive grad for rank 1") makes those ranks the root; the rank that raised
+    it only reported it.
+    """
+    blamed = _blamed_by(record)
+    if blamed:
+        key = ("named", *blamed, *key)
+    root = roots.get(key)
+    if root is None:
+        ranks = list(blamed) if blamed else [record.rank]
+        roots[key] = Root(kind, ranks, t, [record], signature, named=bool(blamed))
+        return
+    if not blamed:
+        root.ranks.append(record.rank)
+    root.records.append(record)
+    root.time = min(root.time, t)
+
+
+def _blamed_by(record: RankRecord) -> tuple[int, ...]:
+    """Ranks other than itself that a rank's error text names as at fault."""
+    if record.error is None:
+        return ()
+    return tuple(rank for rank in named_ranks(record.error) if rank != record.rank)
+
+
+def find_cascade(facts: Evidence) -> Cascade:
+    """Split finished and silent ranks into roots and victims (one linear pass).
+
+    Roots: ranks that crashed with an error of their own, exited with a failure code, or
+    went silent before anything else failed; and a rank that exited cleanly while the
+    others still trained, once its peers fail or are stopped because of it. Victims: peer
+    failures (a lost connection is never a cause), timeouts when a real root exists, and
+    ranks stopped by a signal from outside (the launcher's SIGTERM).
+    """
+    buckets = _classify_ranks(facts)
+    _blame_clean_exits(buckets, facts.now)
+    together: list[RankRecord] = []
+    if _silent_together(facts, buckets):
+        together = buckets.silent  # nobody to tell apart: no culprit
+    elif buckets.silent:
+        _place_silent(facts, buckets)
+    roots = _pick_roots(facts, buckets)
+    missing = missing_ranks(facts.state)
+    return Cascade(
+        roots,
+        buckets.symptoms,
+        buckets.stopped,
+        buckets.blocked,
+        buckets.mismatched,
+        missing,
+        together,
+    )
+
+
+@dataclass
+class _Buckets:
+    """``find_cascade``'s buckets: what its pass over the ranks buckets, then where the later
+    stages put the clean exits and the silent ranks."""
+
+    primary: dict[tuple[object, ...], Root] = field(default_factory=dict)
+    """Failures of their own, grouped by cause: the roots."""
+    timeouts: dict[tuple[object, ...], Root] = field(default_factory=dict)
+    """Crashes that only waited too long: roots only when nothing else failed."""
+    silent: list[RankRecord] = field(default_factory=list)
+    symptoms: list[RankRecord] = field(default_factory=list)
+    stopped: list[RankRecord] = field(default_factory=list)
+    clean: list[RankRecord] = field(default_factory=list)
+    mismatched: list[RankRecord] = field(default_factory=list)
+    blocked: list[int] = field(default_factory=list)
+
+
+def _classify_ranks(facts: Evidence) -> _Buckets:
+    """The linear pass: each crashed, exited, silent or blocked rank into its bucket."""
+    quiet = facts.quiet
+    buckets = _Buckets()
+    mismatch = facts.mismatch  # a crash inside a mismatched collective is that mismatch's doing
+    in_mismatch = {r.rank for r in mismatch.culprits + mismatch.others} if mismatch else set()
+    relay_silent = facts.relay_silent  # their relay's alert names them
+    census = facts.census
+    for record in census.finished:
+        if record.error is not None:
+            _classify_crash(facts, buckets, record, record.error, record.rank in in_mismatch)
+        elif is_term_exit(record):
+            buckets.stopped.append(record)
+        elif not is_clean_exit(record):
+            _group(
+                buckets.primary,
+                ("exit", record.exit_code, record.exit_signal),
+                AlertKind.EXITED,
+                record,
+                record.exit_time or record.last_seen,
+            )
+        else:
+            buckets.clean.append(record)
+    buckets.silent.extend(r for r in census.quiet if r.rank not in relay_silent)
+    buckets.blocked.extend(
+        rank for group in census.waits.values() for rank in group.members if rank not in quiet
+    )
+    return buckets
+
+
+def _classify_crash(
+    facts: Evidence, buckets: _Buckets, record: RankRecord, error: ErrorInfo, in_mismatch: bool
+) -> None:
+    """A crashed rank (``error`` is its error): the symptom of a peer's failure, a victim of
+    a collective mismatch, a timeout, or a root of its own."""
+    signature = facts.signatures[record.rank]
+    t = record.error_time if record.error_time is not None else record.last_seen
+    if signature is not None and signature.peer_failure:
+        buckets.symptoms.append(record)
+    elif in_mismatch or (signature is not None and signature.kind == AlertKind.COLLECTIVE_MISMATCH):
+        buckets.mismatched.append(record)
+    elif signature is not None and signature.name in WAIT_NAMES and not _blamed_by(record):
+        _group(
+            buckets.timeouts, _crash_key(error, signature), AlertKind.CRASHED, record, t, signature
+        )
+    else:
+        _group(
+            buckets.primary, _crash_key(error, signature), AlertKind.CRASHED, record, t, signature
+        )
+
+
+def _blame_clean_exits(buckets: _Buckets, now: float) -> None:
+    """When peers failed or were stopped but nothing failed of its own accord, the ranks
+    that left early (exited cleanly) broke the others: they become the roots."""
+    others_failed = buckets.symptoms or buckets.stopped
+    if buckets.clean and others_failed and not buckets.primary and not buckets.mismatched:
+        for record in buckets.clean:
+            _group(
+                buckets.primary,
+                ("exit", "clean"),
+                AlertKind.EXITED,
+                record,
+                record.exit_time or now,
+            )
+
+
+def _silent_together(facts: Evidence, buckets: _Buckets) -> bool:
+    """Two or more ranks fell silent within about one report interval of each other, with
+    no failure and no rank still live: the job or the path to us is gone."""
+    silent = buckets.silent
+    failed = (
+        buckets.primary
+        or buckets.symptoms
+        or buckets.stopped
+        or buckets.mismatched
+        or buckets.timeouts
+    )
+    if len(silent) < 2 or failed or facts.live:
+        return False
+    seen = [r.last_seen for r in silent]
+    return max(seen) - min(seen) <= 2 * facts.th.interval + 0.5
+
+
+def _place_silent(facts: Evidence, buckets: _Buckets) -> None:
+    """The silent ranks: victims of a collective mismatch when they fell silent as it broke;
+    else a root if silent before anything else failed, stopped (a victim) if after."""
+    silent = buckets.silent
+    # A rank that still sent heartbeats after another one failed was alive when the
+    # cascade began (the launcher killed it later): a victim, not a second root.
+    cutoff = min(
+        [root.time for root in buckets.primary.values()]
+        + [r.error_time or r.last_seen for r in buckets.symptoms]
+        + [r.exit_time or r.last_seen for r in buckets.stopped],
+        default=math.inf,
+    )
+    mismatch = facts.mismatch
+    if buckets.mismatched or mismatch is not None:
+        # gloo aborts (SIGABRT, no report) whichever rank receives the odd rank's data:
+        # a rank that fell silent as the mismatch broke is one of its victims
+        involved = buckets.mismatched + (mismatch.culprits + mismatch.others if mismatch else [])
+        begun = min((r.error_time or r.last_seen for r in involved), default=facts.now)
+        lost = [r for r in silent if r.last_seen >= begun - facts.th.silent]
+        buckets.mismatched.extend(lost)
+        silent = [r for r in silent if r not in lost]
+    early = [r for r in silent if r.last_seen < cutoff]
+    buckets.stopped.extend(r for r in silent if r.last_seen >= cutoff)
+    early = _first_to_die(facts, buckets, early)
+    if early:
+        root = Root(
+            AlertKind.SILENT, [r.rank for r in early], min(r.last_seen for r in early), early
+        )
+        buckets.primary[(AlertKind.SILENT,)] = root
+
+
+def _first_to_die(facts: Evidence, buckets: _Buckets, early: list[RankRecord]) -> list[RankRecord]:
+    """Ranks that fell silent within a heartbeat of each other cannot be told apart by when
+    they were last heard (seen: the OOM killer's SIGKILL on rank 1, and gloo aborting rank 0
+    from C++ the moment its peer vanished, 0.2 s apart, the victim's heartbeat the older).
+    Where some of them showed the OOM killer coming (``oom_note``: memory growing steadily
+    or near a limit) and the others did not, those are the ones that died first; the others
+    died of it."""
+    if len(early) < 2:
+        return early
+    seen = [r.last_seen for r in early]
+    if max(seen) - min(seen) > 2 * facts.th.interval + 0.5:
+        return early
+    dying = [r for r in early if oom_note(r)]
+    if not dying or len(dying) == len(early):
+        return early
+    buckets.stopped.extend(r for r in early if r not in dying)
+    return dying
+
+
+def _pick_roots(facts: Evidence, buckets: _Buckets) -> list[Root]:
+    """The roots, earliest first: the failures of their own, the timeouts then being
+    symptoms; only when there are none (and no rank is missing), the ranks the timeouts
+    waited for (``_held_up_by``), else the timeouts themselves."""
+    timeouts = list(buckets.timeouts.values())
+    held = None
+    if not buckets.primary and not missing_ranks(facts.state) and timeouts:
+        held = _held_up_by(facts, timeouts)
+    if buckets.primary or missing_ranks(facts.state) or held is not None:
+        # a timeout waited for someone: the rank that failed, one that never came, or one
+        # that had not entered the collective (saving, evaluating alone)
+        for root in timeouts:
+            buckets.symptoms.extend(root.records)
+        roots = list(buckets.primary.values()) + ([held] if held is not None else [])
+    else:
+        roots = timeouts
+    roots.sort(key=lambda root: (root.time, min(root.ranks)))
+    return roots
+
+
+def _held_up_by(facts: Evidence, timeouts: list[Root]) -> Root | None:
+    """The ranks a collective timed out waiting for (LLaMA-Factory #2424: rank 0 saves alone
+    past the process group's timeout, the others' barrier times out, and torchrun's "Root
+    Cause" names them). Named only on their own evidence: every timed-out rank failed in
+    the same numbered collective, and a rank's report, sent after that collective began,
+    shows it had not entered it. A rank itself blocked in another collective, or crashed,
+    is not one (it waits for someone else, or is a root of its own)."""
+    waited = [r for root in timeouts for r in root.records]
+    places = {wait_key(c) for r in waited if (c := r.final_collective) is not None}
+    if len(places) != 1 or any(r.final_collective is None for r in waited):
+        return None
+    (place,) = places
+    out = {r.rank for r in waited}
+    began = min(
+        (r.error_time or r.last_seen) - (r.pg_timeout_s or 0.0) for r in waited
+    )  # when their wait began, at the latest
+    held = [
+        r
+        for r in facts.records
+        if r.rank not in out
+        and r.error is None
+        and r.last_seen > began
+        and entered(r, place) is False
+        and not (r.collective is not None and r.exit_time is None)
+    ]
+    if not held:
+        return None
+    held.sort(key=lambda r: r.rank)
+    time = min(r.error_time or r.last_seen for r in waited)
+    return Root(AlertKind.STRAGGLER, [r.rank for r in held], time, held, timed_out=waited)

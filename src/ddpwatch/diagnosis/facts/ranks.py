@@ -1,0 +1,138 @@
+"""What one rank's own record says, which every model reads: its state (``rank_state``),
+whether it is silent or busy, how it ended, and which collective it waits in, by the
+counter its number comes from (``wait_key``, ``entered``)."""
+
+from __future__ import annotations
+
+import math
+import re
+from functools import lru_cache
+
+from ddpwatch.core.protocol import Collective
+from ddpwatch.core.vocabulary import STARTUP_PHASES, CollectiveSource, Phase, RankState
+from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.server.records import RankRecord
+from ddpwatch.server.relays import RELAY_HOLD_S
+
+_TERM_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
+_TERM_CODES = frozenset({-15, -2, -1, 143, 130, 129})
+_STARTING = frozenset(STARTUP_PHASES) - {Phase.TRAIN}
+
+
+def silent_after(record: RankRecord, th: Thresholds, stepping: bool = False) -> float:
+    """How long this rank may go unheard before it counts as silent.
+
+    Longer while it starts (no step yet, in a startup phase): its heartbeat thread then
+    waits seconds for the GIL behind imports, model building and DataLoader workers on a
+    busy host (seen: 2.5 to 10 s at a load average above 4 on 2 cores). Not once a peer is
+    ``stepping`` (``ServerState.stepping_since``): in lockstep, the peers' steps say this
+    rank started too, and one that only never reported a step (killed at step 12 in the
+    job's first second) is not starting (seen: named silent 15 s late). A relayed rank gets
+    the beat its relay may hold its frames on top.
+    """
+    limit = th.silent
+    if not stepping and record.step is None and (record.phase is None or record.phase in _STARTING):
+        limit = max(limit, th.startup_silent)
+    return limit + RELAY_HOLD_S if record.relayed else limit
+
+
+def is_silent(
+    record: RankRecord, now: float, th: Thresholds, since: float, stepping: bool = False
+) -> bool:
+    """Unheard for longer than ``silent_after``, counting only time the server listened
+    through without a break (``since``: ``ServerState.listening_since``)."""
+    return now - max(record.last_seen, since) > silent_after(record, th, stepping)
+
+
+def rank_state(
+    record: RankRecord,
+    now: float,
+    th: Thresholds,
+    stall_after: float,
+    since: float = -math.inf,
+    stepping: bool = False,
+) -> str:
+    """One word for a rank (a ``RankState``): running, waiting, stalled, silent, crashed,
+    stopped or exited, as of ``now`` (``ServerState.as_of``); silence and stalls count from
+    ``since`` at the earliest (``ServerState.listening_since``); ``stepping``: a rank of the
+    job has reported a step (``silent_after``).
+
+    ``stopped``: ended by a signal from outside (SIGTERM, SIGINT, SIGHUP), usually the
+    launcher stopping the rest after one rank failed; ``exited``: ended on its own.
+    """
+    if record.error is not None:
+        return RankState.CRASHED
+    if record.exit_time is not None:
+        return RankState.STOPPED if is_term_exit(record) else RankState.EXITED
+    if is_silent(record, now, th, since, stepping):
+        return RankState.SILENT
+    if record.collective is not None:
+        return RankState.WAITING
+    if record.step is not None and now - max(record.last_progress, since) > stall_after:
+        return RankState.BUSY if is_busy(record, now, th) else RankState.STALLED
+    return RankState.RUNNING
+
+
+def is_busy(record: RankRecord, now: float, th: Thresholds) -> bool:
+    """No step, but working: a stack that differs from the last one at the same step came
+    within the silent threshold (the agent samples it every heartbeat once the rank idles).
+
+    A rank evaluating or saving alone moves through Python code; a stuck one (a lock, a
+    dead peer, a hung read) shows the same stack beat after beat. A long call into C++
+    (one big kernel, a GPU sync) looks stuck too: that is the conservative side."""
+    moved = record.stack_moved_at
+    return moved is not None and moved > record.last_progress and now - moved <= th.silent
+
+
+def is_term_exit(record: RankRecord) -> bool:
+    """Stopped from outside (the launcher's SIGTERM after a peer failed, Ctrl-C)."""
+    return record.exit_signal in _TERM_SIGNALS or (
+        record.exit_signal is None and record.exit_code in _TERM_CODES
+    )
+
+
+def is_clean_exit(record: RankRecord) -> bool:
+    return record.exit_signal is None and record.exit_code in (0, None)
+
+
+@lru_cache(maxsize=1024)
+def normal_op(op: str) -> str:
+    """One spelling per collective: "nccl:all_reduce", "ALLREDUCE", "_allreduce_base"."""
+    name = op.rsplit(":", 1)[-1].lower()
+    name = re.sub(r"[^a-z]", "", name)
+    for suffix in ("intotensor", "coalesced", "base", "tensor"):
+        if name.endswith(suffix) and len(name) > len(suffix):
+            name = name[: -len(suffix)]
+    return name
+
+
+WaitKey = tuple[object, ...]
+
+
+def wait_key(c: Collective) -> WaitKey:
+    """Which collective a rank waits in, comparable across ranks: the counter its number
+    comes from (flight recorder per group, or the agent's Python-level count), else the op."""
+    return key_of_place(c.source, c.group, c.seq, c.op)
+
+
+def key_of_place(
+    source: str | None, group: str | None, seq: int | None, op: str | None
+) -> WaitKey:
+    """``wait_key`` of a collective's raw fields (a ``server.waits`` place)."""
+    if seq is None:
+        return ("op", normal_op(op or ""))
+    return (source, (group or "0") if source == CollectiveSource.FR else None, seq)
+
+
+def entered(record: RankRecord, key: WaitKey) -> bool | None:
+    """The rank's own evidence that it has entered collective ``key``: True, False, or None
+    when its report cannot tell (no counts, another counter, a group it is not in)."""
+    counts = record.collectives
+    source, group, seq = key if len(key) == 3 else (None, None, None)
+    if counts is None or not isinstance(seq, int):
+        return None
+    if source == CollectiveSource.PY:
+        return counts.py >= seq
+    if source == CollectiveSource.FR and counts.fr is not None and group in counts.fr:
+        return counts.fr[str(group)] >= seq
+    return None

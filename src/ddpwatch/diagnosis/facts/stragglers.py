@@ -1,0 +1,313 @@
+"""Stragglers: the collective most ranks wait in and the live ranks that, on their own
+evidence, have not entered it; one waits-for graph across process groups finds the ranks
+at the end of the chains, and the process group's timeout says how long is left."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ddpwatch.diagnosis.facts.census import Census, median_step_time
+from ddpwatch.diagnosis.facts.ranks import WaitKey, entered, wait_key
+from ddpwatch.diagnosis.text import collective_name
+from ddpwatch.server.records import RankRecord
+from ddpwatch.server.waits import WaitGroup
+
+
+@dataclass(frozen=True)
+class Hop:
+    """Ranks blocked in another collective than the most-waited one, whose wait leads to the
+    same culprits: victims that wait in ``name`` for ``blockers`` (``find_straggle``'s
+    waits-for graph across process groups)."""
+
+    ranks: tuple[int, ...]
+    name: str
+    blockers: tuple[int, ...]
+
+
+@dataclass
+class Straggle:
+    """The collective most ranks wait in, and the live ranks that have not entered it."""
+
+    op: str
+    seq: int | None
+    age: float
+    waiting: list[RankRecord]
+    culprits: list[RankRecord]
+    timeout_left: float | None = None  # until the process group's timeout ends the wait
+    group: WaitGroup | None = None
+    """Where ``waiting`` comes from: all of it, unless some of its ranks went silent."""
+    via: list[Hop] = field(default_factory=list)
+    """The victims between ``waiting`` and ``culprits``, blocked in other groups' collectives."""
+
+    def ops(self) -> Counter[str]:
+        """How many waiting ranks called each op."""
+        return waiting_ops(self.group, self.waiting)
+
+    def waiting_ranks(self) -> list[int]:
+        """The waiting ranks in order (the group's own sorted list when it is all of it)."""
+        group = self.group
+        if group is not None and len(group) == len(self.waiting):
+            return group.sorted_ranks()
+        return sorted(r.rank for r in self.waiting)
+
+
+def find_straggle(census: Census, now: float, limit: float, interval: float) -> Straggle | None:
+    """The most-waited collective older than ``limit``, with the live ranks missing from it.
+
+    A rank is named only on its own evidence: its collective counts, sent after the
+    collective began, show it has not entered it. Ranks that passed it are never named,
+    and a rank whose last report predates the collective waits for its next one.
+    Publishers that send no counts fall back to what their in-flight collective and
+    their steps suggest.
+
+    "Sent after it began" is judged on what the server can vouch for. The collective began
+    at the latest when its first waiter, as reported, entered it (``_first_entry``); a report
+    read after ``now`` (a server behind its queue judges as of it) may have been sent as
+    early as ``SENT_BEFORE_READ_S`` before ``now``, however late it was read: relays' and
+    ranks' queues drain unevenly, so a stale report can come in among fresh ones.
+    """
+    most_waited = _most_waited(census, now, limit)
+    if most_waited is None:
+        return None
+    key, age, group, waiting = most_waited
+    seq = group.place[2]  # every member reports this number (``Place``)
+    op = _usual_op(group, waiting)
+    legacy: list[RankRecord] = []
+    culprits = _not_entered(census, key, group, waiting, now, legacy)
+    if legacy:
+        culprits += _legacy_culprits(legacy, waiting, key, seq, now, interval, census.live)
+    culprits.sort(key=lambda r: r.rank)
+    culprits, via = _follow_waits(census, culprits, now)
+    if culprits:
+        via += _also_waiting(census, group, culprits, via, now)
+    timeouts = [r.pg_timeout_s for r in waiting if r.pg_timeout_s]
+    left = min(timeouts) - age if timeouts else None
+    return Straggle(op, seq, age, waiting, culprits, left, group, via)
+
+
+def _not_entered(
+    census: Census,
+    key: WaitKey,
+    group: WaitGroup,
+    waiting: list[RankRecord],
+    now: float,
+    legacy: list[RankRecord] | None = None,
+) -> list[RankRecord]:
+    """The live ranks outside ``group`` whose own report, sent after its collective began,
+    shows they have not entered it (ranks of another group say nothing: not members);
+    ``legacy`` collects the ranks that send no counts at all."""
+    began = _first_entry(group, waiting)
+    sent_by = now - SENT_BEFORE_READ_S  # the latest a report read after ``now`` vouches for
+    found = []
+    for r in census.live_outside(group):
+        evidence = entered(r, key)
+        seen = r.sample_seen or 0.0
+        if evidence is False and (seen if seen < sent_by else sent_by) >= began:
+            if began <= r.wait_ended_at and now - r.wait_ended_at < RELEASED_S:
+                continue  # just released from another wait: on its way here (not stale yet)
+            found.append(r)
+        elif evidence is None and r.collectives is None and legacy is not None:
+            legacy.append(r)
+    found.sort(key=lambda r: r.rank)  # the same, whatever order the index keeps them in
+    return found
+
+
+def _follow_waits(
+    census: Census, culprits: list[RankRecord], now: float
+) -> tuple[list[RankRecord], list[Hop]]:
+    """One waits-for graph across process groups: a culprit that is itself blocked in
+    another collective (a subgroup's, a mesh dimension's) is a victim; the culprits are the
+    ranks at the end of the chains, in no collective. A chain that ends nowhere (no member
+    of that group is known to be missing, or a cycle) keeps the culprits as they were."""
+    if all(r.collective is None for r in culprits):
+        return culprits, []
+    roots: dict[int, RankRecord] = {}
+    hops: list[Hop] = []
+    seen: set[int] = set()
+    frontier = list(culprits)
+    while frontier:
+        r = frontier.pop(0)
+        if r.rank in seen:
+            continue
+        seen.add(r.rank)
+        c = r.collective
+        if c is None:
+            roots[r.rank] = r
+            continue
+        key = wait_key(c)
+        group = census.waits.get(key)
+        blockers = (
+            _not_entered(census, key, group, _live_members(group, census.quiet_ranks), now)
+            if group is not None
+            else []
+        )
+        if not blockers:
+            return culprits, []  # it waits, but for whom is not known: say no more
+        blocked_by = tuple(sorted(b.rank for b in blockers))
+        hops.append(Hop((r.rank,), collective_name(c.op, c.seq), blocked_by))
+        frontier.extend(blockers)
+    if not roots:
+        return culprits, []
+    return sorted(roots.values(), key=lambda r: r.rank), hops
+
+
+RELEASED_S = 1.5
+"""How long a rank released from a collective the others waited in is not named for the
+next one: its report may predate its entering it (three heartbeats at 2 Hz at most)."""
+OTHER_WAITS = 8
+"""Other collectives ``_also_waiting`` follows at most per tick (a job has a few groups)."""
+
+
+def _also_waiting(
+    census: Census, top: WaitGroup, culprits: list[RankRecord], via: list[Hop], now: float
+) -> list[Hop]:
+    """The ranks waiting in other collectives whose waits lead to the same culprits (rank 1
+    in the world's all-reduce, waiting for rank 0, which waits in a subgroup for the culprit):
+    victims too, listed with what they wait in. At most ``OTHER_WAITS`` collectives."""
+    named = {r.rank for r in culprits}
+    known = {rank for hop in via for rank in hop.ranks}
+    hops: list[Hop] = []
+    others = sorted(census.waits.items(), key=lambda item: (-len(item[1]), repr(item[0])))
+    for key, group in others[:OTHER_WAITS]:
+        if group is top:
+            continue
+        members = _live_members(group, census.quiet_ranks)
+        if not members or all(r.rank in known for r in members):
+            continue
+        blockers = _not_entered(census, key, group, members, now)
+        if not blockers:
+            continue
+        roots, chain = _follow_waits(census, blockers, now)
+        if {r.rank for r in roots} <= named:
+            c = members[0].collective
+            name = collective_name(c.op, c.seq) if c is not None else "a collective"
+            ranks = tuple(sorted(r.rank for r in members))
+            hops.append(Hop(ranks, name, tuple(sorted(b.rank for b in blockers))))
+            hops += [hop for hop in chain if not set(hop.ranks) & known]
+            known.update(ranks)
+    return hops
+
+
+SENT_BEFORE_READ_S = 1.0
+"""How long before the server's horizon (``ServerState.heard_until``: its queue found empty) a
+frame it reads later may have been sent: a relay holds frames up to its beat (0.5 s), then
+transit. Its arrival time says no more than that about when the rank reported."""
+
+
+def _first_entry(group: WaitGroup, waiting: list[RankRecord]) -> float:
+    """When the first of ``waiting`` entered the collective, by its own report (when it was
+    seen minus how long it said it had waited): the latest the collective can have begun."""
+    if len(waiting) == len(group):
+        return group.first_start()  # kept as they report
+    first = math.inf
+    for r in waiting:
+        c, seen = r.collective, r.collective_seen
+        if c is not None and seen is not None and seen - c.since_s < first:
+            first = seen - c.since_s
+    return first
+
+
+def _usual_op(group: WaitGroup, waiting: list[RankRecord]) -> str:
+    """The op most waiters are in (they share a collective number, so usually one op); of
+    two as common, the first by name: whatever order the ranks came in."""
+    ops = waiting_ops(group, waiting)
+    return min(ops, key=lambda op: (-ops[op], op))
+
+
+def waiting_ops(group: WaitGroup | None, waiting: list[RankRecord]) -> Counter[str]:
+    """How many of ``waiting`` (live members of ``group``) called each op: the group counts
+    them as they join, unless some of its ranks went silent."""
+    if group is not None and len(waiting) == len(group):
+        return group.ops()
+    return Counter(r.collective.op for r in waiting if r.collective)
+
+
+def _most_waited(
+    census: Census, now: float, limit: float
+) -> tuple[WaitKey, float, WaitGroup, list[RankRecord]] | None:
+    """The collective the most live ranks wait in (the longest-waited of those tied) among
+    those older than ``limit``: its key, its age, its group and its live waiters; None when
+    there is none."""
+    quiet = census.quiet_ranks
+    best: tuple[int, float, WaitKey, WaitGroup] | None = None
+    for key, group in census.waits.items():
+        members = group.members
+        size = len(members)
+        began = None
+        if quiet and any(rank in members for rank in quiet):
+            size -= sum(1 for rank in quiet if rank in members)
+        else:
+            began = group.oldest_start(now)
+        if began is None:
+            age = _oldest_wait(_live_members(group, quiet), now)
+        else:
+            age = now - (began if began < now else now)
+        if age > limit and (best is None or (size, age) > best[:2]):
+            best = (size, age, key, group)
+    if best is None:
+        return None
+    _, age, key, group = best
+    return key, age, group, _live_members(group, quiet)
+
+
+def _live_members(group: WaitGroup, quiet: frozenset[int]) -> list[RankRecord]:
+    if not quiet:
+        return group.records()
+    return [r for r in group.members.values() if r.rank not in quiet]
+
+
+def _oldest_wait(members: list[RankRecord], now: float) -> float:
+    """The longest any of ``members`` has waited in its collective (``collective_age``)."""
+    began = now
+    for r in members:
+        c, seen = r.collective, r.collective_seen
+        if c is not None and seen is not None:
+            start = (seen if seen < now else now) - c.since_s
+            if start < began:
+                began = start
+    return now - began
+
+
+def _legacy_culprits(
+    candidates: list[RankRecord],
+    waiting: list[RankRecord],
+    key: WaitKey,
+    seq: int | None,
+    now: float,
+    interval: float,
+    live: Sequence[RankRecord],
+) -> list[RankRecord]:
+    """Ranks without collective counts (other publishers): not in the collective and not
+    stepping on since the waiters last reported."""
+    reported = max(r.collective_seen or 0.0 for r in waiting)
+    lag = max(0.0, now - reported) + interval  # how stale the waiters' view may be
+    steps_in_lag = math.ceil(lag / (median_step_time(live) or interval))
+    max_step = max((r.step or 0) for r in waiting) + 1 + steps_in_lag
+    return [
+        r
+        for r in candidates
+        if _has_not_entered(r, key, seq) and not _moved_on(r, reported, max_step)
+    ]
+
+
+def _moved_on(record: RankRecord, since: float, max_step: int) -> bool:
+    """The rank stepped within the waiters' reporting lag: the collective is likely done.
+
+    The waiters' next heartbeat will say so: without this, every recovery from a
+    straggler (or a stopped rank) would briefly blame the ranks that went on
+    first. A rank further ahead than heartbeats can explain (extra batches while
+    the others wait) still counts as a culprit.
+    """
+    return record.last_step_at > since and (record.step or 0) <= max_step
+
+
+def _has_not_entered(record: RankRecord, key: WaitKey, seq: int | None) -> bool:
+    c = record.collective
+    if c is None:
+        return True
+    if seq is not None and c.seq is not None:
+        return c.seq < seq
+    return wait_key(c) != key
