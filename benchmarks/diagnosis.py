@@ -50,6 +50,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from ddpwatch.core.ports import free_port_pair
 from ddpwatch.core.vocabulary import HistoryEvent
 from ddpwatch.demo.runner import stop_job
@@ -340,11 +342,11 @@ def run_mode(
         result.returncode = proc.poll()
         reader.join(5)
         status = server.status()
-        result.ranks = [_rank_summary(r) for r in status["ranks"]]
+        result.ranks = [_rank_summary(msgspec.to_builtins(r)) for r in status.ranks]
         judged = read_run(status)
         result.verdict = judged.text
         result.verdict_named = sorted(judged.accounts[-1].named)
-        result.relayed = sum(relay["frames"] for relay in status["relays"])
+        result.relayed = sum(relay.frames for relay in status.relays)
     finally:
         if proc is not None:
             stop_job(proc, grace=1.0)

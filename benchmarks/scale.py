@@ -1126,17 +1126,19 @@ def _model_build(payload: bytes, history: Any = None) -> float:
     drawing the visible rows is not included: ``tui_tick.py`` measures it)."""
     import msgspec
 
+    from ddpwatch.status.schema import StatusDocument, SummaryReply
     from ddpwatch.tui.header import summarize
-    from ddpwatch.tui.model import Query, index_alerts, select_rows
+    from ddpwatch.tui.model import TableQuery, index_alerts, select_rows
     from ddpwatch.tui.sparklines import History
 
     history = History() if history is None else history
     c0 = time.process_time()
-    document = msgspec.json.decode(payload)
+    kind = SummaryReply if b'"summary":' in payload else StatusDocument  # as the source asked
+    document = msgspec.json.decode(payload, type=kind)
     summarize(document)
-    index = index_alerts(document.get("alerts") or [])
-    history.update(document.get("ranks") or [])
-    select_rows(document.get("ranks") or [], Query(), index)
+    index = index_alerts(document.alerts)
+    history.update(document.ranks)
+    select_rows(document.ranks, TableQuery(), index)
     return time.process_time() - c0
 
 

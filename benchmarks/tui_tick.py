@@ -20,7 +20,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from tui_fixtures import big
 
+from ddpwatch.status.schema import StatusDocument
 from ddpwatch.tui.app import DashboardApp
 from ddpwatch.tui.rank_table import RankTable
 
@@ -43,9 +43,9 @@ class EncodedSource:
     def __init__(self, payloads: list[bytes]) -> None:
         self.payloads = payloads
         self.fetches = 0
-        self.decoder = msgspec.json.Decoder()
+        self.decoder = msgspec.json.Decoder(StatusDocument)
 
-    def fetch(self) -> dict[str, Any] | None:
+    def fetch(self) -> StatusDocument | None:
         payload = self.payloads[self.fetches % len(self.payloads)]
         self.fetches += 1
         return self.decoder.decode(payload)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 
@@ -77,11 +78,18 @@ class AppliedState(ServerState):
         return [step for r, step, _ in self.applied if r == rank]
 
 
+def as_json(document: Any) -> Any:
+    """A status document (``status.schema``) as the JSON values it goes on the wire as: what
+    a test that reads it by key wants (None stays None)."""
+    return None if document is None else msgspec.to_builtins(document)
+
+
 def poll_status(server: Any, predicate: Callable[[dict[str, Any]], Any], timeout: float) -> Any:
-    """Poll ``server.status()`` until ``predicate`` returns something truthy, and return that."""
+    """Poll ``server.status()`` until ``predicate`` returns something truthy, and return that.
+    ``predicate`` reads the document as plain JSON values, as it goes on the wire."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = predicate(server.status())
+        found = predicate(as_json(server.status()))
         if found:
             return found
         time.sleep(0.05)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Job, LiveServer, ddpwatch_run, free_port_pair
+from conftest import Job, LiveServer, as_json, ddpwatch_run, free_port_pair
 
 import ddpwatch
 from ddpwatch.agent.hooks import BackwardLoss, ModelHooks, exit_status
@@ -434,7 +434,7 @@ def test_backward_through_a_grad_scaler_reports_the_unscaled_loss() -> None:
 
 
 def rank_entries(server: LiveServer) -> dict[int, dict[str, Any]]:
-    return {r["rank"]: r for r in server.server.status()["ranks"]}
+    return {r["rank"]: r for r in as_json(server.server.status())["ranks"]}
 
 
 @pytest.mark.e2e

@@ -319,8 +319,8 @@ def test_a_dead_rank_keeps_its_last_collective_but_no_live_timer() -> None:
     record = state.ranks[1]
     assert record.collective is None and record.collective_age(NOW) is None
     assert record.final_collective is not None and record.final_collective.seq == 68
-    entry = status_document(state, [], NOW, TH)["ranks"][1]
-    assert entry["state"] == "exited" and entry["collective"] is None and entry["exit_code"] == 3
+    entry = status_document(state, [], NOW, TH).ranks[1]
+    assert entry.state == "exited" and entry.collective is None and entry.exit_code == 3
 
 
 def test_a_rank_stopped_by_the_launcher_is_stopped_not_exited() -> None:
@@ -714,7 +714,7 @@ def test_a_rank_working_alone_is_busy_not_stalled_and_still_the_straggler() -> N
     assert straggler.ranks == (0,) and straggler.waiting == (1, 2)
     assert "busy: its stack moves" in straggler.message
     document = status_document(state, alerts, NOW, TH)
-    assert [r["state"] for r in document["ranks"]] == ["busy", "waiting", "waiting"]
+    assert [r.state for r in document.ranks] == ["busy", "waiting", "waiting"]
 
 
 def test_a_stuck_rank_shows_the_same_stack_and_is_stalled() -> None:
@@ -725,7 +725,7 @@ def test_a_stuck_rank_shows_the_same_stack_and_is_stalled() -> None:
     assert [(a.kind, a.ranks) for a in alerts] == [("straggler", (0,))]
     assert "busy" not in alerts[0].message
     document = status_document(state, alerts, NOW, TH)
-    assert document["ranks"][0]["state"] == "stalled"
+    assert document.ranks[0].state == "stalled"
 
 
 def test_peers_released_after_the_stragglers_last_report_do_not_make_it_stalled() -> None:

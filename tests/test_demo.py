@@ -98,8 +98,10 @@ class FakeServer:
     def __init__(self, document: dict[str, Any]) -> None:
         self.document = document
 
-    def status(self) -> dict[str, Any]:
-        return self.document
+    def status(self) -> Any:
+        from tui_fixtures import typed
+
+        return typed(self.document)
 
 
 class FakeJob:

@@ -31,6 +31,7 @@ from ddpwatch.doctor.gather import (
     attempt,
 )
 from ddpwatch.doctor.report import ASCII_MARKS, MARKS, report
+from ddpwatch.status.schema import StatusDocument
 
 NCCL_TORCH = TorchInfo(
     version="2.13.0", cuda="12.8", gpus=8, distributed=True, gloo=True, nccl=True
@@ -62,7 +63,7 @@ def made(**changes: Any) -> Setup:
         server_port=5599,
         curve_env={},
         curve_error=None,
-        answer=Outcome(ServerAnswer(document={"world_size": 8, "ranks": []})),
+        answer=Outcome(ServerAnswer(document=StatusDocument(server_time=0.0, world_size=8))),
         timeout=2.0,
     )
     return dataclasses.replace(setup, **changes)

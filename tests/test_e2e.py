@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import LiveServer, alert_of
+from conftest import LiveServer, alert_of, as_json
 
 from ddpwatch.diagnosis.alerts import Thresholds
 
@@ -37,7 +37,7 @@ def test_healthy_run_raises_no_alert(live_server: LiveServer, jobs) -> None:
     assert rc == 0, out
     time.sleep(1.0)
     assert [c.alert.to_dict() for c in live_server.changes] == []
-    final = live_server.server.status()
+    final = as_json(live_server.server.status())
     assert all(r["state"] == "exited" for r in final["ranks"]), final["ranks"]
 
 
@@ -108,7 +108,7 @@ def test_killed_rank_is_silent_culprit(port: int, jobs) -> None:
         alert = server.wait_for(alert_of("silent"), timeout=60)
         assert alert["ranks"] == [1]
         time.sleep(3)
-        status = server.server.status()
+        status = as_json(server.server.status())
         culprits = {r for a in status["alerts"] if a["severity"] == "error" for r in a["ranks"]}
         assert culprits == {1}, status["alerts"]
     finally:
@@ -121,7 +121,7 @@ def test_server_started_after_the_ranks_rebuilds_state(port: int, jobs) -> None:
     server = LiveServer(port, Thresholds())
     try:
         server.wait_for(all_ranks_stepping(2), timeout=10)
-        status = server.server.status()
+        status = as_json(server.server.status())
         assert {r["rank"] for r in status["ranks"]} == {0, 1}
         assert all(r["host"] and r["pid"] and r["world_size"] == 2 for r in status["ranks"])
         assert status["alerts"] == []
@@ -148,7 +148,7 @@ def test_startup_hang_names_the_rank_that_never_reached_rendezvous(port: int, jo
         assert alert["ranks"] == [2]
         assert alert["waiting"] == [0, 1]
         assert "rendezvous" in alert["message"]
-        status = server.server.status()
+        status = as_json(server.server.status())
         assert status["ranks"][0]["phase"] == "rendezvous"
         assert status["ranks"][2]["phase"] == "started"
     finally:

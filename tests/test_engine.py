@@ -13,6 +13,7 @@ from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.server.engine import Engine
 from ddpwatch.server.replay import VirtualClock
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.schema import StatusDocument
 
 
 def two_ranks_heard_until(t: float) -> ServerState:
@@ -47,13 +48,13 @@ def test_the_document_is_built_once_a_tick_and_encoded_from_it() -> None:
     first = engine.document()
     clock.now = 3.0
     assert engine.document() is first  # as of the first ask after the tick
-    assert msgspec.json.decode(engine.document_json()) == first
+    assert msgspec.json.decode(engine.document_json(), type=StatusDocument) == first
     engine.tick(3.0)
     second = engine.document()
-    assert second is not first and second["server_time"] == 3.0
-    assert msgspec.json.decode(engine.document_json()) == second
+    assert second is not first and second.server_time == 3.0
+    assert msgspec.json.decode(engine.document_json(), type=StatusDocument) == second
     built = engine.document_at(5.0)  # afresh, as a replay's moving clock asks
-    assert built["server_time"] == 5.0 and engine.document() is second
+    assert built.server_time == 5.0 and engine.document() is second
 
 
 def test_refused_is_in_the_document_and_every_query_reply() -> None:
@@ -64,15 +65,15 @@ def test_refused_is_in_the_document_and_every_query_reply() -> None:
     refused[0] = 3
     engine.tick(2.0)
     for stats in (
-        engine.document()["stats"],
-        engine.document_at(2.0)["stats"],
+        msgspec.to_builtins(engine.document().stats),
+        msgspec.to_builtins(engine.document_at(2.0).stats),
         msgspec.json.decode(engine.query_json(b"status?view=summary"))["stats"],
         msgspec.json.decode(engine.query_json(b"status?limit=1"))["stats"],
     ):
         assert list(stats) == ["received", "rejected", "shed", "lag_s", "refused"]
         assert stats["refused"] == 3
     replay = Engine(two_ranks_heard_until(1.0), Thresholds(), Clock(2.0))
-    assert replay.document()["stats"]["refused"] == 0  # no collector: none refused
+    assert replay.document().stats.refused == 0  # no collector: none refused
 
 
 def test_a_restart_is_a_new_run_with_the_history_kept() -> None:
@@ -81,8 +82,8 @@ def test_a_restart_is_a_new_run_with_the_history_kept() -> None:
     engine.restart(ServerState(started=200.0))
     assert engine.alerts == [] and engine.state.ranks == {}
     assert engine.tick(201.0) == []  # nothing up in the new run, nothing cleared either
-    history = engine.document()["history"]
-    assert [(e["event"], e["alert"]["kind"]) for e in history] == [("raised", "silent")]
+    history = engine.document().history
+    assert [(e.event, e.alert.kind) for e in history] == [("raised", "silent")]
 
 
 def test_the_virtual_clock_stands_still_at_max_speed_and_once_stopped() -> None:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, LiveServer, alert_of, free_port_pair
+from conftest import ROOT, LiveServer, alert_of, as_json, free_port_pair
 
 from ddpwatch.demo.runner import descendants, stop_job
 from ddpwatch.diagnosis.alerts import Thresholds
@@ -45,7 +45,7 @@ def serve(port: int) -> subprocess.Popen[str]:
 def status(port: int) -> dict:
     from ddpwatch.cli import fetch_status
 
-    document = fetch_status("127.0.0.1", port, 1.0)
+    document = as_json(fetch_status("127.0.0.1", port, 1.0))
     return document or {}
 
 
@@ -164,7 +164,7 @@ def test_paused_rank_is_silent_then_recovers_and_the_alert_clears(port: int) -> 
         server.wait_for(
             lambda s: len(s["ranks"]) == 2 and all((r["step"] or 0) > 5 for r in s["ranks"]), 60
         )
-        rank_pids = {r["rank"]: r["pid"] for r in server.server.status()["ranks"]}
+        rank_pids = {r["rank"]: r["pid"] for r in as_json(server.server.status())["ranks"]}
         os.kill(rank_pids[1], signal.SIGSTOP)
         try:
             alert = server.wait_for(alert_of("silent"), 15)

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from conftest import ROOT, free_port_pair
+from conftest import ROOT, as_json, free_port_pair
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -62,7 +62,7 @@ class Running:
         return sock
 
     def stats(self) -> dict[str, int]:
-        return self.server.status()["stats"]
+        return as_json(self.server.status())["stats"]
 
     def wait_stats(self, received: int, rejected: int, timeout: float = 15.0) -> dict[str, int]:
         deadline = time.monotonic() + timeout
@@ -77,7 +77,7 @@ class Running:
 
     def assert_healthy(self) -> dict[str, Any]:
         assert self.thread.is_alive()
-        document = fetch_status("127.0.0.1", self.port, 5.0)
+        document = as_json(fetch_status("127.0.0.1", self.port, 5.0))
         assert document is not None and document["schema"] == 1
         return document
 
@@ -433,7 +433,7 @@ def test_serve_max_ranks_from_the_command_line() -> None:
         deadline = time.monotonic() + 10
         document = None
         while time.monotonic() < deadline:
-            document = fetch_status("127.0.0.1", port, 1.0)
+            document = as_json(fetch_status("127.0.0.1", port, 1.0))
             if document and document["stats"]["received"] + document["stats"]["rejected"] == 3:
                 break
             time.sleep(0.1)

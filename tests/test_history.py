@@ -27,7 +27,7 @@ def test_changes_carry_time_elapsed_and_duration() -> None:
     entry = cleared.to_dict()
     assert entry["elapsed_s"] == 20.0 and entry["duration_s"] == 7.5
     assert datetime.datetime.fromisoformat(entry["time"]).timestamp() == T0 + 20.0
-    assert [e["event"] for e in tracker.entries()] == ["raised", "cleared"]
+    assert [e.event for e in tracker.entries()] == ["raised", "cleared"]
 
 
 def test_a_warning_that_becomes_an_error_is_an_escalation() -> None:
@@ -63,7 +63,7 @@ def test_the_timeline_is_bounded_newest_last() -> None:
     tracker.update([STALLED], T0 + HISTORY_KEPT, T0)
     entries = tracker.entries()
     assert len(entries) == HISTORY_KEPT and tracker.total == HISTORY_KEPT + 1
-    assert entries[-1]["alert"]["kind"] == "stalled"
+    assert entries[-1].alert.kind == "stalled"
 
 
 def test_status_document_has_the_history_and_the_job_start() -> None:
@@ -71,9 +71,9 @@ def test_status_document_has_the_history_and_the_job_start() -> None:
     tracker.update([NAN], T0 + 5, T0)
     state = ServerState(started=T0 - 30)
     document = status_document(state, [NAN], T0 + 6, Thresholds(), tracker.entries())
-    assert [e["alert"]["kind"] for e in document["history"]] == ["nan_loss"]
-    assert document["job_started"] == T0 - 30  # no rank yet: the server's start
-    assert status_document(state, [], T0, Thresholds())["history"] == []
+    assert [e.alert.kind for e in document.history] == ["nan_loss"]
+    assert document.job_started == T0 - 30  # no rank yet: the server's start
+    assert status_document(state, [], T0, Thresholds()).history == []
 
 
 def test_iso_time_has_an_offset_and_milliseconds() -> None:
@@ -102,13 +102,13 @@ def test_each_episode_keeps_its_own_times() -> None:
         tracker.update([STRAGGLER_ERROR], T0 + start + 8, T0)
         tracker.update([], T0 + start + up, T0)
     entries = tracker.entries()
-    assert [(e["event"], e["episode"]) for e in entries] == [
+    assert [(e.event, e.episode) for e in entries] == [
         ("raised", 1), ("escalated", 1), ("cleared", 1),
         ("raised", 2), ("escalated", 2), ("cleared", 2),
         ("raised", 3), ("escalated", 3), ("cleared", 3),
     ]  # fmt: skip
-    assert [e["duration_s"] for e in entries if e["event"] == "cleared"] == [28.3, 28.8, 28.1]
-    assert {e["attempt"] for e in entries} == {1}
+    assert [e.duration_s for e in entries if e.event == "cleared"] == [28.3, 28.8, 28.1]
+    assert {e.attempt for e in entries} == {1}
 
 
 def test_a_new_attempt_closes_what_was_up_instead_of_clearing_it() -> None:

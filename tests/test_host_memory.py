@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from ddpwatch.agent import hostmem
@@ -23,6 +24,7 @@ from ddpwatch.diagnosis.rules import diagnose, rule_cascade, rule_host_memory
 from ddpwatch.server.document import status_document
 from ddpwatch.server.host_memory import growth, note
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.schema import RankEntry
 
 T0 = 1000.0
 TH = Thresholds()
@@ -255,12 +257,12 @@ def test_growth_leaves_a_one_off_jump_out() -> None:
 
 def test_the_status_document_shows_host_memory() -> None:
     state = job(leak(1, 20 * MIB), cgroup_limit_bytes=64 * GIB, cgroup_used_bytes=20 * GIB)
-    ranks = status_document(state, [], end(), TH)["ranks"]
-    assert ranks[1]["host_rss_bytes"] == BASE + 18 * 20 * MIB
-    assert ranks[1]["host_mem_growth_bytes_per_s"] == pytest.approx(20 * MIB)
-    assert ranks[0]["host_mem_growth_bytes_per_s"] == 0.0
-    assert (ranks[0]["workers_rss_bytes"], ranks[0]["cgroup_limit_bytes"]) == (0, 64 * GIB)
-    assert ranks[0]["host_available_bytes"] == 100 * GIB
+    ranks = status_document(state, [], end(), TH).ranks
+    assert ranks[1].host_rss_bytes == BASE + 18 * 20 * MIB
+    assert ranks[1].host_mem_growth_bytes_per_s == pytest.approx(20 * MIB)
+    assert ranks[0].host_mem_growth_bytes_per_s == 0.0
+    assert (ranks[0].workers_rss_bytes, ranks[0].cgroup_limit_bytes) == (0, 64 * GIB)
+    assert ranks[0].host_available_bytes == 100 * GIB
 
 
 # ------------------------------------------------------------------------------- the agent
@@ -351,7 +353,8 @@ def test_the_rank_detail_shows_host_memory() -> None:
     from ddpwatch.tui.detail import identity_paragraphs
 
     def text(row: dict[str, Any]) -> str:
-        return " | ".join(str(t) for paragraph in identity_paragraphs(row, []) for t in paragraph)
+        entry = msgspec.convert({"state": "running", **row}, RankEntry)
+        return " | ".join(str(t) for paragraph in identity_paragraphs(entry, []) for t in paragraph)
 
     row = {
         "rank": 1,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, LiveServer, alert_of, free_port_pair
+from conftest import ROOT, LiveServer, alert_of, as_json, free_port_pair
 
 import ddpwatch
 from ddpwatch.agent.api import WatcherSurface
@@ -502,7 +502,7 @@ def test_lightning_ddp_fit_reports_both_ranks(
     out = finish(proc, 120)
     assert proc.returncode == 0, out[-4000:]
     time.sleep(1.0)
-    status = live_server.server.status()
+    status = as_json(live_server.server.status())
     assert [r["rank"] for r in status["ranks"]] == [0, 1]
     for rank in status["ranks"]:
         assert rank["step"] == 16, rank
@@ -554,7 +554,7 @@ def test_lightning_setup_hang_on_one_rank_is_a_startup_hang(pl: Any, tmp_path: P
         assert alert["waiting"] == [0], alert
         assert "rank 1 is still in 'setup'" in alert["message"]
         assert "rank 0 waits in 'configure_model'" in alert["message"]
-        status = live.server.status()
+        status = as_json(live.server.status())
         assert status["ranks"][1]["phase"] == "setup"
         assert status["ranks"][0]["phase"] == "configure_model"
         assert status["ranks"][0]["step"] is None

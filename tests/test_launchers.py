@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import LiveServer, ddpwatch_run, free_port_pair
+from conftest import LiveServer, as_json, ddpwatch_run, free_port_pair
 from slurm_cluster import SlurmCluster
 from slurm_cluster import missing as slurm_missing
 
@@ -50,7 +50,7 @@ def check_ranks(
     """The job succeeded; exactly ranks 0 and 1 reported, each attached from interpreter start
     (its output from before ``init_process_group`` is in its log tail), each finished."""
     assert result.returncode == 0, result.stdout + result.stderr + logs
-    status = server.server.status()
+    status = as_json(server.server.status())
     ranks = {r["rank"]: r for r in status["ranks"]}
     assert set(ranks) == {0, 1}, status["ranks"]
     for number, rank in ranks.items():

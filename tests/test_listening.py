@@ -63,8 +63,8 @@ def test_a_server_behind_its_queue_judges_ranks_as_of_what_it_has_read() -> None
     state.heard_until = 10.2
     assert silent_culprits(state, 30.0) == [(2,)]
     document = status_document(state, [], 30.0, TH)
-    assert [r["state"] for r in document["ranks"]] == ["running", "running", "silent"]
-    assert document["stats"]["lag_s"] == pytest.approx(19.8)
+    assert [r.state for r in document.ranks] == ["running", "running", "silent"]
+    assert document.stats.lag_s == pytest.approx(19.8)
     # and it says why it is quiet: a warning naming no one
     behind = [a for a in diagnose(state, 30.0, TH) if a.kind == "server_behind"]
     assert [(a.severity, a.ranks) for a in behind] == [("warning", ())]
@@ -172,7 +172,7 @@ def test_the_startup_grace_ends_once_a_peer_steps() -> None:
     (alert,) = [a for a in diagnose(state, 13.0, TH) if a.kind == "silent"]
     assert "before it reported a step" in alert.message, alert.message
     assert rank_state(state.ranks[2], 13.0, TH, 10.0, stepping=True) == "silent"
-    assert status_document(state, [], 13.0, TH)["ranks"][2]["state"] == "silent"
+    assert status_document(state, [], 13.0, TH).ranks[2].state == "silent"
 
 
 def test_a_training_rank_keeps_the_short_threshold() -> None:

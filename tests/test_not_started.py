@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import LiveServer, ddpwatch_run, free_port_pair
+from conftest import LiveServer, as_json, ddpwatch_run, free_port_pair
 from terminal import Terminal
 
 from ddpwatch.jobs.output import OutputTail, StderrTee, tail_of_file
@@ -236,4 +236,4 @@ def test_real_remote_run_says_this_node_did_not_start(
         "check its path"
     ), result.stderr
     time.sleep(0.2)
-    assert live_server.server.status()["ranks"] == []
+    assert as_json(live_server.server.status())["ranks"] == []

@@ -19,6 +19,7 @@ from ddpwatch.server import engine
 from ddpwatch.server.document import status_document
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.schema import StatusDocument
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -203,17 +204,17 @@ def test_a_large_job_exports_its_worst_ranks_and_counts_them_all(large: Server, 
         assert sum(1 for n, _ in samples if n == name) == 10, name
     assert ranks_of(samples, "ddpwatch_rank_state") == WORST
     assert sum(1 for n, _ in samples if n == "ddpwatch_rank_state") == 10 * len(STATES)
-    full = {entry["rank"]: entry for entry in large.status()["ranks"]}
+    full = {entry.rank: entry for entry in large.status().ranks}
     for rank in WORST:
         entry = full[rank]
         labels = (
-            ("host", entry["host"] or ""),
-            ("local_rank", "" if entry["local_rank"] is None else str(entry["local_rank"])),
+            ("host", entry.host or ""),
+            ("local_rank", "" if entry.local_rank is None else str(entry.local_rank)),
             ("rank", str(rank)),
         )
-        assert samples[("ddpwatch_rank_state", (*labels, ("state", entry["state"])))] == 1
-        if entry["step"] is not None:
-            assert samples[("ddpwatch_rank_step", labels)] == entry["step"]
+        assert samples[("ddpwatch_rank_state", (*labels, ("state", entry.state)))] == 1
+        if entry.step is not None:
+            assert samples[("ddpwatch_rank_step", labels)] == entry.step
     assert samples[("ddpwatch_ranks", ())] == WORLD
     assert samples[("ddpwatch_ranks_exported", ())] == 10
     counts = {state: samples[("ddpwatch_ranks_by_state", (("state", state),))] for state in STATES}
@@ -253,7 +254,7 @@ def test_a_scrape_past_max_ranks_never_builds_the_whole_document(
         clock.now = 2.0
         status_calls: list[int] = []
 
-        def status() -> dict[str, Any]:
+        def status() -> StatusDocument:
             status_calls.append(1)
             return server.status()
 

@@ -260,9 +260,9 @@ def test_replay_raises_the_same_alerts_as_the_live_server(tmp_path: Path) -> Non
     assert sequence(changes) == expected
     # the final picture matches too (the live server's at its last tick)
     final = replay.status()
-    assert [r["step"] for r in final["ranks"]] == [25, 25, 30]
-    assert final["stats"]["received"] == live.server.state.received
-    assert final["replay"]["finished"] is True
+    assert [r.step for r in final.ranks] == [25, 25, 30]
+    assert final.stats.received == live.server.state.received
+    assert final.replay and final.replay.finished is True
 
 
 def test_replay_cli_headless_prints_the_live_stream(tmp_path: Path) -> None:
@@ -301,13 +301,13 @@ def test_replay_at_speed_follows_the_recorded_clock(tmp_path: Path) -> None:
         if speed:
             time.sleep(0.25)
             mid = replay.status()  # a view in the middle sees the virtual clock move
-            assert 1000.0 < mid["server_time"] < 1002.0
-            assert not mid["replay"]["finished"]
+            assert 1000.0 < mid.server_time < 1002.0
+            assert mid.replay and not mid.replay.finished
         thread.join(5)
         elapsed = time.monotonic() - started
         assert low <= elapsed <= high, (speed, elapsed)
-        assert replay.status()["server_time"] == 1002.0
-        assert replay.status()["ranks"][0]["step"] == 9
+        assert replay.status().server_time == 1002.0
+        assert replay.status().ranks[0].step == 9
 
 
 def test_replay_stops_when_asked(tmp_path: Path) -> None:
@@ -353,7 +353,7 @@ def test_each_server_run_in_one_file_replays_from_a_fresh_state(tmp_path: Path) 
     expected = sequence(live.changes)
     replay, changes = replayed(path)
     assert replay.sessions == 2
-    assert [r["rank"] for r in replay.status()["ranks"] if r["state"] != "not_connected"] == [1]
+    assert [r.rank for r in replay.status().ranks if r.state != "not_connected"] == [1]
     assert sequence(changes)[-len(expected) :] == expected
 
 
@@ -385,7 +385,7 @@ def test_replay_without_headless_opens_the_dashboard(tmp_path: Path, monkeypatch
 
     monkeypatch.setattr(app, "run_dashboard", fake_dashboard)
     assert main(["replay", str(path)]) == 0
-    assert shown and shown[0]["replay"]["finished"] is True
+    assert shown and shown[0].replay and shown[0].replay.finished is True
 
 
 def test_replay_without_a_dashboard_says_so(tmp_path: Path, monkeypatch, capsys) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from conftest import LiveServer, alert_of, ddpwatch_run, poll_status
+from conftest import LiveServer, alert_of, as_json, ddpwatch_run, poll_status
 
 from ddpwatch import relay as relay_module
 from ddpwatch.agent import publisher as publisher_module
@@ -148,7 +148,7 @@ def test_a_relay_batches_its_ranks_and_the_server_counts_every_frame(
     ranks = Ranks(server.port, 4, relay.listen)
     try:
         time.sleep(2.0)
-        status = server.server.status()
+        status = as_json(server.server.status())
         assert [r["host"] for r in status["ranks"]] == ["node-a"] * 4
         (entry,) = status["relays"]
         assert entry["ranks"] == [0, 1, 2, 3] and entry["host"] == relay.host
@@ -406,7 +406,7 @@ def test_ddpwatch_run_with_addr_relays_the_nodes_ranks(server: LiveServer, tmp_p
         str(Path(__file__).parent.parent / "examples" / "train_ddp.py"), "--steps", "30",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    status = server.server.status()
+    status = as_json(server.server.status())
     (entry,) = status["relays"]
     assert entry["ranks"] == [0, 1]
     assert {r["state"] for r in status["ranks"]} == {"exited"}

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import LiveServer, ddpwatch_run, free_port_pair
+from conftest import LiveServer, as_json, ddpwatch_run, free_port_pair
 
 from ddpwatch.agent.auto import bootstrap, script_missing, started_by_launcher
 from ddpwatch.jobs.launch import BOOT_DIR, job_environment
@@ -85,7 +85,7 @@ def test_run_torchrun_on_an_unmodified_script_reports_every_rank_and_only_ranks(
         "--master-addr=127.0.0.1", f"--master-port={master}", str(JOBS / "unmodified.py"),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    status = live_server.server.status()
+    status = as_json(live_server.server.status())
     ranks = {r["rank"]: r for r in status["ranks"]}
     assert set(ranks) == {0, 1}, status["ranks"]
     for rank in ranks.values():
@@ -107,7 +107,7 @@ def test_run_attaches_ranks_spawned_without_a_launcher(live_server: LiveServer) 
         live_server, sys.executable, str(JOBS / "spawned.py"), str(free_port_pair())
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    status = live_server.server.status()
+    status = as_json(live_server.server.status())
     assert {r["rank"] for r in status["ranks"]} == {0, 1}
     assert all(r["world_size"] == 2 for r in status["ranks"])
     lines = result.stderr.splitlines()

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from conftest import ROOT, free_port_pair, poll_status
+from conftest import ROOT, as_json, free_port_pair, poll_status
 
 from ddpwatch.agent.publisher import Publisher
 from ddpwatch.cli import fetch_status, main
@@ -208,7 +208,7 @@ def test_a_zmtp1_peer_cannot_slip_past_curve(curve_server: Running) -> None:
         conn.sendall(legacy)
         time.sleep(0.5)
     time.sleep(0.3)
-    status = curve_server.server.status()
+    status = as_json(curve_server.server.status())
     assert status["stats"]["received"] == 0 and status["ranks"] == []
     assert curve_server.thread.is_alive()
 
@@ -260,7 +260,7 @@ def test_agent_with_a_bad_key_degrades_to_not_publishing(
     faults = [r for r in caplog.records if "DDPWATCH_SERVER_KEY" in r.getMessage()]
     assert len(faults) == 1, caplog.text
     time.sleep(0.5)
-    status = curve_server.server.status()
+    status = as_json(curve_server.server.status())
     assert status["stats"]["received"] == 0 and status["stats"]["refused"] == 0
     assert publisher.sent == 0
 
@@ -300,10 +300,10 @@ def test_curve_clients_allows_only_listed_keys(keys: dict[str, Any]) -> None:
         push(running.port, [frame(0)], alice)
         running.wait_for(lambda s: s["stats"]["received"] == 1, 10)
         for env in (mallory, anyone):
-            before = running.server.status()["stats"]["refused"]
+            before = as_json(running.server.status())["stats"]["refused"]
             push(running.port, [frame(1)], env, wait=1.0)
             running.wait_for(lambda s, b=before: s["stats"]["refused"] > b, 10)
-        status = running.server.status()
+        status = as_json(running.server.status())
         assert status["stats"]["received"] == 1
         assert [r["rank"] for r in status["ranks"] if r["state"] != "not_connected"] == [0]
     finally:
@@ -385,7 +385,7 @@ def test_query_endpoint_is_read_only() -> None:
             assert "error" in json.loads(sock.recv())
         sock.close()
         context.term()
-        status = running.server.status()
+        status = as_json(running.server.status())
         assert status["stats"] | {"lag_s": 0} == {
             "received": 0,
             "rejected": 0,
@@ -410,6 +410,6 @@ def test_dashboard_client_uses_the_server_key(curve_server: Running, keys, monke
         document = source.fetch()
     finally:
         source.close()
-    assert document is not None and document["stats"]["received"] == 1
+    assert document is not None and document.stats.received == 1
     monkeypatch.setenv(SERVER_KEY_ENV, "bad")
     assert run_client("127.0.0.1", curve_server.port) == 1  # a clear error, not a blank dashboard

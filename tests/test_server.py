@@ -24,6 +24,7 @@ from ddpwatch.server import collector as collector_module
 from ddpwatch.server.collector import RECEIVE_GAP_S, BindError, Collector
 from ddpwatch.server.document import status_document
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.schema import CollectiveWait
 
 RANK_FIELDS = {
     "rank", "local_rank", "world_size", "host", "pid", "device", "device_uuid", "state", "phase",
@@ -97,7 +98,7 @@ def test_status_query_and_cli(server: LiveServer, capsys) -> None:
     push_frames(server.port, [sample(0, step=3), sample(1, step=3), sample(2, step=3)])
     server.wait_for(lambda s: s["stats"]["received"] == 3, 10)
     document = fetch_status("127.0.0.1", server.port, 2.0)
-    assert document is not None and len(document["ranks"]) == 3
+    assert document is not None and len(document.ranks) == 3
     assert main(["status", "--port", str(server.port), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["world_size"] == 3
     assert main(["status", "--port", str(server.port)]) == 0
@@ -157,15 +158,15 @@ def test_a_launcher_restart_is_a_new_attempt_with_the_last_one_kept() -> None:
     state.apply(Sample(v=1, rank=2, t=0, pid=22, restart_count=1), 3.3)
     assert sorted(state.ranks) == [0, 1, 2] and state.attempt == 2
     document = status_document(state, [], 4.0, Thresholds())
-    assert document["attempt"] == 2 and [r["attempt"] for r in document["ranks"]] == [2, 2, 2]
-    (first,) = document["attempts"]
-    assert (first["attempt"], first["started"], first["ended"]) == (1, 1.0, 3.0)
-    assert [(r["rank"], r["state"]) for r in first["ranks"]] == [
+    assert document.attempt == 2 and [r.attempt for r in document.ranks] == [2, 2, 2]
+    (first,) = document.attempts
+    assert (first.attempt, first.started, first.ended) == (1, 1.0, 3.0)
+    assert [(r.rank, r.state) for r in first.ranks] == [
         (0, "stopped"),
         (1, "crashed"),
         (2, "stopped"),
     ]
-    assert first["ranks"][1]["ended_at"] == 2.0 and document["ranks"][0]["ended_at"] is None
+    assert first.ranks[1].ended_at == 2.0 and document.ranks[0].ended_at is None
 
 
 def test_a_backlog_keeps_each_ranks_order_and_counts_every_frame(port: int) -> None:
@@ -355,7 +356,7 @@ def test_collective_age_grows_between_samples() -> None:
     )
     assert state.ranks[0].collective_age(12.5) == pytest.approx(4.5)
     doc = status_document(state, [], 12.5, Thresholds())
-    assert doc["ranks"][0]["collective"] == {"op": "barrier", "seq": 3, "since_s": 4.5}
+    assert doc.ranks[0].collective == CollectiveWait(op="barrier", seq=3, since_s=4.5)
 
 
 def test_alert_diff_raises_and_clears_by_kind_and_culprits() -> None:

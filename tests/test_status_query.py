@@ -19,11 +19,14 @@ from ddpwatch.core.protocol import ErrorInfo, Event, Sample, encode
 from ddpwatch.core.ranges import parse_rank_ranges
 from ddpwatch.core.vocabulary import RANK_STATES
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
-from ddpwatch.server import query as query_module
-from ddpwatch.server.query import Query, QueryError, TickView, parse_request, worst_ranks
+from ddpwatch.server import pages
+from ddpwatch.server.pages import TickView
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
-from ddpwatch.status.client import StatusClient, StatusQueryError, fetch_status, status_query
+from ddpwatch.status.client import StatusClient, StatusQueryError, fetch_status
+from ddpwatch.status.order import worst_ranks
+from ddpwatch.status.query import Query, QueryError
+from ddpwatch.status.schema import PageReply, StatusDocument, SummaryReply
 from ddpwatch.tui.model import index_alerts, is_flagged
 
 CONTRACT_KEYS = [
@@ -84,9 +87,9 @@ def test_a_rank_list_is_capped_by_its_limit() -> None:
 
 
 def test_requests_parse_into_queries() -> None:
-    assert parse_request(b"status?") == Query()
-    assert parse_request(b"status?view=summary&worst=0") == Query(view="summary", worst=0)
-    query = parse_request(b"status?ranks=0-3%2C9&state=silent,crashed&host=a,b&offset=4&limit=1")
+    assert Query.from_request(b"status?") == Query()
+    assert Query.from_request(b"status?view=summary&worst=0") == Query(view="summary", worst=0)
+    query = Query.from_request(b"status?ranks=0-3%2C9&state=silent,crashed&host=a,b&offset=4&limit=1")
     assert query == Query(
         ranks=frozenset({0, 1, 2, 3, 9}),
         states=frozenset({"silent", "crashed"}),
@@ -94,7 +97,7 @@ def test_requests_parse_into_queries() -> None:
         offset=4,
         limit=1,
     )
-    assert parse_request(b"  status?limit=5000\n").limit == 5000
+    assert Query.from_request(b"  status?limit=5000\n").limit == 5000
 
 
 @pytest.mark.parametrize(
@@ -127,19 +130,21 @@ def test_requests_parse_into_queries() -> None:
 )
 def test_bad_requests_are_refused_with_a_reason(request_: bytes, reason: str) -> None:
     with pytest.raises(QueryError, match=reason) as raised:
-        parse_request(request_)
+        Query.from_request(request_)
     assert "\n" not in str(raised.value)
 
 
-def test_status_query_writes_what_the_server_reads() -> None:
-    text = status_query(view="summary", ranks=[3, 0, 1, 2, 9], state=["silent", "crashed"])
-    assert text == "view=summary&ranks=0-3,9&state=silent,crashed"
-    assert status_query(host="node 3", offset=5, limit=10) == "host=node+3&offset=5&limit=10"
-    assert status_query() == ""
-    query = parse_request(
-        f"status?{status_query(ranks='0-1', host=['a', 'b'], worst=None)}".encode()
+def test_a_query_writes_what_the_server_reads() -> None:
+    summary = Query(
+        view="summary", ranks=frozenset({3, 0, 1, 2, 9}), states=frozenset({"silent", "crashed"})
     )
-    assert (query.ranks, query.hosts) == (frozenset({0, 1}), frozenset({"a", "b"}))
+    assert summary.text == "view=summary&ranks=0-3,9&state=crashed,silent"
+    page = Query(hosts=frozenset({"node 3"}), offset=5, limit=10)
+    assert page.text == "host=node+3&offset=5&limit=10"
+    assert Query().text == "" and Query().request() == b"status?"
+    assert Query(view="summary", worst=0).text == "view=summary&worst=0"
+    for query in (summary, page, Query(ranks=frozenset({0, 1}), hosts=frozenset({"a", "b"}))):
+        assert Query.from_request(query.request()) == query
 
 
 # ------------------------------------------------------------------------------ a live server
@@ -325,9 +330,10 @@ def test_the_summary_counts_what_the_full_document_shows(job: Running) -> None:
             "mem_allocated_sum_bytes": None, "gpu_mem_used_max_bytes": None,
         },
     ]  # fmt: skip
-    index = index_alerts(full["alerts"])  # the dashboard's ``a`` (flagged) counts the same
+    typed = msgspec.convert(full, StatusDocument)
+    index = index_alerts(typed.alerts)  # the dashboard's ``a`` (flagged) counts the same
     for row in summary["hosts"]:
-        on_host = [e for e in full["ranks"] if e.get("host") == row["host"]]
+        on_host = [e for e in typed.ranks if e.host == row["host"]]
         assert row["flagged"] == sum(is_flagged(e, index) for e in on_host)
 
 
@@ -358,21 +364,21 @@ def test_bad_requests_get_an_error_and_the_socket_answers_on(job: Running) -> No
 
 
 def test_the_client_asks_for_pages_and_raises_on_a_refusal(job: Running) -> None:
-    page = fetch_status("127.0.0.1", job.port, 2.0, query=status_query(state="silent"))
-    assert page is not None and [e["rank"] for e in page["ranks"]] == list(SILENT)
+    page = fetch_status("127.0.0.1", job.port, 2.0, query=Query(states=frozenset({"silent"})))
+    assert isinstance(page, PageReply) and [e.rank for e in page.ranks] == list(SILENT)
     client = StatusClient("127.0.0.1", job.port, 2.0)
     try:
-        summary = client.query(status_query(view="summary", worst=1))
-        assert summary is not None and summary["ranks"][0]["rank"] == CRASHED
+        summary = client.query(Query(view="summary", worst=1))
+        assert isinstance(summary, SummaryReply) and summary.ranks[0].rank == CRASHED
         with pytest.raises(StatusQueryError, match="limit must be a whole number"):
-            client.query(status_query(limit=0))
+            client.query(Query(limit=0))
         with pytest.raises(StatusQueryError, match="over the server's 4096"):
-            client.query("ranks=" + ",".join(str(r) for r in range(0, 4000, 2)))
+            client.query(Query(ranks=frozenset(range(0, 4000, 2))))
         assert client.fetch() is not None  # the same socket still works
     finally:
         client.close()
     document = fetch_status("127.0.0.1", job.port, 2.0)
-    assert document is not None and "page" not in document
+    assert type(document) is StatusDocument
 
 
 # ------------------------------------------------------------------------------ the CLI
@@ -440,13 +446,13 @@ def big_state(ranks: int, state: ServerState | None = None) -> ServerState:
 
 def test_a_page_builds_only_its_entries(port: int, monkeypatch: pytest.MonkeyPatch) -> None:
     built: list[int] = []
-    real = query_module.rank_entry
+    real = pages.rank_entry
 
     def counting(record: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         built.append(record.rank)
         return real(record, *args, **kwargs)
 
-    monkeypatch.setattr(query_module, "rank_entry", counting)
+    monkeypatch.setattr(pages, "rank_entry", counting)
     clock = FrozenClock()
     server = Server("127.0.0.1", port, clock=clock)  # not running: its methods are called here
     try:
@@ -479,6 +485,6 @@ def test_alert_culprits_come_first_within_a_state() -> None:
     state = big_state(6)
     culprit = Alert("straggler", "warning", (4,), (0, 1), "m", "h")
     view = TickView(state, [culprit], 2.0, Thresholds())
-    assert worst_ranks(view, view.ranks, 3) == [6, 7, 8]  # not_connected first
+    assert worst_ranks(view.ranks, view.states, view.culprits, 3) == [6, 7, 8]  # not_connected first
     running = [r for r in view.ranks if view.states[r] == "running"]
-    assert worst_ranks(view, running, 3) == [4, 0, 1]
+    assert worst_ranks(running, view.states, view.culprits, 3) == [4, 0, 1]

@@ -14,19 +14,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 from textual.pilot import Pilot
 from textual.widgets import Input, Static
-from tui_fixtures import STARTED, FixtureSource, big, document, healthy
+from tui_fixtures import STARTED, FixtureSource, big, document, healthy, typed
 
+from ddpwatch.core.ranges import rank_ranges
+from ddpwatch.status.fmt import human_bytes, short_seconds, uptime
+from ddpwatch.status.schema import RankEntry, StatusDocument
 from ddpwatch.tui.app import DashboardApp, run_dashboard
 from ddpwatch.tui.detail import split_text
-from ddpwatch.tui.fmt import DASH, human_bytes, loss_text, rank_ranges, seconds, sparkline, uptime
+from ddpwatch.tui.fmt import DASH, loss_text, sparkline
 from ddpwatch.tui.header import HeaderInfo, StatusHeader, header_lines, summarize
 from ddpwatch.tui.help import HelpScreen
 from ddpwatch.tui.model import (
-    Query,
+    HostGroup,
+    TableQuery,
     index_alerts,
     is_flagged,
     job_wait_fraction,
@@ -71,7 +76,7 @@ def table(pilot: Pilot[Any]) -> RankTable:
 
 
 def shown_ranks(pilot: Pilot[Any]) -> list[int]:
-    return [row["rank"] for row in table(pilot).rows]
+    return [row.rank for row in table(pilot).rows if isinstance(row, RankEntry)]
 
 
 def visible_lines(pilot: Pilot[Any]) -> list[str]:
@@ -242,25 +247,28 @@ def test_the_share_of_step_time_spent_waiting() -> None:
     doc["ranks"][1].update(input_wait_s=None, compute_s=0.24, grad_wait_s=0.01)
     doc["ranks"][1]["collective_time_s"] = None  # 250 ms, 10 ms waiting
     assert doc["ranks"][2]["compute_s"] is None  # the third reports no split
-    assert summarize(doc)["waiting"] == pytest.approx(0.22)
-    assert job_wait_fraction(doc["ranks"]) == pytest.approx(0.22)
-    assert job_wait_fraction(healthy(3)["ranks"]) is None
+    assert summarize(typed(doc))["waiting"] == pytest.approx(0.22)
+    assert job_wait_fraction(typed(doc).ranks) == pytest.approx(0.22)
+    assert job_wait_fraction(typed(healthy(3)).ranks) is None
     text = "\n".join(line.plain for line in header_lines(HeaderInfo(waiting=0.22), 160))
     assert "waiting 22% of step time" in text
     none = "\n".join(line.plain for line in header_lines(HeaderInfo(), 160))
     assert "waiting" not in none
     summary = {**doc, "summary": {"ranks": 3, "states": {}, "hosts": []}}
-    assert summarize(summary)["waiting"] is None  # its ranks are only the worst few
+    summary["page"] = {"view": "summary", "total": 3, "matched": 3, "worst": 20}
+    assert summarize(typed(summary))["waiting"] is None  # its ranks are only the worst few
 
 
 def test_the_detail_pane_says_where_the_step_goes() -> None:
-    row = healthy(1)["ranks"][0]
+    row = typed(healthy(1)).ranks[0]
     assert split_text(row) is None
-    row.update(input_wait_s=0.012, compute_s=0.235, grad_wait_s=0.003, collective_time_s=0.0)
+    row = msgspec.structs.replace(
+        row, input_wait_s=0.012, compute_s=0.235, grad_wait_s=0.003, collective_time_s=0.0
+    )
     text = split_text(row)
     assert text is not None
     assert text.plain == "input 12ms · compute 235ms · waiting 3ms (1%) of a 250ms step"
-    row.update(grad_wait_s=0.06, collective_time_s=0.03, compute_s=0.148)
+    row = msgspec.structs.replace(row, grad_wait_s=0.06, collective_time_s=0.03, compute_s=0.148)
     text = split_text(row)
     assert text is not None
     assert text.plain == (
@@ -349,7 +357,7 @@ async def test_filter_by_host_and_escape_clears() -> None:
         assert box.has_focus and box.display
         await type_text(pilot, "node-b")
         rows = table(pilot).rows
-        assert rows and all(row["host"] == "node-b" for row in rows)
+        assert rows and all(row.host == "node-b" for row in rows)
         assert len(rows) == 7  # rank 15 never connected: no host
         await pilot.press("enter")
         assert table(pilot).has_focus
@@ -414,20 +422,20 @@ async def test_group_by_host_and_enter_shows_its_ranks() -> None:
         await pilot.press("g")
         widget = table(pilot)
         assert widget.grouped
-        hosts = {row["host"]: row for row in widget.rows}
+        hosts = {row.host: row for row in widget.rows if isinstance(row, HostGroup)}
         assert set(hosts) == {"node-a", "node-b", "?"}
-        assert hosts["node-a"]["count"] == 8
-        assert hosts["node-a"]["states"]["crashed"] == 1
-        assert hosts["node-b"]["step_min"] == 129 and hosts["node-b"]["step_max"] == 130
-        assert hosts["node-b"]["step_time_max"] == pytest.approx(2.9)
-        assert widget.rows[0]["host"] == "node-a"  # worst first: it has the crashed rank
+        assert hosts["node-a"].ranks == 8
+        assert hosts["node-a"].states["crashed"] == 1
+        assert hosts["node-b"].step_min == 129 and hosts["node-b"].step_max == 130
+        assert hosts["node-b"].step_time_max_s == pytest.approx(2.9)
+        assert widget.rows[0].host == "node-a"  # worst first: it has the crashed rank
         text = "\n".join(visible_lines(pilot))
         assert "1 crash" in text and f"129{DASH}130" in text
         await pilot.press("down")
         assert widget.cursor_key == "node-b"
         await pilot.press("enter")
         assert not widget.grouped
-        assert {row["host"] for row in widget.rows} == {"node-b"}
+        assert {row.host for row in widget.rows} == {"node-b"}
         assert dashboard(pilot).query_state.filter == "node-b"
 
 
@@ -448,11 +456,12 @@ async def test_pause_stops_updates() -> None:
         await settle(pilot)
         assert source.fetches == fetches
         assert screen.document is before
-        assert screen.document["server_time"] == document(0)["server_time"]
+        assert screen.document is not None
+        assert screen.document.server_time == document(0)["server_time"]
         await pilot.press("p")
         await settle(pilot)
         assert not screen.paused
-        assert screen.document["server_time"] == document(20)["server_time"]
+        assert screen.document.server_time == document(20)["server_time"]
 
 
 async def test_polls_repeat_and_never_overlap() -> None:
@@ -462,7 +471,7 @@ async def test_polls_repeat_and_never_overlap() -> None:
             self.active = 0
             self.overlap = False
 
-        def fetch(self) -> dict[str, Any] | None:
+        def fetch(self) -> StatusDocument | None:
             self.active += 1
             self.overlap |= self.active > 1
             time.sleep(0.03)
@@ -489,7 +498,7 @@ async def test_export_writes_the_status_json(
         files = list(tmp_path.glob("ddpwatch-status-*.json"))
         assert len(files) == 1
         saved = json.loads(files[0].read_text())
-        assert saved == document(0)
+        assert saved == msgspec.to_builtins(typed(document(0)))  # every field, null if unknown
         assert saved["schema"] == 1 and len(saved["ranks"]) == 16
         await pilot.press("e")
         await pilot.pause()
@@ -527,7 +536,7 @@ async def test_cursor_moves_and_follows_its_rank() -> None:
         widget = table(pilot)
         assert widget.cursor == 0 and widget.cursor_key == 5
         await pilot.press("down", "down")
-        assert widget.cursor == 2 and widget.cursor_key == widget.rows[2]["rank"]
+        assert widget.cursor == 2 and widget.cursor_key == widget.row_key(widget.rows[2])
         await pilot.press("up")
         assert widget.cursor == 1
         await pilot.press("end")
@@ -544,7 +553,7 @@ async def test_cursor_moves_and_follows_its_rank() -> None:
         source.push(doc)
         await poll(pilot)
         assert widget.cursor_key == chosen
-        assert widget.rows[widget.cursor]["rank"] == chosen
+        assert widget.row_key(widget.rows[widget.cursor]) == chosen
 
 
 async def test_click_selects_row_and_header_click_sorts() -> None:
@@ -597,7 +606,7 @@ async def test_selecting_an_alert_selects_its_culprit() -> None:
         await settle(pilot)
         screen = dashboard(pilot)
         alerts = screen.alert_list
-        kinds = [a["kind"] for a in alerts.alerts]
+        kinds = [a.kind for a in alerts.alerts]
         alerts.focus()
         alerts.highlighted = kinds.index("straggler")
         await pilot.press("enter")
@@ -617,7 +626,7 @@ async def test_alert_jump_clears_a_filter_that_hides_the_rank() -> None:
         assert 14 not in shown_ranks(pilot)
         alerts = screen.alert_list
         alerts.focus()
-        alerts.highlighted = [a["kind"] for a in alerts.alerts].index("silent")
+        alerts.highlighted = [a.kind for a in alerts.alerts].index("silent")
         await pilot.press("enter")
         await pilot.pause()
         assert screen.query_state.filter == ""
@@ -629,7 +638,7 @@ async def test_alert_click_selects_its_culprit() -> None:
         await settle(pilot)
         screen = dashboard(pilot)
         alerts = screen.alert_list
-        index = [a["kind"] for a in alerts.alerts].index("duplicate_device")
+        index = [a.kind for a in alerts.alerts].index("duplicate_device")
         # each alert is three lines here (head, message, hint) at this width
         await pilot.click(alerts, offset=(4, 1 + 3 * index))
         await pilot.pause()
@@ -652,7 +661,7 @@ async def test_8192_ranks_render_and_cursor_reaches_the_end() -> None:
         assert 4099 in on_screen  # the straggler
         await pilot.press("end")
         await pilot.pause()
-        last = widget.rows[-1]["rank"]
+        last = widget.row_key(widget.rows[-1])
         assert widget.cursor == 8191 and widget.cursor_key == last
         assert visible_ranks(pilot)[-1] == last
         await pilot.press("slash")
@@ -715,8 +724,8 @@ def test_remote_source_fetches_the_document() -> None:
     try:
         assert isinstance(source, StatusSource)
         assert source.label == f"127.0.0.1:{port}"
-        assert source.fetch() == document(0)
-        assert source.fetch() == document(0)  # the same socket, request after reply
+        assert source.fetch() == typed(document(0))
+        assert source.fetch() == typed(document(0))  # the same socket, request after reply
         assert server.requests == [b"status", b"status"]
     finally:
         source.close()
@@ -741,7 +750,7 @@ def test_remote_source_unreachable_returns_none_quickly_then_reconnects() -> Non
             got = None
             while got is None and time.monotonic() < deadline:
                 got = source.fetch()
-            assert got == healthy(4)
+            assert got == typed(healthy(4))
         finally:
             server.close()
     finally:
@@ -770,17 +779,17 @@ def test_local_source_reads_the_server_and_survives_its_errors() -> None:
         def __init__(self) -> None:
             self.fail = False
 
-        def status(self) -> dict[str, Any]:
+        def status(self) -> StatusDocument:
             if self.fail:
                 raise RuntimeError("boom")
-            return document(0)
+            return typed(document(0))
 
     server = FakeServer()
     source = LocalSource(server)
     assert isinstance(source, StatusSource)
     assert source.label == "local :5599"
     assert source.started == 123.0
-    assert source.fetch() == document(0)
+    assert source.fetch() == typed(document(0))
     server.fail = True
     assert source.fetch() is None
 
@@ -801,12 +810,12 @@ def test_run_dashboard_runs_the_server_thread_and_stops_it(monkeypatch: pytest.M
             events.append("stop")
             self._stop.set()
 
-        def status(self) -> dict[str, Any]:
-            return document(0)
+        def status(self) -> StatusDocument:
+            return typed(document(0))
 
     def fake_run(app: DashboardApp, *args: Any, **kwargs: Any) -> None:
         assert isinstance(app.source, LocalSource)
-        assert app.source.fetch() == document(0)
+        assert app.source.fetch() == typed(document(0))
         time.sleep(0.05)
         events.append("app")
 
@@ -844,7 +853,7 @@ async def test_dashboard_over_a_real_server(live_server: Any) -> None:
     async with make_app(remote).run_test(size=(120, 30)) as pilot:
         await settle(pilot)
         assert sorted(shown_ranks(pilot)) == [0, 1]
-        assert table(pilot).rows[0]["host"] == "box"
+        assert table(pilot).rows[0].host == "box"
 
 
 # ----------------------------------------------------------------------------- view model and formatting
@@ -860,36 +869,37 @@ def test_parse_ranges() -> None:
 
 
 def test_filter_words_match_host_state_or_phase() -> None:
-    rows = document(0)["ranks"]
+    rows = typed(document(0)).ranks
     only = make_filter("NODE-A")
     assert only is not None
-    assert {r["rank"] for r in rows if only(r)} == set(range(8))
+    assert {r.rank for r in rows if only(r)} == set(range(8))
     silent = make_filter("silent")
     assert silent is not None
-    assert [r["rank"] for r in rows if silent(r)] == [14]
+    assert [r.rank for r in rows if silent(r)] == [14]
     assert make_filter("  ") is None
 
 
 def test_flagged_and_worst_first_from_alerts() -> None:
-    doc = document(0)
-    index = index_alerts(doc["alerts"])
+    doc = typed(document(0))
+    index = index_alerts(doc.alerts)
     assert index.counts == {"error": 4, "warning": 2, "info": 1}
     assert index.nan == {3}
-    ranks = select_rows(doc["ranks"], Query(), index)
-    assert [r["rank"] for r in ranks[:6]] == [5, 14, 3, 7, 15, 11]
-    assert all(is_flagged(r, index) for r in doc["ranks"])
-    groups = select_groups(doc["ranks"], Query(), index)
-    assert [g["host"] for g in groups] == ["node-a", "node-b", "?"]
+    ranks = select_rows(doc.ranks, TableQuery(), index)
+    assert [r.rank for r in ranks[:6]] == [5, 14, 3, 7, 15, 11]
+    assert all(is_flagged(r, index) for r in doc.ranks)
+    groups = select_groups(doc.ranks, TableQuery(), index)
+    assert [g.host for g in groups] == ["node-a", "node-b", "?"]
 
 
 def test_formatting() -> None:
-    assert seconds(None) == "—"
-    assert seconds(0.0123) == "12ms"
-    assert seconds(2.5) == "2.50s"
-    assert seconds(75) == "1m15s"
-    assert seconds(4000) == "1h06m"
+    assert short_seconds(None) == "—"
+    assert short_seconds(0.0123) == "12ms"
+    assert short_seconds(2.5) == "2.50s"
+    assert short_seconds(75) == "1m15s"
+    assert short_seconds(4000) == "1h06m"
     assert all(
-        len(seconds(v)) <= 5 for v in (0.00001, 0.5, 9.99, 59.9, 599, 3599, 35999, 86399, 10**6)
+        len(short_seconds(v)) <= 5
+        for v in (0.00001, 0.5, 9.99, 59.9, 599, 3599, 35999, 86399, 10**6)
     )
     assert uptime(3725) == "1h02m05s"
     assert human_bytes(None) == "—"
@@ -907,9 +917,9 @@ def test_formatting() -> None:
 def test_history_is_bounded_and_per_step() -> None:
     history = History(capacity=4)
     for tick in range(10):
-        doc = healthy(3, tick)
-        history.update(doc["ranks"])
-        history.update(doc["ranks"])  # same step twice: one point
+        ranks = typed(healthy(3, tick)).ranks
+        history.update(ranks)
+        history.update(ranks)  # same step twice: one point
     series = history.series(1, "loss")
     assert len(series) == 4
     assert series == sorted(series, reverse=True)  # the loss falls step by step

@@ -3,7 +3,7 @@
 The table caches each drawn row under a key made of the visible columns' declared
 ``fields`` and ``alerts`` (``columns.row_signature``). A cell that reads something it
 does not declare would show stale text whenever only that thing changes; these tests
-mutate every key of many rank (and host) rows, one at a time, and every per-rank alert
+mutate every field of many rank (and host) rows, one at a time, and every per-rank alert
 lookup, and require that a cell changes only for what its column declares, and that each
 declaration is needed.
 """
@@ -16,9 +16,13 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
-from tui_fixtures import big, document, rank_entry
+from tui_fixtures import big, document, typed
+from tui_fixtures import rank_entry as rank_dict
 
+from ddpwatch.status.order import STATE_ORDER
+from ddpwatch.status.schema import CollectiveWait, RankEntry
 from ddpwatch.tui.columns import (
     ALERT_LOOKUPS,
     FINISHED_FIELDS,
@@ -30,8 +34,8 @@ from ddpwatch.tui.columns import (
 )
 from ddpwatch.tui.model import (
     CULPRIT_SCORE,
-    STATE_SCORE,
     AlertIndex,
+    HostGroup,
     Row,
     group_by_host,
     index_alerts,
@@ -41,12 +45,23 @@ from ddpwatch.tui.model import (
 GIB = 1 << 30
 
 
+def rank_entry(rank: int, world_size: int, **values: Any) -> RankEntry:
+    """A rank's entry (``tui_fixtures.rank_entry``, typed)."""
+    return msgspec.convert(rank_dict(rank, world_size, **values), RankEntry)
+
+
+def _fields(row: Any) -> Iterator[tuple[str, Any]]:
+    """A row's fields and their values (a rank's entry, a host's row)."""
+    return ((name, getattr(row, name)) for name in row.__struct_fields__)
+
+
 def _rank_rows() -> list[tuple[Row, AlertIndex]]:
     """Rows in every state the cells tell apart, each with the index of its document."""
     rows = []
-    for doc in (document(0), document(7), document(80), big(40, 3)):
-        index = index_alerts(doc["alerts"])
-        rows += [(row, index) for row in doc["ranks"]]
+    for raw in (document(0), document(7), document(80), big(40, 3)):
+        doc = typed(raw)
+        index = index_alerts(doc.alerts)
+        rows += [(row, index) for row in doc.ranks]
     plain = AlertIndex()
     extra = [
         rank_entry(20, 32, state="exited", exit_code=0, step=500, host="node-c"),
@@ -63,11 +78,9 @@ def _rank_rows() -> list[tuple[Row, AlertIndex]]:
             mem_allocated_bytes=None,
             mem_reserved_bytes=3 * GIB,
         ),
-        rank_entry(
-            25,
-            32,
-            state="waiting",
-            collective={"op": None, "seq": 4, "since_s": None},
+        msgspec.structs.replace(  # a collective the agent could not name (not valid JSON)
+            rank_entry(25, 32, state="waiting"),
+            collective=CollectiveWait(op=None, seq=4, since_s=None),  # type: ignore[arg-type]
             gpu_mem_used_bytes=int(70 * GIB),
             gpu_mem_total_bytes=80 * GIB,
         ),
@@ -75,12 +88,13 @@ def _rank_rows() -> list[tuple[Row, AlertIndex]]:
     return rows + [(row, plain) for row in extra]
 
 
-def _group_rows() -> list[tuple[Row, AlertIndex]]:
+def _group_rows() -> list[tuple[HostGroup, AlertIndex]]:
     rows = []
-    for doc in (document(0), document(9), big(64, 3)):
-        index = index_alerts(doc["alerts"])
-        rows += [(row, index) for row in group_by_host(doc["ranks"], index)]
-        rows += [(row, index) for row in group_by_host(doc["ranks"][:3], index)]
+    for raw in (document(0), document(9), big(64, 3)):
+        doc = typed(raw)
+        index = index_alerts(doc.alerts)
+        rows += [(row, index) for row in group_by_host(doc.ranks, index)]
+        rows += [(row, index) for row in group_by_host(doc.ranks[:3], index)]
     rows += [(row, AlertIndex()) for row in group_by_host([rank_entry(0, 1)], AlertIndex())]
     return rows
 
@@ -98,13 +112,17 @@ def _variants(value: Any, pool: list[Any]) -> Iterator[Any]:
     elif isinstance(value, (int, float)):
         yield from (value + 1, value * 3 + 7, value / 2, 0, -value - 1, 10**12)
     elif isinstance(value, str):
-        yield from (value + "x", "", value.upper(), *STATE_SCORE)
+        yield from (value + "x", "", value.upper(), *STATE_ORDER)
     elif isinstance(value, dict):
         yield {}
         for key, item in value.items():
             for other in _variants(item, []):
                 yield {**value, key: other}
         yield {**value, "extra": 1}
+    elif isinstance(value, msgspec.Struct):
+        for key, item in _fields(value):
+            for other in _variants(item, []):
+                yield msgspec.structs.replace(value, **{key: other})
     elif isinstance(value, list):
         yield from ([], [*value, *value[:1]], value[:-1])
 
@@ -113,19 +131,25 @@ POOL = 12
 """How many of the values other rows hold for a key each mutation tries (states: all)."""
 
 
-def _mutations(rows: list[tuple[Row, AlertIndex]]) -> Iterator[tuple[Row, AlertIndex, str, Row]]:
-    """(row, index, key, the row with ``key`` changed) for every key of every row."""
+def _mutations(rows: list[tuple[Any, AlertIndex]]) -> Iterator[tuple[Any, AlertIndex, str, Any]]:
+    """(row, index, field, the row with ``field`` changed) for every field of every row (to any
+    value at all: a cell that fails on one still shows that it read the field)."""
     pools: dict[str, list[Any]] = {}
     for row, _ in rows:
-        for key, value in row.items():
+        for key, value in _fields(row):
             pool = pools.setdefault(key, [])
             if len(pool) < POOL and value not in pool:
                 pool.append(value)
     for row, index in rows:
-        for key, value in row.items():
+        for key, value in _fields(row):
             for other in _variants(value, pools[key]):
                 if other != value or type(other) is not type(value):
-                    yield row, index, key, {**row, key: copy.deepcopy(other)}
+                    yield (
+                        row,
+                        index,
+                        key,
+                        msgspec.structs.replace(row, **{key: copy.deepcopy(other)}),
+                    )
 
 
 def _index_mutations(index: AlertIndex, rank: Any) -> Iterator[tuple[str, AlertIndex]]:
@@ -177,7 +201,7 @@ def _changed(column: Column, rows: list[tuple[Row, AlertIndex]]) -> set[str]:
                 changed.add(key)
                 break
     for row, index in rows:
-        for name, other in _index_mutations(index, row.get("rank")):
+        for name, other in _index_mutations(index, getattr(row, "rank", None)):
             for width in _widths(column):
                 if _cell(column, row, other, width) != _cell(column, row, index, width):
                     changed.add(f"alerts.{name}")
@@ -215,24 +239,16 @@ def test_the_check_catches_a_field_missing_from_a_declaration(
         assert f"alerts.{name}" in check_column(fewer, rows)["undeclared"]
 
 
-class _Recording(dict[str, Any]):
-    """A row that remembers which keys were read."""
+class _Recording:
+    """A row that remembers which of its fields were read."""
 
-    def __init__(self, row: Row) -> None:
-        super().__init__(row)
+    def __init__(self, row: Any) -> None:
+        self._row = row
         self.read: set[str] = set()
 
-    def __getitem__(self, key: str) -> Any:
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __contains__(self, key: object) -> bool:
-        self.read.add(str(key))
-        return super().__contains__(key)
+    def __getattr__(self, name: str) -> Any:
+        self.read.add(name)
+        return getattr(self._row, name)
 
 
 class _RecordingIndex:
@@ -287,7 +303,7 @@ def test_the_row_cache_key_changes_whenever_a_cell_does(
         if drawn(mutated, index) != drawn(row, index):
             assert signature(mutated, index) != signature(row, index)
     for row, index in rows[::3]:
-        for _, other in _index_mutations(index, row["rank"] if extra else None):
+        for _, other in _index_mutations(index, row.rank if extra else None):
             if drawn(row, other) != drawn(row, index):
                 assert signature(row, other) != signature(row, index)
 
@@ -295,8 +311,9 @@ def test_the_row_cache_key_changes_whenever_a_cell_does(
 def test_the_row_cache_key_is_made_only_of_the_columns_shown() -> None:
     row, index = RANK_ROWS[0]
     narrow = row_signature([c for c in RANK_COLUMNS if c.priority == 0])
-    assert narrow(row, index) == narrow({**row, "pid": -1, "gpu_mem_used_bytes": 1}, index)
-    assert narrow(row, index) != narrow({**row, "phase": "elsewhere"}, index)
+    other = msgspec.structs.replace(row, pid=-1, gpu_mem_used_bytes=1)
+    assert narrow(row, index) == narrow(other, index)
+    assert narrow(row, index) != narrow(msgspec.structs.replace(row, phase="elsewhere"), index)
     hash(row_signature(RANK_COLUMNS, FINISHED_FIELDS)(row, index))
 
 
@@ -337,7 +354,9 @@ def test_the_step_split_cell_shows_the_split_and_is_empty_without_one() -> None:
     assert "".join(part for part, _ in text) == "▒████░  20%"
     wide, _ = SPLIT.cell(row, AlertIndex(), SPLIT.width + 4)
     assert "".join(part for part, _ in wide) == "▒▒██████░░  20%"
-    waited_for = {**row, "input_wait_s": 0.2, "grad_wait_s": 0.0, "collective_time_s": 0.0}
+    waited_for = msgspec.structs.replace(
+        row, input_wait_s=0.2, grad_wait_s=0.0, collective_time_s=0.0
+    )
     text, _ = SPLIT.cell(waited_for, AlertIndex(), SPLIT.width)
     assert "".join(part for part, _ in text) == "▒▒▒███   0%"  # the rank the others wait for
     for no_split in (

@@ -20,12 +20,13 @@ import pytest
 from conftest import free_port_pair
 from textual.pilot import Pilot
 from textual.widgets import Button, Static
-from tui_fixtures import FixtureSource, document, healthy
+from tui_fixtures import FixtureSource, document, healthy, typed
 
 from ddpwatch.core.protocol import Sample, encode
 from ddpwatch.jobs.launch import _with_dashboard
 from ddpwatch.server.recording import Recorder
 from ddpwatch.server.replay import ReplayServer
+from ddpwatch.status.schema import StatusDocument
 from ddpwatch.tui.alerts_panel import AlertList
 from ddpwatch.tui.app import DashboardApp
 from ddpwatch.tui.header import StatusHeader, header_lines
@@ -59,8 +60,8 @@ class FakeServer:
     def __init__(self, doc: dict[str, Any] | None = None) -> None:
         self.doc = doc if doc is not None else healthy(2)
 
-    def status(self) -> dict[str, Any]:
-        return self.doc
+    def status(self) -> StatusDocument:
+        return typed(self.doc)
 
 
 def make_app(source: StatusSource) -> DashboardApp:
@@ -254,7 +255,7 @@ async def test_cursor_starts_on_the_worst_rank_whatever_the_sort_then_stays() ->
         assert dashboard(pilot).query_state.sort == "rank"
         await poll(pilot)
         table = dashboard(pilot).query_one(RankTable)
-        assert table.rows[0]["rank"] == 0
+        assert table.row_key(table.rows[0]) == 0
         assert cursor(pilot) == 5  # the crashed rank, not row 0
         await poll(pilot)
         assert cursor(pilot) == 5  # never moved under the user once placed
@@ -272,7 +273,7 @@ async def test_cursor_starts_on_the_worst_rank_reversed_at_8192() -> None:
         await pilot.press("r")  # worst last
         await poll(pilot)
         table = dashboard(pilot).query_one(RankTable)
-        assert cursor(pilot) == 8189 and table.rows[-1]["rank"] == 8189
+        assert cursor(pilot) == 8189 and table.row_key(table.rows[-1]) == 8189
         await pilot.pause()
         lines = [table.render_line(y).text for y in range(table.size.height)]
         assert any(line.startswith(">") and " 8189 " in line for line in lines)  # scrolled to

@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
@@ -32,12 +31,15 @@ from ddpwatch.core.protocol import ErrorInfo, Event, Sample
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.document import status_document
+from ddpwatch.server.pages import TickView, build_reply
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.query import Query
+from ddpwatch.status.schema import UNSET, StatusDocument, SummaryReply
 from ddpwatch.tui import sources
 from ddpwatch.tui.header import summarize
 from ddpwatch.tui.large_job import scope_of
-from ddpwatch.tui.model import WORST_CRASHED
+from ddpwatch.tui.model import WORST_CRASHED, HostGroup
 from ddpwatch.tui.sources import LocalSource, RemoteSource
 
 RANKS = 12
@@ -46,7 +48,7 @@ RANKS = 12
 @pytest.fixture(autouse=True)
 def small_large_job(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sources, "PAGED_ABOVE", 5)
-    monkeypatch.setattr(sources, "SUMMARY_QUERY", "view=summary&worst=3")
+    monkeypatch.setattr(sources, "SUMMARY_QUERY", Query(view="summary", worst=3))
 
 
 def fill(state: ServerState, now: float) -> None:
@@ -93,13 +95,13 @@ def test_a_remote_dashboard_asks_for_the_summary_once_the_job_is_large(live: Liv
     source = RemoteSource("127.0.0.1", live.port, timeout=5.0)
     try:
         first = source.fetch()
-        assert first is not None and len(first["ranks"]) == RANKS and "summary" not in first
+        assert type(first) is StatusDocument and len(first.ranks) == RANKS
         second = source.fetch()
     finally:
         source.close()
-    assert second is not None and second["summary"]["ranks"] == RANKS
-    assert second["ranks"][0]["rank"] == 7  # the worst (crashed) first
-    assert len(second["ranks"]) == 3
+    assert isinstance(second, SummaryReply) and second.summary.ranks == RANKS
+    assert second.ranks[0].rank == 7  # the worst (crashed) first
+    assert len(second.ranks) == 3
     header = summarize(second)
     assert (header["total_ranks"], header["connected_ranks"], header["hosts"]) == (12, 12, 3)
     assert (header["step_min"], header["step_max"], header["listed"]) == (40, 41, 3)
@@ -115,6 +117,8 @@ def test_a_summary_that_does_not_come_in_time_shows_disconnected_not_a_whole_doc
     state = ServerState(started=time.time())
     fill(state, time.time())
     whole = msgspec.json.encode(status_document(state, [], time.time(), Thresholds()))
+    view = TickView(state, [], time.time(), Thresholds())
+    summary = msgspec.json.encode(build_reply(view, sources.SUMMARY_QUERY))
     asked: list[str] = []
     slow = threading.Event()
 
@@ -126,7 +130,7 @@ def test_a_summary_that_does_not_come_in_time_shows_disconnected_not_a_whole_doc
         asked.append("summary")
         if slow.is_set():
             time.sleep(0.6)  # past the dashboard's timeout
-        return whole  # 12 ranks: a summary's shape is not what this test reads
+        return summary
 
     source = RemoteSource("127.0.0.1", port, timeout=0.3)
     with serving(Collector(state, snapshot, port=port, query=query)):
@@ -156,7 +160,7 @@ def test_a_remote_dashboard_keeps_whole_documents_from_a_server_without_summarie
             documents = [source.fetch() for _ in range(3)]
         finally:
             source.close()
-    assert all(d is not None and len(d["ranks"]) == RANKS for d in documents)
+    assert all(d is not None and len(d.ranks) == RANKS for d in documents)
 
 
 def local_server(port: int) -> Server:
@@ -170,12 +174,12 @@ def test_a_local_dashboard_reads_the_summary_of_its_own_server(port: int) -> Non
     server = local_server(port)
     try:
         source = LocalSource(server)
-        assert "summary" not in (source.fetch() or {})
-        document: dict[str, Any] | None = source.fetch()
+        assert type(source.fetch()) is StatusDocument
+        document = source.fetch()
     finally:
         server.collector.close()
-    assert document is not None and document["summary"]["ranks"] == RANKS
-    assert len(document["ranks"]) == 3
+    assert isinstance(document, SummaryReply) and document.summary.ranks == RANKS
+    assert len(document.ranks) == 3
 
 
 async def test_the_header_says_the_table_holds_the_worst_ranks_only(port: int) -> None:
@@ -198,12 +202,14 @@ async def test_the_header_says_the_table_holds_the_worst_ranks_only(port: int) -
 
 def test_the_filter_box_becomes_the_servers_scope() -> None:
     hosts = ["node0", "node 1"]
-    assert scope_of("r:0-15", hosts) == "ranks=0-15"
-    assert scope_of("3, 5-7", hosts) == "ranks=3,5-7"
-    assert scope_of("node 1", hosts) == "host=node+1"  # a host's exact name, URL-encoded
-    assert scope_of("silent", hosts) == "state=silent"
-    assert scope_of("node", hosts) == ""  # a word: matched among the ranks held
-    assert scope_of("  ", hosts) == ""
+    assert scope_of("r:0-15", hosts) == Query(ranks=frozenset(range(16)))
+    assert scope_of("3, 5-7", hosts) == Query(ranks=frozenset({3, 5, 6, 7}))
+    scope = scope_of("node 1", hosts)  # a host's exact name, URL-encoded
+    assert scope == Query(hosts=frozenset({"node 1"})) and scope.text == "host=node+1"
+    assert scope_of("silent", hosts) == Query(states=frozenset({"silent"}))
+    assert scope_of("node", hosts) is None  # a word: matched among the ranks held
+    assert scope_of("  ", hosts) is None
+    assert scope_of("0-99999999", hosts) is None  # more than a query may name
 
 
 async def test_the_host_view_of_a_large_job_counts_every_rank(port: int) -> None:
@@ -218,15 +224,15 @@ async def test_the_host_view_of_a_large_job_counts_every_rank(port: int) -> None
             assert len(shown_ranks(pilot)) == 3
             await pilot.press("g")
             widget = table(pilot)
-            hosts = {row["host"]: row for row in widget.rows}
-            assert [row["host"] for row in widget.rows] == ["node1", "node0", "node2"]
-            assert [hosts[h]["count"] for h in ("node0", "node1", "node2")] == [4, 4, 4]
-            assert hosts["node1"]["states"] == {"crashed": 1, "running": 3}
-            assert (hosts["node0"]["step_min"], hosts["node0"]["step_max"]) == (40, 41)
-            assert hosts["node1"]["flagged"] >= 1 and hosts["node1"]["worst"] <= WORST_CRASHED
+            hosts = {row.host: row for row in widget.rows if isinstance(row, HostGroup)}
+            assert [row.host for row in widget.rows] == ["node1", "node0", "node2"]
+            assert [hosts[h].ranks for h in ("node0", "node1", "node2")] == [4, 4, 4]
+            assert hosts["node1"].states == {"crashed": 1, "running": 3}
+            assert (hosts["node0"].step_min, hosts["node0"].step_max) == (40, 41)
+            assert hosts["node1"].flagged >= 1 and hosts["node1"].worst <= WORST_CRASHED
             widget.move_cursor_to_key("node2")
             await pilot.press("enter")
-            assert source.scope == "host=node2"
+            assert source.scope == Query(hosts=frozenset({"node2"}))
             await settle(pilot)
             assert not widget.grouped and sorted(shown_ranks(pilot)) == [8, 9, 10]
             assert "ranks 12/12" in header_text(pilot)  # the header still counts the job
@@ -244,13 +250,13 @@ async def test_a_rank_range_on_a_large_job_lists_those_ranks(port: int) -> None:
             assert 10 not in shown_ranks(pilot)  # not among the worst 3
             dashboard(pilot).action_filter()
             await type_text(pilot, "r:10-11")
-            assert source.scope == "ranks=10-11"
+            assert source.scope == Query(ranks=frozenset({10, 11}))
             await settle(pilot)
             assert shown_ranks(pilot) == [10, 11]
             assert "ranks 12/12" in header_text(pilot) and "hosts 3" in header_text(pilot)
             await pilot.press("escape")
             await settle(pilot)
-            assert source.scope == "" and shown_ranks(pilot)[0] == 7
+            assert source.scope is None and shown_ranks(pilot)[0] == 7
     finally:
         server.collector.close()
 
@@ -259,15 +265,16 @@ def test_a_scope_the_server_refuses_falls_back_to_the_whole_summary(live: LiveSe
     source = RemoteSource("127.0.0.1", live.port, timeout=5.0)
     try:
         source.fetch()  # the job is large: the next fetches ask for summaries
-        source.scope = "ranks=0-99999999"  # more ranks than a query may name
+        source.scope = Query(states=frozenset({"sleepy"}))  # no such state: refused
         document = source.fetch()
-        source.scope = "ranks=4-5"
+        source.scope = Query(ranks=frozenset({4, 5}))
         scoped = source.fetch()
     finally:
         source.close()
-    assert document is not None and document["ranks"][0]["rank"] == 7 and "scope" not in document
-    assert scoped is not None and [r["rank"] for r in scoped["ranks"]] == [4, 5]
-    assert scoped["summary"]["ranks"] == RANKS and scoped["scope"]["ranks"] == 2
+    assert isinstance(document, SummaryReply) and document.ranks[0].rank == 7
+    assert document.scope is UNSET
+    assert isinstance(scoped, SummaryReply) and [r.rank for r in scoped.ranks] == [4, 5]
+    assert scoped.summary.ranks == RANKS and scoped.scope and scoped.scope.ranks == 2
 
 
 async def test_export_of_a_large_job_saves_every_rank(
@@ -278,7 +285,8 @@ async def test_export_of_a_large_job_saves_every_rank(
     async with make_app(source).run_test(size=(140, 30)) as pilot:
         await settle(pilot)
         await poll(pilot)
-        assert len(shown_ranks(pilot)) == 3 and "summary" in (dashboard(pilot).document or {})
+        assert len(shown_ranks(pilot)) == 3
+        assert isinstance(dashboard(pilot).document, SummaryReply)
         await pilot.press("e")
         await settle(pilot)
         files = list(tmp_path.glob("ddpwatch-status-*.json"))

@@ -13,7 +13,7 @@ from typing import Any
 
 from test_tui import dashboard, header_text, make_app, poll, settle, table, visible_lines
 from textual.pilot import Pilot
-from tui_fixtures import T0, FixtureSource, rank_entry
+from tui_fixtures import T0, FixtureSource, rank_entry, typed
 
 from ddpwatch.core.vocabulary import RankState
 from ddpwatch.diagnosis.text import STACKS_IN
@@ -428,7 +428,7 @@ async def test_a_finished_job_says_so_with_its_verdict_and_its_alerts() -> None:
         await poll(pilot)
         assert "job finished 12s ago" in header_text(pilot)
         texts = alert_texts(pilot)
-        assert texts[0] == (f"■ the job finished: 5 alerts in its run · verdict: {verdict(later)}")
+        assert texts[0] == (f"■ the job finished: 5 alerts in its run · verdict: {verdict(typed(later))}")
         assert not any("every rank looks healthy" in t for t in texts)
         assert texts[1].startswith("✖ crashed rank 3")  # still open
         cleared = texts[2:]

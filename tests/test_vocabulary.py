@@ -273,16 +273,17 @@ def test_the_server_gives_every_rank_state_of_the_vocabulary() -> None:
     state = ServerState(started=0.0)
     state.ranks[0] = RankRecord(rank=0, first_seen=0.0, last_seen=0.0, world_size=2)
     document = status_document(state, [], 1.0, th)
-    seen.update(rank["state"] for rank in document["ranks"])
+    seen.update(rank.state for rank in document.ranks)
     assert seen == set(RANK_STATES)
 
 
 def test_every_table_keyed_by_rank_state_covers_every_state() -> None:
     from ddpwatch.outputs import prometheus
+    from ddpwatch.status import order
     from ddpwatch.tui import detail, help, model
 
     tables: dict[str, Any] = {
-        "model.STATE_SCORE": model.STATE_SCORE,
+        "order.STATE_ORDER": order.STATE_ORDER,
         "model.SHORT_STATE": model.SHORT_STATE,
         "model.STATE_WORST": model.STATE_WORST,
         "detail.STATE_STYLE": detail.STATE_STYLE,
@@ -292,7 +293,7 @@ def test_every_table_keyed_by_rank_state_covers_every_state() -> None:
     for name, table in tables.items():
         assert len(table) == len(set(table)), name
         assert set(table) == set(RANK_STATES), name
-    assert list(model.STATE_SCORE) == list(RANK_STATES)  # worst first
+    assert list(order.STATE_ORDER) == list(RANK_STATES)  # worst first
     worst = [model.STATE_WORST[state] for state in RANK_STATES]
     assert worst == sorted(worst)  # the culprit-and-state scale orders states the same way
     assert set(model.STATE_TEXT) <= set(RANK_STATES)
@@ -308,23 +309,21 @@ def test_the_help_names_the_states_worst_first() -> None:
 
 
 def test_every_table_keyed_by_severity_covers_every_severity() -> None:
-    from ddpwatch.diagnosis import history, rules
     from ddpwatch.outputs import notify
+    from ddpwatch.status import order
     from ddpwatch.tui import header, model
 
     for name, table in {
         "model.CULPRIT_SCORE": model.CULPRIT_SCORE,
         "header.SEVERITY_STYLE": header.SEVERITY_STYLE,
         "header.SEVERITY_GLYPH": header.SEVERITY_GLYPH,
-        "history.SEVERITY_RANK": history.SEVERITY_RANK,
+        "order.SEVERITY_LEVEL": order.SEVERITY_LEVEL,
         "notify.LEVELS": notify.LEVELS,
-        "rules._SEVERITY_ORDER": rules._SEVERITY_ORDER,
     }.items():
         assert set(table) == set(SEVERITIES), name
     # one order everywhere: most severe first, or least severe first where it counts up
     assert sorted(SEVERITIES, key=model.CULPRIT_SCORE.__getitem__) == list(SEVERITIES)
-    assert sorted(SEVERITIES, key=rules._SEVERITY_ORDER.__getitem__) == list(SEVERITIES)
-    assert sorted(SEVERITIES, key=history.SEVERITY_RANK.__getitem__) == list(SEVERITIES)[::-1]
+    assert sorted(SEVERITIES, key=order.SEVERITY_LEVEL.__getitem__) == list(SEVERITIES)[::-1]
     assert list(notify.LEVELS) == list(SEVERITIES)[::-1]
 
 
@@ -397,16 +396,17 @@ def _classes_styled(css: str, prefix: str) -> set[str]:
     return set(re.findall(rf"\.({re.escape(prefix)}[A-Za-z0-9_-]*)", css))
 
 
-def _status_rows() -> Iterator[dict[str, Any]]:
+def _status_rows() -> Iterator[Any]:
     """Rank rows in every state, with and without exit codes, from the fixture documents."""
-    from tui_fixtures import document
+    import msgspec
+    from tui_fixtures import document, typed
 
     for tick in (0, 6, 40):
-        yield from document(tick)["ranks"]
-    base = document(0)["ranks"][0]
+        yield from typed(document(tick)).ranks
+    base = typed(document(0)).ranks[0]
     for state in [*RANK_STATES, None]:
         for code in (None, 0, 3):
-            yield {**base, "state": state, "exit_code": code}
+            yield msgspec.structs.replace(base, state=state, exit_code=code)
 
 
 def test_every_css_class_the_rank_table_gives_is_styled() -> None:
@@ -425,9 +425,9 @@ def test_every_css_class_the_rank_table_gives_is_styled() -> None:
     assert {style_class(state_style(s)) for s in RANK_STATES} <= RankTable.COMPONENT_CLASSES
     assert {style_class(name) for name in CELL_STYLES} <= RankTable.COMPONENT_CLASSES
     # every style a cell gives, over rows in every state, is one of CELL_STYLES
-    from tui_fixtures import document
+    from tui_fixtures import document, typed
 
-    index = index_alerts(document(6)["alerts"])
+    index = index_alerts(typed(document(6)).alerts)
     rows = list(_status_rows())
     given: set[str] = set()
     for columns, table in [(RANK_COLUMNS, rows), (GROUP_COLUMNS, group_by_host(rows, index))]:
@@ -562,13 +562,11 @@ def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
 def test_rank_lists_are_written_by_one_algorithm() -> None:
     from ddpwatch.core import ranges
     from ddpwatch.diagnosis.text import format_ranks
-    from ddpwatch.tui import fmt
 
-    assert fmt.rank_ranges is ranges.rank_ranges
     assert _imports(SRC / "core" / "ranges.py") == set()  # shared: the server and the views use it
     assert format_ranks([0, 1, 2, 3, 7, 9, 10]) == "ranks 0-3, 7, 9, 10"
-    assert fmt.rank_ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3,7,9-10"
+    assert ranges.rank_ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3,7,9-10"  # the dashboard's
     assert format_ranks(range(0, 40, 2), limit=3) == "ranks 0, 2, 4 and 17 more"
-    assert fmt.rank_ranges(range(0, 40, 2), limit=3) == "0,2,4 +17"
+    assert ranges.rank_ranges(range(0, 40, 2), limit=3) == "0,2,4 +17"
     with pytest.raises(ValueError):
         ranges.rank_ranges([1], min_run=1)

@@ -13,6 +13,10 @@ import copy
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
+
+from ddpwatch.status.schema import StatusDocument, SummaryReply
+
 T0 = 1_760_000_000.0
 """The fixed server_time of tick 0."""
 STARTED = T0 - 3725.0
@@ -55,6 +59,13 @@ Traceback (most recent call last):
     torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
 torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 5 has a total \
 capacity of 79.10 GiB of which 1.12 GiB is free."""
+
+
+def typed(document: dict[str, Any]) -> StatusDocument:
+    """A fixture document as the dashboard reads it (``status.schema``): a summary reply when
+    it has a ``summary``. The fixtures write documents as JSON values, as they go on the wire."""
+    kind = SummaryReply if "summary" in document else StatusDocument
+    return msgspec.convert(document, kind)
 
 
 def rank_entry(rank: int, world_size: int, **values: Any) -> dict[str, Any]:
@@ -370,12 +381,13 @@ class FixtureSource:
         self.fetches = 0
         self.reachable = True
 
-    def fetch(self) -> dict[str, Any] | None:
+    def fetch(self) -> StatusDocument | None:
+        """The next document, decoded as a source hands it to the dashboard."""
         if not self.reachable:
             return None
         doc = self.docs[min(self.fetches, len(self.docs) - 1)]
         self.fetches += 1
-        return copy.deepcopy(doc) if self.copy_docs else doc
+        return typed(copy.deepcopy(doc) if self.copy_docs else doc)
 
     def push(self, doc: dict[str, Any]) -> None:
         """Make ``doc`` the next (and from then on, the last) document."""

@@ -11,6 +11,7 @@ SKIPs the rest, saying why.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from typing import Any
 
 from ddpwatch.core.ports import free_port_pair, pick_port
 from ddpwatch.jobs.stop import stop_job
-from ddpwatch.status.client import fetch_status
+from ddpwatch.status.client import fetch_reply, fetch_status
 
 JOBS = Path(__file__).parent / "jobs"
 REPO = Path(__file__).resolve().parents[2]
@@ -102,8 +103,9 @@ class Served:
         stop_job(self.proc, grace=3.0)
 
     def status(self, timeout: float = 2.0) -> dict[str, Any]:
-        """The status document; ``{}`` when the server did not answer in time."""
-        return fetch_status("127.0.0.1", self.port, timeout) or {}
+        """The status document as JSON values; ``{}`` when the server did not answer in time."""
+        reply = fetch_reply("127.0.0.1", self.port, timeout)
+        return {} if reply is None else dict(json.loads(reply))
 
     def wait_for(
         self, pred: Callable[[dict[str, Any]], bool], timeout: float, poll: float = 0.25

@@ -8,6 +8,7 @@ at 65,536 ranks the whole document is tens of megabytes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -21,6 +22,16 @@ from ddpwatch.commands._args import (
     whole_number,
 )
 from ddpwatch.core.vocabulary import RANK_STATES, RankState
+from ddpwatch.status.query import DEFAULT_LIMIT, DEFAULT_WORST, Query
+from ddpwatch.status.schema import (
+    AlertEntry,
+    HostRow,
+    PageReply,
+    RankEntry,
+    Stats,
+    StatusDocument,
+    SummaryReply,
+)
 
 NAME = "status"
 
@@ -78,21 +89,33 @@ def _state_list(text: str) -> str:
     return text
 
 
-def query_of(args: argparse.Namespace) -> str | None:
+def query_of(args: argparse.Namespace) -> Query | None:
     """The ``status?`` query the flags ask for; None for the whole document (no such flag)."""
-    from ddpwatch.status.client import status_query
+    from ddpwatch.core.ranges import parse_rank_ranges
 
-    filters = {"ranks": args.ranks, "state": args.state, "host": args.on_host}
-    if not args.summary and all(v is None for v in (*filters.values(), args.limit, args.offset)):
+    given = (args.ranks, args.state, args.on_host, args.limit, args.offset)
+    if not args.summary and all(v is None for v in given):
         return None
+    filters = Query(
+        ranks=None if args.ranks is None else parse_rank_ranges(args.ranks),
+        states=_names(args.state),
+        hosts=_names(args.on_host),
+    )
     if args.summary:
-        return status_query(view="summary", worst=args.limit, **filters)
-    return status_query(view="page", offset=args.offset, limit=args.limit, **filters)
+        worst = DEFAULT_WORST if args.limit is None else args.limit
+        return dataclasses.replace(filters, view="summary", worst=worst)
+    limit = DEFAULT_LIMIT if args.limit is None else args.limit
+    return dataclasses.replace(filters, offset=args.offset or 0, limit=limit)
+
+
+def _names(text: str | None) -> frozenset[str] | None:
+    """``--state`` and ``--on-host``: a comma-separated list."""
+    return None if text is None else frozenset(name.strip() for name in text.split(","))
 
 
 def run(args: argparse.Namespace) -> int:
     from ddpwatch.core.security import CurveKeyError, client_curve_keys
-    from ddpwatch.status.client import StatusQueryError, fetch_status, no_server
+    from ddpwatch.status.client import StatusQueryError, fetch_reply, no_server
 
     try:
         curve = client_curve_keys() is not None
@@ -102,26 +125,41 @@ def run(args: argparse.Namespace) -> int:
     if args.summary and args.offset is not None:
         print("ddpwatch: --offset pages through ranks; --summary has none", file=sys.stderr)
         return 2
+    query = query_of(args)
     try:
-        document = fetch_status(args.host, args.port, args.timeout, query=query_of(args))
+        reply = fetch_reply(args.host, args.port, args.timeout, query=query)
+        document = None if reply is None else _document(reply, query)
     except StatusQueryError as exc:
         print(f"ddpwatch: the server refused the query: {exc}", file=sys.stderr)
         return 1
-    if document is None:
+    if reply is None or document is None:
         print(
             f"ddpwatch: {no_server(args.host, args.port, args.timeout, curve=curve)}",
             file=sys.stderr,
         )
         return 1
     if args.json:
-        print(json.dumps(document, indent=2))
-    elif "summary" in document:
+        print(json.dumps(json.loads(reply), indent=2))  # as the server sent it, every key
+    elif isinstance(document, SummaryReply):
         print(format_summary(document))
-    elif "page" in document:
+    elif isinstance(document, PageReply):
         print(format_page(document))
     else:
         print(format_status(document))
     return 0
+
+
+def _document(reply: bytes, query: Query | None) -> StatusDocument | None:
+    """The reply decoded; None for a whole document that is none (as if no server answered),
+    ``StatusQueryError`` for a refused query."""
+    from ddpwatch.status.client import StatusQueryError, decode_reply
+
+    try:
+        return decode_reply(reply, query)
+    except StatusQueryError:
+        if query is not None:
+            raise
+        return None
 
 
 def _fmt(value: Any, spec: str = "") -> str:
@@ -130,24 +168,24 @@ def _fmt(value: Any, spec: str = "") -> str:
     return format(value, spec) if spec else str(value)
 
 
-def _collective(rank: dict[str, Any]) -> str:
-    coll = rank["collective"]
-    return f"{coll['op']} #{_fmt(coll['seq'])} {coll['since_s']:.1f}s" if coll else "-"
+def _collective(rank: RankEntry) -> str:
+    coll = rank.collective
+    return f"{coll.op} #{_fmt(coll.seq)} {coll.since_s:.1f}s" if coll else "-"
 
 
 # (title, width, right-aligned, cell)
-COLUMNS: tuple[tuple[str, int, bool, Callable[[dict[str, Any]], str]], ...] = (
-    ("rank", 5, True, lambda r: _fmt(r["rank"])),
-    ("host", 16, False, lambda r: _fmt(r["host"])),
-    ("pid", 7, True, lambda r: _fmt(r["pid"])),
-    ("device", 8, False, lambda r: _fmt(r["device"])),
-    ("state", 13, False, lambda r: r["state"]),
-    ("phase", 11, False, lambda r: _fmt(r["phase"])),
-    ("step", 7, True, lambda r: _fmt(r["step"])),
-    ("loss", 9, True, lambda r: _fmt(r["loss"], ".4g")),
-    ("step s", 7, True, lambda r: _fmt(r["step_time_s"], ".3f")),
+COLUMNS: tuple[tuple[str, int, bool, Callable[[RankEntry], str]], ...] = (
+    ("rank", 5, True, lambda r: _fmt(r.rank)),
+    ("host", 16, False, lambda r: _fmt(r.host)),
+    ("pid", 7, True, lambda r: _fmt(r.pid)),
+    ("device", 8, False, lambda r: _fmt(r.device)),
+    ("state", 13, False, lambda r: r.state),
+    ("phase", 11, False, lambda r: _fmt(r.phase)),
+    ("step", 7, True, lambda r: _fmt(r.step)),
+    ("loss", 9, True, lambda r: _fmt(r.loss, ".4g")),
+    ("step s", 7, True, lambda r: _fmt(r.step_time_s, ".3f")),
     ("collective", 22, False, _collective),
-    ("seen", 5, True, lambda r: _fmt(r["last_seen_s"], ".1f")),
+    ("seen", 5, True, lambda r: _fmt(r.last_seen_s, ".1f")),
 )
 
 
@@ -159,70 +197,66 @@ def _row(cells: list[str]) -> str:
     return " ".join(parts).rstrip()
 
 
-def _table(ranks: list[dict[str, Any]]) -> list[str]:
+def _table(ranks: list[RankEntry]) -> list[str]:
     """The rank table: a header, then a row per rank entry."""
     lines = [_row([title for title, *_ in COLUMNS])]
     lines += [_row([cell(rank) for *_, cell in COLUMNS]) for rank in ranks]
     return lines
 
 
-def _messages(stats: dict[str, Any]) -> str:
-    return f"{stats['received']} messages, {stats['rejected']} rejected" + (
-        f", {stats['refused']} refused" if stats.get("refused") else ""
+def _messages(stats: Stats) -> str:
+    return f"{stats.received} messages, {stats.rejected} rejected" + (
+        f", {stats.refused} refused" if stats.refused else ""
     )
 
 
-def _alerts(alerts: list[dict[str, Any]]) -> list[str]:
+def _alerts(alerts: list[AlertEntry]) -> list[str]:
     lines = []
     for alert in alerts:
-        lines.append(f"[{alert['severity']}] {alert['kind']}: {alert['message']}")
-        lines.append(f"    fix: {alert['hint']}")
+        lines.append(f"[{alert.severity}] {alert.kind}: {alert.message}")
+        lines.append(f"    fix: {alert.hint}")
     return lines or ["no alerts"]
 
 
-def format_status(document: dict[str, Any]) -> str:
+def format_status(document: StatusDocument) -> str:
     """A plain-text table of the status document, for people."""
-    lines = _table(document["ranks"])
-    connected = sum(1 for r in document["ranks"] if r["state"] != RankState.NOT_CONNECTED)
-    lines.append(
-        f"\n{connected}/{_fmt(document['world_size'])} ranks, {_messages(document['stats'])}"
-    )
-    return "\n".join(lines + _alerts(document["alerts"]))
+    lines = _table(document.ranks)
+    connected = sum(1 for r in document.ranks if r.state != RankState.NOT_CONNECTED)
+    lines.append(f"\n{connected}/{_fmt(document.world_size)} ranks, {_messages(document.stats)}")
+    return "\n".join(lines + _alerts(document.alerts))
 
 
-def format_page(document: dict[str, Any]) -> str:
+def format_page(document: PageReply) -> str:
     """A page of ranks (``status?view=page``): the table, and where it lies among the matches."""
-    page = document["page"]
-    shown, start = len(document["ranks"]), page["offset"]
+    page = document.page
+    shown, start = len(document.ranks), page.offset
     if shown:
-        where = f"ranks {start + 1}-{start + shown} of {page['matched']} matching"
+        where = f"ranks {start + 1}-{start + shown} of {page.matched} matching"
     else:
-        where = f"no ranks here of {page['matched']} matching"
-    more = start + shown < page["matched"]
-    lines = _table(document["ranks"]) if shown else []
+        where = f"no ranks here of {page.matched} matching"
+    more = start + shown < page.matched
+    lines = _table(document.ranks) if shown else []
     lines.append(
-        f"\n{where} ({page['total']} in all)"
+        f"\n{where} ({page.total} in all)"
         + (f"; --offset {start + shown} for more" if more else "")
     )
-    lines.append(_messages(document["stats"]))
-    return "\n".join(lines + _alerts(document["alerts"]))
+    lines.append(_messages(document.stats))
+    return "\n".join(lines + _alerts(document.alerts))
 
 
-def format_summary(document: dict[str, Any]) -> str:
+def format_summary(document: SummaryReply) -> str:
     """The summary (``status?view=summary``): counts by state, a row per host, the worst
     ranks in the status table's format, then the alerts."""
-    summary, page = document["summary"], document["page"]
-    counted = f"{summary['ranks']} ranks" + (
-        f" of {page['total']}" if page["matched"] != page["total"] else ""
-    )
-    lines = [f"{counted}: {_state_counts(summary['states']) or 'none'}", "", _host_header()]
-    lines += [_host_line(row) for row in summary["hosts"]]
-    if summary["hosts_omitted"]:
-        lines.append(f"(+{summary['hosts_omitted']} more hosts)")
-    if document["ranks"]:
-        lines += ["", f"worst {len(document['ranks'])} ranks:", *_table(document["ranks"])]
-    lines.append(f"\n{_messages(document['stats'])}")
-    return "\n".join(lines + _alerts(document["alerts"]))
+    summary, page = document.summary, document.page
+    counted = f"{summary.ranks} ranks" + (f" of {page.total}" if page.matched != page.total else "")
+    lines = [f"{counted}: {_state_counts(summary.states) or 'none'}", "", _host_header()]
+    lines += [_host_line(row) for row in summary.hosts]
+    if summary.hosts_omitted:
+        lines.append(f"(+{summary.hosts_omitted} more hosts)")
+    if document.ranks:
+        lines += ["", f"worst {len(document.ranks)} ranks:", *_table(document.ranks)]
+    lines.append(f"\n{_messages(document.stats)}")
+    return "\n".join(lines + _alerts(document.alerts))
 
 
 def _state_counts(states: dict[str, int]) -> str:
@@ -234,8 +268,8 @@ def _host_header() -> str:
     return f"{'host':<16} {'ranks':>6}  {'states':<36} steps"
 
 
-def _host_line(row: dict[str, Any]) -> str:
-    low, high = row["step_min"], row["step_max"]
+def _host_line(row: HostRow) -> str:
+    low, high = row.step_min, row.step_max
     steps = "-" if low is None else str(low) if low == high else f"{low}-{high}"
-    host = _fmt(row["host"])[:16]
-    return f"{host:<16} {row['ranks']:>6}  {_state_counts(row['states']):<36} {steps}".rstrip()
+    host = _fmt(row.host)[:16]
+    return f"{host:<16} {row.ranks:>6}  {_state_counts(row.states):<36} {steps}".rstrip()

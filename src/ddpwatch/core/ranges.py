@@ -1,8 +1,9 @@
 """Rank lists written short: ``[0, 1, 2, 3, 7, 9, 10]`` -> ``"0-3,7,9-10"``, and read back
-(``parse_rank_ranges``: ``ddpwatch status --ranks``, the query socket's ``ranks=``).
+(``parse_rank_ranges``: ``ddpwatch status --ranks``, the query socket's ``ranks=``;
+``rank_spans``: the dashboard's filter box, which never expands a range).
 
 One algorithm for the alert messages (``diagnosis.text.format_ranks``: "ranks 0-5, 9")
-and the dashboard (``tui.fmt.rank_ranges``: "0-5,9"). A shared module: it imports nothing of
+and the dashboard ("0-5,9"). A shared module: it imports nothing of
 ddpwatch, so the server and the views may both use it.
 """
 
@@ -84,11 +85,8 @@ def parse_rank_ranges(text: str, limit: int = MAX_PARSED_RANKS) -> frozenset[int
     >>> sorted(parse_rank_ranges("0-2, 7"))
     [0, 1, 2, 7]
     """
-    if not text.strip():
-        raise ValueError("empty rank list")
     ranks: set[int] = set()
-    for piece in text.split(","):
-        first, last = _rank_piece(piece.strip())
+    for first, last in rank_spans(text):
         if last - first + 1 > limit:
             raise ValueError(f"more than {limit} ranks in {_short(text)}")
         ranks.update(range(first, last + 1))
@@ -97,7 +95,20 @@ def parse_rank_ranges(text: str, limit: int = MAX_PARSED_RANKS) -> frozenset[int
     return frozenset(ranks)
 
 
-def _rank_piece(piece: str) -> tuple[int, int]:
+def rank_spans(text: str, *, backwards: bool = False) -> list[tuple[int, int]]:
+    """The pieces of a rank list, each as (first, last), in the order written, not expanded;
+    a ``ValueError`` with a one-line reason for anything that is not a rank list. With
+    ``backwards``, a range written high to low (``7-3``) reads as low to high.
+
+    >>> rank_spans("0-63, 70")
+    [(0, 63), (70, 70)]
+    """
+    if not text.strip():
+        raise ValueError("empty rank list")
+    return [_rank_piece(piece.strip(), backwards) for piece in text.split(",")]
+
+
+def _rank_piece(piece: str, backwards: bool) -> tuple[int, int]:
     """``"5"`` -> (5, 5), ``"0-63"`` -> (0, 63)."""
     match = _PIECE.fullmatch(piece)
     if match is None:
@@ -105,7 +116,9 @@ def _rank_piece(piece: str) -> tuple[int, int]:
     first = int(match[1])
     last = first if match[2] is None else int(match[2])
     if last < first:
-        raise ValueError(f"range {_short(piece)} runs backwards")
+        if not backwards:
+            raise ValueError(f"range {_short(piece)} runs backwards")
+        first, last = last, first
     return first, last
 
 

@@ -104,7 +104,7 @@ class RankState(Word):
 
 
 RANK_STATES: Final[tuple[str, ...]] = tuple(RankState)
-"""Every rank state, worst first: the dashboard's order (``tui.model.STATE_SCORE``)."""
+"""Every rank state, worst first: the order of ``status.order.STATE_ORDER``."""
 
 
 @unique

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from ddpwatch.demo.script import STEP_TIME_S, demo_note
 from ddpwatch.status.provider import StatusProvider
+from ddpwatch.status.schema import StatusDocument
 from ddpwatch.tui.sources import LocalSource, exit_description
 
 SLOWEST_STEP_S = 1.0
@@ -50,7 +51,7 @@ class DemoSource(LocalSource):
         """The demo's job has ended (the dashboard then shows the run's story)."""
         return self._job.poll() is not None
 
-    def fetch(self) -> dict[str, Any] | None:
+    def fetch(self) -> StatusDocument | None:
         document = super().fetch()
         self._update_label()
         if document is not None:
@@ -60,13 +61,9 @@ class DemoSource(LocalSource):
     def _update_label(self) -> None:
         self.label = f"demo {self._server_label}  job {exit_description(self._job.poll())}"
 
-    def _follow(self, document: dict[str, Any]) -> None:
+    def _follow(self, document: StatusDocument) -> None:
         """Track the job's newest step and its pace; say what the script does next."""
-        steps = [
-            row["step"]
-            for row in document.get("ranks") or ()
-            if not row.get("simulated") and isinstance(row.get("step"), int)
-        ]
+        steps = [row.step for row in document.ranks if not row.simulated and row.step is not None]
         step = max(steps, default=None)
         now = self.clock()
         if step != self._step:

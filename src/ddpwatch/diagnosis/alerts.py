@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from typing import Any
+
+import msgspec
 
 from ddpwatch.core.vocabulary import Severity
+from ddpwatch.status.schema import AlertEntry
 
 STARTUP_SILENT_S = 15.0
 """A rank still starting may go this long unheard: its heartbeats wait behind imports, model
@@ -35,20 +39,23 @@ class Alert:
         """Identity across ticks: the same kind about the same culprits is the same alert."""
         return (self.kind, self.ranks)
 
-    def to_dict(self) -> dict[str, object]:
-        entry: dict[str, object] = {
-            "kind": self.kind,
-            "severity": self.severity,
-            "ranks": list(self.ranks),
-            "waiting": list(self.waiting),
-            "message": self.message,
-            "hint": self.hint,
-        }
-        if self.waited_s is not None:
-            entry["waited_s"] = round(self.waited_s, 3)
-        if self.phase is not None:
-            entry["phase"] = self.phase
-        return entry
+    def entry(self) -> AlertEntry:
+        """The alert as the status document shows it (``status.schema.AlertEntry``)."""
+        return AlertEntry(
+            kind=self.kind,
+            severity=self.severity,
+            ranks=list(self.ranks),
+            waiting=list(self.waiting),
+            message=self.message,
+            hint=self.hint,
+            waited_s=None if self.waited_s is None else round(self.waited_s, 3),
+            phase=self.phase,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """``entry()`` as plain JSON values."""
+        found: dict[str, Any] = msgspec.to_builtins(self.entry())
+        return found
 
 
 @dataclass(frozen=True)

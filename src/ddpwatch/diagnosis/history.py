@@ -22,12 +22,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from ddpwatch.core.vocabulary import SEVERITIES, HistoryEvent
+import msgspec
+
+from ddpwatch.core.vocabulary import HistoryEvent
 from ddpwatch.diagnosis.alerts import Alert
+from ddpwatch.status.fmt import elapsed, seconds
+from ddpwatch.status.order import severity_level
+from ddpwatch.status.schema import UNSET, HistoryEntry, PreviousAlert
 
 HISTORY_KEPT = 1000
-SEVERITY_RANK = {severity: n for n, severity in enumerate(reversed(SEVERITIES))}
-"""0 for info, up to the most severe (``vocabulary.SEVERITIES`` is most severe first)."""
 
 NEW_ATTEMPT = "new_attempt"
 """``closed_by`` of an alert the launcher's restart ended (``AlertChange.closed_by``)."""
@@ -42,11 +45,11 @@ def describe(change: AlertChange) -> str:
     """One line for people (two with the fix), stamped: the alert stream of ``ddpwatch run``
     and the end-of-run summary. ``2026-11-23T19:02:05+01:00 +12.3 s [error] straggler: …``"""
     alert = change.alert
-    when = f"{iso_time(change.at, 'seconds')} +{change.elapsed_s:.1f} s"
+    when = f"{iso_time(change.at, 'seconds')} {elapsed(change.elapsed_s)}"
     culprits = ", ".join(str(r) for r in alert.ranks[:16]) + ("…" if len(alert.ranks) > 16 else "")
     if change.event == HistoryEvent.CLEARED:
         who = f" (rank {culprits})" if culprits else ""
-        up = f" after {change.duration_s:.1f} s" if change.duration_s is not None else ""
+        up = f" after {seconds(change.duration_s)}" if change.duration_s is not None else ""
         if change.closed_by == NEW_ATTEMPT:
             return (
                 f"ddpwatch: {when} attempt {change.attempt + 1} began: {alert.kind}{who} "
@@ -59,23 +62,20 @@ def describe(change: AlertChange) -> str:
     return f"ddpwatch: {when} {what}: {alert.message}\nddpwatch:   fix: {alert.hint}"
 
 
-def event_label(entry: dict[str, Any]) -> str:
+def event_label(entry: HistoryEntry) -> str:
     """A timeline entry's event, with its episode: "raised #2", "escalated #2 from
     straggler", "cleared #2", "ended with attempt 1 #3", "raised #4 in attempt 2" (the report
     and the dashboard's timeline write it the same)."""
-    event = str(entry.get("event", ""))
-    attempt = entry.get("attempt")
-    closed = entry.get("closed_by") == NEW_ATTEMPT
+    event = entry.event
+    closed = entry.closed_by == NEW_ATTEMPT
     if closed:
-        event = f"ended with attempt {attempt}"
-    episode = entry.get("episode")
-    if isinstance(episode, int) and episode > 0:
-        event += f" #{episode}"
-    previous = entry.get("from")
-    if entry.get("event") == HistoryEvent.ESCALATED and isinstance(previous, dict):
-        event += f" from {previous.get('kind')}"
-    if isinstance(attempt, int) and attempt > 1 and not closed:
-        event += f" in attempt {attempt}"
+        event = f"ended with attempt {entry.attempt}"
+    if entry.episode > 0:
+        event += f" #{entry.episode}"
+    if entry.event == HistoryEvent.ESCALATED and entry.previous is not UNSET:
+        event += f" from {entry.previous.kind}"
+    if entry.attempt > 1 and not closed:
+        event += f" in attempt {entry.attempt}"
     return event
 
 
@@ -109,24 +109,26 @@ class AlertChange:
     attempt: int = 1
     closed_by: str | None = None
 
+    def entry(self) -> HistoryEntry:
+        """One entry of the status document's ``history``; also, as JSON, the line of
+        ``serve --headless``, ``run``, ``demo --headless`` and ``replay``."""
+        previous = self.previous
+        return HistoryEntry(
+            event=self.event,
+            time=iso_time(self.at),
+            elapsed_s=round(self.elapsed_s, 3),
+            alert=self.alert.entry(),
+            episode=self.episode,
+            attempt=self.attempt,
+            previous=UNSET if previous is None else PreviousAlert(previous.kind, previous.severity),
+            duration_s=UNSET if self.duration_s is None else round(self.duration_s, 3),
+            closed_by=UNSET if self.closed_by is None else self.closed_by,
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        """The JSON line of ``serve --headless``, ``run``, ``demo --headless``, ``replay``
-        and one entry of the status document's ``history``."""
-        entry: dict[str, Any] = {
-            "event": self.event,
-            "time": iso_time(self.at),
-            "elapsed_s": round(self.elapsed_s, 3),
-            "alert": self.alert.to_dict(),
-            "episode": self.episode,
-            "attempt": self.attempt,
-        }
-        if self.previous is not None:
-            entry["from"] = {"kind": self.previous.kind, "severity": self.previous.severity}
-        if self.duration_s is not None:
-            entry["duration_s"] = round(self.duration_s, 3)
-        if self.closed_by is not None:
-            entry["closed_by"] = self.closed_by
-        return entry
+        """``entry()`` as plain JSON values."""
+        found: dict[str, Any] = msgspec.to_builtins(self.entry())
+        return found
 
 
 def diff_alerts(before: dict[Any, Alert], after: list[Alert]) -> list[AlertChange]:
@@ -139,7 +141,7 @@ def diff_alerts(before: dict[Any, Alert], after: list[Alert]) -> list[AlertChang
         old = before.get(key)
         if old is None:
             changes.append(AlertChange(HistoryEvent.RAISED, alert))
-        elif SEVERITY_RANK[alert.severity] > SEVERITY_RANK[old.severity]:
+        elif severity_level(alert.severity) > severity_level(old.severity):
             changes.append(AlertChange(HistoryEvent.ESCALATED, alert, previous=old))
     return _merge_escalations(changes)
 
@@ -156,7 +158,7 @@ def _merge_escalations(changes: list[AlertChange]) -> list[AlertChange]:
         old = cleared.get(change.alert.ranks) if change.event == HistoryEvent.RAISED else None
         if (
             old is not None
-            and SEVERITY_RANK[change.alert.severity] > SEVERITY_RANK[old.alert.severity]
+            and severity_level(change.alert.severity) > severity_level(old.alert.severity)
         ):
             merged.append(AlertChange(HistoryEvent.ESCALATED, change.alert, previous=old.alert))
             replaced.add(id(old))
@@ -179,7 +181,7 @@ class AlertTracker:
     episodes: int = 0
     """Episodes ever raised: the last one's number."""
     attempt: int = 1
-    _entries: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY_KEPT))
+    _entries: deque[HistoryEntry] = field(default_factory=lambda: deque(maxlen=HISTORY_KEPT))
 
     def update(
         self, alerts: list[Alert], now: float, started: float, attempt: int = 1
@@ -208,7 +210,7 @@ class AlertTracker:
             stamped.append(self._stamp(change, now, started))
         self.active = {alert.key: alert for alert in alerts}
         self.history.extend(stamped)
-        self._entries.extend(change.to_dict() for change in stamped)
+        self._entries.extend(change.entry() for change in stamped)
         self.total += len(stamped)
         return stamped
 
@@ -236,6 +238,6 @@ class AlertTracker:
         self.since.clear()
         self.attempt = 1
 
-    def entries(self) -> list[dict[str, Any]]:
+    def entries(self) -> list[HistoryEntry]:
         """The timeline for the status document, oldest first (each entry built once)."""
         return list(self._entries)

@@ -1,5 +1,5 @@
-"""Words for alerts: rank lists, durations, sizes, op names, where in the code a rank is, and
-why a rank's CUDA device index did not exist."""
+"""Words for alerts: rank lists, op names, where in the code a rank is, and why a rank's CUDA
+device index did not exist (durations and sizes: ``status.fmt``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,6 @@ from collections.abc import Iterable
 from ddpwatch.core.devices import parse_cuda_visible_devices
 from ddpwatch.core.ranges import sorted_ranges
 from ddpwatch.server.records import RankRecord
-
-GIB = float(1 << 30)
-
 
 MAX_LISTED = 8  # rank runs written out before "and N more"
 
@@ -38,23 +35,6 @@ def format_ranks(ranks: Iterable[int], limit: int = MAX_LISTED) -> str:
 
 def verb(count: int, one: str, many: str) -> str:
     return one if count == 1 else many
-
-
-def seconds(value: float) -> str:
-    return f"{value:.1f} s"
-
-
-def duration(value: float) -> str:
-    """A wait people read at a glance: "45 s", "24 min", "2.5 h"."""
-    if value < 90:
-        return f"{value:.0f} s"
-    if value < 5400:
-        return f"{value / 60:.0f} min"
-    return f"{value / 3600:.1f} h"
-
-
-def gib(value: float) -> str:
-    return f"{value / GIB:.1f} GiB"
 
 
 def first_line(text: str, limit: int = 200) -> str:

@@ -22,6 +22,16 @@ from ddpwatch.core.protocol import ErrorInfo
 from ddpwatch.core.vocabulary import AlertKind, HistoryEvent, RankState, Severity
 from ddpwatch.diagnosis.knowledge import WAIT_NAMES, explain_error
 from ddpwatch.diagnosis.text import format_ranks
+from ddpwatch.status.fmt import duration, elapsed
+from ddpwatch.status.order import severity_level
+from ddpwatch.status.schema import (
+    UNSET,
+    AlertEntry,
+    HistoryEntry,
+    RankEntry,
+    RankError,
+    StatusDocument,
+)
 
 ENDINGS = frozenset({AlertKind.CRASHED, AlertKind.EXITED, AlertKind.SILENT})
 """Alert kinds that name a rank whose process failed: the candidates for what ended a job."""
@@ -72,39 +82,36 @@ class Episode:
         return self.cleared_s if self.cleared_s is not None else end_s
 
 
-def episodes(history: Iterable[dict[str, Any]]) -> list[Episode]:
+def episodes(history: Iterable[HistoryEntry]) -> list[Episode]:
     """The timeline's entries paired into episodes, in raise order. An escalation continues
     its episode (under its new kind); an entry whose raise fell off the bounded timeline
     starts one from what it says."""
     found: list[_Open] = []
     open_by_key: dict[tuple[str, tuple[int, ...]], _Open] = {}
     for entry in history:
-        alert = entry.get("alert") or {}
-        key = _key(alert)
-        event = entry.get("event")
-        elapsed = _float(entry.get("elapsed_s"))
+        alert = entry.alert
+        key = (alert.kind, tuple(alert.ranks))
+        event, at = entry.event, entry.elapsed_s
         current = open_by_key.pop(key, None)
-        if event == HistoryEvent.ESCALATED:
-            previous = entry.get("from") or {}
-            current = current or open_by_key.pop((str(previous.get("kind")), key[1]), None)
+        if event == HistoryEvent.ESCALATED and entry.previous is not UNSET:
+            current = current or open_by_key.pop((entry.previous.kind, key[1]), None)
         if current is None:
-            cleared = event == HistoryEvent.CLEARED
-            since = elapsed - _float(entry.get("duration_s")) if cleared else elapsed
-            current = _Open(since, int(entry.get("attempt") or 1))
+            up = entry.duration_s if entry.duration_s is not UNSET else 0.0
+            since = at - up if event == HistoryEvent.CLEARED else at
+            current = _Open(since, entry.attempt or 1, alert)
             found.append(current)
-        current.take(entry, alert, elapsed)
+        current.take(entry, at)
         if event != HistoryEvent.CLEARED:
             open_by_key[key] = current
-    return [e.episode() for e in found if e.alert]
+    return [e.episode() for e in found]
 
 
 class _Open:
     """An episode while its entries are read."""
 
-    def __init__(self, raised_s: float, attempt: int) -> None:
+    def __init__(self, raised_s: float, attempt: int, first: AlertEntry) -> None:
         self.raised_s, self.attempt = raised_s, attempt
-        self.alert: dict[str, Any] = {}
-        self.first: dict[str, Any] = {}
+        self.alert = self.first = first
         self.severity: str = Severity.INFO
         self.waiting: set[int] = set()
         self.escalated_s: float | None = None
@@ -112,46 +119,40 @@ class _Open:
         self.closed_by: str | None = None
         self.waited: tuple[float, float] | None = None  # the last wait measured, and when
 
-    def take(self, entry: dict[str, Any], alert: dict[str, Any], elapsed: float) -> None:
-        self.first = self.first or alert
-        self.alert = alert
-        self.waiting.update(alert.get("waiting") or ())
-        if _SEVERITY_ORDER.get(str(alert.get("severity")), 0) > _SEVERITY_ORDER[self.severity]:
-            self.severity = str(alert.get("severity"))
-        event = entry.get("event")
-        if event == HistoryEvent.ESCALATED:
-            self.escalated_s = elapsed
-        elif event == HistoryEvent.CLEARED:
-            self.cleared_s = elapsed
-            self.closed_by = entry.get("closed_by")
-        waited = alert.get("waited_s")
-        if isinstance(waited, (int, float)):
-            self.waited = (float(waited), elapsed)
+    def take(self, entry: HistoryEntry, at: float) -> None:
+        alert = self.alert = entry.alert
+        self.waiting.update(alert.waiting)
+        if severity_level(alert.severity) > severity_level(self.severity):
+            self.severity = alert.severity
+        if entry.event == HistoryEvent.ESCALATED:
+            self.escalated_s = at
+        elif entry.event == HistoryEvent.CLEARED:
+            self.cleared_s = at
+            self.closed_by = entry.closed_by if entry.closed_by is not UNSET else None
+        if alert.waited_s is not None:
+            self.waited = (alert.waited_s, at)
 
     def episode(self) -> Episode:
         alert, first = self.alert, self.first
         waited, waited_at = self.waited if self.waited is not None else (None, None)
         changed = self.escalated_s is not None
         return Episode(
-            kind=str(alert.get("kind")),
+            kind=alert.kind,
             severity=self.severity,
-            ranks=tuple(alert.get("ranks") or ()),
-            waiting=tuple(sorted(self.waiting - set(alert.get("ranks") or ()))),
-            message=str(alert.get("message") or ""),
+            ranks=tuple(alert.ranks),
+            waiting=tuple(sorted(self.waiting - set(alert.ranks))),
+            message=alert.message,
             raised_s=self.raised_s,
             attempt=self.attempt,
-            first_severity=str(first.get("severity")) if changed else None,
-            first_kind=str(first.get("kind")) if first.get("kind") != alert.get("kind") else None,
+            first_severity=first.severity if changed else None,
+            first_kind=first.kind if first.kind != alert.kind else None,
             escalated_s=self.escalated_s,
             cleared_s=self.cleared_s,
             closed_by=self.closed_by,
             waited_s=waited,
             waited_at_s=waited_at,
-            phase=alert.get("phase") or first.get("phase"),
+            phase=alert.phase or first.phase,
         )
-
-
-_SEVERITY_ORDER: dict[str, int] = {Severity.INFO: 0, Severity.WARNING: 1, Severity.ERROR: 2}
 
 
 @dataclass(frozen=True)
@@ -220,17 +221,14 @@ class Outcome:
     waited: bool = False  # its error only says it waited for, or lost, another rank
 
 
-def outcome(rank: dict[str, Any]) -> Outcome:
+def outcome(rank: RankEntry) -> Outcome:
     """What a rank entry of the status document says about how its process ended."""
-    number = int(rank.get("rank", -1))
-    state = rank.get("state")
-    ended = rank.get("ended_at")
-    ended_at = float(ended) if isinstance(ended, (int, float)) else None
-    code, signal = rank.get("exit_code"), rank.get("exit_signal")
+    number, state, ended_at = rank.rank, rank.state, rank.ended_at
+    code, signal = rank.exit_code, rank.exit_signal
     if state == RankState.CRASHED:
-        error = rank.get("error") or {}
-        text = f"crashed with {error['type']}" if error.get("type") else "crashed"
-        message = " ".join(str(error.get("message") or "").split())
+        error = rank.error or RankError(type="")
+        text = f"crashed with {error.type}" if error.type else "crashed"
+        message = " ".join(error.message.split())
         if message:
             text += f" ({message[:120]}{'…' if len(message) > 120 else ''})"
         return Outcome(number, "crashed", True, ended_at, text, _only_waited(error))
@@ -250,15 +248,10 @@ def outcome(rank: dict[str, Any]) -> Outcome:
     return Outcome(number, "running", False, None, "was still running")
 
 
-def _only_waited(error: dict[str, Any]) -> bool:
+def _only_waited(error: RankError) -> bool:
     """The error says only that the rank timed out waiting for others or lost a peer
     (``knowledge``: a wait or a peer failure): a victim's words, not a cause."""
-    info = ErrorInfo(
-        type=str(error.get("type") or ""),
-        message=str(error.get("message") or ""),
-        traceback=str(error.get("traceback") or ""),
-    )
-    found = explain_error(info)
+    found = explain_error(ErrorInfo(error.type, error.message, error.traceback))
     return found is not None and (found.peer_failure or found.name in WAIT_NAMES)
 
 
@@ -289,7 +282,7 @@ class Account:
 
 
 def judge(
-    ranks: Sequence[dict[str, Any]],
+    ranks: Sequence[RankEntry],
     found: Sequence[Episode],
     run_s: float | None,
     end_s: float,
@@ -307,7 +300,7 @@ def judge(
         parts.append(_ending_text(ending, outcomes, found, ranks))
     else:
         parts.append(_no_failure_text(seen, found))
-    steps = {int(r["rank"]): _first_bad(r) for r in ranks if isinstance(r.get("rank"), int)}
+    steps = {r.rank: _first_bad(r) for r in ranks}
     before = _other_problems(found, held, ending, run_s, end_s, steps)
     if before:
         parts.append(("before that: " if ending is not None else "") + "; ".join(before))
@@ -393,12 +386,9 @@ def _named(
 ) -> set[int]:
     """The culprits of the episodes of these kinds, ``least`` as severe at least (a rank
     that never came is one while the others time out waiting for it, warning or error)."""
-    floor = _SEVERITY_ORDER[least]
+    floor = severity_level(least)
     return {
-        r
-        for e in found
-        if e.kind in kinds and _SEVERITY_ORDER.get(e.severity, 0) >= floor
-        for r in e.ranks
+        r for e in found if e.kind in kinds and severity_level(e.severity) >= floor for r in e.ranks
     }
 
 
@@ -418,10 +408,9 @@ def _ending_text(
     ending: Outcome,
     outcomes: dict[int, Outcome],
     found: Sequence[Episode],
-    ranks: Sequence[dict[str, Any]],
+    ranks: Sequence[RankEntry],
 ) -> str:
-    entry = next((r for r in ranks if r.get("rank") == ending.rank), {})
-    step = entry.get("step")
+    step = next((r.step for r in ranks if r.rank == ending.rank), None)
     reasons = {  # what else the rank did, told beside its end (``_is_the_ending``)
         _DID[e.kind]: None
         for e in found
@@ -431,7 +420,7 @@ def _ending_text(
         and e.kind not in ABSENCES
     }
     text = f"rank {ending.rank} " + " and ".join([*reasons, ending.text])
-    if isinstance(step, int):
+    if step is not None:
         text += f" at step {step}"
     text += ", which ended the job"
     others = [o for o in outcomes.values() if o.rank != ending.rank and o.word != "absent"]
@@ -535,20 +524,20 @@ def _is_the_ending(e: Episode, ending: Outcome, found: Sequence[Episode]) -> boo
     return e.cleared_s >= max(ends)  # ``e`` is among them: true when none came after it
 
 
-def _first_bad(rank: dict[str, Any]) -> tuple[Any, str]:
+def _first_bad(rank: RankEntry) -> tuple[int | None, str]:
     """A rank's first non-finite step and what went bad: its own gradients (before DDP's
     all-reduce) when they did before its loss, else its loss."""
-    loss, grads = rank.get("nan_step"), rank.get("grad_nan_step")
-    if isinstance(grads, int) and not (isinstance(loss, int) and loss <= grads):
+    loss, grads = rank.nan_step, rank.grad_nan_step
+    if grads is not None and not (loss is not None and loss <= grads):
         return grads, "gradients"
     return loss, "loss"
 
 
-def _episode_text(e: Episode, end_s: float, nan_steps: dict[int, Any]) -> str:
+def _episode_text(e: Episode, end_s: float, nan_steps: dict[int, tuple[int | None, str]]) -> str:
     who = format_ranks(e.ranks) if e.ranks else "no single rank"
     if e.kind == AlertKind.NAN_LOSS:
         step, what = nan_steps.get(e.ranks[0], (None, "loss")) if e.ranks else (None, "loss")
-        when = f"at step {step}" if isinstance(step, int) else f"at +{e.raised_s:.1f} s"
+        when = f"at step {step}" if isinstance(step, int) else f"at {elapsed(e.raised_s)}"
         return f"{who} produced the first non-finite {what} {when}"
     if e.kind == AlertKind.SILENT and e.cleared_s is not None:
         return f"{who} fell silent for {duration(e.duration_s(end_s))} and came back"
@@ -558,8 +547,8 @@ def _episode_text(e: Episode, end_s: float, nan_steps: dict[int, Any]) -> str:
         return f"{e.kind}: {e.message}"
     did = _DID.get(e.kind)
     if did is not None:
-        return f"{who} {did} (+{e.raised_s:.1f} s)"
-    return f"{e.kind} about {who} (+{e.raised_s:.1f} s, {duration(e.duration_s(end_s))})"
+        return f"{who} {did} ({elapsed(e.raised_s)})"
+    return f"{e.kind} about {who} ({elapsed(e.raised_s)}, {duration(e.duration_s(end_s))})"
 
 
 _DID: dict[str, str] = {
@@ -573,18 +562,6 @@ _DID: dict[str, str] = {
     AlertKind.STEP_SKEW: "fell out of step with the others",
 }
 """What an error episode's culprits did, in words, where the kind alone says it."""
-
-
-def duration(seconds: float) -> str:
-    """How long a run took or an alert was up: "2.3 s", "4 min 12 s", "3 h 5 min"."""
-    seconds = max(0.0, seconds)
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes} min {secs} s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes} min"
 
 
 # ------------------------------------------------------------------------------ a document
@@ -607,42 +584,33 @@ class Run:
         return " · ".join(f"attempt {a.attempt} of {total}: {a.text}" for a in self.accounts)
 
 
-def read_run(document: dict[str, Any]) -> Run:
+def read_run(document: StatusDocument) -> Run:
     """Judge every attempt the document holds (the current one from ``ranks``)."""
-    history = [e for e in document.get("history") or [] if isinstance(e, dict)]
-    found = episodes(history)
-    started = _float(document.get("job_started"), math.nan)
-    ranks = [r for r in document.get("ranks") or [] if isinstance(r, dict)]
-    end = _run_end(document, ranks)
+    found = episodes(document.history)
+    started = math.nan if document.job_started is None else document.job_started
+    ranks = document.ranks
+    end = _run_end(document)
     run_s = end - started if math.isfinite(started) and math.isfinite(end) else None
     end_s = run_s if run_s is not None else max((e.raised_s for e in found), default=0.0)
-    pasts = [a for a in document.get("attempts") or [] if isinstance(a, dict)]
-    current = int(document.get("attempt") or 1)
+    pasts = document.attempts
+    current = document.attempt or 1
     accounts = []
     for past in pasts:
-        number = int(past.get("attempt") or 1)
+        number = past.attempt or 1
         mine = [e for e in found if e.attempt == number]
-        ended = _float(past.get("ended"), math.nan) - started
+        ended = past.ended - started
         ended = ended if math.isfinite(ended) else end_s
-        accounts.append(judge(past.get("ranks") or [], mine, run_s, ended, number))
+        accounts.append(judge(past.ranks, mine, run_s, ended, number))
     mine = [e for e in found if e.attempt == current] if pasts else found
     accounts.append(judge(ranks, mine, run_s, end_s, current))
     return Run(tuple(accounts), run_s, tuple(found))
 
 
-def _run_end(document: dict[str, Any], ranks: list[dict[str, Any]]) -> float:
+def _run_end(document: StatusDocument) -> float:
     """When the run ended: its last rank's end where every rank seen has ended, else the
     document's time (the watch ended with ranks still running)."""
-    seen = [r for r in ranks if r.get("state") != RankState.NOT_CONNECTED]
-    ends = [r.get("ended_at") for r in seen]
-    if seen and all(isinstance(t, (int, float)) for t in ends):
-        return max(float(t) for t in ends if isinstance(t, (int, float)))
-    return _float(document.get("server_time"), math.nan)
-
-
-def _key(alert: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
-    return (str(alert.get("kind")), tuple(alert.get("ranks") or ()))
-
-
-def _float(value: Any, default: float = 0.0) -> float:
-    return float(value) if isinstance(value, (int, float)) else default
+    seen = [r for r in document.ranks if r.state != RankState.NOT_CONNECTED]
+    ends = [r.ended_at for r in seen if r.ended_at is not None]
+    if seen and len(ends) == len(seen):
+        return max(ends)
+    return document.server_time

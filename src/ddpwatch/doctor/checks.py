@@ -4,9 +4,9 @@ did), so any of them runs on a ``Setup`` made by hand, on a machine without a GP
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from ddpwatch.agent.identity import identity_from_env
 from ddpwatch.core.devices import parse_cuda_visible_devices
@@ -16,6 +16,7 @@ from ddpwatch.core.security import CLIENT_KEY_FILE_ENV, SERVER_KEY_ENV, is_loopb
 from ddpwatch.core.vocabulary import RankState
 from ddpwatch.doctor.gather import TORCHRUN_MASTER, Setup, TorchInfo, describe
 from ddpwatch.status.client import no_answer
+from ddpwatch.status.schema import StatusDocument
 
 Status = Literal["ok", "warn", "fail", "skip"]
 ORDINAL = "'invalid device ordinal'"
@@ -413,10 +414,9 @@ def check_curve(s: Setup) -> Check:
     )
 
 
-def _ranks_seen(document: Mapping[str, Any]) -> str:
-    ranks = document.get("ranks") or []
-    connected = sum(1 for r in ranks if r.get("state") != RankState.NOT_CONNECTED)
-    world = document.get("world_size")
+def _ranks_seen(document: StatusDocument) -> str:
+    connected = sum(1 for r in document.ranks if r.state != RankState.NOT_CONNECTED)
+    world = document.world_size
     if world is not None:
         return f"{connected} of {plural(world, 'rank')} connected"
     return f"{plural(connected, 'rank')} connected" if connected else "no rank connected yet"

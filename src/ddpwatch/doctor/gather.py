@@ -17,7 +17,7 @@ import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar, cast
+from typing import Generic, Literal, TypeVar, cast
 
 from ddpwatch.agent.identity import identity_from_env
 from ddpwatch.agent.nvml import Nvml
@@ -31,6 +31,7 @@ from ddpwatch.core.security import (
     load_key_file,
 )
 from ddpwatch.status.client import fetch_status
+from ddpwatch.status.schema import StatusDocument
 
 TORCHRUN_PORT = 29500  # torchrun's --master-port when MASTER_PORT is unset
 TORCHRUN_MASTER = "127.0.0.1"  # torchrun's --master-addr when MASTER_ADDR is unset
@@ -121,7 +122,7 @@ class ServerAnswer:
     else its status document (None: nothing answered in time)."""
 
     unresolved: OSError | None = None
-    document: dict[str, Any] | None = None
+    document: StatusDocument | None = None
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,12 @@ from typing import Any, Protocol
 
 from ddpwatch.core.vocabulary import SEVERITIES, HistoryEvent, Severity
 from ddpwatch.diagnosis.alerts import Alert
+from ddpwatch.status.order import SEVERITY_LEVEL, severity_level
 
 log = logging.getLogger("ddpwatch.notify")
 
 LEVELS = tuple(reversed(SEVERITIES))
 """Severities from least to most severe (``--notify-level``)."""
-_RANK = {level: n for n, level in enumerate(LEVELS)}
 NOTIFY_EVENTS = frozenset({HistoryEvent.RAISED, HistoryEvent.ESCALATED})
 """Changes worth telling someone about; "cleared" is not."""
 TEXT_ENV = "DDPWATCH_ALERT_TEXT"
@@ -107,7 +107,7 @@ class Notifier:
         queue_size: int = 64,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if level not in _RANK:
+        if level not in SEVERITY_LEVEL:
             raise ValueError(f"unknown level {level!r}: one of {', '.join(LEVELS)}")
         self.command = command
         self.webhook = check_webhook_url(webhook) if webhook is not None else None
@@ -139,8 +139,8 @@ class Notifier:
         alert = change.alert
         if change.event not in NOTIFY_EVENTS or self._closed:
             return
-        severity = _RANK.get(alert.severity, 0)
-        if severity < _RANK[self.level]:
+        severity = severity_level(alert.severity)
+        if severity < severity_level(self.level):
             return
         with self._lock:
             previous = self._last.get(alert.key)

@@ -15,15 +15,23 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 from ddpwatch.core.protocol import ProtocolError, Sample, decode
 from ddpwatch.core.vocabulary import HistoryEvent, Severity
 from ddpwatch.diagnosis.history import event_label
-from ddpwatch.diagnosis.verdict import Run, duration, read_run
+from ddpwatch.diagnosis.verdict import Run, read_run
 from ddpwatch.outputs.summary import summary_lines
 from ddpwatch.server.recording import RecordingError, RecordingReader
 from ddpwatch.server.replay import ReplayServer
+from ddpwatch.status.fmt import step_seconds
+from ddpwatch.status.schema import (
+    UNSET,
+    AlertEntry,
+    HistoryEntry,
+    RankEntry,
+    RankError,
+    StatusDocument,
+)
 
 SERIES_POINTS = 400  # per rank and metric: enough for a chart, small in JSON
 _COMPACT_AT = 8 * SERIES_POINTS  # series are thinned while read, so memory stays bounded
@@ -162,11 +170,11 @@ class Culprit:
     """A rank named by an error or warning: what was said about it and what it left behind."""
 
     rank: int
-    alerts: tuple[dict[str, Any], ...]  # kind, severity, message, hint (as it last stood)
+    alerts: tuple[AlertEntry, ...]  # as each last stood
     state: str | None
     step: int | None
     stack: str | None
-    error: dict[str, Any] | None
+    error: RankError | None
     log_tail: tuple[str, ...]
 
 
@@ -175,7 +183,7 @@ class RunReport:
     """Everything the renderers need from one recording; they are pure functions of it."""
 
     path: str
-    document: dict[str, Any]
+    document: StatusDocument
     series: dict[int, RankSeries]
     ranks: list[RankStats]
     culprits: list[Culprit]
@@ -190,15 +198,13 @@ class RunReport:
         return Path(self.path).name
 
     @property
-    def history(self) -> list[dict[str, Any]]:
-        return list(self.document.get("history") or [])
+    def history(self) -> list[HistoryEntry]:
+        return self.document.history
 
     @property
     def duration_s(self) -> float | None:
-        started, now = self.document.get("job_started"), self.document.get("server_time")
-        if isinstance(started, (int, float)) and isinstance(now, (int, float)):
-            return max(0.0, now - started)
-        return None
+        started = self.document.job_started
+        return None if started is None else max(0.0, self.document.server_time - started)
 
     @cached_property
     def run(self) -> Run:
@@ -215,7 +221,7 @@ class RunReport:
 
     @property
     def alerts_raised(self) -> int:
-        return sum(1 for e in self.history if e.get("event") != HistoryEvent.CLEARED)
+        return sum(1 for e in self.history if e.event != HistoryEvent.CLEARED)
 
     @property
     def median_step_time_s(self) -> float | None:
@@ -250,9 +256,8 @@ class RunReport:
         """(kind, hint) of every raised alert, once each, in the order they first came up."""
         seen: dict[tuple[str, str], None] = {}
         for entry in self.history:
-            alert = entry.get("alert") or {}
-            if entry.get("event") != HistoryEvent.CLEARED and alert.get("hint"):
-                seen.setdefault((str(alert.get("kind")), str(alert["hint"])), None)
+            if entry.event != HistoryEvent.CLEARED and entry.alert.hint:
+                seen.setdefault((entry.alert.kind, entry.alert.hint), None)
         return list(seen)
 
     def notes(self) -> list[str]:
@@ -320,31 +325,29 @@ def load_run(path: str | os.PathLike[str]) -> RunReport:
     )
 
 
-def _raised(history: Iterable[dict[str, Any]]) -> Iterable[dict[str, Any]]:
-    return (
-        e["alert"] for e in history if e.get("event") != HistoryEvent.CLEARED and e.get("alert")
-    )
+def _raised(history: Iterable[HistoryEntry]) -> Iterable[AlertEntry]:
+    return (e.alert for e in history if e.event != HistoryEvent.CLEARED)
 
 
-def _rank_stats(document: dict[str, Any], series: dict[int, RankSeries]) -> list[RankStats]:
-    entries = {r["rank"]: r for r in document.get("ranks", []) if isinstance(r, dict)}
+def _rank_stats(document: StatusDocument, series: dict[int, RankSeries]) -> list[RankStats]:
+    entries = {r.rank: r for r in document.ranks}
     named: dict[int, list[str]] = {}
-    for alert in _raised(document.get("history") or []):
-        for rank in alert.get("ranks") or []:
+    for alert in _raised(document.history):
+        for rank in alert.ranks:
             kinds = named.setdefault(rank, [])
-            if alert.get("kind") not in kinds:
-                kinds.append(str(alert.get("kind")))
+            if alert.kind not in kinds:
+                kinds.append(alert.kind)
     stats = []
     for rank in sorted(set(entries) | set(series)):
-        entry, seen = entries.get(rank, {}), series.get(rank)
+        entry, seen = entries.get(rank), series.get(rank)
         steps = seen.max_step if seen is not None else None
-        if steps is None and isinstance(entry.get("step"), int):
-            steps = entry["step"]
+        if steps is None and entry is not None:
+            steps = entry.step
         stats.append(
             RankStats(
                 rank=rank,
-                host=entry.get("host"),
-                state=entry.get("state"),
+                host=None if entry is None else entry.host,
+                state=None if entry is None else entry.state,
                 steps=steps,
                 median_step_time_s=seen.median_step_time_s if seen is not None else None,
                 peak_mem_bytes=seen.peak_mem_bytes if seen is not None else None,
@@ -354,37 +357,32 @@ def _rank_stats(document: dict[str, Any], series: dict[int, RankSeries]) -> list
     return stats
 
 
-def _culprits(document: dict[str, Any]) -> list[Culprit]:
+def _culprits(document: StatusDocument) -> list[Culprit]:
     """Ranks named by error or warning alerts, errors' culprits first, each alert as it last
     stood (a cleared entry holds its final numbers; an active alert its current ones)."""
-    latest: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
-    for entry in document.get("history") or []:
-        alert = entry.get("alert") or {}
-        latest[(str(alert.get("kind")), tuple(alert.get("ranks") or ()))] = alert
-    for alert in document.get("alerts") or []:
-        latest[(str(alert.get("kind")), tuple(alert.get("ranks") or ()))] = alert
-    order: dict[int, list[dict[str, Any]]] = {}
+    latest: dict[tuple[str, tuple[int, ...]], AlertEntry] = {}
+    for alert in [*(entry.alert for entry in document.history), *document.alerts]:
+        latest[(alert.kind, tuple(alert.ranks))] = alert
+    order: dict[int, list[AlertEntry]] = {}
     for severity in ALERTING:
         for alert in latest.values():
-            if alert.get("severity") != severity:
+            if alert.severity != severity:
                 continue
-            for rank in alert.get("ranks") or []:
+            for rank in alert.ranks:
                 order.setdefault(rank, []).append(alert)
-    entries = {r["rank"]: r for r in document.get("ranks", []) if isinstance(r, dict)}
+    entries = {r.rank: r for r in document.ranks}
     culprits = []
     for rank, alerts in order.items():
-        entry = entries.get(rank, {})
+        entry = entries.get(rank) or RankEntry(rank=rank, state="")
         culprits.append(
             Culprit(
                 rank=rank,
-                alerts=tuple(
-                    {k: a.get(k) for k in ("kind", "severity", "message", "hint")} for a in alerts
-                ),
-                state=entry.get("state"),
-                step=entry.get("step"),
-                stack=entry.get("stack"),
-                error=entry.get("error"),
-                log_tail=tuple(entry.get("log_tail") or ()),
+                alerts=tuple(alerts),
+                state=entry.state or None,
+                step=entry.step,
+                stack=entry.stack,
+                error=entry.error,
+                log_tail=tuple(entry.log_tail or ()),
             )
         )
     return culprits
@@ -418,35 +416,13 @@ def ratio(before: float | None, after: float | None) -> float | None:
 # ------------------------------------------------------------------ formatting
 
 
-def event_text(entry: dict[str, Any]) -> str:
+def event_text(entry: HistoryEntry) -> str:
     """A timeline entry's event (``history.event_label``) and, once its episode ended, how
     long it was up: "cleared #2 after 28.3 s"."""
     event = event_label(entry)
-    if entry.get("event") == HistoryEvent.CLEARED and entry.get("duration_s") is not None:
-        event += f" after {fmt_seconds(entry['duration_s'])}"
+    if entry.event == HistoryEvent.CLEARED and entry.duration_s is not UNSET:
+        event += f" after {step_seconds(entry.duration_s)}"
     return event
-
-
-def fmt_seconds(value: float | None) -> str:
-    if value is None:
-        return "—"
-    if value >= 100:
-        return f"{value:.0f} s"
-    return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
-
-
-def fmt_duration(value: float | None) -> str:
-    """How long a run took, as the summary writes it; "—" when not known."""
-    return "—" if value is None else duration(value)
-
-
-def fmt_bytes(value: float | None) -> str:
-    if value is None:
-        return "—"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value:.0f} B"
 
 
 def fmt_change(before: float | None, after: float | None) -> str:

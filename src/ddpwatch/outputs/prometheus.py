@@ -6,7 +6,7 @@ exactly what ``ddpwatch status --json`` shows.
 Bounded at any job size (docs/prometheus.md, "Large jobs"): per-rank series for at most
 ``max_ranks`` ranks, the worst ones, and all-rank counts by state. Past ``max_ranks`` ranks a
 scrape reads the server's per-tick summary (``status?view=summary&worst=N``, see
-``server/query.py``) instead of building the whole document.
+``server/pages.py``) instead of building the whole document.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import msgspec
 from prometheus_client import start_http_server
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ddpwatch.core.vocabulary import RANK_STATES, RankState
-from ddpwatch.server.query import MAX_WORST
+from ddpwatch.core.vocabulary import RankState
+from ddpwatch.status.order import worst_ranks
+from ddpwatch.status.query import MAX_WORST, Query
+from ddpwatch.status.schema import RankEntry, StatusDocument, SummaryReply
 
 RANK_LABELS = ["rank", "local_rank", "host"]
 STATES = (
@@ -39,7 +41,6 @@ STATES = (
 DEFAULT_MAX_RANKS = MAX_WORST
 """Ranks with per-rank series by default, and at most when read from the summary (which
 lists at most ``MAX_WORST`` worst ranks): 1000 ranks are about 16,000 series."""
-_STATE_ORDER = {state: i for i, state in enumerate(RANK_STATES)}  # worst first
 # (metric name, status field, help)
 RANK_GAUGES = (
     ("ddpwatch_rank_step", "step", "Last training step reached."),
@@ -56,26 +57,22 @@ RANK_GAUGES = (
     ("ddpwatch_rank_last_seen_seconds", "last_seen_s", "Seconds since the rank's last message."),
 )
 
-Summary = Callable[[int], dict[str, Any]]
+Summary = Callable[[int], SummaryReply]
 """The server's summary document listing the ``n`` worst ranks (``status?view=summary``)."""
 
 
-def _labels(rank: dict[str, Any]) -> list[str]:
-    return [
-        str(rank["rank"]),
-        "" if rank["local_rank"] is None else str(rank["local_rank"]),
-        rank["host"] or "",
-    ]
+def _labels(rank: RankEntry) -> list[str]:
+    local = "" if rank.local_rank is None else str(rank.local_rank)
+    return [str(rank.rank), local, rank.host or ""]
 
 
-def worst(document: dict[str, Any], ranks: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+def worst(document: StatusDocument, ranks: list[RankEntry], n: int) -> list[RankEntry]:
     """The ``n`` worst of ``ranks``, by rank: the summary's order (worst state first, then the
     culprits of the document's alerts, then by rank) picks them."""
-    culprits = {r for alert in document["alerts"] for r in alert["ranks"]}
-    chosen = sorted(
-        ranks, key=lambda e: (_STATE_ORDER[e["state"]], e["rank"] not in culprits, e["rank"])
-    )[:n]
-    return sorted(chosen, key=lambda e: int(e["rank"]))
+    culprits = {r for alert in document.alerts for r in alert.ranks}
+    by_rank = {e.rank: e for e in ranks}
+    states = {rank: e.state for rank, e in by_rank.items()}
+    return [by_rank[r] for r in sorted(worst_ranks(by_rank, states, culprits, n))]
 
 
 class StatusCollector:
@@ -88,7 +85,7 @@ class StatusCollector:
 
     def __init__(
         self,
-        status: Callable[[], dict[str, Any]],
+        status: Callable[[], StatusDocument],
         summary: Summary | None = None,
         max_ranks: int = DEFAULT_MAX_RANKS,
     ) -> None:
@@ -99,28 +96,28 @@ class StatusCollector:
         self._summary = summary
         self.max_ranks = max_ranks
 
-    def read(self) -> tuple[dict[str, Any], list[dict[str, Any]], int, dict[str, int]]:
+    def read(self) -> tuple[StatusDocument, list[RankEntry], int, dict[str, int]]:
         """The document to read, the ranks to export (by rank), how many ranks the whole
         document lists, and how many of them are in each state."""
         if self._summary is not None:
-            document = self._summary(self.max_ranks)
-            total: int = document["summary"]["ranks"]
+            reply = self._summary(self.max_ranks)
+            total = reply.summary.ranks
             if total > self.max_ranks:  # never the whole document
-                ranks = sorted(document["ranks"], key=lambda e: int(e["rank"]))
-                return document, ranks, total, dict(document["summary"]["states"])
+                ranks = sorted(reply.ranks, key=lambda e: e.rank)
+                return reply, ranks, total, dict(reply.summary.states)
         document = self._status()
-        ranks = document["ranks"]
-        counts = Counter(rank["state"] for rank in ranks)
+        ranks = document.ranks
+        counts = Counter(rank.state for rank in ranks)
         if len(ranks) > self.max_ranks:
             ranks = worst(document, ranks, self.max_ranks)
-        return document, ranks, len(document["ranks"]), dict(counts)
+        return document, ranks, len(document.ranks), dict(counts)
 
     def collect(self) -> Iterator[Metric]:
         document, ranks, total, counts = self.read()
         for name, key, doc in RANK_GAUGES:
             family = GaugeMetricFamily(name, doc, labels=RANK_LABELS)
             for rank in ranks:
-                value = rank.get(key)
+                value = getattr(rank, key)
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     family.add_metric(_labels(rank), float(value))
             yield family
@@ -129,7 +126,7 @@ class StatusCollector:
         )
         for rank in ranks:
             for name in STATES:
-                state.add_metric([*_labels(rank), name], 1.0 if rank["state"] == name else 0.0)
+                state.add_metric([*_labels(rank), name], 1.0 if rank.state == name else 0.0)
         yield state
         yield GaugeMetricFamily(
             "ddpwatch_ranks", "Ranks in the status document (not_connected too).", value=total
@@ -147,43 +144,43 @@ class StatusCollector:
         yield by_state
         alerts = GaugeMetricFamily("ddpwatch_alerts", "Active alerts.", labels=["kind", "severity"])
         for (kind, severity), count in sorted(
-            Counter((a["kind"], a["severity"]) for a in document["alerts"]).items()
+            Counter((a.kind, a.severity) for a in document.alerts).items()
         ):
             alerts.add_metric([kind, severity], float(count))
         yield alerts
-        world = document["world_size"]
+        world = document.world_size
         if world is not None:
             yield GaugeMetricFamily("ddpwatch_world_size", "Known world size.", value=float(world))
-        stats = document["stats"]
+        stats = document.stats
         yield CounterMetricFamily(
-            "ddpwatch_messages_received", "Valid messages taken in.", value=stats["received"]
+            "ddpwatch_messages_received", "Valid messages taken in.", value=stats.received
         )
         yield CounterMetricFamily(
-            "ddpwatch_messages_rejected", "Frames dropped as invalid.", value=stats["rejected"]
+            "ddpwatch_messages_rejected", "Frames dropped as invalid.", value=stats.rejected
         )
         yield CounterMetricFamily(
             "ddpwatch_messages_shed",
             "Heartbeats counted unread while the server was far behind (newer ones followed).",
-            value=stats["shed"],
+            value=stats.shed,
         )
 
 
 def summary_from_query(query_json: Callable[[bytes], bytes]) -> Summary:
     """A ``Summary`` asking ``Server.query_json``: cached by the server for the tick."""
 
-    def summary(worst: int) -> dict[str, Any]:
-        reply: dict[str, Any] = msgspec.json.decode(
-            query_json(f"status?view=summary&worst={worst}".encode())
-        )
-        if "error" in reply:
-            raise RuntimeError(f"the status summary failed: {reply['error']}")
-        return reply
+    def summary(worst: int) -> SummaryReply:
+        reply = query_json(Query(view="summary", worst=worst).request())
+        try:
+            return msgspec.json.decode(reply, type=SummaryReply)
+        except msgspec.ValidationError:
+            error = msgspec.json.decode(reply).get("error")
+            raise RuntimeError(f"the status summary failed: {error}") from None
 
     return summary
 
 
 def serve_metrics(
-    status: Callable[[], dict[str, Any]],
+    status: Callable[[], StatusDocument],
     port: int,
     host: str = "127.0.0.1",
     *,

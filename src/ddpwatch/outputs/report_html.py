@@ -11,9 +11,7 @@ from ddpwatch.outputs.postmortem import (
     Culprit,
     RunReport,
     event_text,
-    fmt_bytes,
     fmt_change,
-    fmt_seconds,
 )
 from ddpwatch.outputs.report_svg import PALETTE, Line, line_chart
 from ddpwatch.outputs.report_text import (
@@ -25,6 +23,7 @@ from ddpwatch.outputs.report_text import (
     ranks_text,
     shown_ranks,
 )
+from ddpwatch.status.fmt import byte_unit, elapsed, report_bytes, step_seconds
 
 CHART_RANKS = len(PALETTE)  # more lines than colours cannot be told apart
 
@@ -88,9 +87,9 @@ def _pre(text: str, css: str = "") -> str:
 
 def _verdict(report: RunReport) -> str:
     bad = any(
-        (e.get("alert") or {}).get("severity") == Severity.ERROR
+        e.alert.severity == Severity.ERROR
         for e in report.history
-        if e.get("event") != HistoryEvent.CLEARED
+        if e.event != HistoryEvent.CLEARED
     )
     css = "verdict bad" if bad else "verdict"
     return f'<p class="{css}"><strong>Verdict:</strong> {escape(report.verdict)}</p>'
@@ -108,10 +107,8 @@ def memory_metric(runs: list[RunReport]) -> str:
 
 
 def _memory_unit(top: float) -> tuple[float, str]:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if top >= size:
-            return float(size), unit
-    return 1.0, "bytes"
+    found = byte_unit(top)
+    return (1.0, "bytes") if found is None else (float(found[0]), found[1])
 
 
 def _lines(report: RunReport, metric: str) -> list[Line]:
@@ -207,18 +204,17 @@ def _timeline(report: RunReport) -> str:
         return "<p>No alerts were raised.</p>"
     rows = []
     for entry in report.history:
-        alert = entry.get("alert") or {}
-        event = event_text(entry)
-        severity = str(alert.get("severity", ""))
+        alert = entry.alert
+        severity = alert.severity
         rows.append(
             [
-                escape(f"+{entry.get('elapsed_s', 0.0):.1f} s"),
-                escape(str(entry.get("time", ""))),
-                escape(event),
+                escape(elapsed(entry.elapsed_s)),
+                escape(entry.time),
+                escape(event_text(entry)),
                 f'<span class="{escape(severity)}">{escape(severity)}</span>',
-                escape(str(alert.get("kind", ""))),
-                escape(ranks_text(alert.get("ranks"))),
-                escape(str(alert.get("message", ""))),
+                escape(alert.kind),
+                escape(ranks_text(alert.ranks)),
+                escape(alert.message),
             ]
         )
     head = ["elapsed", "time", "event", "severity", "kind", "ranks", "message"]
@@ -235,8 +231,8 @@ def _ranks(report: RunReport) -> str:
             escape(r.host or "—"),
             escape(r.state or "—"),
             "—" if r.steps is None else str(r.steps),
-            escape(fmt_seconds(r.median_step_time_s)),
-            escape(fmt_bytes(r.peak_mem_bytes)),
+            escape(step_seconds(r.median_step_time_s)),
+            escape(report_bytes(r.peak_mem_bytes)),
             escape(alerts_text(r.alerts)),
         ]
         for r in shown
@@ -252,23 +248,19 @@ def _culprit(culprit: Culprit) -> str:
     where = f" at step {culprit.step}" if culprit.step is not None else ""
     out = [f"<h3>rank {culprit.rank}: {escape(culprit.state or 'unknown')}{where}</h3>", "<ul>"]
     for alert in culprit.alerts:
-        severity = escape(str(alert.get("severity")))
+        severity = escape(alert.severity)
         out.append(
             f'<li><span class="{severity}">[{severity}]</span> '
-            f"<strong>{escape(str(alert.get('kind')))}</strong>: "
-            f"{escape(str(alert.get('message')))}"
-            + (f"<br>fix: {escape(str(alert['hint']))}" if alert.get("hint") else "")
+            f"<strong>{escape(alert.kind)}</strong>: {escape(alert.message)}"
+            + (f"<br>fix: {escape(alert.hint)}" if alert.hint else "")
             + "</li>"
         )
     out.append("</ul>")
     error = culprit.error
-    if error:
-        out.append(
-            f"<p>Error: <code>{escape(str(error.get('type')))}: "
-            f"{escape(str(error.get('message') or ''))}</code></p>"
-        )
-        if error.get("traceback"):
-            out += ["<p>Traceback:</p>", _pre(str(error["traceback"]), "traceback")]
+    if error is not None:
+        out.append(f"<p>Error: <code>{escape(error.type)}: {escape(error.message)}</code></p>")
+        if error.traceback:
+            out += ["<p>Traceback:</p>", _pre(error.traceback, "traceback")]
     if culprit.stack:
         out += ["<p>Last stack:</p>", _pre(culprit.stack, "stack")]
     if culprit.log_tail:
@@ -317,11 +309,11 @@ def _pairs(a: RunReport, b: RunReport) -> str:
                 str(pair.rank),
                 "—" if x is None or x.steps is None else str(x.steps),
                 "—" if y is None or y.steps is None else str(y.steps),
-                escape(fmt_seconds(x and x.median_step_time_s)),
-                escape(fmt_seconds(y and y.median_step_time_s)),
+                escape(step_seconds(x and x.median_step_time_s)),
+                escape(step_seconds(y and y.median_step_time_s)),
                 escape(fmt_change(x and x.median_step_time_s, y and y.median_step_time_s)),
-                escape(fmt_bytes(x and x.peak_mem_bytes)),
-                escape(fmt_bytes(y and y.peak_mem_bytes)),
+                escape(report_bytes(x and x.peak_mem_bytes)),
+                escape(report_bytes(y and y.peak_mem_bytes)),
                 escape(fmt_change(x and x.peak_mem_bytes, y and y.peak_mem_bytes)),
                 escape(alerts_text(x.alerts if x else ())),
                 escape(alerts_text(y.alerts if y else ())),

@@ -9,6 +9,8 @@ import re
 from dataclasses import asdict
 from typing import Any
 
+import msgspec
+
 from ddpwatch.core.vocabulary import RankState
 from ddpwatch.diagnosis.history import iso_time
 from ddpwatch.outputs.postmortem import (
@@ -16,13 +18,11 @@ from ddpwatch.outputs.postmortem import (
     RankStats,
     RunReport,
     event_text,
-    fmt_bytes,
     fmt_change,
-    fmt_duration,
-    fmt_seconds,
     pair_ranks,
     ratio,
 )
+from ddpwatch.status.fmt import duration, elapsed, report_bytes, step_seconds
 
 REPORT_SCHEMA = 1
 TABLE_ROWS = 256  # ranks listed in a table; the JSON has them all
@@ -37,13 +37,12 @@ _INT_METRICS = frozenset({"step", "mem_allocated_bytes", "gpu_mem_used_bytes"})
 
 def header_line(report: RunReport) -> str:
     """When the job ran, for how long, how big: the line under every title."""
-    doc = report.document
-    started = doc.get("job_started")
+    started = report.document.job_started
     seen = [r for r in report.ranks if r.state != RankState.NOT_CONNECTED]
     parts = []
-    if isinstance(started, (int, float)) and report.frames:
+    if started is not None and report.frames:
         parts.append(f"started {iso_time(started, 'seconds')}")
-    parts.append(f"ran {fmt_duration(report.duration_s)}")
+    parts.append(f"ran {duration(report.duration_s)}")
     parts.append(f"{len(seen)} rank{'s' if len(seen) != 1 else ''}")
     parts.append(f"{report.frames} messages recorded")
     return ", ".join(parts)
@@ -129,18 +128,17 @@ def to_markdown(report: RunReport) -> str:
         lines.append(_row(["elapsed", "time", "event", "severity", "kind", "ranks", "message"]))
         lines.append("|---:|---|---|---|---|---|---|")
         for entry in report.history:
-            alert = entry.get("alert") or {}
-            event = event_text(entry)
+            alert = entry.alert
             lines.append(
                 _row(
                     [
-                        f"+{entry.get('elapsed_s', 0.0):.1f} s",
-                        entry.get("time", ""),
-                        event,
-                        alert.get("severity", ""),
-                        alert.get("kind", ""),
-                        ranks_text(alert.get("ranks")),
-                        alert.get("message", ""),
+                        elapsed(entry.elapsed_s),
+                        entry.time,
+                        event_text(entry),
+                        alert.severity,
+                        alert.kind,
+                        ranks_text(alert.ranks),
+                        alert.message,
                     ]
                 )
             )
@@ -185,8 +183,8 @@ def _rank_table(report: RunReport) -> list[str]:
                     r.host or "—",
                     r.state or "—",
                     "—" if r.steps is None else r.steps,
-                    fmt_seconds(r.median_step_time_s),
-                    fmt_bytes(r.peak_mem_bytes),
+                    step_seconds(r.median_step_time_s),
+                    report_bytes(r.peak_mem_bytes),
                     alerts_text(r.alerts),
                     f"`{spark}`" if spark else "",
                 ]
@@ -201,15 +199,14 @@ def _culprit(culprit: Culprit) -> list[str]:
     where = f" at step {culprit.step}" if culprit.step is not None else ""
     lines = [f"### rank {culprit.rank}: {culprit.state or 'unknown'}{where}", ""]
     for alert in culprit.alerts:
-        lines.append(f"- **[{alert['severity']}] {alert['kind']}**: {_text(alert['message'])}")
-        if alert.get("hint"):
-            lines.append(f"  fix: {_text(alert['hint'])}")
+        lines.append(f"- **[{alert.severity}] {alert.kind}**: {_text(alert.message)}")
+        if alert.hint:
+            lines.append(f"  fix: {_text(alert.hint)}")
     error = culprit.error
-    if error:
-        message = _text(error.get("message") or "")
-        lines += ["", f"Error: **{_text(error.get('type'))}**: {message}"]
-        if error.get("traceback"):
-            lines += ["", "Traceback:", "", *_fence(str(error["traceback"]))]
+    if error is not None:
+        lines += ["", f"Error: **{_text(error.type)}**: {_text(error.message)}"]
+        if error.traceback:
+            lines += ["", "Traceback:", "", *_fence(error.traceback)]
     if culprit.stack:
         lines += ["", "Last stack:", "", *_fence(culprit.stack)]
     if culprit.log_tail:
@@ -261,11 +258,11 @@ def compare_markdown(runs: list[RunReport]) -> str:
                     pair.rank,
                     _steps(x),
                     _steps(y),
-                    fmt_seconds(x and x.median_step_time_s),
-                    fmt_seconds(y and y.median_step_time_s),
+                    step_seconds(x and x.median_step_time_s),
+                    step_seconds(y and y.median_step_time_s),
                     fmt_change(x and x.median_step_time_s, y and y.median_step_time_s),
-                    fmt_bytes(x and x.peak_mem_bytes),
-                    fmt_bytes(y and y.peak_mem_bytes),
+                    report_bytes(x and x.peak_mem_bytes),
+                    report_bytes(y and y.peak_mem_bytes),
                     fmt_change(x and x.peak_mem_bytes, y and y.peak_mem_bytes),
                     alerts_text(x.alerts if x else ()),
                     alerts_text(y.alerts if y else ()),
@@ -295,25 +292,25 @@ def overview_rows(a: RunReport, b: RunReport) -> list[tuple[str, str, str, str]]
 
     return [
         ("verdict", a.verdict, b.verdict, ""),
-        ("duration", fmt_duration(a.duration_s), fmt_duration(b.duration_s), ""),
+        ("duration", duration(a.duration_s), duration(b.duration_s), ""),
         ("ranks seen", seen(a), seen(b), ""),
         ("alerts raised", str(a.alerts_raised), str(b.alerts_raised), ""),
         (
             "median step time, all ranks",
-            fmt_seconds(a.median_step_time_s),
-            fmt_seconds(b.median_step_time_s),
+            step_seconds(a.median_step_time_s),
+            step_seconds(b.median_step_time_s),
             fmt_change(a.median_step_time_s, b.median_step_time_s),
         ),
         (
             "median step time, slowest rank",
-            fmt_seconds(a.slowest_step_time_s),
-            fmt_seconds(b.slowest_step_time_s),
+            step_seconds(a.slowest_step_time_s),
+            step_seconds(b.slowest_step_time_s),
             fmt_change(a.slowest_step_time_s, b.slowest_step_time_s),
         ),
         (
             "peak memory, any rank",
-            fmt_bytes(a.peak_mem_bytes),
-            fmt_bytes(b.peak_mem_bytes),
+            report_bytes(a.peak_mem_bytes),
+            report_bytes(b.peak_mem_bytes),
             fmt_change(a.peak_mem_bytes, b.peak_mem_bytes),
         ),
     ]
@@ -395,8 +392,11 @@ def run_data(report: RunReport) -> dict[str, Any]:
                 "rank": c.rank,
                 "state": c.state,
                 "step": c.step,
-                "alerts": list(c.alerts),
-                "error": c.error,
+                "alerts": [
+                    {"kind": a.kind, "severity": a.severity, "message": a.message, "hint": a.hint}
+                    for a in c.alerts
+                ],
+                "error": None if c.error is None else msgspec.to_builtins(c.error),
                 "stack": c.stack,
                 "log_tail": list(c.log_tail),
             }
@@ -407,7 +407,7 @@ def run_data(report: RunReport) -> dict[str, Any]:
         "time_lost": [asdict(h) for a in run.accounts for h in a.held],
         "attempts": [{"attempt": a.attempt, "verdict": a.text} for a in run.accounts],
         "series": series,
-        "status": report.document,
+        "status": msgspec.to_builtins(report.document),
     }
 
 

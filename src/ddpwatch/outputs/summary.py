@@ -11,15 +11,17 @@ from typing import Any
 
 from ddpwatch.core.vocabulary import RankState
 from ddpwatch.diagnosis.history import NEW_ATTEMPT
-from ddpwatch.diagnosis.verdict import Episode, Run, duration, held_up_text, read_run
+from ddpwatch.diagnosis.verdict import Episode, Run, held_up_text, read_run
+from ddpwatch.status.fmt import duration, elapsed
+from ddpwatch.status.schema import RankEntry, StatusDocument
 
 ALERTS_LISTED = 20
 
 
-def summary_lines(document: dict[str, Any], not_started: str | None = None) -> list[str]:
+def summary_lines(document: StatusDocument, not_started: str | None = None) -> list[str]:
     """The summary, one line per item, without a prefix. ``not_started``: why the launcher
     ended before any rank reported (its own words, ``launch_failure``), when it did."""
-    ranks: list[dict[str, Any]] = [r for r in document.get("ranks", []) if isinstance(r, dict)]
+    ranks = document.ranks
     run = read_run(document)
     lines = [_overview(document, ranks, run)]
     if run.episodes:
@@ -40,10 +42,10 @@ def summary_lines(document: dict[str, Any], not_started: str | None = None) -> l
     held = [h for account in run.accounts for h in account.held]
     if held:
         lines.append("time lost: " + "; ".join(held_up_text(h, run.run_s) for h in held))
-    ends = [(r["rank"], _ending(r)) for r in ranks]
+    ends = [(r.rank, _ending(r)) for r in ranks]
     if any(end for _, end in ends):
         lines.append("ranks: " + " · ".join(f"{rank} {end}" for rank, end in ends if end))
-    seen = any(r.get("state") != RankState.NOT_CONNECTED for r in ranks)
+    seen = any(r.state != RankState.NOT_CONNECTED for r in ranks)
     if not_started is not None and not seen:
         lines.append(f"verdict: the job did not start: {not_started}")
     elif len(run.accounts) == 1:
@@ -54,7 +56,7 @@ def summary_lines(document: dict[str, Any], not_started: str | None = None) -> l
     return lines
 
 
-def verdict(document: dict[str, Any]) -> str:
+def verdict(document: StatusDocument) -> str:
     """One sentence (one per attempt, joined): what ended the job, or that it finished or
     was still running; then who held the others up and for how long, and the other errors
     (``diagnosis/verdict.py``)."""
@@ -64,10 +66,10 @@ def verdict(document: dict[str, Any]) -> str:
 def episode_line(episode: Episode, end_s: float) -> str:
     """One alert episode with its own times: "+5.1 s [error] straggler (warning until
     +13.1 s), cleared after 10.0 s: rank 0 has not entered barrier #46 …"."""
-    line = f"+{episode.raised_s:.1f} s [{episode.severity}] {episode.kind}"
+    line = f"{elapsed(episode.raised_s)} [{episode.severity}] {episode.kind}"
     if episode.escalated_s is not None:
         was = episode.first_kind or episode.first_severity
-        line += f" ({was} until +{episode.escalated_s:.1f} s)"
+        line += f" ({was} until {elapsed(episode.escalated_s)})"
     up = duration(episode.duration_s(end_s))
     if episode.closed_by == NEW_ATTEMPT:
         line += f", ended with attempt {episode.attempt} after {up}"
@@ -78,10 +80,10 @@ def episode_line(episode: Episode, end_s: float) -> str:
     return line + f": {episode.message}"
 
 
-def _overview(document: dict[str, Any], ranks: list[dict[str, Any]], run: Run) -> str:
-    seen = [r for r in ranks if r.get("state") != RankState.NOT_CONNECTED]
-    hosts = {r.get("host") for r in seen if r.get("host")}
-    steps = [r["step"] for r in seen if isinstance(r.get("step"), int)]
+def _overview(document: StatusDocument, ranks: list[RankEntry], run: Run) -> str:
+    seen = [r for r in ranks if r.state != RankState.NOT_CONNECTED]
+    hosts = {r.host for r in seen if r.host}
+    steps = [r.step for r in seen if r.step is not None]
     parts = []
     if run.run_s is not None:
         parts.append(f"ran {duration(run.run_s)}")
@@ -89,8 +91,8 @@ def _overview(document: dict[str, Any], ranks: list[dict[str, Any]], run: Run) -
         parts.append(f"{len(run.accounts)} attempts (the launcher restarted it)")
     host_text = f" on {len(hosts)} host{'s' if len(hosts) != 1 else ''}" if hosts else ""
     parts.append(f"{len(seen)} rank{'s' if len(seen) != 1 else ''} seen{host_text}")
-    world = document.get("world_size")
-    if isinstance(world, int) and world > len(seen):
+    world = document.world_size
+    if world is not None and world > len(seen):
         parts.append(f"{world - len(seen)} of {world} never reported")
     if steps:
         low, high = min(steps), max(steps)
@@ -98,15 +100,15 @@ def _overview(document: dict[str, Any], ranks: list[dict[str, Any]], run: Run) -
     return ", ".join(parts)
 
 
-def _ending(rank: dict[str, Any]) -> str:
+def _ending(rank: RankEntry) -> str:
     """How a rank ended: "finished", "exit 3", "SIGKILL", "crashed (RuntimeError), exit 1",
     or "" while it runs."""
-    state = rank.get("state")
-    code, signal = rank.get("exit_code"), rank.get("exit_signal")
+    state = rank.state
+    code, signal = rank.exit_code, rank.exit_signal
     how = signal if signal else (f"exit {code}" if code is not None else "")
     if state == RankState.CRASHED:
-        error = rank.get("error") or {}
-        kind = f"crashed ({error.get('type')})" if error.get("type") else "crashed"
+        error = rank.error
+        kind = f"crashed ({error.type})" if error is not None and error.type else "crashed"
         return f"{kind}, {how}" if how else kind
     if state == RankState.EXITED and not signal and code in (0, None):
         return "finished"
@@ -116,7 +118,7 @@ def _ending(rank: dict[str, Any]) -> str:
 
 
 def print_summary(
-    document: dict[str, Any], file: Any, prefix: str = "ddpwatch: ", not_started: str | None = None
+    document: StatusDocument, file: Any, prefix: str = "ddpwatch: ", not_started: str | None = None
 ) -> None:
     """Write the summary under a rule line, each line prefixed like the alert stream."""
     print(f"{prefix}── summary " + "─" * 40, file=file)

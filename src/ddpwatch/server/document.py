@@ -1,9 +1,9 @@
-"""The status JSON document (a contract: see docs/status.md), built from state and alerts."""
+"""The status JSON document (a contract: see docs/status.md), built from state and alerts into
+the schema of ``status/schema.py``."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from ddpwatch.core.protocol import Collective
 from ddpwatch.core.vocabulary import RankState
@@ -14,8 +14,19 @@ from ddpwatch.server.host_memory import growth
 from ddpwatch.server.records import RankRecord
 from ddpwatch.server.relays import relay_entry
 from ddpwatch.server.state import PastAttempt, ServerState
+from ddpwatch.status.schema import (
+    SCHEMA,
+    CollectiveCounts,
+    CollectiveWait,
+    FinalCollective,
+    HistoryEntry,
+    PastAttemptEntry,
+    RankEntry,
+    RankError,
+    Stats,
+    StatusDocument,
+)
 
-SCHEMA = 1
 LOG_TAIL_IN_STATUS = 20
 
 
@@ -28,91 +39,82 @@ def rank_entry(
     as_of: float | None = None,
     since: float = -math.inf,
     stepping: bool = False,
-) -> dict[str, Any]:
+) -> RankEntry:
     """One rank as the status JSON shows it; unknown values are None, never omitted. Its
     ``state`` is judged as of ``as_of`` (``ServerState.as_of``), silence counted from
     ``since`` (``ServerState.listening_since``), with no start-up grace once a rank is
     ``stepping`` (``ServerState.stepping_since``), like diagnosis does."""
     age = record.collective_age(now)
     collective = (
-        {"op": record.collective.op, "seq": record.collective.seq, "since_s": round(age or 0.0, 3)}
+        CollectiveWait(record.collective.op, record.collective.seq, round(age or 0.0, 3))
         if record.collective is not None
         else None
     )
     error = (
-        {
-            "type": record.error.type,
-            "message": record.error.message,
-            "traceback": record.error.traceback,
-        }
+        RankError(record.error.type, record.error.message, record.error.traceback)
         if record.error is not None
         else None
     )
     loss = record.loss if record.loss is None or math.isfinite(record.loss) else None
-    return {
-        "rank": record.rank,
-        "local_rank": record.local_rank,
-        "world_size": record.world_size,
-        "host": record.host,
-        "pid": record.pid,
-        "device": record.device,
-        "device_uuid": record.device_uuid,
-        "device_pci_bus_id": record.device_pci_bus_id,
-        "state": rank_state(
-            record, now if as_of is None else as_of, th, stall_after, since, stepping
-        ),
-        "phase": record.phase,
-        "step": record.step,
-        "loss": loss,
-        "step_time_s": record.step_time_s,
-        "mem_allocated_bytes": record.mem_allocated_bytes,
-        "mem_reserved_bytes": record.mem_reserved_bytes,
-        "gpu_mem_used_bytes": record.gpu_mem_used_bytes,
-        "gpu_mem_total_bytes": record.gpu_mem_total_bytes,
-        "collective": collective,
-        "last_seen_s": round(max(0.0, now - record.last_seen), 3),
-        "stack": record.stack,
-        "error": error,
+    counts = record.collectives
+    return RankEntry(
+        rank=record.rank,
+        local_rank=record.local_rank,
+        world_size=record.world_size,
+        host=record.host,
+        pid=record.pid,
+        device=record.device,
+        device_uuid=record.device_uuid,
+        device_pci_bus_id=record.device_pci_bus_id,
+        state=rank_state(record, now if as_of is None else as_of, th, stall_after, since, stepping),
+        phase=record.phase,
+        step=record.step,
+        loss=loss,
+        step_time_s=record.step_time_s,
+        mem_allocated_bytes=record.mem_allocated_bytes,
+        mem_reserved_bytes=record.mem_reserved_bytes,
+        gpu_mem_used_bytes=record.gpu_mem_used_bytes,
+        gpu_mem_total_bytes=record.gpu_mem_total_bytes,
+        collective=collective,
+        last_seen_s=round(max(0.0, now - record.last_seen), 3),
+        stack=record.stack,
+        error=error,
         # additions beyond the contract's minimum
-        "local_world_size": record.local_world_size,
-        "node_rank": record.node_rank,
-        "launcher": record.launcher,
-        "device_name": record.device_name,
-        "device_index": record.device_index,
-        "avg_step_time_s": record.avg_step_time_s,
-        "data_wait_s": record.data_wait_s,
-        "collective_time_s": record.collective_time_s,
-        "input_wait_s": record.input_wait_s,
-        "compute_s": record.compute_s,
-        "grad_wait_s": record.grad_wait_s,
-        "mem_peak_bytes": record.mem_peak_bytes,
-        "gpu_pids": record.gpu_pids,
-        "host_rss_bytes": record.host_rss_bytes,
-        "workers_rss_bytes": record.workers_rss_bytes,
-        "host_mem_growth_bytes_per_s": _host_growth(record),
-        "host_available_bytes": record.host_available_bytes,
-        "host_total_bytes": record.host_total_bytes,
-        "cgroup_limit_bytes": record.cgroup_limit_bytes,
-        "cgroup_used_bytes": record.cgroup_used_bytes,
-        "exit_code": record.exit_code,
-        "exit_signal": record.exit_signal,
-        "final_collective": _collective(record.final_collective),
-        "collectives": (
-            None
-            if record.collectives is None
-            else {"py": record.collectives.py, "fr": record.collectives.fr}
-        ),
-        "nan_step": record.nan_step,
-        "nan_exact": record.nan_exact,
-        "grad_nan_step": record.grad_nan_step,
-        "pg_timeout_s": record.pg_timeout_s,
-        "simulated": record.simulated,
-        "phase_since_s": None if record.phase_since is None else round(now - record.phase_since, 3),
-        "log_tail": list(record.log_tail)[-LOG_TAIL_IN_STATUS:],
-        "checkpoints": list(record.checkpoint_paths),
-        "attempt": record.attempt,
-        "ended_at": _ended_at(record),
-    }
+        local_world_size=record.local_world_size,
+        node_rank=record.node_rank,
+        launcher=record.launcher,
+        device_name=record.device_name,
+        device_index=record.device_index,
+        avg_step_time_s=record.avg_step_time_s,
+        data_wait_s=record.data_wait_s,
+        collective_time_s=record.collective_time_s,
+        input_wait_s=record.input_wait_s,
+        compute_s=record.compute_s,
+        grad_wait_s=record.grad_wait_s,
+        mem_peak_bytes=record.mem_peak_bytes,
+        gpu_pids=record.gpu_pids,
+        host_rss_bytes=record.host_rss_bytes,
+        workers_rss_bytes=record.workers_rss_bytes,
+        host_mem_growth_bytes_per_s=_host_growth(record),
+        host_available_bytes=record.host_available_bytes,
+        host_total_bytes=record.host_total_bytes,
+        cgroup_limit_bytes=record.cgroup_limit_bytes,
+        cgroup_used_bytes=record.cgroup_used_bytes,
+        exit_code=record.exit_code,
+        exit_signal=record.exit_signal,
+        final_collective=_collective(record.final_collective),
+        collectives=None if counts is None else CollectiveCounts(counts.py, counts.fr),
+        nan_step=record.nan_step,
+        nan_exact=record.nan_exact,
+        grad_nan_step=record.grad_nan_step,
+        pg_timeout_s=record.pg_timeout_s,
+        simulated=record.simulated,
+        phase_since_s=None if record.phase_since is None else round(now - record.phase_since, 3),
+        log_tail=list(record.log_tail)[-LOG_TAIL_IN_STATUS:],
+        checkpoints=list(record.checkpoint_paths),
+        attempt=record.attempt,
+        ended_at=_ended_at(record),
+    )
 
 
 def _ended_at(record: RankRecord) -> float | None:
@@ -128,17 +130,13 @@ def _host_growth(record: RankRecord) -> float | None:
     return None if found is None else round(found.rate, 1)
 
 
-def _collective(c: Collective | None) -> dict[str, Any] | None:
-    if c is None:
-        return None
-    return {"op": c.op, "seq": c.seq, "shape": c.shape, "dtype": c.dtype}
+def _collective(c: Collective | None) -> FinalCollective | None:
+    return None if c is None else FinalCollective(c.op, c.seq, c.shape, c.dtype)
 
 
-def missing_entry(rank: int, world_size: int) -> dict[str, Any]:
-    """A rank below the known world size that has never reported."""
-    entry: dict[str, Any] = dict.fromkeys(_FIELDS)
-    entry.update(rank=rank, world_size=world_size, state=RankState.NOT_CONNECTED, simulated=False)
-    return entry
+def missing_entry(rank: int, world_size: int) -> RankEntry:
+    """A rank below the known world size that has never reported: every other field null."""
+    return RankEntry(rank=rank, world_size=world_size, state=RankState.NOT_CONNECTED)
 
 
 def status_document(
@@ -146,8 +144,8 @@ def status_document(
     alerts: list[Alert],
     now: float,
     th: Thresholds,
-    history: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
+    history: list[HistoryEntry] | None = None,
+) -> StatusDocument:
     """The whole ``ddpwatch status --json`` document; ``history``: the alert timeline's
     entries (``AlertTracker.entries``), oldest first."""
     stall_after = effective_stall_after(state, th)
@@ -160,60 +158,55 @@ def status_document(
         )
         for r in sorted(state.ranks)
     ]
-    if world_size:
-        missing = [r for r in range(world_size) if r not in state.ranks]
+    missing = state.missing_ranks()  # below the world size, MAX_WORLD at most
+    if world_size and missing:
         ranks = sorted(
-            ranks + [missing_entry(r, world_size) for r in missing], key=lambda e: e["rank"]
+            ranks + [missing_entry(r, world_size) for r in missing], key=lambda e: e.rank
         )
     attempts = [_past_attempt(past, now, state) for past in state.past_attempts]
     return document_around(ranks, state, alerts, now, history, attempts)
 
 
 def document_around(
-    ranks: list[dict[str, Any]],
+    ranks: list[RankEntry],
     state: ServerState,
     alerts: list[Alert],
     now: float,
-    history: list[dict[str, Any]] | None = None,
-    attempts: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
+    history: list[HistoryEntry] | None = None,
+    attempts: list[PastAttemptEntry] | None = None,
+) -> StatusDocument:
     """The document with these rank entries: ``status_document`` gives every rank (and the
-    past attempts' ranks), the paged queries (``server/query.py``) some, in the same
+    past attempts' ranks), the paged queries (``server/pages.py``) some, in the same
     envelope."""
-    return {
-        "schema": SCHEMA,
-        "server_time": now,
-        "world_size": state.world_size,
-        "ranks": ranks,
-        "alerts": [alert.to_dict() for alert in alerts],
-        "stats": {
-            "received": state.received,
-            "rejected": state.rejected,
-            "shed": state.shed,
-            "lag_s": round(now - state.as_of(now), 3),
-        },
-        "history": history or [],
-        "job_started": state.job_started,
-        "relays": [relay_entry(relay, now) for relay in state.relays.values()],
-        "attempt": state.attempt,
-        "attempts": attempts or [],
-    }
+    return StatusDocument(
+        schema=SCHEMA,
+        server_time=now,
+        world_size=state.world_size,
+        ranks=ranks,
+        alerts=[alert.entry() for alert in alerts],
+        stats=Stats(
+            received=state.received,
+            rejected=state.rejected,
+            shed=state.shed,
+            lag_s=round(now - state.as_of(now), 3),
+        ),
+        history=history or [],
+        job_started=state.job_started,
+        relays=[relay_entry(relay, now) for relay in state.relays.values()],
+        attempt=state.attempt,
+        attempts=attempts or [],
+    )
 
 
-def _past_attempt(past: PastAttempt, now: float, state: ServerState) -> dict[str, Any]:
+def _past_attempt(past: PastAttempt, now: float, state: ServerState) -> PastAttemptEntry:
     """An attempt the launcher restarted the job after, as its ranks ended."""
     th = Thresholds()  # every rank of it ended: no threshold changes how it reads
-    return {
-        "attempt": past.attempt,
-        "started": past.started,
-        "ended": past.ended,
-        "ranks": [
+    return PastAttemptEntry(
+        attempt=past.attempt,
+        started=past.started,
+        ended=past.ended,
+        ranks=[
             rank_entry(past.records[r], now, th, th.stall_after, since=state.listening_since)
             for r in sorted(past.records)
         ],
-    }
-
-
-_FIELDS = tuple(
-    rank_entry(RankRecord(rank=0, first_seen=0.0, last_seen=0.0), 0.0, Thresholds(), 10.0)
-)
+    )

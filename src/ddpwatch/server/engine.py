@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 
@@ -24,8 +23,10 @@ from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.history import AlertChange, AlertTracker
 from ddpwatch.diagnosis.rules import Diagnosis
 from ddpwatch.server.document import status_document
-from ddpwatch.server.query import QueryCache, QueryError, TickView, error_reply, parse_request
+from ddpwatch.server.pages import QueryCache, TickView, error_reply
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.query import Query, QueryError
+from ddpwatch.status.schema import StatusDocument
 
 TICK_S = 0.25  # how often the live server diagnoses; a recording without ticks replays at it
 
@@ -84,8 +85,8 @@ class Engine:
         self.diagnosis = Diagnosis()
         self.lock = threading.RLock()
         self.queries = QueryCache()  # paged queries' replies, per tick like the document
-        self._document: dict[str, Any] | None = None
-        self._encoded: tuple[dict[str, Any], bytes] | None = None  # a document, encoded
+        self._document: StatusDocument | None = None
+        self._encoded: tuple[StatusDocument, bytes] | None = None  # a document, encoded
 
     # ---------------------------------------------------------------- judging
 
@@ -114,7 +115,7 @@ class Engine:
 
     # ---------------------------------------------------------------- reading
 
-    def document(self) -> dict[str, Any]:
+    def document(self) -> StatusDocument:
         """The status document as of the last tick, built once per tick (at the first ask)
         however many viewers ask: 8,192 ranks take tens of milliseconds. Read-only."""
         with self.lock:
@@ -122,7 +123,7 @@ class Engine:
                 self._document = self.document_at(self.clock())
             return self._document
 
-    def document_at(self, now: float) -> dict[str, Any]:
+    def document_at(self, now: float) -> StatusDocument:
         """The status document as of ``now``, built afresh (a replay's clock moves between
         ticks)."""
         with self.lock:
@@ -141,7 +142,7 @@ class Engine:
             return encoded[1]
 
     def query_json(self, request: bytes) -> bytes:
-        """The encoded reply to a ``status?...`` request (``server/query.py``): a summary or a
+        """The encoded reply to a ``status?...`` request (``server/pages.py``): a summary or a
         page built from a per-tick index, never the whole document; a bad request gets
         ``{"error": ...}``. Never raises: the query socket must always answer."""
         key = request.strip()
@@ -150,7 +151,7 @@ class Engine:
         if cached is not None:
             return cached
         try:
-            query = parse_request(key)  # outside the lock: a long rank list takes a moment
+            query = Query.from_request(key)  # outside the lock: a long rank list takes a moment
             with self.lock:
                 return self.queries.answer(key, query, self._tick_view)
         except QueryError as exc:
@@ -167,8 +168,8 @@ class Engine:
         self._with_refused(view.envelope)
         return view
 
-    def _with_refused(self, document: dict[str, Any]) -> dict[str, Any]:
+    def _with_refused(self, document: StatusDocument) -> StatusDocument:
         """The document (or a reply's envelope) with ``stats.refused``, an addition to the
         contract: the one place it is set."""
-        document["stats"]["refused"] = self.refused()
+        document.stats.refused = self.refused()
         return document

@@ -19,6 +19,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Protocol
 
+from ddpwatch.status.fmt import memory, mib_per_s
+
 POINT_S = 1.0
 """The least time between two points of a rank's window."""
 POINTS = 16
@@ -34,7 +36,6 @@ RISING = 0.75
 """...with at least this share of its steps between points rising."""
 NEAR_LIMIT = 0.9
 """A used share of the node's memory or the cgroup's limit at least this large is "near"."""
-MIB = float(1 << 20)
 GIB = float(1 << 30)
 
 
@@ -130,16 +131,6 @@ def used_share(r: HostMemoryRecord) -> tuple[float, str] | None:
 WHERE = {"cgroup": "its cgroup's memory limit", "node": "the node's memory"}
 
 
-def mib_s(rate: float) -> str:
-    return f"{rate / MIB:.1f} MiB/s"
-
-
-def size(value: float | None) -> str:
-    if value is None:
-        return "unknown"
-    return f"{value / GIB:.1f} GiB" if abs(value) >= GIB else f"{value / MIB:.0f} MiB"
-
-
 def oom_note(r: HostMemoryRecord) -> str:
     """A clause for a rank that died without a word (SIGKILL, silence), where its last
     heartbeats point at the kernel's OOM killer: memory near a limit, or growing steadily;
@@ -150,7 +141,9 @@ def oom_note(r: HostMemoryRecord) -> str:
     if share is not None and share[0] >= NEAR_LIMIT:
         said.append(f"{share[0]:.0%} of {WHERE[share[1]]} in use")
     if found is not None and found.steady:
-        said.append(f"its host memory growing {mib_s(found.rate)} ({size(r.host_rss_bytes)})")
+        said.append(
+            f"its host memory growing {mib_per_s(found.rate)} ({memory(r.host_rss_bytes)})"
+        )
     if not said:
         return ""
     return f"; its last heartbeats showed {' and '.join(said)}: likely the OOM killer"

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ddpwatch.core.protocol import Batch
 from ddpwatch.server.records import RankRecord
+from ddpwatch.status.schema import RelayEntry
 
 MAX_RELAYS = 65_536  # one per node; more are not tracked (and their batches not noted)
 RELAY_QUIET_S = 1.0
@@ -64,19 +64,19 @@ def note_batch(relays: dict[str, RelayRecord], batch: Batch, now: float) -> Rela
     return record
 
 
-def relay_entry(record: RelayRecord, now: float) -> dict[str, Any]:
+def relay_entry(record: RelayRecord, now: float) -> RelayEntry:
     """One relay as the status JSON shows it."""
-    return {
-        "relay": record.name,
-        "host": record.host,
-        "last_seen_s": round(max(0.0, now - record.last_seen), 3),
-        "ranks": sorted(record.ranks),
-        "batches": record.batches,
-        "frames": record.frames,
-        "dropped": record.dropped,
-        "coalesced": record.coalesced,
-        "lost_batches": record.lost_batches,
-    }
+    return RelayEntry(
+        relay=record.name,
+        host=record.host,
+        last_seen_s=round(max(0.0, now - record.last_seen), 3),
+        ranks=sorted(record.ranks),
+        batches=record.batches,
+        frames=record.frames,
+        dropped=record.dropped,
+        coalesced=record.coalesced,
+        lost_batches=record.lost_batches,
+    )
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from ddpwatch.diagnosis.rules import Diagnosis
 from ddpwatch.server.engine import TICK_S, Engine
 from ddpwatch.server.recording import Record, RecordingReader
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.schema import ReplayInfo, StatusDocument
 
 log = logging.getLogger("ddpwatch")
 
@@ -167,17 +168,17 @@ class ReplayServer:
 
     # ---------------------------------------------------------------- the views' side
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StatusDocument:
         """The status document as of the virtual now, built afresh: the clock moves."""
         with self.lock:
             now = self.clock()
             document = self.engine.document_at(now)
-        document["replay"] = {
-            "file": str(self.path),
-            "speed": self.speed,
-            "position_s": round(now - self.state.started, 3),
-            "finished": self.finished.is_set(),
-        }
+        document.replay = ReplayInfo(
+            file=str(self.path),
+            speed=self.speed,
+            position_s=round(now - self.state.started, 3),
+            finished=self.finished.is_set(),
+        )
         return document
 
     def status_json(self) -> bytes:

@@ -12,13 +12,14 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.history import AlertChange
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.engine import TICK_S, Engine
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.schema import StatusDocument
 
 if TYPE_CHECKING:
     from ddpwatch.core.security import ServerCurve
@@ -138,7 +139,7 @@ class Server:
                 self._on_change(change)
         return changes
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StatusDocument:
         """The status document as of the last tick (``Engine.document``). Read-only."""
         return self.engine.document()
 

@@ -6,67 +6,34 @@ kept open between requests (the dashboard of ``ddpwatch top`` polls through it);
 on when the environment names the server's key (``DDPWATCH_SERVER_KEY``).
 
 A summary or a page of ranks instead of the whole document (docs/status.md, "Summary and
-pages"): ``status_query(...)`` writes the query, ``StatusClient.query`` or
-``fetch_status(..., query=...)`` sends it; a refused query raises ``StatusQueryError``.
+pages"): a ``status.query.Query``, sent by ``StatusClient.query`` or
+``fetch_status(..., query=...)``; a refused query raises ``StatusQueryError``.
 """
 
 from __future__ import annotations
 
-import json
 import threading
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
-from urllib.parse import urlencode
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from ddpwatch.core.protocol import DEFAULT_PORT, MAX_QUERY_BYTES
+from ddpwatch.status.query import WHOLE, Query
+from ddpwatch.status.schema import PageReply, StatusDocument, SummaryReply
 
 if TYPE_CHECKING:
     import zmq
 
 _decoder = msgspec.json.Decoder()
+_document = msgspec.json.Decoder(StatusDocument)
+_page = msgspec.json.Decoder(PageReply)
+_summary = msgspec.json.Decoder(SummaryReply)
 
 
 class StatusQueryError(Exception):
     """The server refused a query (its ``{"error": ...}`` reply), or did not send JSON: the
     message says why, on one line."""
-
-
-def status_query(
-    *,
-    view: str | None = None,
-    ranks: str | Iterable[int] | None = None,
-    state: str | Iterable[str] | None = None,
-    host: str | Iterable[str] | None = None,
-    offset: int | None = None,
-    limit: int | None = None,
-    worst: int | None = None,
-) -> str:
-    """The URL query of a ``status?`` request, from the arguments given (None: left out, the
-    server's default). ``ranks``: ``"0-63,70"`` or rank numbers; ``state``, ``host``: a
-    comma-separated string or names.
-
-    >>> status_query(view="summary", state=["stalled", "silent"], worst=5)
-    'view=summary&state=stalled,silent&worst=5'
-    """
-    from ddpwatch.core.ranges import rank_ranges
-
-    fields: dict[str, str] = {}
-    if view is not None:
-        fields["view"] = view
-    if isinstance(ranks, str):
-        fields["ranks"] = ranks
-    elif ranks is not None:
-        numbers = sorted(set(ranks))
-        fields["ranks"] = rank_ranges(numbers, limit=len(numbers))
-    for key, names in (("state", state), ("host", host)):
-        if names is not None:
-            fields[key] = names if isinstance(names, str) else ",".join(names)
-    for key, number in (("offset", offset), ("limit", limit), ("worst", worst)):
-        if number is not None:
-            fields[key] = str(number)
-    return urlencode(fields, safe=",")
 
 
 class StatusClient:
@@ -120,11 +87,11 @@ class StatusClient:
             self._sock.close(linger=0)
             self._sock = None
 
-    def request(self, query: str | None = None) -> bytes | None:
+    def request(self, query: Query | None = None) -> bytes | None:
         """The server's raw reply to ``status`` (``status?<query>`` with a ``query``), or None
         (no answer in time, a socket error, closed)."""
         zmq = self._zmq
-        message = b"status" if query is None else _request_bytes(query)
+        message = WHOLE if query is None else _request_bytes(query)
         with self._lock:
             if self._closed:
                 return None
@@ -139,24 +106,19 @@ class StatusClient:
                 self._reset()
                 return None
 
-    def fetch(self) -> dict[str, Any] | None:
+    def fetch(self) -> StatusDocument | None:
         """The status document, or None (no answer, or an answer that is not one)."""
         reply = self.request()
-        if reply is None:
-            return None
         try:
-            document = _decoder.decode(reply)
-        except msgspec.DecodeError:
+            return None if reply is None else decode_reply(reply)
+        except StatusQueryError:
             return None
-        if not isinstance(document, dict) or "ranks" not in document:
-            return None
-        return document
 
-    def query(self, query: str) -> dict[str, Any] | None:
-        """The reply to ``status?<query>`` (``status_query``), or None when none came in time;
-        ``StatusQueryError`` when the server refused the query."""
+    def query(self, query: Query) -> StatusDocument | None:
+        """The reply to ``status?<query>`` (a ``PageReply`` or a ``SummaryReply``), or None
+        when none came in time; ``StatusQueryError`` when the server refused the query."""
         reply = self.request(query)
-        return None if reply is None else _query_reply(reply)
+        return None if reply is None else decode_reply(reply, query)
 
     def close(self) -> None:
         """Close the socket (after a request in flight, at most ``timeout`` away) and the
@@ -174,23 +136,49 @@ def fetch_status(
     port: int,
     timeout: float,
     environ: Mapping[str, str] | None = None,
-    query: str | None = None,
-) -> dict[str, Any] | None:
+    query: Query | None = None,
+) -> StatusDocument | None:
     """Ask a running server for its status document once; None if none answered in time.
-    With a ``query`` (``status_query``): a summary or a page instead, and a refused query
+    With a ``query``: a summary or a page instead, and a refused query
     raises ``StatusQueryError``.
 
     ``environ`` (default ``os.environ``) is where the CURVE keys are read from."""
+    reply = fetch_reply(host, port, timeout, environ, query)
+    try:
+        return None if reply is None else decode_reply(reply, query)
+    except StatusQueryError:
+        if query is not None:
+            raise
+        return None  # not a status document: as if none answered
+
+
+def fetch_reply(
+    host: str,
+    port: int,
+    timeout: float,
+    environ: Mapping[str, str] | None = None,
+    query: Query | None = None,
+) -> bytes | None:
+    """The server's reply as it came (``ddpwatch status --json`` prints it), or None if none
+    came in time or the CURVE key is bad; ``StatusQueryError`` for a query too long to send."""
     client = StatusClient(host, port, timeout, environ)
     try:
-        if query is not None:
-            return client.query(query)
-        reply = client.request()  # DDPWATCH_SERVER_KEY set: CurveZMQ (a bad key: ValueError)
-        return None if reply is None else json.loads(reply)
-    except ValueError:
+        return client.request(query)  # DDPWATCH_SERVER_KEY set: CurveZMQ (a bad key: ValueError)
+    except ValueError:  # ``CurveKeyError``: a malformed key in the environment
         return None
     finally:
         client.close()
+
+
+def decode_reply(reply: bytes, query: Query | None = None) -> StatusDocument:
+    """The document a reply holds: the whole one, or the page or the summary ``query`` asked
+    for; ``StatusQueryError`` for the server's error or anything that is not one."""
+    try:
+        if query is None:
+            return _document.decode(reply)
+        return (_summary if query.view == "summary" else _page).decode(reply)
+    except msgspec.DecodeError as exc:  # a ValidationError too
+        raise StatusQueryError(_not_a_document(reply, exc)) from None
 
 
 def no_answer(host: str, port: int, timeout: float) -> str:
@@ -232,16 +220,16 @@ def unanswered(
     curve = client_curve_keys(environ) is not None
     client = StatusClient(host, port, timeout, environ)
     try:
-        reply = client.request(status_query(view="page", limit=1))
+        reply = client.request(Query(limit=1))
     finally:
         client.close()
     return None if reply is not None else no_server(host, port, timeout, curve=curve)
 
 
-def _request_bytes(query: str) -> bytes:
+def _request_bytes(query: Query) -> bytes:
     """``status?<query>``, checked against the server's size limit: it drops a longer one
     unanswered, which would read as no server at all."""
-    message = f"status?{query}".encode()
+    message = query.request()
     if len(message) > MAX_QUERY_BYTES:
         raise StatusQueryError(
             f"the query is {len(message)} bytes, over the server's {MAX_QUERY_BYTES}"
@@ -249,16 +237,16 @@ def _request_bytes(query: str) -> bytes:
     return message
 
 
-def _query_reply(reply: bytes) -> dict[str, Any]:
-    """A summary or a page; ``StatusQueryError`` for the server's error or a non-answer."""
+def _not_a_document(reply: bytes, exc: msgspec.DecodeError) -> str:
+    """Why ``reply`` is no document: the server's ``error``, or what is wrong with it."""
     try:
-        document = _decoder.decode(reply)
+        found = _decoder.decode(reply)
     except msgspec.DecodeError:
-        raise StatusQueryError("the server's reply is not JSON") from None
-    if not isinstance(document, dict):
-        raise StatusQueryError("the server's reply is not a JSON object")
-    if "error" in document:
-        raise StatusQueryError(str(document["error"]))
-    if "ranks" not in document:
-        raise StatusQueryError("the server's reply has no ranks")
-    return document
+        return "the server's reply is not JSON"
+    if not isinstance(found, dict):
+        return "the server's reply is not a JSON object"
+    if "error" in found:
+        return str(found["error"])
+    if "ranks" not in found:
+        return "the server's reply has no ranks"
+    return f"the server's reply is not a status document: {exc}"

@@ -9,7 +9,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
+
+from ddpwatch.status.schema import StatusDocument
 
 JOIN_S = 5.0  # how long a stopped server gets to close its sockets and recording
 
@@ -19,7 +21,7 @@ class StatusProvider(Protocol):
     """A server the views can read: ``run`` feeds it until ``stop`` (from any thread), and
     ``status`` returns the current status document (thread-safe, read-only)."""
 
-    def status(self) -> dict[str, Any]: ...
+    def status(self) -> StatusDocument: ...
 
     def run(self) -> None: ...
 

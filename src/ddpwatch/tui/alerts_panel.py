@@ -18,9 +18,10 @@ from textual.message import Message
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
-from ddpwatch.core.vocabulary import Severity
+from ddpwatch.core.ranges import rank_ranges
 from ddpwatch.diagnosis.text import STACKS_IN_ANY_PORT
-from ddpwatch.tui.fmt import rank_ranges
+from ddpwatch.status.fmt import elapsed, seconds
+from ddpwatch.status.schema import UNSET, AlertEntry, HistoryEntry
 from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
 
 _RANK_NAMED = re.compile(r"\brank (\d+)")
@@ -49,56 +50,53 @@ def dashboard_hint(hint: str, culprits: Sequence[int] = ()) -> str:
     return text
 
 
-def append_who(head: Text, alert: dict[str, Any], waiting_limit: int = 8) -> None:
+def append_who(head: Text, alert: AlertEntry, waiting_limit: int = 8) -> None:
     """Add an alert's culprits ("  ranks 1-3", bold) and the ranks waiting for them (at most
     ``waiting_limit`` runs of them) to ``head``."""
-    ranks = alert.get("ranks") or []
+    ranks = alert.ranks
     if ranks:
         head.append(f"  rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}", style="bold")
-    waiting = alert.get("waiting") or []
+    waiting = alert.waiting
     if waiting:
         head.append(f"  waiting {rank_ranges(waiting, limit=waiting_limit)}", style="dim")
 
 
-def alert_prompt(alert: dict[str, Any]) -> Group:
-    severity = alert.get("severity", Severity.INFO)
+def alert_prompt(alert: AlertEntry) -> Group:
+    severity = alert.severity
     style = SEVERITY_STYLE.get(severity, "bold")
-    head = Text.assemble(
-        (f"{SEVERITY_GLYPH.get(severity, '●')} {alert.get('kind', '?')}", style),
-    )
+    head = Text.assemble((f"{SEVERITY_GLYPH.get(severity, '●')} {alert.kind}", style))
     append_who(head, alert, waiting_limit=4)
-    body = Text(alert.get("message") or "")
-    hint = alert.get("hint")
-    if hint:
+    body = Text(alert.message)
+    if alert.hint:
         body.append("\n")
-        hint = dashboard_hint(hint, alert.get("ranks") or ())
+        hint = dashboard_hint(alert.hint, alert.ranks)
         body.append_text(Text.assemble(("→ ", "green"), (hint, "italic dim")))
     return Group(head, Padding(body, (0, 0, 0, 2)))
 
 
-def cleared_prompt(entry: dict[str, Any]) -> Group:
+def cleared_prompt(entry: HistoryEntry) -> Group:
     """An alert that came and went (a ``cleared`` history entry): dimmed, with how long it was
     up and when it cleared, in the job's seconds."""
-    alert = entry.get("alert") or {}
-    head = Text.assemble(("✔ ", "green"), (str(alert.get("kind", "?")), "bold dim"))
-    ranks = alert.get("ranks") or []
+    alert = entry.alert
+    head = Text.assemble(("✔ ", "green"), (alert.kind, "bold dim"))
+    ranks = alert.ranks
     if ranks:
         head.append(f"  rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)}", style="dim")
-    up = entry.get("duration_s")
-    when = f"+{float(entry.get('elapsed_s') or 0.0):.1f} s"
-    cleared = f"cleared after {up:.1f} s, at {when}" if isinstance(up, (int, float)) else when
+    up = entry.duration_s
+    when = elapsed(entry.elapsed_s)
+    cleared = f"cleared after {seconds(up)}, at {when}" if up is not UNSET else when
     head.append(f"  {cleared}", style="green")
-    return Group(head, Padding(Text(alert.get("message") or "", style="dim"), (0, 0, 0, 2)))
+    return Group(head, Padding(Text(alert.message, style="dim"), (0, 0, 0, 2)))
 
 
-def alert_signature(alert: dict[str, Any]) -> tuple[Any, ...]:
+def alert_signature(alert: AlertEntry) -> tuple[Any, ...]:
     return (
-        alert.get("kind"),
-        alert.get("severity"),
-        tuple(alert.get("ranks") or ()),
-        tuple(alert.get("waiting") or ()),
-        alert.get("message"),
-        alert.get("hint"),
+        alert.kind,
+        alert.severity,
+        tuple(alert.ranks),
+        tuple(alert.waiting),
+        alert.message,
+        alert.hint,
     )
 
 
@@ -112,26 +110,26 @@ class AlertList(OptionList):
     class Jump(Message):
         """Select ``rank`` in the rank table."""
 
-        def __init__(self, rank: int, alert: dict[str, Any]) -> None:
+        def __init__(self, rank: int, alert: AlertEntry) -> None:
             super().__init__()
             self.rank = rank
             self.alert = alert
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
-        self.alerts: list[dict[str, Any]] = []
+        self.alerts: list[AlertEntry] = []
         """The open alerts shown."""
-        self.past: list[dict[str, Any]] = []
+        self.past: list[HistoryEntry] = []
         """The ``cleared`` history entries shown below them."""
-        self._targets: list[dict[str, Any] | None] = []  # the alert of each option, if any
+        self._targets: list[AlertEntry | None] = []  # the alert of each option, if any
         self._signature: tuple[Any, ...] | None = None
 
     def show(
         self,
-        alerts: list[dict[str, Any]],
+        alerts: list[AlertEntry],
         empty: str | None = None,
         *,
-        past: list[dict[str, Any]] | None = None,
+        past: list[HistoryEntry] | None = None,
         banner: str | None = None,
     ) -> None:
         """Replace the options only when what they show changed; keep the highlight.
@@ -144,7 +142,7 @@ class AlertList(OptionList):
             *(alert_signature(a) for a in alerts),
             empty,
             banner,
-            *((e.get("elapsed_s"), e.get("duration_s"), alert_signature(e["alert"])) for e in past),
+            *((e.elapsed_s, e.duration_s, alert_signature(e.alert)) for e in past),
         )
         if signature == self._signature:
             return
@@ -153,7 +151,7 @@ class AlertList(OptionList):
         self.alerts, self.past = list(alerts), list(past)
         self.clear_options()
         options: list[Option] = []
-        targets: list[dict[str, Any] | None] = []
+        targets: list[AlertEntry | None] = []
         if banner is not None:
             options.append(Option(Text(f"■ {banner}", style="bold"), disabled=True))
             targets.append(None)
@@ -169,7 +167,7 @@ class AlertList(OptionList):
             targets.append(None)
         for i, entry in enumerate(past):
             options.append(Option(cleared_prompt(entry), id=f"cleared-{i}"))
-            targets.append(entry["alert"])
+            targets.append(entry.alert)
         self._targets = targets
         self.add_options(options)
         enabled = [i for i, target in enumerate(targets) if target is not None]
@@ -185,6 +183,6 @@ class AlertList(OptionList):
         alert = self._targets[index] if 0 <= index < len(self._targets) else None
         if alert is None:
             return
-        targets = list(alert.get("ranks") or []) or list(alert.get("waiting") or [])
+        targets = alert.ranks or alert.waiting
         if targets:
             self.post_message(self.Jump(targets[0], alert))

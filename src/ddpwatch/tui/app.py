@@ -17,6 +17,7 @@ from textual.logging import TextualHandler
 from textual.screen import Screen
 
 from ddpwatch.status.provider import StatusProvider, in_background
+from ddpwatch.status.schema import StatusDocument
 from ddpwatch.tui.help import HelpScreen
 from ddpwatch.tui.output import OutputScreen
 from ddpwatch.tui.quit import QuitChoice, QuitScreen
@@ -114,7 +115,7 @@ class DashboardApp(App[int]):
         return getattr(self.source, "output_path", None)
 
     @property
-    def latest_document(self) -> dict[str, Any] | None:
+    def latest_document(self) -> StatusDocument | None:
         """The dashboard's newest status document (screens over it read this)."""
         return self.dashboard.document
 

@@ -1,6 +1,6 @@
 """The rank table's columns: cell formatters, what each reads, and the layout by width.
 
-Each ``Column`` declares the row keys its cell reads (``fields``) and the per-rank alert
+Each ``Column`` declares the row fields its cell reads (``fields``) and the per-rank alert
 lookups it makes (``alerts``). The table caches each drawn row under ``row_signature``,
 built from the visible columns' declarations, so a cell can only show stale text if it
 reads something it does not declare; ``tests/test_tui_columns.py`` checks that none does.
@@ -14,18 +14,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from operator import attrgetter
+from typing import Any, Generic, TypeVar
 
+import msgspec
 from rich.cells import cell_len
 
 from ddpwatch.core.vocabulary import RANK_STATES, RankState
-from ddpwatch.tui.fmt import DASH, NA, bar, human_bytes, loss_text, seconds
+from ddpwatch.status.fmt import NA, human_bytes, short_seconds
+from ddpwatch.status.order import state_order
+from ddpwatch.tui.fmt import DASH, bar, loss_text
 from ddpwatch.tui.model import (
     SPLIT_FIELDS,
     AlertIndex,
+    HostGroup,
     Row,
     score_style,
-    state_score,
     state_summary,
     state_text,
     step_split,
@@ -61,18 +65,21 @@ ALERT_LOOKUPS: dict[str, Callable[[AlertIndex, Any], Hashable]] = {
 """What a cell may ask the ``AlertIndex`` about its row's rank, by name (``Column.alerts``)."""
 
 
+R = TypeVar("R", Row, HostGroup)
+
+
 @dataclass(frozen=True)
-class Column:
+class Column(Generic[R]):
     key: str
     """Also the sort key (see ``model.SORT_VALUES`` / ``GROUP_SORT_VALUES``)."""
     title: str
     width: int
     priority: int
     """Lower stays longer when the table is narrow; 0 never collapses."""
-    cell: Callable[[Row, AlertIndex, int], Cell]
+    cell: Callable[[R, AlertIndex, int], Cell]
     """Formats the row's cell for a given width."""
     fields: tuple[str, ...]
-    """Every row key ``cell`` reads: the row's cache key is made of these."""
+    """Every row field ``cell`` reads: the row's cache key is made of these."""
     alerts: tuple[str, ...] = ()
     """The ``ALERT_LOOKUPS`` ``cell`` makes for the row's rank."""
     right: bool = False
@@ -84,16 +91,18 @@ class Column:
 
 
 def _rank(row: Row, index: AlertIndex, width: int) -> Cell:
-    return str(row["rank"]), score_style(index.culprit.get(row["rank"]))
+    return str(row.rank), score_style(index.culprit.get(row.rank))
 
 
 def _sim(row: Row, index: AlertIndex, width: int) -> Cell:
-    return ("sim", "sim") if row.get("simulated") else ("", None)
+    return ("sim", "sim") if row.simulated else ("", None)
 
 
 def _plain(field: str) -> Callable[[Row, AlertIndex, int], Cell]:
+    value_of = attrgetter(field)
+
     def cell(row: Row, index: AlertIndex, width: int) -> Cell:
-        value = row.get(field)
+        value = value_of(row)
         return (NA, "dim") if value is None else (str(value), None)
 
     return cell
@@ -114,12 +123,12 @@ WAITS_FOR = "waits for "
 def _state(row: Row, index: AlertIndex, width: int) -> Cell:
     """The rank's state; a culprit's marked ``▶`` (``▶ culprit`` where its state looks healthy);
     a live rank that an alert lists as waiting for culprits: ``waits for 1``."""
-    state = row.get("state") or RankState.NOT_CONNECTED
-    if state == RankState.EXITED and row.get("exit_code") not in (None, 0):
-        text, style = f"exit {row['exit_code']}", state_style(RankState.CRASHED)
+    state = row.state or RankState.NOT_CONNECTED
+    if state == RankState.EXITED and row.exit_code not in (None, 0):
+        text, style = f"exit {row.exit_code}", state_style(RankState.CRASHED)
     else:
         text, style = state_text(state), state_style(state)
-    rank = row["rank"]
+    rank = row.rank
     score = index.culprit.get(rank)
     if score is not None:
         mark = score_style(score)
@@ -145,29 +154,31 @@ def state_width(index: AlertIndex, low: int = 7, high: int = 20) -> int:
 
 
 def _loss(row: Row, index: AlertIndex, width: int) -> Cell:
-    loss = row.get("loss")
+    loss = row.loss
     if loss is None:
-        return ("nan", "error") if row["rank"] in index.nan else (NA, "dim")
+        return ("nan", "error") if row.rank in index.nan else (NA, "dim")
     return loss_text(loss), None
 
 
 def _secs(field: str) -> Callable[[Row, AlertIndex, int], Cell]:
+    value_of = attrgetter(field)
+
     def cell(row: Row, index: AlertIndex, width: int) -> Cell:
-        value = row.get(field)
-        return (NA, "dim") if value is None else (seconds(value), None)
+        value = value_of(row)
+        return (NA, "dim") if value is None else (short_seconds(value), None)
 
     return cell
 
 
 def _collective(row: Row, index: AlertIndex, width: int) -> Cell:
-    coll = row.get("collective")
-    if not coll:
+    coll = row.collective
+    if coll is None:
         return "", None
-    name = coll.get("op") or "?"
-    if coll.get("seq") is not None:
-        name += f" #{coll['seq']}"
-    since = coll.get("since_s") or 0.0
-    age = seconds(since)
+    name = coll.op or "?"
+    if coll.seq is not None:
+        name += f" #{coll.seq}"
+    since = coll.since_s or 0.0
+    age = short_seconds(since)
     room = width - len(age) - 1
     if len(name) > room:
         name = name[: max(0, room - 1)] + "…"
@@ -176,14 +187,14 @@ def _collective(row: Row, index: AlertIndex, width: int) -> Cell:
 
 
 def _mem(row: Row, index: AlertIndex, width: int) -> Cell:
-    alloc, reserved = row.get("mem_allocated_bytes"), row.get("mem_reserved_bytes")
+    alloc, reserved = row.mem_allocated_bytes, row.mem_reserved_bytes
     if alloc is None and reserved is None:
         return NA, "dim"
     return f"{human_bytes(alloc)}/{human_bytes(reserved)}", None
 
 
 def _gpu(row: Row, index: AlertIndex, width: int) -> Cell:
-    used, total = row.get("gpu_mem_used_bytes"), row.get("gpu_mem_total_bytes")
+    used, total = row.gpu_mem_used_bytes, row.gpu_mem_total_bytes
     if used is None or not total:
         return NA, "dim"
     fraction = used / total
@@ -229,18 +240,18 @@ def _split(row: Row, index: AlertIndex, width: int) -> Cell:
 
 
 def _seen(row: Row, index: AlertIndex, width: int) -> Cell:
-    value = row.get("last_seen_s")
+    value = row.last_seen_s
     if value is None:
         return NA, "dim"
-    return seconds(value), "error" if row.get("state") == RankState.SILENT else None
+    return short_seconds(value), "error" if row.state == RankState.SILENT else None
 
 
-def _plain_column(key: str, title: str, width: int, priority: int, **options: Any) -> Column:
+def _plain_column(key: str, title: str, width: int, priority: int, **options: Any) -> Column[Row]:
     """A column showing the row's ``key`` as it is."""
     return Column(key, title, width, priority, _plain(key), (key,), **options)
 
 
-RANK_COLUMNS: tuple[Column, ...] = (
+RANK_COLUMNS: tuple[Column[Row], ...] = (
     Column("rank", "rank", 4, 0, _rank, ("rank",), alerts=("culprit",), right=True),
     Column("sim", "", 3, 1, _sim, ("simulated",)),
     _plain_column("local_rank", "lr", 3, 6, right=True),
@@ -282,52 +293,52 @@ FINISHED_FIELDS = ("state", "exit_code")
 
 def finished(row: Row) -> bool:
     """A rank that exited cleanly (or with no code known)."""
-    return row.get("state") == RankState.EXITED and row.get("exit_code") in (None, 0)
+    return row.state == RankState.EXITED and row.exit_code in (None, 0)
 
 
 # ----------------------------------------------------------------------------- host cells
 
 
-def _group_host(row: Row, index: AlertIndex, width: int) -> Cell:
-    return row["host"], score_style(row["worst"])
+def _group_host(row: HostGroup, index: AlertIndex, width: int) -> Cell:
+    return row.host or "?", score_style(row.worst)
 
 
-def _group_states(row: Row, index: AlertIndex, width: int) -> Cell:
-    worst = min(row["states"], key=state_score, default=RankState.RUNNING)
-    return state_summary(row["states"]), state_style(worst)
+def _group_states(row: HostGroup, index: AlertIndex, width: int) -> Cell:
+    worst = min(row.states, key=state_order, default=RankState.RUNNING)
+    return state_summary(row.states), state_style(worst)
 
 
-def _group_steps(row: Row, index: AlertIndex, width: int) -> Cell:
-    low, high = row["step_min"], row["step_max"]
+def _group_steps(row: HostGroup, index: AlertIndex, width: int) -> Cell:
+    low, high = row.step_min, row.step_max
     if low is None:
         return NA, "dim"
     return (str(low), None) if low == high else (f"{low}{DASH}{high}", "warning")
 
 
-def _group_ranks(row: Row, index: AlertIndex, width: int) -> Cell:
-    return str(row["count"]), None
+def _group_ranks(row: HostGroup, index: AlertIndex, width: int) -> Cell:
+    return str(row.ranks), None
 
 
-def _group_flagged(row: Row, index: AlertIndex, width: int) -> Cell:
-    return str(row["flagged"]) if row["flagged"] else "", "warning"
+def _group_flagged(row: HostGroup, index: AlertIndex, width: int) -> Cell:
+    return str(row.flagged) if row.flagged else "", "warning"
 
 
-def _group_step_time(row: Row, index: AlertIndex, width: int) -> Cell:
-    return seconds(row["step_time_max"]), None
+def _group_step_time(row: HostGroup, index: AlertIndex, width: int) -> Cell:
+    return short_seconds(row.step_time_max_s), None
 
 
-def _group_mem(row: Row, index: AlertIndex, width: int) -> Cell:
-    return human_bytes(row["mem_sum"]), None
+def _group_mem(row: HostGroup, index: AlertIndex, width: int) -> Cell:
+    return human_bytes(row.mem_allocated_sum_bytes), None
 
 
-GROUP_COLUMNS: tuple[Column, ...] = (
+GROUP_COLUMNS: tuple[Column[HostGroup], ...] = (
     Column("host", "host", 10, 0, _group_host, ("host", "worst")),
-    Column("ranks", "ranks", 5, 0, _group_ranks, ("count",), right=True),
+    Column("ranks", "ranks", 5, 0, _group_ranks, ("ranks",), right=True),
     Column("flagged", "flagged", 7, 1, _group_flagged, ("flagged",), right=True),
     Column("states", "states", 18, 0, _group_states, ("states",), grow=20),
     Column("steps", f"step min{DASH}max", 13, 0, _group_steps, ("step_min", "step_max")),
-    Column("step_time", "max step t", 10, 1, _group_step_time, ("step_time_max",), right=True),
-    Column("mem", "alloc sum", 9, 2, _group_mem, ("mem_sum",), right=True),
+    Column("step_time", "max step t", 10, 1, _group_step_time, ("step_time_max_s",), right=True),
+    Column("mem", "alloc sum", 9, 2, _group_mem, ("mem_allocated_sum_bytes",), right=True),
 )
 
 
@@ -353,26 +364,36 @@ def _frozen(value: Any) -> Hashable:
         return list, tuple(map(_frozen, value))
     if isinstance(value, (set, frozenset)):
         return set, frozenset(map(_frozen, value))
+    if isinstance(value, msgspec.Struct):  # a rank's ``collective``: its fields, in order
+        return cls, tuple(map(_frozen, msgspec.structs.astuple(value)))
     return cls, value
 
 
 def row_signature(
-    columns: Iterable[Column], extra: Iterable[str] = ()
-) -> Callable[[Row, AlertIndex], Hashable]:
+    columns: Iterable[Column[Any]], extra: Iterable[str] = ()
+) -> Callable[[Any, AlertIndex], Hashable]:
     """The cache key of a row drawn with ``columns``: every field and alert lookup their
     cells declare (and the ``extra`` fields the table itself reads), nothing by hand."""
     columns = list(columns)
     fields = tuple(sorted({f for c in columns for f in c.fields} | set(extra)))
     lookups = tuple(ALERT_LOOKUPS[name] for name in sorted({a for c in columns for a in c.alerts}))
+    read = attrgetter(*fields) if len(fields) > 1 else None
+    one = fields[0] if len(fields) == 1 else None
 
-    def signature(row: Row, index: AlertIndex) -> Hashable:
-        values = tuple(map(row.get, fields))
+    def values_of(row: Any) -> tuple[Any, ...]:
+        if read is not None:
+            found: tuple[Any, ...] = read(row)
+            return found
+        return () if one is None else (getattr(row, one),)
+
+    def signature(row: Any, index: AlertIndex) -> Hashable:
+        values = values_of(row)
         kinds = tuple(map(type, values))
-        if not _ATOMS.issuperset(kinds):  # a dict or list: the types inside count too
+        if not _ATOMS.issuperset(kinds):  # a struct, dict or list: the types inside count too
             values = tuple([v if v.__class__ in _ATOMS else _frozen(v) for v in values])
         if not lookups:
             return values, kinds
-        rank = row["rank"]
+        rank = row.rank
         return values, kinds, tuple([_frozen(lookup(index, rank)) for lookup in lookups])
 
     return signature
@@ -387,11 +408,11 @@ def text_width(texts: Iterable[str], low: int = 4, high: int = 24) -> int:
 
 
 def fit_columns(
-    columns: Sequence[Column],
+    columns: Sequence[Column[R]],
     width: int,
     skip: frozenset[str] = frozenset(),
     widths: dict[str, int] | None = None,
-) -> list[tuple[Column, int]]:
+) -> list[tuple[Column[R], int]]:
     """Columns that fit in ``width`` (by priority), in display order, with their widths.
 
     Each column takes its width (or ``widths[key]``) plus one separator; leftover

@@ -11,13 +11,15 @@ from textual.geometry import Size
 from textual.widget import Widget
 from textual.widgets import Static
 
-from ddpwatch.core.vocabulary import AlertKind, RankState, Severity
-from ddpwatch.tui.fmt import NA, human_bytes, loss_text, seconds, sparkline
+from ddpwatch.core.vocabulary import AlertKind, RankState
+from ddpwatch.status.fmt import MIB, NA, human_bytes, short_seconds
+from ddpwatch.status.schema import AlertEntry, RankEntry
+from ddpwatch.tui.fmt import loss_text, sparkline
 from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
 from ddpwatch.tui.model import step_split
 from ddpwatch.tui.packed import Packed
 
-STATE_STYLE = {
+STATE_STYLE: dict[str, str] = {
     RankState.RUNNING: "bold green",
     RankState.WAITING: "bold yellow",
     RankState.STALLED: "bold yellow",
@@ -34,22 +36,22 @@ def _v(value: Any) -> str:
     return NA if value is None else str(value)
 
 
-def _host_memory(row: dict[str, Any], kv: Any) -> list[Text]:
+def _host_memory(row: RankEntry, kv: Any) -> list[Text]:
     """The rank's host memory, its workers' and how fast they grow ("host mem 3.1G +1.2G workers
     +20.1M/s"), where its agent tells (``host_memory`` alerts read the same)."""
-    rss = row.get("host_rss_bytes")
+    rss = row.host_rss_bytes
     if rss is None:
         return []
     text = human_bytes(rss)
-    if row.get("workers_rss_bytes"):
-        text += f" +{human_bytes(row['workers_rss_bytes'])} workers"
-    rate = row.get("host_mem_growth_bytes_per_s")
-    if rate is not None and abs(rate) >= 1 << 20:
+    if row.workers_rss_bytes:
+        text += f" +{human_bytes(row.workers_rss_bytes)} workers"
+    rate = row.host_mem_growth_bytes_per_s
+    if rate is not None and abs(rate) >= MIB:
         text += f" {'+' if rate > 0 else '-'}{human_bytes(abs(rate))}/s"
     return [kv("host mem", text)]
 
 
-def split_text(row: dict[str, Any]) -> Text | None:
+def split_text(row: RankEntry) -> Text | None:
     """Where the rank's step goes, in words: "input 12ms · compute 235ms · waiting 3ms (1%) of
     a 250ms step"; the wait's two parts named when both took time ("waiting 90ms (36%: 60ms in
     DDP's all-reduce, 30ms in collectives)"). None when the rank reports no split."""
@@ -59,141 +61,133 @@ def split_text(row: dict[str, Any]) -> Text | None:
     inputs, compute, wait = split
     step = inputs + compute + wait
     share = f"{round(100 * wait / step)}%"
-    grads = min(wait, row.get("grad_wait_s") or 0.0)
+    grads = min(wait, row.grad_wait_s or 0.0)
     if 0 < grads < wait:
-        share += f": {seconds(grads)} in DDP's all-reduce, {seconds(wait - grads)} in collectives"
+        share += (
+            f": {short_seconds(grads)} in DDP's all-reduce, "
+            f"{short_seconds(wait - grads)} in collectives"
+        )
     return Text.assemble(
         ("input ", "dim"),
-        (seconds(inputs), "bold"),
+        (short_seconds(inputs), "bold"),
         (" · compute ", "dim"),
-        (seconds(compute), "bold"),
+        (short_seconds(compute), "bold"),
         (" · waiting ", "dim"),
-        (seconds(wait), "bold"),
+        (short_seconds(wait), "bold"),
         (f" ({share}) of a ", "dim"),
-        (seconds(step), "bold"),
+        (short_seconds(step), "bold"),
         (" step", "dim"),
     )
 
 
-def identity_paragraphs(row: dict[str, Any], alerts: list[dict[str, Any]]) -> list[list[Text]]:
+def identity_paragraphs(row: RankEntry, alerts: list[AlertEntry]) -> list[list[Text]]:
     """Who the rank is, where it runs, what it does now, where its step goes, and the alerts
     that name it."""
 
     def kv(label: str, value: str, style: str = "bold") -> Text:
         return Text.assemble((label + " ", "dim"), (value, style))
 
-    rank = row["rank"]
-    loss = loss_text(row.get("loss"))
-    if row.get("loss") is None and any(
-        a.get("kind") == AlertKind.NAN_LOSS and rank in (a.get("ranks") or ()) for a in alerts
-    ):
+    rank = row.rank
+    loss = loss_text(row.loss)
+    if row.loss is None and any(a.kind == AlertKind.NAN_LOSS and rank in a.ranks for a in alerts):
         loss = "nan"
-    local = _v(row.get("local_rank"))
-    if row.get("local_world_size") is not None:
-        local += f"/{row['local_world_size']}"
-    state = row.get("state") or RankState.NOT_CONNECTED
+    local = _v(row.local_rank)
+    if row.local_world_size is not None:
+        local += f"/{row.local_world_size}"
+    state = row.state or RankState.NOT_CONNECTED
     state_text = Text.assemble(("state ", "dim"), (state, STATE_STYLE.get(state, "bold")))
-    if row.get("exit_code") is not None or row.get("exit_signal"):
-        how = f"code {row['exit_code']}" if row.get("exit_code") is not None else ""
-        if row.get("exit_signal"):
-            how = f"{how} {row['exit_signal']}".strip()
+    if row.exit_code is not None or row.exit_signal:
+        how = f"code {row.exit_code}" if row.exit_code is not None else ""
+        if row.exit_signal:
+            how = f"{how} {row.exit_signal}".strip()
         state_text.append(f" ({how})", style="dim")
-    seen = row.get("last_seen_s")
+    seen = row.last_seen_s
+    gpu = f"{human_bytes(row.gpu_mem_used_bytes)}/{human_bytes(row.gpu_mem_total_bytes)}"
     paragraphs: list[list[Text]] = [
         [
             Text(f" rank {rank} ", style="bold reverse"),
-            Text("simulated", style="italic magenta") if row.get("simulated") else Text(""),
-            kv("host", _v(row.get("host"))),
-            kv("pid", _v(row.get("pid"))),
+            Text("simulated", style="italic magenta") if row.simulated else Text(""),
+            kv("host", _v(row.host)),
+            kv("pid", _v(row.pid)),
             kv("local rank", local),
-            kv("node", _v(row.get("node_rank"))),
-            kv("launcher", _v(row.get("launcher"))),
-            kv("device", _v(row.get("device"))),
-            Text(row.get("device_name") or "", style="bold"),
-            kv("uuid", _v(row.get("device_uuid"))),
-            kv("gpu pids", ",".join(map(str, row["gpu_pids"])))
-            if row.get("gpu_pids")
-            else Text(""),
+            kv("node", _v(row.node_rank)),
+            kv("launcher", _v(row.launcher)),
+            kv("device", _v(row.device)),
+            Text(row.device_name or "", style="bold"),
+            kv("uuid", _v(row.device_uuid)),
+            kv("gpu pids", ",".join(map(str, row.gpu_pids))) if row.gpu_pids else Text(""),
         ],
         [
             state_text,
-            kv("phase", _v(row.get("phase"))),
-            kv("step", _v(row.get("step"))),
-            kv("seen", NA if seen is None else f"{seconds(seen)} ago"),
+            kv("phase", _v(row.phase)),
+            kv("step", _v(row.step)),
+            kv("seen", NA if seen is None else f"{short_seconds(seen)} ago"),
             kv("loss", loss, "bold red" if loss == "nan" else "bold"),
-            kv("step time", seconds(row.get("step_time_s"))),
-            kv("avg", seconds(row.get("avg_step_time_s"))),
-            kv("data wait", seconds(row.get("data_wait_s"))),
-            kv("in collectives", seconds(row.get("collective_time_s"))),
+            kv("step time", short_seconds(row.step_time_s)),
+            kv("avg", short_seconds(row.avg_step_time_s)),
+            kv("data wait", short_seconds(row.data_wait_s)),
+            kv("in collectives", short_seconds(row.collective_time_s)),
         ],
         [
-            kv("alloc", human_bytes(row.get("mem_allocated_bytes"))),
-            kv("reserved", human_bytes(row.get("mem_reserved_bytes"))),
-            kv("peak", human_bytes(row.get("mem_peak_bytes"))),
-            kv(
-                "gpu",
-                f"{human_bytes(row.get('gpu_mem_used_bytes'))}/{human_bytes(row.get('gpu_mem_total_bytes'))}",
-            ),
+            kv("alloc", human_bytes(row.mem_allocated_bytes)),
+            kv("reserved", human_bytes(row.mem_reserved_bytes)),
+            kv("peak", human_bytes(row.mem_peak_bytes)),
+            kv("gpu", gpu),
             *_host_memory(row, kv),
         ],
     ]
     split = split_text(row)
     if split is not None:
         paragraphs.insert(2, [split])
-    coll = row.get("collective")
-    if coll:
-        seq = f" #{coll['seq']}" if coll.get("seq") is not None else ""
+    coll = row.collective
+    if coll is not None:
+        seq = f" #{coll.seq}" if coll.seq is not None else ""
         paragraphs.append(
             [
                 Text.assemble(
                     ("in collective ", "dim"),
-                    (f"{coll.get('op')}{seq}", "bold"),
+                    (f"{coll.op}{seq}", "bold"),
                     (" for ", "dim"),
-                    (seconds(coll.get("since_s")), "bold yellow"),
+                    (short_seconds(coll.since_s), "bold yellow"),
                 )
             ]
         )
     return paragraphs
 
 
-def trouble_paragraphs(row: dict[str, Any], alerts: list[dict[str, Any]]) -> list[list[Text]]:
+def trouble_paragraphs(row: RankEntry, alerts: list[AlertEntry]) -> list[list[Text]]:
     """The rank's exception, if any, and the alerts that name it (as culprit or as waiting)."""
-    rank = row["rank"]
+    rank = row.rank
     paragraphs: list[list[Text]] = []
-    error = row.get("error")
-    if error:
+    error = row.error
+    if error is not None:
         paragraphs.append(
-            [
-                Text.assemble(
-                    (f"{error.get('type') or 'Error'}: ", "bold red"),
-                    (error.get("message") or "", "red"),
-                )
-            ]
+            [Text.assemble((f"{error.type or 'Error'}: ", "bold red"), (error.message, "red"))]
         )
     for alert in alerts:
-        severity = alert.get("severity", Severity.INFO)
-        role = "culprit" if rank in (alert.get("ranks") or ()) else "waiting"
+        severity = alert.severity
+        role = "culprit" if rank in alert.ranks else "waiting"
         paragraphs.append(
             [
                 Text.assemble(
                     (
-                        f"{SEVERITY_GLYPH.get(severity, '●')} {alert.get('kind')}",
+                        f"{SEVERITY_GLYPH.get(severity, '●')} {alert.kind}",
                         SEVERITY_STYLE.get(severity, "bold"),
                     ),
                     (f" ({role}) ", "dim"),
-                    (alert.get("message") or "", ""),
+                    (alert.message, ""),
                 )
             ]
         )
     return paragraphs
 
 
-def stack_text(row: dict[str, Any]) -> Text:
+def stack_text(row: RankEntry) -> Text:
     """The exception and its traceback, or the current stack, or why there is none."""
-    error = row.get("error")
-    if error:
+    error = row.error
+    if error is not None:
         text = Text()
-        traceback = (error.get("traceback") or "").rstrip()
+        traceback = error.traceback.rstrip()
         if traceback:
             if not traceback.startswith("Traceback"):
                 text.append("traceback:\n", style="dim")
@@ -202,12 +196,12 @@ def stack_text(row: dict[str, Any]) -> Text:
             text.append(
                 "no traceback (the rank died without running its excepthook)", style="dim italic"
             )
-        stack = row.get("stack")
+        stack = row.stack
         if stack and stack.strip() != traceback:
             text.append("\nstack at crash:\n", style="dim")
             text.append_text(_code(stack.rstrip()))
         return text
-    stack = row.get("stack")
+    stack = row.stack
     if stack:
         return Text.assemble(("current stack:\n", "dim"), _code(stack.rstrip()))
     return Text(
@@ -240,7 +234,7 @@ class Sparks(Widget):
     """
 
     LABELS = (
-        ("step_time", "step time", seconds),
+        ("step_time", "step time", short_seconds),
         ("loss", "loss", loss_text),
         ("mem", "memory", human_bytes),
     )
@@ -275,9 +269,9 @@ class Sparks(Widget):
         return Text("\n").join(lines)
 
 
-def log_text(row: dict[str, Any]) -> Text:
+def log_text(row: RankEntry) -> Text:
     """The last lines the rank printed (its stdout and stderr, through the agent)."""
-    lines = row.get("log_tail") or []
+    lines = row.log_tail or []
     if not lines:
         return Text("")
     return Text.assemble(("\noutput (last lines):\n", "dim"), ("\n".join(lines), ""))
@@ -299,9 +293,9 @@ class RankDetail(VerticalScroll, can_focus=True):
 
     def show(
         self,
-        row: dict[str, Any] | None,
+        row: RankEntry | None,
         series: dict[str, list[float | None]],
-        alerts: list[dict[str, Any]],
+        alerts: list[AlertEntry],
     ) -> None:
         if row is None:
             self.rank = None
@@ -314,18 +308,14 @@ class RankDetail(VerticalScroll, can_focus=True):
             self.query_one("#detail-stack", Static).update("")
             self.query_one("#detail-log", Static).update("")
             return
-        if row["rank"] != self.rank:
+        if row.rank != self.rank:
             self.scroll_home(animate=False)
-        self.rank = row["rank"]
-        title = f"rank {row['rank']}"
-        if row.get("host"):
-            title += f" · {row['host']}"
+        self.rank = row.rank
+        title = f"rank {row.rank}"
+        if row.host:
+            title += f" · {row.host}"
         self.border_title = title
-        named = [
-            a
-            for a in alerts
-            if row["rank"] in (a.get("ranks") or ()) or row["rank"] in (a.get("waiting") or ())
-        ]
+        named = [a for a in alerts if row.rank in a.ranks or row.rank in a.waiting]
         self.query_one("#detail-identity", Packed).show(identity_paragraphs(row, named))
         self.query_one(Sparks).show(series)
         self.query_one("#detail-trouble", Packed).show(trouble_paragraphs(row, named))

@@ -10,8 +10,10 @@ from textual.geometry import Size
 from textual.widget import Widget
 
 from ddpwatch.core.vocabulary import SEVERITIES, RankState, Severity
-from ddpwatch.tui.fmt import DASH, NA, uptime
-from ddpwatch.tui.model import Query, job_wait_fraction
+from ddpwatch.status.fmt import NA, uptime
+from ddpwatch.status.schema import StatusDocument, Summary, SummaryReply
+from ddpwatch.tui.fmt import DASH
+from ddpwatch.tui.model import TableQuery, job_wait_fraction
 from ddpwatch.tui.packed import pack
 
 SEVERITY_STYLE: dict[str, str] = {
@@ -43,7 +45,7 @@ class HeaderInfo:
     alerts: dict[str, int] = field(default_factory=dict)
     msg_rate: float | None = None
     uptime_s: float | None = None
-    query: Query = field(default_factory=Query)
+    query: TableQuery = field(default_factory=TableQuery)
     sort_title: str = "worst first"
     shown: int = 0
     paused: bool = False
@@ -61,28 +63,27 @@ class HeaderInfo:
     """The launcher's attempt the job is in (the status document's ``attempt``)."""
 
 
-def summarize(document: dict[str, Any]) -> dict[str, Any]:
+def summarize(document: StatusDocument) -> dict[str, Any]:
     """World size, connected ranks, hosts and step range of a status document (of all ranks
     from a summary's counts, when the document is one: ``status?view=summary``)."""
-    counts = document.get("summary")
-    if isinstance(counts, dict):
-        return _from_summary(document, counts)
-    ranks = document.get("ranks") or []
+    if isinstance(document, SummaryReply):
+        return _from_summary(document, document.summary)
+    ranks = document.ranks
     hosts = set()
     connected = 0
     low = high = None
     for row in ranks:
-        if row.get("state") != RankState.NOT_CONNECTED:
+        if row.state != RankState.NOT_CONNECTED:
             connected += 1
-        host = row.get("host")
+        host = row.host
         if host is not None:
             hosts.add(host)
-        step = row.get("step")
+        step = row.step
         if step is not None:
             low = step if low is None or step < low else low
             high = step if high is None or step > high else high
     return {
-        "world_size": document.get("world_size"),
+        "world_size": document.world_size,
         "attempt": _attempt(document),
         "connected_ranks": connected,
         "total_ranks": len(ranks),
@@ -93,31 +94,29 @@ def summarize(document: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _from_summary(document: dict[str, Any], counts: dict[str, Any]) -> dict[str, Any]:
+def _from_summary(document: StatusDocument, counts: Summary) -> dict[str, Any]:
     """``summarize`` of a summary reply: its ranks are only the worst few, its counts cover
     every rank."""
-    total = int(counts.get("ranks") or 0)
-    states = counts.get("states") or {}
-    hosts = [h for h in counts.get("hosts") or [] if isinstance(h, dict)]
-    lows = [h["step_min"] for h in hosts if isinstance(h.get("step_min"), int)]
-    highs = [h["step_max"] for h in hosts if isinstance(h.get("step_max"), int)]
-    named = sum(1 for h in hosts if h.get("host") is not None)
+    total = counts.ranks
+    hosts = counts.hosts
+    lows = [h.step_min for h in hosts if h.step_min is not None]
+    highs = [h.step_max for h in hosts if h.step_max is not None]
+    named = sum(1 for h in hosts if h.host is not None)
     return {
-        "world_size": document.get("world_size"),
+        "world_size": document.world_size,
         "attempt": _attempt(document),
-        "connected_ranks": total - int(states.get(RankState.NOT_CONNECTED) or 0),
+        "connected_ranks": total - counts.states.get(RankState.NOT_CONNECTED, 0),
         "total_ranks": total,
-        "hosts": named + int(counts.get("hosts_omitted") or 0),
+        "hosts": named + counts.hosts_omitted,
         "step_min": min(lows, default=None),
         "step_max": max(highs, default=None),
         "waiting": None,  # its ranks are the worst few: their waits say nothing of the job's
-        "listed": len(document.get("ranks") or []),
+        "listed": len(document.ranks),
     }
 
 
-def _attempt(document: dict[str, Any]) -> int:
-    attempt = document.get("attempt")
-    return attempt if isinstance(attempt, int) and attempt > 0 else 1
+def _attempt(document: StatusDocument) -> int:
+    return document.attempt if document.attempt > 0 else 1
 
 
 def header_lines(info: HeaderInfo, width: int) -> list[Text]:

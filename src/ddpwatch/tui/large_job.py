@@ -9,88 +9,78 @@ rank, instead of grouping the few ranks it holds.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
-from urllib.parse import urlencode
 
+from ddpwatch.core.ranges import MAX_PARSED_RANKS
 from ddpwatch.core.vocabulary import RANK_STATES
+from ddpwatch.status.query import Query
+from ddpwatch.status.schema import UNSET, StatusDocument, SummaryReply
 from ddpwatch.tui.model import (
     STATE_WORST,
     WORST_NONE,
     WORST_RUNNING,
     AlertIndex,
-    Query,
-    Row,
+    HostGroup,
+    TableQuery,
+    host_group,
     order_groups,
     parse_ranges,
     worst_score,
 )
 
 
-def is_summary(document: dict[str, Any] | None) -> bool:
+def is_summary(document: StatusDocument | None) -> bool:
     """A summary reply (a large job), not the whole document."""
-    return isinstance((document or {}).get("summary"), dict)
+    return isinstance(document, SummaryReply)
 
 
-def scope_of(text: str, hosts: Iterable[str]) -> str:
-    """The server-side filter for the filter box's ``text``: ``ranks=0-15,20`` for rank
-    ranges, ``host=<name>`` for a host's exact name (enter on a host row types it),
-    ``state=<state>`` for a rank state's name; "" for anything else, which the dashboard
-    matches among the ranks it holds."""
+def scope_of(text: str, hosts: Iterable[str]) -> Query | None:
+    """The server-side filter for the filter box's ``text``: its rank ranges, a host's exact
+    name (enter on a host row types it) or a rank state's name; None for anything else (and
+    for more ranks than a query may name), which the dashboard matches among the ranks it
+    holds."""
     text = text.strip()
     if not text:
-        return ""
+        return None
     spans = parse_ranges(text)
     if spans is not None:
-        return "ranks=" + ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+        if sum(last - first + 1 for first, last in spans) > MAX_PARSED_RANKS:
+            return None
+        return Query(ranks=frozenset(r for first, last in spans for r in range(first, last + 1)))
     if text in set(hosts):
-        return urlencode({"host": text})
+        return Query(hosts=frozenset({text}))
     if text in RANK_STATES:
-        return f"state={text}"
-    return ""
+        return Query(states=frozenset({text}))
+    return None
 
 
-def host_names(document: dict[str, Any] | None) -> list[str]:
+def host_names(document: StatusDocument | None) -> list[str]:
     """The hosts a summary lists (the whole job's, not a scope's)."""
-    counts = (document or {}).get("summary")
-    rows = counts.get("hosts") if isinstance(counts, dict) else None
-    return [h["host"] for h in rows or () if isinstance(h, dict) and isinstance(h.get("host"), str)]
+    if not isinstance(document, SummaryReply):
+        return []
+    return [h.host for h in document.summary.hosts if h.host is not None]
 
 
-def summary_groups(document: dict[str, Any], index: AlertIndex) -> list[Row]:
-    """One row per host, from the summary's host rows (of the scope, when it has one), in the
-    shape ``model.group_by_host`` makes. A host's worst score comes from the states it has and
+def summary_groups(document: SummaryReply, index: AlertIndex) -> list[HostGroup]:
+    """One row per host, from the summary's host rows (of the scope, when it has one), as
+    ``model.group_by_host`` makes them. A host's worst score comes from the states it has and
     from its ranks the summary lists (the worst ranks, alert culprits among them)."""
-    counts = document.get("scope") or document.get("summary") or {}
+    counts = document.scope if document.scope is not UNSET else document.summary
     listed: dict[str, int] = {}
-    for row in document.get("ranks") or ():
-        host = row.get("host") or "?"
+    for row in document.ranks:
+        host = row.host or "?"
         listed[host] = min(listed.get(host, WORST_NONE), worst_score(row, index))
     groups = []
-    for entry in counts.get("hosts") or ():
-        if not isinstance(entry, dict):
-            continue
-        host = entry.get("host") or "?"
-        states = Counter(_counts(entry.get("states")))
-        worst = min((STATE_WORST.get(s, WORST_RUNNING) for s in states), default=WORST_NONE)
-        groups.append(
-            {
-                "host": host,
-                "count": _number(entry.get("ranks")) or 0,
-                "states": states,
-                "step_min": _number(entry.get("step_min")),
-                "step_max": _number(entry.get("step_max")),
-                "step_time_max": _number(entry.get("step_time_max_s")),
-                "mem_sum": _number(entry.get("mem_allocated_sum_bytes")),
-                "flagged": _number(entry.get("flagged")) or 0,
-                "worst": min(worst, listed.get(host, WORST_NONE)),
-            }
-        )
+    for entry in counts.hosts:
+        host = entry.host or "?"
+        worst = min((STATE_WORST.get(s, WORST_RUNNING) for s in entry.states), default=WORST_NONE)
+        groups.append(host_group(entry, min(worst, listed.get(host, WORST_NONE))))
     return groups
 
 
-def select_summary_groups(document: dict[str, Any], query: Query, index: AlertIndex) -> list[Row]:
+def select_summary_groups(
+    document: SummaryReply, query: TableQuery, index: AlertIndex
+) -> list[HostGroup]:
     """Host rows for the host view of a large job: filter words match the host's name and
     states (the scope did rank ranges on the server), ``flagged`` keeps hosts with flagged
     ranks; ordered as the other host rows (``model.order_groups``)."""
@@ -99,30 +89,18 @@ def select_summary_groups(document: dict[str, Any], query: Query, index: AlertIn
     if matches is not None:
         groups = [g for g in groups if matches(g)]
     if query.flagged:
-        groups = [g for g in groups if g["flagged"]]
+        groups = [g for g in groups if g.flagged]
     return order_groups(groups, query)
 
 
-def _host_filter(text: str) -> Callable[[Row], bool] | None:
+def _host_filter(text: str) -> Callable[[HostGroup], bool] | None:
     text = text.strip()
     if not text or parse_ranges(text) is not None:
         return None
     words = text.lower().split()
 
-    def matches(group: Row) -> bool:
-        hay = "\n".join([group["host"], *group["states"]]).lower()
+    def matches(group: HostGroup) -> bool:
+        hay = "\n".join([group.host or "?", *group.states]).lower()
         return all(word in hay for word in words)
 
     return matches
-
-
-def _counts(states: Any) -> dict[str, int]:
-    """``{state: ranks}`` as sent, with anything that is not a count left out."""
-    if not isinstance(states, dict):
-        return {}
-    return {str(s): n for s, n in states.items() if isinstance(n, int) and n > 0}
-
-
-def _number(value: Any) -> Any:
-    """A number as sent; None for anything else (a remote server's reply is not trusted)."""
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -1,7 +1,9 @@
 """The view model: which rows the table shows, in which order, from one status document.
 
-Pure functions over the status document's plain dicts (no Textual here), so the
-dashboard stays a view and this logic is cheap to test and to benchmark.
+Pure functions over the status document's typed entries (``status.schema``; no Textual
+here), so the dashboard stays a view and this logic is cheap to test and to benchmark. A row
+is a rank's entry (``RankEntry``), or a host's (``HostGroup``: a summary's ``HostRow`` with
+the worst-first score of its worst rank).
 """
 
 from __future__ import annotations
@@ -11,15 +13,17 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from ddpwatch.core.ranges import rank_ranges
-from ddpwatch.core.vocabulary import RANK_STATES, AlertKind, RankState, Severity
+import msgspec
 
-Row = dict[str, Any]
+from ddpwatch.core.ranges import rank_ranges, rank_spans
+from ddpwatch.core.vocabulary import AlertKind, RankState, Severity
+from ddpwatch.status import order
+from ddpwatch.status.order import HostTally, state_order
+from ddpwatch.status.schema import AlertEntry, HostRow, RankEntry
 
-STATE_SCORE = {state: n for n, state in enumerate(RANK_STATES)}
-"""Worst first (``vocabulary.RANK_STATES``): a lower score is a worse state."""
+Row = RankEntry
 
 STATE_TEXT: dict[str, str] = {RankState.NOT_CONNECTED: "absent"}
 """How the views write a state where it differs from its name."""
@@ -42,15 +46,6 @@ SHORT_STATE: dict[str, str] = {
     RankState.NOT_CONNECTED: "absent",
 }
 
-UNKNOWN_STATE_SCORE = 9
-"""``STATE_SCORE`` of a state it does not list."""
-
-
-def state_score(state: Any) -> int:
-    """The state's place in ``STATE_SCORE`` (worst first; unknown states and None last)."""
-    return STATE_SCORE.get(state, UNKNOWN_STATE_SCORE)
-
-
 # The worst-first score of a rank, or of a host (its worst rank): 0 is the worst. Alerts and
 # states share the scale, so an error alert's culprit comes before a crashed rank, a warning's
 # culprit before a silent one, and so on; ``score_style`` colours it.
@@ -71,7 +66,7 @@ WORST_DONE = 9
 WORST_NONE = 99
 """No score yet: above every other."""
 
-CULPRIT_SCORE = {
+CULPRIT_SCORE: dict[str, int] = {
     Severity.ERROR: WORST_ERROR_CULPRIT,
     Severity.WARNING: WORST_WARNING_CULPRIT,
     Severity.INFO: WORST_INFO_CULPRIT,
@@ -119,20 +114,20 @@ WAITS_FOR_LISTED = 3
 """How many pieces of culprit ranks a victim's state cell writes ("waits for 1,4,9 +2")."""
 
 
-def index_alerts(alerts: Iterable[dict[str, Any]]) -> AlertIndex:
+def index_alerts(alerts: Iterable[AlertEntry]) -> AlertIndex:
     index = AlertIndex()
-    victims: list[tuple[Any, str]] = []
+    victims: list[tuple[list[int], str]] = []
     for alert in alerts:
-        severity = alert.get("severity", Severity.INFO)
+        severity = alert.severity
         index.counts[severity] += 1
         score = CULPRIT_SCORE.get(severity, WORST_INFO_CULPRIT)
-        culprits = alert.get("ranks") or ()
+        culprits = alert.ranks
         for rank in culprits:
             if score < index.culprit.get(rank, WORST_NONE):
                 index.culprit[rank] = score
-            if alert.get("kind") == AlertKind.NAN_LOSS:
+            if alert.kind == AlertKind.NAN_LOSS:
                 index.nan.add(rank)
-        waiting = alert.get("waiting") or ()
+        waiting = alert.waiting
         index.waiting.update(waiting)
         if waiting and culprits:
             victims.append((waiting, rank_ranges(culprits, WAITS_FOR_LISTED)))
@@ -143,46 +138,40 @@ def index_alerts(alerts: Iterable[dict[str, Any]]) -> AlertIndex:
 
 def worst_score(row: Row, index: AlertIndex) -> int:
     """0 is the worst: culprits of errors, crashed, warnings' culprits, silent, ..., exited."""
-    state: str = row.get("state") or ""  # "": a row without one, which scores as running
+    state = row.state
     score = STATE_WORST.get(state, WORST_RUNNING)
-    if state == RankState.EXITED and row.get("exit_code") not in (None, 0):
+    if state == RankState.EXITED and row.exit_code not in (None, 0):
         score = WORST_CRASHED
-    culprit = index.culprit.get(row["rank"])
+    culprit = index.culprit.get(row.rank)
     if culprit is not None and culprit < score:
         score = culprit
-    if score > WORST_WAITING and row["rank"] in index.waiting:
+    if score > WORST_WAITING and row.rank in index.waiting:
         score = WORST_WAITING
     return score
 
 
 def is_flagged(row: Row, index: AlertIndex) -> bool:
-    """Named by an alert (culprit or waiting), or in a state other than running/exited."""
-    rank = row["rank"]
-    return (
-        rank in index.culprit
-        or rank in index.waiting
-        or row.get("state") not in (RankState.RUNNING, RankState.EXITED, RankState.STOPPED)
-    )
+    """``order.is_flagged``: named by an alert (culprit or waiting), or in an unusual state."""
+    rank = row.rank
+    return order.is_flagged(row.state, rank in index.culprit or rank in index.waiting)
 
 
 # ----------------------------------------------------------------------------- filter
 
-_RANGES = re.compile(
-    r"^\s*(?:r(?:ank)?s?\s*[:=]\s*)?(\d+(?:\s*-\s*\d+)?(?:\s*,\s*\d+(?:\s*-\s*\d+)?)*)\s*,?\s*$"
-)
+_RANGES = re.compile(r"^\s*(?:r(?:ank)?s?\s*[:=]\s*)?(.*?)\s*,?\s*$", re.DOTALL)
+"""The filter box's rank list: ``r:``, ``rank=``, ``ranks:`` before it and a comma after are
+allowed; the list itself is ``core.ranges``'."""
 
 
 def parse_ranges(text: str) -> list[tuple[int, int]] | None:
     """ "r:0-15" or "3,5-7" -> [(0, 15)] / [(3, 3), (5, 7)]; None when ``text`` is not a range."""
     match = _RANGES.match(text)
-    if not match:
+    if match is None:
         return None
-    spans = []
-    for piece in match.group(1).split(","):
-        low, _, high = piece.strip().partition("-")
-        a, b = int(low), int(high or low)
-        spans.append((min(a, b), max(a, b)))
-    return spans
+    try:
+        return rank_spans(match[1], backwards=True)
+    except ValueError:
+        return None
 
 
 def make_filter(text: str) -> Callable[[Row], bool] | None:
@@ -197,12 +186,12 @@ def make_filter(text: str) -> Callable[[Row], bool] | None:
     if spans is not None:
         if len(spans) == 1:
             low, high = spans[0]
-            return lambda row: low <= row["rank"] <= high
-        return lambda row: any(a <= row["rank"] <= b for a, b in spans)
+            return lambda row: low <= row.rank <= high
+        return lambda row: any(a <= row.rank <= b for a, b in spans)
     words = text.lower().split()
 
     def matches(row: Row) -> bool:
-        hay = f"{row.get('host') or ''}\n{row.get('state') or ''}\n{row.get('phase') or ''}".lower()
+        hay = f"{row.host or ''}\n{row.state}\n{row.phase or ''}".lower()
         return all(word in hay for word in words)
 
     return matches
@@ -215,9 +204,9 @@ SPLIT_FIELDS = ("input_wait_s", "compute_s", "grad_wait_s", "collective_time_s")
 """What ``step_split`` reads from a rank's row."""
 
 
-def _seconds(value: Any) -> float | None:
+def _seconds(value: float | None) -> float | None:
     """A finite, non-negative number of seconds, or None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if value is None:
         return None
     return max(0.0, float(value)) if math.isfinite(value) else None
 
@@ -228,11 +217,11 @@ def step_split(row: Row) -> tuple[float, float, float] | None:
     reports no split (its agent times no DDP gradients: a model on a GPU, an older agent).
 
     ``compute_s`` is the step less the other three, so the parts add up to the step."""
-    compute, grads = _seconds(row.get("compute_s")), _seconds(row.get("grad_wait_s"))
+    compute, grads = _seconds(row.compute_s), _seconds(row.grad_wait_s)
     if compute is None or grads is None:
         return None
-    inputs = _seconds(row.get("input_wait_s")) or 0.0  # None: no DataLoader batch timed
-    wait = grads + (_seconds(row.get("collective_time_s")) or 0.0)
+    inputs = _seconds(row.input_wait_s) or 0.0  # None: no DataLoader batch timed
+    wait = grads + (_seconds(row.collective_time_s) or 0.0)
     if inputs + compute + wait <= 0:
         return None
     return inputs, compute, wait
@@ -249,7 +238,7 @@ def job_wait_fraction(ranks: Iterable[Row]) -> float | None:
     step the sum of its split), over the ranks that report a split; None when none does."""
     waited = total = 0.0
     for row in ranks:
-        split = None if row.get("compute_s") is None else step_split(row)
+        split = None if row.compute_s is None else step_split(row)
         if split is not None:
             waited += split[2]
             total += sum(split)
@@ -260,50 +249,58 @@ def job_wait_fraction(ranks: Iterable[Row]) -> float | None:
 
 
 def _collective_age(row: Row) -> float | None:
-    coll = row.get("collective")
-    return coll.get("since_s") if coll else None
+    return None if row.collective is None else row.collective.since_s
 
 
 def _gpu_fraction(row: Row) -> float | None:
-    used, total = row.get("gpu_mem_used_bytes"), row.get("gpu_mem_total_bytes")
+    used, total = row.gpu_mem_used_bytes, row.gpu_mem_total_bytes
     return used / total if used is not None and total else None
 
 
 SORT_VALUES: dict[str, Callable[[Row], Any]] = {
-    "rank": lambda r: r["rank"],
-    "local_rank": lambda r: r.get("local_rank"),
-    "host": lambda r: r.get("host"),
-    "pid": lambda r: r.get("pid"),
-    "device": lambda r: r.get("device"),
-    "state": lambda r: state_score(r.get("state")),
-    "phase": lambda r: r.get("phase"),
-    "step": lambda r: r.get("step"),
-    "loss": lambda r: r.get("loss"),
-    "step_time": lambda r: r.get("step_time_s"),
-    "data_wait": lambda r: r.get("data_wait_s"),
+    "rank": lambda r: r.rank,
+    "local_rank": lambda r: r.local_rank,
+    "host": lambda r: r.host,
+    "pid": lambda r: r.pid,
+    "device": lambda r: r.device,
+    "state": lambda r: state_order(r.state),
+    "phase": lambda r: r.phase,
+    "step": lambda r: r.step,
+    "loss": lambda r: r.loss,
+    "step_time": lambda r: r.step_time_s,
+    "data_wait": lambda r: r.data_wait_s,
     "split": wait_fraction,
     "collective": _collective_age,
-    "mem": lambda r: r.get("mem_allocated_bytes"),
+    "mem": lambda r: r.mem_allocated_bytes,
     "gpu": _gpu_fraction,
-    "seen": lambda r: r.get("last_seen_s"),
+    "seen": lambda r: r.last_seen_s,
 }
 
-GROUP_SORT_VALUES: dict[str, Callable[[Row], Any]] = {
-    "host": lambda g: g["host"],
-    "ranks": lambda g: g["count"],
-    "states": lambda g: g["worst"],
-    "steps": lambda g: g["step_min"],
-    "step_time": lambda g: g["step_time_max"],
-    "mem": lambda g: g["mem_sum"],
-    "flagged": lambda g: g["flagged"],
+
+class HostGroup(HostRow, kw_only=True):
+    """A host's row in the table (``g``): its summary row (``order.HostTally``; the host
+    ``"?"`` for ranks without one) and ``worst``, the worst-first score of its worst rank."""
+
+    worst: int = WORST_NONE
+
+
+GROUP_SORT_VALUES: dict[str, Callable[[HostGroup], Any]] = {
+    "host": lambda g: g.host,
+    "ranks": lambda g: g.ranks,
+    "states": lambda g: g.worst,
+    "steps": lambda g: g.step_min,
+    "step_time": lambda g: g.step_time_max_s,
+    "mem": lambda g: g.mem_allocated_sum_bytes,
+    "flagged": lambda g: g.flagged,
 }
 
 WORST = "worst"
+R = TypeVar("R", RankEntry, HostGroup)
 
 
 def sort_rows(
-    rows: list[Row], key: Callable[[Row], Any], reverse: bool, tie: Callable[[Row], Any]
-) -> list[Row]:
+    rows: list[R], key: Callable[[R], Any], reverse: bool, tie: Callable[[R], Any]
+) -> list[R]:
     """Sort by ``key`` (unknown values last in either direction), ties by ``tie``."""
     known = [r for r in rows if key(r) is not None]
     unknown = [r for r in rows if key(r) is None]
@@ -314,7 +311,7 @@ def sort_rows(
 
 
 @dataclass(frozen=True)
-class Query:
+class TableQuery:
     """What the user asked the table to show."""
 
     sort: str = WORST
@@ -324,7 +321,7 @@ class Query:
     grouped: bool = False
 
 
-def select_rows(ranks: Sequence[Row], query: Query, index: AlertIndex) -> list[Row]:
+def select_rows(ranks: Sequence[Row], query: TableQuery, index: AlertIndex) -> list[Row]:
     """The rank rows to show, filtered and ordered (default: worst first, then rank)."""
     predicate = make_filter(query.filter)
     rows: list[Row] = list(ranks)
@@ -337,7 +334,7 @@ def select_rows(ranks: Sequence[Row], query: Query, index: AlertIndex) -> list[R
         if query.reverse:
             rows.reverse()
         return rows
-    return sort_rows(rows, SORT_VALUES[query.sort], query.reverse, lambda r: r["rank"])
+    return sort_rows(rows, SORT_VALUES[query.sort], query.reverse, lambda r: r.rank)
 
 
 def worst_first(rows: Sequence[Row], index: AlertIndex) -> list[Row]:
@@ -351,11 +348,11 @@ def worst_first(rows: Sequence[Row], index: AlertIndex) -> list[Row]:
     plain: list[Row] = []
     special: list[Row] = []
     for row in rows:
-        if row.get("state") == RankState.RUNNING and row["rank"] not in named:
+        if row.state == RankState.RUNNING and row.rank not in named:
             plain.append(row)
         else:
             special.append(row)
-    special.sort(key=lambda r: (worst_score(r, index), state_score(r.get("state")), r["rank"]))
+    special.sort(key=lambda r: (worst_score(r, index), state_order(r.state), r.rank))
     cut = next(
         (i for i, row in enumerate(special) if worst_score(row, index) > WORST_RUNNING),
         len(special),
@@ -366,46 +363,38 @@ def worst_first(rows: Sequence[Row], index: AlertIndex) -> list[Row]:
 # ----------------------------------------------------------------------------- group by host
 
 
-def group_by_host(ranks: Iterable[Row], index: AlertIndex) -> list[Row]:
-    """One row per host: rank count, states, min-max step, max step time, memory sum."""
-    groups: dict[str, Row] = {}
+def group_by_host(ranks: Iterable[Row], index: AlertIndex) -> list[HostGroup]:
+    """One row per host (``order.HostTally``: rank count, states, min-max step, max step
+    time, memory), in the order the hosts come, each with its worst rank's score."""
+    tallies: dict[str, HostTally] = {}
+    worst: dict[str, int] = {}
     for row in ranks:
-        host = row.get("host") or "?"
-        group = groups.get(host)
-        if group is None:
-            group = groups[host] = {
-                "host": host,
-                "count": 0,
-                "states": Counter(),
-                "step_min": None,
-                "step_max": None,
-                "step_time_max": None,
-                "mem_sum": None,
-                "flagged": 0,
-                "worst": WORST_NONE,
-                "ranks": [],
-            }
-        group["count"] += 1
-        state = row.get("state") or RankState.NOT_CONNECTED
-        group["states"][state] += 1
-        group["ranks"].append(row["rank"])
-        step = row.get("step")
-        if step is not None:
-            group["step_min"] = step if group["step_min"] is None else min(group["step_min"], step)
-            group["step_max"] = step if group["step_max"] is None else max(group["step_max"], step)
-        st = row.get("step_time_s")
-        if st is not None and (group["step_time_max"] is None or st > group["step_time_max"]):
-            group["step_time_max"] = st
-        mem = row.get("mem_allocated_bytes")
-        if mem is not None:
-            group["mem_sum"] = (group["mem_sum"] or 0) + mem
-        if is_flagged(row, index):
-            group["flagged"] += 1
-        group["worst"] = min(group["worst"], worst_score(row, index))
-    return list(groups.values())
+        host = row.host or "?"
+        tally = tallies.get(host)
+        if tally is None:
+            tally = tallies[host] = HostTally(host)
+        tally.add(
+            row.state or RankState.NOT_CONNECTED,
+            is_flagged(row, index),
+            row.step,
+            row.step_time_s,
+            row.mem_allocated_bytes,
+            row.gpu_mem_used_bytes,
+        )
+        worst[host] = min(worst.get(host, WORST_NONE), worst_score(row, index))
+    return [host_group(tally.row(), worst[host]) for host, tally in tallies.items()]
 
 
-def select_groups(ranks: Sequence[Row], query: Query, index: AlertIndex) -> list[Row]:
+def host_group(row: HostRow, worst: int) -> HostGroup:
+    """A summary's host row as the table's, with ``worst``; the host ``"?"`` when it has none."""
+    fields = msgspec.structs.asdict(row)
+    fields["host"] = row.host or "?"
+    return HostGroup(**fields, worst=worst)
+
+
+def select_groups(
+    ranks: Sequence[Row], query: TableQuery, index: AlertIndex
+) -> list[HostGroup]:
     """Host rows for the grouped view (the filter and ``flagged`` apply to ranks first)."""
     predicate = make_filter(query.filter)
     rows: Iterable[Row] = ranks
@@ -416,17 +405,17 @@ def select_groups(ranks: Sequence[Row], query: Query, index: AlertIndex) -> list
     return order_groups(group_by_host(rows, index), query)
 
 
-def order_groups(groups: list[Row], query: Query) -> list[Row]:
+def order_groups(groups: list[HostGroup], query: TableQuery) -> list[HostGroup]:
     """Host rows in the query's order: by a host column, else worst first, then by name."""
     if query.sort in GROUP_SORT_VALUES:
-        return sort_rows(groups, GROUP_SORT_VALUES[query.sort], query.reverse, lambda g: g["host"])
-    groups.sort(key=lambda g: (g["worst"], g["host"]), reverse=query.reverse)
+        return sort_rows(groups, GROUP_SORT_VALUES[query.sort], query.reverse, lambda g: g.host)
+    groups.sort(key=lambda g: (g.worst, g.host or ""), reverse=query.reverse)
     return groups
 
 
-def state_summary(states: Counter[str]) -> str:
+def state_summary(states: dict[str, int]) -> str:
     """Counter({"running": 14, "crashed": 1}) -> "1 crash 14 run" (worst first)."""
     return " ".join(
         f"{n} {SHORT_STATE.get(s, s)}"
-        for s, n in sorted(states.items(), key=lambda kv: state_score(kv[0]))
+        for s, n in sorted(states.items(), key=lambda kv: state_order(kv[0]))
     )

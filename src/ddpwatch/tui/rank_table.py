@@ -1,7 +1,7 @@
 """The rank table: a Line-API widget that formats only the rows on screen.
 
 Follows toolong's ``LogLines``: a ``ScrollView`` with ``render_line``, plain
-lists of dicts as data, ``virtual_size`` set when the row count changes, an LRU
+lists of typed rows as data, ``virtual_size`` set when the row count changes, an LRU
 cache of ``Strip``s keyed by each row's content, and one ``refresh()`` per tick.
 ``DataTable`` re-measures and re-renders every cell on update (1.15 s per full
 update at 8,192 rows); this stays in milliseconds.
@@ -12,7 +12,7 @@ is derived from the visible columns' declared fields (``columns.row_signature``)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, ClassVar
 
 from rich.cells import cell_len, set_cell_size
@@ -27,6 +27,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from ddpwatch.core.vocabulary import RankState
+from ddpwatch.status.schema import RankEntry
 from ddpwatch.tui.columns import (
     CELL_STYLES,
     FINISHED_FIELDS,
@@ -41,7 +42,10 @@ from ddpwatch.tui.columns import (
     style_class,
     text_width,
 )
-from ddpwatch.tui.model import AlertIndex, Row, step_split
+from ddpwatch.tui.model import AlertIndex, HostGroup, Row, step_split
+
+TableRow = Row | HostGroup
+"""A rank's row, or a host's when the table is grouped."""
 
 
 class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
@@ -126,7 +130,7 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
         self, *, name: str | None = None, id: str | None = None, classes: str | None = None
     ) -> None:
         super().__init__(name=name, id=id, classes=classes)
-        self.rows: list[Row] = []
+        self.rows: Sequence[TableRow] = []
         self.index = AlertIndex()
         self.grouped = False
         self.sort_key: str | None = None
@@ -137,9 +141,9 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
         self._has_split = False
         self._widths: dict[str, int] = {}
         self._measured_rows = -1
-        self._layout: list[tuple[Column, int]] = []
+        self._layout: list[tuple[Column[Any], int]] = []
         self._layout_for: tuple[Any, ...] | None = None
-        self._signature: Callable[[Row, AlertIndex], Hashable] = row_signature(())
+        self._signature: Callable[[Any, AlertIndex], Hashable] = row_signature(())
         self._token = 0
         self._strips: LRUCache[tuple[Any, ...], Strip] = LRUCache(1024)
         self._styles: dict[str | None, Style] = {}
@@ -148,7 +152,7 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
 
     def set_rows(
         self,
-        rows: list[Row],
+        rows: Sequence[TableRow],
         index: AlertIndex,
         *,
         grouped: bool = False,
@@ -164,19 +168,20 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
         self.index = index
         self.grouped = grouped
         self.sort_key, self.sort_reverse = sort_key, sort_reverse
-        self._has_sim = not grouped and any(r.get("simulated") for r in rows)
-        self._has_split = not grouped and any(  # a cheap test first: no split on most jobs
-            r.get("compute_s") is not None and step_split(r) is not None for r in rows
+        ranks = [] if grouped else [r for r in rows if isinstance(r, RankEntry)]
+        self._has_sim = any(r.simulated for r in ranks)
+        self._has_split = any(  # a cheap test first: no split on most jobs
+            r.compute_s is not None and step_split(r) is not None for r in ranks
         )
         if grouped:
-            self._widths = {"host": text_width(r["host"] for r in rows)}
+            self._widths = {"host": text_width(r.host or "?" for r in rows)}
             self._measured_rows = -1
         elif len(rows) != self._measured_rows:
             # hosts and rank digits change with the row count, not from tick to tick
             self._measured_rows = len(rows)
             self._widths = {
-                "rank": max(5, len(str(max((r["rank"] for r in rows), default=0))) + 1),
-                "host": text_width({r.get("host") or "" for r in rows}),
+                "rank": max(5, len(str(max((r.rank for r in ranks), default=0))) + 1),
+                "host": text_width({r.host or "" for r in rows}),
             }
         if not grouped:  # room for "▶ culprit" and "waits for 1" when the alerts name some
             self._widths["state"] = state_width(index)
@@ -186,20 +191,20 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
         self._follow_cursor_key()
         self.refresh()
 
-    @property
-    def _key_field(self) -> str:
-        """What the cursor follows a row by: its rank, or its host when grouped."""
-        return "host" if self.grouped else "rank"
+    @staticmethod
+    def row_key(row: TableRow) -> int | str | None:
+        """What the cursor follows a row by: its rank, or its host on a host row."""
+        return row.host if isinstance(row, HostGroup) else row.rank
 
     def _find(self, key: Any) -> int | None:
         """The position of the row of ``key`` (the cursor's row first: the usual answer)."""
         if key is None:
             return None
-        field, rows = self._key_field, self.rows
-        if self.cursor < len(rows) and rows[self.cursor].get(field) == key:
+        rows, key_of = self.rows, self.row_key
+        if self.cursor < len(rows) and key_of(rows[self.cursor]) == key:
             return self.cursor
         for i, row in enumerate(rows):
-            if row.get(field) == key:
+            if key_of(row) == key:
                 return i
         return None
 
@@ -215,7 +220,7 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
             self.cursor = found
             return
         self.cursor = min(self.cursor, len(rows) - 1)
-        self._set_cursor_key(rows[self.cursor][self._key_field])
+        self._set_cursor_key(self.row_key(rows[self.cursor]))
 
     def _set_cursor_key(self, key: Any) -> None:
         if key != self.cursor_key:
@@ -237,7 +242,7 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
             return
         index = max(0, min(index, len(self.rows) - 1))
         self.cursor = index
-        self._set_cursor_key(self.rows[index][self._key_field])
+        self._set_cursor_key(self.row_key(self.rows[index]))
         self._scroll_to_cursor(center)
         self.refresh()
         if by_user:
@@ -326,13 +331,16 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
         if key == self._layout_for:
             return
         self._layout_for = key
-        columns = GROUP_COLUMNS if self.grouped else RANK_COLUMNS
         skip = frozenset(
             key
             for key, shown in (("sim", self._has_sim), ("split", self._has_split))
             if not (shown or self.grouped)
         )
-        self._layout = fit_columns(columns, max(1, width - 1), skip, self._widths)
+        room = max(1, width - 1)
+        if self.grouped:
+            self._layout = list(fit_columns(GROUP_COLUMNS, room, skip, self._widths))
+        else:
+            self._layout = list(fit_columns(RANK_COLUMNS, room, skip, self._widths))
         self._signature = row_signature(
             (column for column, _ in self._layout), () if self.grouped else FINISHED_FIELDS
         )
@@ -384,12 +392,12 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
         self._strips[key] = strip
         return strip
 
-    def _row_strip(self, row: Row, width: int, is_cursor: bool) -> Strip:
+    def _row_strip(self, row: TableRow, width: int, is_cursor: bool) -> Strip:
         index = self.index
         segments = [
             Segment(">" if is_cursor else " ", self._style("warning") if is_cursor else None)
         ]
-        dim = not self.grouped and finished(row)
+        dim = isinstance(row, RankEntry) and finished(row)
         exited = self._style(state_style(RankState.EXITED))
         last = len(self._layout) - 1
         for i, (column, cw) in enumerate(self._layout):

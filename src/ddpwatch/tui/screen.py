@@ -25,6 +25,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Input, Static
 
 from ddpwatch.core.vocabulary import Severity
+from ddpwatch.status.schema import AlertEntry, RankEntry, StatusDocument, SummaryReply
 from ddpwatch.tui.alerts_panel import AlertList
 from ddpwatch.tui.columns import GROUP_COLUMNS, RANK_COLUMNS
 from ddpwatch.tui.detail import RankDetail
@@ -34,8 +35,9 @@ from ddpwatch.tui.large_job import host_names, is_summary, scope_of, select_summ
 from ddpwatch.tui.model import (
     WORST,
     AlertIndex,
-    Query,
+    HostGroup,
     Row,
+    TableQuery,
     index_alerts,
     select_groups,
     select_rows,
@@ -62,7 +64,7 @@ _GROUP_TITLES = {c.key: c.title for c in GROUP_COLUMNS}
 class StatusFetched(Message):
     """A poll finished: the document, or None when the source could not be reached."""
 
-    def __init__(self, document: dict[str, Any] | None) -> None:
+    def __init__(self, document: StatusDocument | None) -> None:
         super().__init__()
         self.document = document
 
@@ -107,10 +109,10 @@ class DashboardScreen(Screen[None]):
         self.following = True
         """The cursor goes to the culprit of each new alert (``follow_new_alerts``) until the
         user moves it; ``f`` turns this back on."""
-        self.document: dict[str, Any] | None = None
+        self.document: StatusDocument | None = None
         self.connected: bool | None = None
         self.paused = False
-        self.query_state = Query()
+        self.query_state = TableQuery()
         self.index = AlertIndex()
         self.history = History(history)
         self.started: float | None = getattr(source, "started", None)
@@ -122,7 +124,7 @@ class DashboardScreen(Screen[None]):
         self._rank_pos: dict[int, int] = {}
         self.last_export: Path | None = None
         self._poll_started = 0.0
-        self._summary: dict[str, Any] = {}
+        self._summary: dict[str, Any] = {}  # ``header.summarize`` of the document
         self._cursor_placed = False  # on the worst rank, at the first document with ranks
         self.ended_at: float | None = None
         """The server's time when the dashboard first saw the job ended (``story``), else None."""
@@ -219,7 +221,7 @@ class DashboardScreen(Screen[None]):
 
     # ------------------------------------------------------------------ document in
 
-    def apply_document(self, document: dict[str, Any] | None) -> None:
+    def apply_document(self, document: StatusDocument | None) -> None:
         """Show a new status document (None: the source is unreachable)."""
         if document is None:
             self.connected = False
@@ -227,20 +229,17 @@ class DashboardScreen(Screen[None]):
             return
         self.connected = True
         self.document = document
-        now = document.get("server_time")
-        received = (document.get("stats") or {}).get("received")
-        if isinstance(now, (int, float)):
-            if self.started is None:
-                self.started = now
-            if self._previous is not None and received is not None and now > self._previous[0]:
-                self.msg_rate = max(0.0, (received - self._previous[1]) / (now - self._previous[0]))
-            if received is not None:
-                self._previous = (now, received)
-        ranks = document.get("ranks") or []
+        now, received = document.server_time, document.stats.received
+        if self.started is None:
+            self.started = now
+        if self._previous is not None and now > self._previous[0]:
+            self.msg_rate = max(0.0, (received - self._previous[1]) / (now - self._previous[0]))
+        self._previous = (now, received)
+        ranks = document.ranks
         self._rank_pos = {}
         self._summary = summarize(document)
         self._note_ending(document)
-        alerts = document.get("alerts") or []
+        alerts = document.alerts
         self.index = index_alerts(alerts)
         news = self._new_alerts(alerts)
         self.history.update(ranks)
@@ -260,25 +259,27 @@ class DashboardScreen(Screen[None]):
             return bool(ended)
         return self.document is not None and ranks_finished(self.document)
 
-    def _note_ending(self, document: dict[str, Any]) -> None:
+    def _note_ending(self, document: StatusDocument) -> None:
         """Remember when the job was first seen ended (forget it if it runs again)."""
         if not self.job_ended:
             self.ended_at = None
         elif self.ended_at is None:
-            now = document.get("server_time")
-            self.ended_at = float(now) if isinstance(now, (int, float)) else time.time()
+            self.ended_at = document.server_time
 
     def _cursor_to_worst(self) -> None:
         """Start the cursor on the worst rank (host, when grouped) whatever the sort, so enter
         opens the rank to look at; only once: later the cursor is the user's."""
         table = self.table
-        if table.grouped:
-            key = min(table.rows, key=lambda g: (g["worst"], g["host"]))["host"]
+        key: int | str | None
+        groups = [row for row in table.rows if isinstance(row, HostGroup)]
+        if groups:
+            key = min(groups, key=lambda g: (g.worst, g.host or "")).host
         else:
-            key = worst_first(table.rows, self.index)[0]["rank"]
+            ranks = [row for row in table.rows if isinstance(row, RankEntry)]
+            key = worst_first(ranks, self.index)[0].rank
         table.move_cursor_to_key(key)
 
-    def _new_alerts(self, alerts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _new_alerts(self, alerts: list[AlertEntry]) -> list[AlertEntry]:
         """The error and warning alerts (kind and culprits) that the last document did not have
         at their severity or above, in the document's order (errors first); none for the first
         document (its alerts were there before anyone looked).
@@ -287,13 +288,13 @@ class DashboardScreen(Screen[None]):
         warnings stay quiet."""
         errors: set[tuple[Any, ...]] = set()
         warned: set[tuple[Any, ...]] = set()
-        news: list[dict[str, Any]] = []
+        news: list[AlertEntry] = []
         first = self._errors is None
         for alert in alerts:
-            severity = alert.get("severity")
+            severity = alert.severity
             if severity not in (Severity.ERROR, Severity.WARNING):
                 continue
-            key = (alert.get("kind"), tuple(alert.get("ranks") or ()))
+            key = (alert.kind, tuple(alert.ranks))
             warned.add(key)
             if severity == Severity.ERROR:
                 errors.add(key)
@@ -301,22 +302,22 @@ class DashboardScreen(Screen[None]):
                     news.append(alert)
             elif not first and key not in self._warned:
                 news.append(alert)
-        if self.bell and any(a.get("severity") == Severity.ERROR for a in news):
+        if self.bell and any(a.severity == Severity.ERROR for a in news):
             self.app.bell()
         self._errors, self._warned = errors, warned
         return news
 
-    def follow_new_alerts(self, news: list[dict[str, Any]], alerts: list[dict[str, Any]]) -> None:
+    def follow_new_alerts(self, news: list[AlertEntry], alerts: list[AlertEntry]) -> None:
         """Put the cursor on the first culprit of the first new error alert; with no error
         alert naming a culprit open, of the first new warning. Not on a host row, and not
         through a filter: a culprit the table does not show is left to the alert's jump."""
         if not news or self.table.grouped:
             return
-        errors = [a for a in news if a.get("severity") == Severity.ERROR and a.get("ranks")]
-        held = any(a.get("severity") == Severity.ERROR and a.get("ranks") for a in alerts)
-        candidates = errors or ([] if held else [a for a in news if a.get("ranks")])
+        errors = [a for a in news if a.severity == Severity.ERROR and a.ranks]
+        held = any(a.severity == Severity.ERROR and a.ranks for a in alerts)
+        candidates = errors or ([] if held else [a for a in news if a.ranks])
         if candidates:
-            self.table.move_cursor_to_key(candidates[0]["ranks"][0])
+            self.table.move_cursor_to_key(candidates[0].ranks[0])
 
     def action_follow(self) -> None:
         """``f``: the cursor follows the culprits again, starting on the worst rank now."""
@@ -337,9 +338,10 @@ class DashboardScreen(Screen[None]):
             self._update_header()
             return
         self._update_scope()
-        ranks = document.get("ranks") or []
+        ranks = document.ranks
         query = self.query_state
-        if query.grouped and is_summary(document):
+        rows: list[RankEntry] | list[HostGroup]
+        if query.grouped and isinstance(document, SummaryReply):
             rows = select_summary_groups(document, query, self.index)
         elif query.grouped:
             rows = select_groups(ranks, query, self.index)
@@ -351,7 +353,7 @@ class DashboardScreen(Screen[None]):
         )
         ended = self.ended_at is not None
         self.alert_list.show(
-            document.get("alerts") or [],
+            document.alerts,
             empty=None if ranks or ended else self.no_ranks,
             past=cleared_alerts(document, everything=ended),
             banner=ended_banner(document) if ended else None,
@@ -391,10 +393,10 @@ class DashboardScreen(Screen[None]):
             for key, value in self._summary.items():
                 setattr(info, key, value)
             info.alerts = dict(self.index.counts)
-            now = document.get("server_time")
-            if isinstance(now, (int, float)) and self.started is not None:
+            now = document.server_time
+            if self.started is not None:
                 info.uptime_s = now - self.started
-            if self.ended_at is not None and isinstance(now, (int, float)):
+            if self.ended_at is not None:
                 info.ended_s = max(0.0, now - self.ended_at)
         self.query_one(StatusHeader).show(info)
 
@@ -402,11 +404,11 @@ class DashboardScreen(Screen[None]):
         """The selected rank's entry in the current document."""
         if self.document is None:
             return None
-        ranks: list[Row] = self.document.get("ranks") or []
-        if 0 <= rank < len(ranks) and ranks[rank].get("rank") == rank:
+        ranks = self.document.ranks
+        if 0 <= rank < len(ranks) and ranks[rank].rank == rank:
             return ranks[rank]
         if not self._rank_pos:
-            self._rank_pos = {row["rank"]: i for i, row in enumerate(ranks)}
+            self._rank_pos = {row.rank: i for i, row in enumerate(ranks)}
         pos = self._rank_pos.get(rank)
         return None if pos is None else ranks[pos]
 
@@ -418,7 +420,7 @@ class DashboardScreen(Screen[None]):
             self.query_one(StackPanel).show(row, self.index)
             return
         series = {m: self.history.series(rank, m) for m in METRICS} if rank is not None else {}
-        alerts = (self.document or {}).get("alerts") or []
+        alerts = [] if self.document is None else self.document.alerts
         self.detail.show(row, series, alerts)
 
     # ------------------------------------------------------------------ table events
@@ -441,7 +443,7 @@ class DashboardScreen(Screen[None]):
     def _row_selected(self, event: RankTable.Selected) -> None:
         if self.table.grouped:
             host = event.key
-            self.query_state = Query(
+            self.query_state = TableQuery(
                 sort=WORST,
                 reverse=False,
                 filter=str(host),
@@ -467,8 +469,10 @@ class DashboardScreen(Screen[None]):
     def select_rank(self, rank: int) -> bool:
         """Put the table's cursor on ``rank``, clearing a filter or grouping that hides it."""
         table = self.table
-        if table.grouped or not any(r["rank"] == rank for r in table.rows):
-            self.query_state = Query(sort=self.query_state.sort, reverse=self.query_state.reverse)
+        if table.grouped or not any(table.row_key(r) == rank for r in table.rows):
+            self.query_state = TableQuery(
+                sort=self.query_state.sort, reverse=self.query_state.reverse
+            )
             self._show_filter_box("")
             self.refresh_view()
         found = table.move_cursor_to_key(rank)
@@ -555,7 +559,7 @@ class DashboardScreen(Screen[None]):
         self._exported(*write_export(self.document, self.export_dir), "the status JSON on screen")
 
     @work(thread=True, group="export", exclusive=True, exit_on_error=False)
-    def _export_whole(self, whole: Callable[[], dict[str, Any] | None]) -> None:
+    def _export_whole(self, whole: Callable[[], StatusDocument | None]) -> None:
         document = whole()
         if document is None:
             result: tuple[Path | None, str] = (None, "the server sent no whole status document")
@@ -582,7 +586,7 @@ class DashboardScreen(Screen[None]):
         return getattr(self.source, "no_ranks", None) or "waiting for ranks"
 
 
-def write_export(document: dict[str, Any], folder: Path) -> tuple[Path | None, str]:
+def write_export(document: StatusDocument, folder: Path) -> tuple[Path | None, str]:
     """Write ``document`` as indented JSON to a new ``ddpwatch-status-<time>[-n].json`` in
     ``folder`` (never over an earlier export): the path, or None and why not."""
     stamp = time.strftime("%Y%m%d-%H%M%S")

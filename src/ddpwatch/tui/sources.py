@@ -16,17 +16,20 @@ job has ended once every rank seen has finished.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import subprocess
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
 from ddpwatch.core.protocol import DEFAULT_PORT
 from ddpwatch.status.provider import StatusProvider
+from ddpwatch.status.query import Query
+from ddpwatch.status.schema import StatusDocument, SummaryReply
 
 log = logging.getLogger("ddpwatch.tui")
 
@@ -35,36 +38,35 @@ PAGED_ABOVE = 4096
 ``WORST_SHOWN`` worst ranks) instead of the whole document: tens of megabytes at 65,536
 ranks, to build on the server and to decode here every poll."""
 WORST_SHOWN = 1000
-SUMMARY_QUERY = f"view=summary&worst={WORST_SHOWN}"
-COUNTS_QUERY = "view=summary&worst=0"
+SUMMARY_QUERY = Query(view="summary", worst=WORST_SHOWN)
+COUNTS_QUERY = Query(view="summary", worst=0)
 EXPORT_TIMEOUT_S = 60.0
 """How long an export waits for the whole document (tens of megabytes on a large job)."""
 
 
-def ranks_in(document: dict[str, Any]) -> int:
+def ranks_in(document: StatusDocument) -> int:
     """How many ranks the job has: a summary's count, else the document's rank entries."""
-    counts = document.get("summary")
-    if isinstance(counts, dict) and isinstance(counts.get("ranks"), int):
-        return int(counts["ranks"])
-    return len(document.get("ranks") or [])
+    if isinstance(document, SummaryReply):
+        return document.summary.ranks
+    return len(document.ranks)
 
 
 def scoped_summary(
-    ask: Callable[[str], dict[str, Any] | None], scope: str
-) -> dict[str, Any] | None:
+    ask: Callable[[Query], SummaryReply | None], scope: Query | None
+) -> SummaryReply | None:
     """The summary the dashboard shows, from ``ask`` (a query in, a reply or None out).
 
-    With a ``scope`` (``ranks=0-63`` or ``host=node7``: what the filter box names), the reply
+    With a ``scope`` (ranks 0-63 or host node7: what the filter box names), the reply
     lists the worst ranks of the scope, its ``scope`` holds the scope's counts and host rows,
     and its ``summary`` still counts the whole job, for the header. A scope the server
     refuses (an ``ask`` that gives None) falls back to the whole job's summary."""
-    if not scope:
+    if scope is None:
         return ask(SUMMARY_QUERY)
-    part = ask(f"{SUMMARY_QUERY}&{scope}")
+    part = ask(dataclasses.replace(scope, view="summary", worst=SUMMARY_QUERY.worst))
     whole = ask(COUNTS_QUERY if part is not None else SUMMARY_QUERY)
     if part is None or whole is None:
         return whole
-    return {**part, "summary": whole["summary"], "scope": part["summary"]}
+    return msgspec.structs.replace(part, summary=whole.summary, scope=part.summary)
 
 
 @runtime_checkable
@@ -73,7 +75,7 @@ class StatusSource(Protocol):
 
     label: str
 
-    def fetch(self) -> dict[str, Any] | None:
+    def fetch(self) -> StatusDocument | None:
         """The current status document, or None when it cannot be had (shown as disconnected)."""
         ...
 
@@ -92,19 +94,22 @@ class LocalSource:
         state = getattr(server, "state", None)
         self.started: float | None = getattr(state, "started", None)
         self._large = False  # the last document had more than PAGED_ABOVE ranks
-        self.scope = ""  # the summary's filter, set by the dashboard (``scoped_summary``)
+        self.scope: Query | None = None  # the summary's filter, set by the dashboard
 
-    def fetch(self) -> dict[str, Any] | None:
+    def fetch(self) -> StatusDocument | None:
         try:
-            document = scoped_summary(self._ask, self.scope) if self._large else None
-            document = document if document is not None else self.server.status()
+            document: StatusDocument | None = (
+                scoped_summary(self._ask, self.scope) if self._large else None
+            )
+            if document is None:
+                document = self.server.status()
         except Exception:  # the view must survive a failing server: show it as disconnected
             log.exception("status() failed")
             return None
         self._large = ranks_in(document) > PAGED_ABOVE
         return document
 
-    def whole(self) -> dict[str, Any] | None:
+    def whole(self) -> StatusDocument | None:
         """The whole status document, every rank (an export of a large job)."""
         try:
             return self.server.status()
@@ -112,13 +117,18 @@ class LocalSource:
             log.exception("status() failed")
             return None
 
-    def _ask(self, query: str) -> dict[str, Any] | None:
+    def _ask(self, query: Query) -> SummaryReply | None:
         """The server's reply to ``status?<query>`` (``Server.query_json``), if it gives one."""
         answer = getattr(self.server, "query_json", None)
         if answer is None:
             return None
-        document = msgspec.json.decode(answer(f"status?{query}".encode()))
-        return document if isinstance(document, dict) and "summary" in document else None
+        from ddpwatch.status.client import StatusQueryError, decode_reply
+
+        try:
+            reply = decode_reply(answer(query.request()), query)
+        except StatusQueryError:
+            return None
+        return reply if isinstance(reply, SummaryReply) else None
 
     def close(self) -> None:
         pass
@@ -151,7 +161,7 @@ class JobSource(LocalSource):
         """The job process has ended: the dashboard says so and shows the run's story."""
         return self.job.poll() is not None
 
-    def fetch(self) -> dict[str, Any] | None:
+    def fetch(self) -> StatusDocument | None:
         self._update_label()
         return super().fetch()
 
@@ -185,7 +195,7 @@ class ReplaySource(LocalSource):
         self.no_ranks = "no ranks in the recording yet"
         self._update_label()
 
-    def fetch(self) -> dict[str, Any] | None:
+    def fetch(self) -> StatusDocument | None:
         document = super().fetch()
         self._update_label()
         return document
@@ -239,13 +249,13 @@ class RemoteSource:
         self.client = StatusClient(host, port, timeout)
         self._large = False  # the last document had more than PAGED_ABOVE ranks
         self._summaries = True  # the server answers summaries
-        self.scope = ""  # the summary's filter, set by the dashboard (``scoped_summary``)
+        self.scope: Query | None = None  # the summary's filter, set by the dashboard
 
     @property
     def endpoint(self) -> str:
         return self.client.endpoint
 
-    def fetch(self) -> dict[str, Any] | None:
+    def fetch(self) -> StatusDocument | None:
         from ddpwatch.status.client import StatusQueryError
 
         if self._large and self._summaries:
@@ -257,24 +267,25 @@ class RemoteSource:
                 self._summaries = False
         return self._seen(self.client.fetch())
 
-    def _seen(self, document: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _seen(self, document: StatusDocument | None) -> StatusDocument | None:
         if document is not None:
             self._large = ranks_in(document) > PAGED_ABOVE
         return document
 
-    def _ask(self, query: str) -> dict[str, Any] | None:
+    def _ask(self, query: Query) -> SummaryReply | None:
         """The reply to ``status?<query>``; None for a scoped query the server refuses (the
         whole job's summary is shown instead); ``StatusQueryError`` for an unscoped one."""
         from ddpwatch.status.client import StatusQueryError
 
         try:
-            return self.client.query(query)
+            reply = self.client.query(query)
+            return reply if isinstance(reply, SummaryReply) else None
         except StatusQueryError:
             if query in (SUMMARY_QUERY, COUNTS_QUERY):
                 raise
             return None
 
-    def whole(self) -> dict[str, Any] | None:
+    def whole(self) -> StatusDocument | None:
         """The whole status document, every rank (an export of a large job), on a socket of
         its own: the polls' socket is the poll worker's."""
         from ddpwatch.status.client import StatusClient
@@ -290,3 +301,4 @@ class RemoteSource:
     def close(self) -> None:
         """Close the socket (after a fetch in flight, at most ``timeout`` away) and the context."""
         self.client.close()
+

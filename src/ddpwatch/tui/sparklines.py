@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Iterable
-from typing import Any
+
+from ddpwatch.status.schema import RankEntry
 
 METRICS = ("step_time", "loss", "mem")
 _FIELDS = {"step_time": "step_time_s", "loss": "loss", "mem": "mem_allocated_bytes"}
@@ -24,7 +25,7 @@ class History:
     def __init__(self, capacity: int = 60) -> None:
         self.capacity = capacity
         self._slot: dict[int, int] = {}
-        self._last_step: list[Any] = []
+        self._last_step: list[int | None] = []
         self._pos: list[int] = []
         self._count: list[int] = []
         self._data = {name: array("f") for name in METRICS}
@@ -43,7 +44,7 @@ class History:
             ring.extend(blank)
         return slot
 
-    def update(self, ranks: Iterable[dict[str, Any]]) -> None:
+    def update(self, ranks: Iterable[RankEntry]) -> None:
         """Fold one status document's ranks in (cheap when steps did not move)."""
         get_slot, last_step, cap = self._slot.get, self._last_step, self.capacity
         positions, counts = self._pos, self._count
@@ -51,10 +52,10 @@ class History:
         st_ring, loss_ring, mem_ring = data["step_time"], data["loss"], data["mem"]
         nan = _NAN
         for row in ranks:
-            step = row.get("step")
+            step = row.step
             if step is None:
                 continue
-            rank = row["rank"]
+            rank = row.rank
             slot = get_slot(rank)
             if slot is None:
                 slot = self._new_slot(rank)
@@ -63,9 +64,9 @@ class History:
             last_step[slot] = step
             pos = positions[slot]
             i = slot * cap + pos
-            st = row.get("step_time_s")
-            loss = row.get("loss")
-            mem = row.get("mem_allocated_bytes")
+            st = row.step_time_s
+            loss = row.loss
+            mem = row.mem_allocated_bytes
             st_ring[i] = nan if st is None else st
             loss_ring[i] = nan if loss is None else loss
             mem_ring[i] = nan if mem is None else mem

@@ -14,16 +14,17 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from ddpwatch.status.schema import RankEntry
 from ddpwatch.tui.detail import stack_text
 from ddpwatch.tui.model import AlertIndex
 
 NO_RANK = "no rank under the cursor: select a rank to see its stack here"
 
 
-def stack_title(row: dict[str, Any], index: AlertIndex) -> str:
+def stack_title(row: RankEntry, index: AlertIndex) -> str:
     """``traceback of rank 3 (culprit)``, ``stack of rank 0 (waits for 1)``, ``stack of rank 2``."""
-    rank = row["rank"]
-    what = "traceback" if row.get("error") else "stack"
+    rank = row.rank
+    what = "traceback" if row.error is not None else "stack"
     title = f"{what} of rank {rank}"
     if rank in index.culprit:
         title += " (culprit)"
@@ -42,15 +43,16 @@ class StackPanel(VerticalScroll, can_focus=True):
     def compose(self) -> ComposeResult:
         yield Static(id="stack-text")
 
-    def show(self, row: dict[str, Any] | None, index: AlertIndex) -> None:
+    def show(self, row: RankEntry | None, index: AlertIndex) -> None:
         """The stack of ``row`` (None: no rank selected, as on a host row)."""
         if row is None:
             shown: tuple[Any, ...] = (None,)
             title = "stack"
         else:
             title = stack_title(row, index)
-            error = row.get("error") or {}
-            shown = (row["rank"], title, row.get("stack"), error.get("traceback"), bool(error))
+            error = row.error
+            traceback = None if error is None else error.traceback
+            shown = (row.rank, title, row.stack, traceback, error is not None)
         if shown == self._shown:
             return
         body = Text(NO_RANK, style="dim italic") if row is None else stack_text(row)

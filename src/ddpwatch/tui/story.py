@@ -15,9 +15,8 @@ When a job has *ended*:
 
 from __future__ import annotations
 
-from typing import Any
-
 from ddpwatch.core.vocabulary import HistoryEvent, RankState
+from ddpwatch.status.schema import AlertEntry, HistoryEntry, StatusDocument, SummaryReply
 
 FINISHED_STATES = frozenset({RankState.CRASHED, RankState.EXITED, RankState.STOPPED})
 """A rank in one of these will not report again: a job whose ranks all are has ended."""
@@ -26,41 +25,32 @@ RECENT_S = 60.0
 PAST_LISTED = 50
 """At most this many cleared alerts are listed (the timeline, ``t``, has them all)."""
 
-Entry = dict[str, Any]
 
-
-def ranks_finished(document: dict[str, Any]) -> bool:
+def ranks_finished(document: StatusDocument) -> bool:
     """Every rank that reported has finished (crashed, exited or stopped), and one did."""
-    counts = document.get("summary")
-    if isinstance(counts, dict) and isinstance(counts.get("states"), dict):
-        states = {s for s, n in counts["states"].items() if n and s != RankState.NOT_CONNECTED}
+    if isinstance(document, SummaryReply):
+        counts = document.summary.states
+        states = {s for s, n in counts.items() if n and s != RankState.NOT_CONNECTED}
     else:
-        states = {
-            row.get("state")
-            for row in document.get("ranks") or ()
-            if row.get("state") != RankState.NOT_CONNECTED
-        }
+        states = {row.state for row in document.ranks if row.state != RankState.NOT_CONNECTED}
     return bool(states) and states <= FINISHED_STATES
 
 
-def _key(alert: dict[str, Any]) -> tuple[Any, tuple[int, ...]]:
-    return alert.get("kind"), tuple(alert.get("ranks") or ())
+def _key(alert: AlertEntry) -> tuple[str, tuple[int, ...]]:
+    return alert.kind, tuple(alert.ranks)
 
 
-def job_elapsed(document: dict[str, Any]) -> float | None:
+def job_elapsed(document: StatusDocument) -> float | None:
     """Seconds since ``job_started`` by the server's clock (what ``elapsed_s`` counts)."""
-    now, started = document.get("server_time"), document.get("job_started")
-    if isinstance(now, (int, float)) and isinstance(started, (int, float)):
-        return float(now - started)
-    return None
+    started = document.job_started
+    return None if started is None else float(document.server_time - started)
 
 
-def cleared_alerts(document: dict[str, Any], everything: bool) -> list[Entry]:
+def cleared_alerts(document: StatusDocument, everything: bool) -> list[HistoryEntry]:
     """The ``cleared`` entries of the history whose alert is not open again, oldest first:
     all of them (``everything``: the job ended), else those that cleared in the last
     ``RECENT_S`` seconds of the job; at most ``PAST_LISTED``, the newest."""
-    history: list[Entry] = document.get("history") or []
-    open_now = {_key(a) for a in document.get("alerts") or ()}
+    open_now = {_key(a) for a in document.alerts}
     since = None
     if not everything:
         elapsed = job_elapsed(document)
@@ -69,29 +59,27 @@ def cleared_alerts(document: dict[str, Any], everything: bool) -> list[Entry]:
         since = elapsed - RECENT_S
     found = [
         entry
-        for entry in history
-        if entry.get("event") == HistoryEvent.CLEARED
-        and isinstance(entry.get("alert"), dict)
-        and _key(entry["alert"]) not in open_now
-        and (since is None or float(entry.get("elapsed_s") or 0.0) >= since)
+        for entry in document.history
+        if entry.event == HistoryEvent.CLEARED
+        and _key(entry.alert) not in open_now
+        and (since is None or entry.elapsed_s >= since)
     ]
     return found[-PAST_LISTED:]
 
 
-def alerts_raised(document: dict[str, Any]) -> int:
+def alerts_raised(document: StatusDocument) -> int:
     """How many alerts the run raised (an escalation is the same alert)."""
-    history = document.get("history") or ()
-    return sum(1 for entry in history if entry.get("event") == HistoryEvent.RAISED)
+    return sum(1 for entry in document.history if entry.event == HistoryEvent.RAISED)
 
 
-def ended_banner(document: dict[str, Any]) -> str:
+def ended_banner(document: StatusDocument) -> str:
     """The alerts panel's first line once the job ended: how many alerts, and the verdict
     (``outputs.summary.verdict``, what the end-of-run summary says)."""
     from ddpwatch.outputs.summary import verdict
 
-    if not any(
-        row.get("state") != RankState.NOT_CONNECTED for row in document.get("ranks") or ()
-    ) and not isinstance(document.get("summary"), dict):
+    if not any(row.state != RankState.NOT_CONNECTED for row in document.ranks) and not isinstance(
+        document, SummaryReply
+    ):
         return "the job ended before any rank reported: its own output says why"
     count = alerts_raised(document)
     alerts = f"{count} alert{'s' if count != 1 else ''}" if count else "no alerts"

@@ -23,9 +23,11 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 from textual.widgets.data_table import CellDoesNotExist
 
+from ddpwatch.core.ranges import rank_ranges
 from ddpwatch.diagnosis.history import event_label
+from ddpwatch.status.fmt import elapsed, seconds
+from ddpwatch.status.schema import UNSET, HistoryEntry, StatusDocument
 from ddpwatch.tui.alerts_panel import append_who, dashboard_hint
-from ddpwatch.tui.fmt import rank_ranges
 from ddpwatch.tui.header import SEVERITY_STYLE
 
 COLUMNS = ("time", "elapsed", "event", "severity", "kind", "ranks", "up", "message")
@@ -35,24 +37,23 @@ MESSAGE_MIN = 20
 NO_ALERTS = "no alerts yet"
 
 
-def timeline_rows(history: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+def timeline_rows(history: list[HistoryEntry]) -> list[tuple[str, ...]]:
     """One row per change, newest first: what the table shows, the message whole (pure, for
     tests and exports)."""
     rows: list[tuple[str, ...]] = []
     for entry in reversed(history):
-        alert = entry.get("alert") or {}
-        event = event_label(entry)
-        duration = entry.get("duration_s")
+        alert = entry.alert
+        duration = entry.duration_s
         rows.append(
             (
-                _clock(str(entry.get("time", ""))),
-                f"+{float(entry.get('elapsed_s') or 0.0):.1f} s",
-                event,
-                str(alert.get("severity", "")),
-                str(alert.get("kind", "")),
-                rank_ranges(alert.get("ranks") or []) or "-",
-                f"{duration:.1f} s" if isinstance(duration, (int, float)) else "",
-                str(alert.get("message", "")),
+                _clock(entry.time),
+                elapsed(entry.elapsed_s),
+                event_label(entry),
+                alert.severity,
+                alert.kind,
+                rank_ranges(alert.ranks) or "-",
+                seconds(duration) if duration is not UNSET else "",
+                alert.message,
             )
         )
     return rows
@@ -71,41 +72,36 @@ def fit(text: str, width: int) -> str:
     return set_cell_size(text, max(0, width - 1)) + "…"
 
 
-def entry_text(entry: dict[str, Any]) -> Text:
+def entry_text(entry: HistoryEntry) -> Text:
     """One change whole, for the panel under the list: what, when, the message and the hint."""
-    alert = entry.get("alert") or {}
-    severity = str(alert.get("severity", ""))
-    event = event_label(entry)
+    alert = entry.alert
+    severity = alert.severity
     head = Text.assemble(
-        (f"{alert.get('kind', '?')}", SEVERITY_STYLE.get(severity, "bold")),
+        (alert.kind, SEVERITY_STYLE.get(severity, "bold")),
         (f" ({severity}) ", "dim"),
-        (event, "bold"),
+        (event_label(entry), "bold"),
     )
     append_who(head, alert)
-    head.append(f"  at +{float(entry.get('elapsed_s') or 0.0):.1f} s", style="dim")
-    head.append(f" ({_clock(str(entry.get('time', '')))})", style="dim")
-    duration = entry.get("duration_s")
-    if isinstance(duration, (int, float)):
-        head.append(f"  up {duration:.1f} s", style="green")
-    text = Text("\n").join([head, Text(str(alert.get("message", "")))])
-    hint = alert.get("hint")
-    if hint:
+    head.append(f"  at {elapsed(entry.elapsed_s)}", style="dim")
+    head.append(f" ({_clock(entry.time)})", style="dim")
+    if entry.duration_s is not UNSET:
+        head.append(f"  up {seconds(entry.duration_s)}", style="green")
+    text = Text("\n").join([head, Text(alert.message)])
+    if alert.hint:
         text.append("\n")
         text.append_text(
-            Text.assemble(
-                ("→ ", "green"), (dashboard_hint(hint, alert.get("ranks") or ()), "italic dim")
-            )
+            Text.assemble(("→ ", "green"), (dashboard_hint(alert.hint, alert.ranks), "italic dim"))
         )
     return text
 
 
-def _keys(history: list[dict[str, Any]]) -> list[str]:
+def _keys(history: list[HistoryEntry]) -> list[str]:
     """A row key per entry, newest first, that stays the entry's while older ones are dropped."""
     keys: list[str] = []
     seen: dict[str, int] = {}
     for entry in reversed(history):
-        alert = entry.get("alert") or {}
-        base = f"{entry.get('time')}|{entry.get('event')}|{alert.get('kind')}|{alert.get('ranks')}"
+        alert = entry.alert
+        base = f"{entry.time}|{entry.event}|{alert.kind}|{alert.ranks}"
         seen[base] = seen.get(base, 0) + 1
         keys.append(f"{base}|{seen[base]}")
     return keys
@@ -138,12 +134,12 @@ class TimelineScreen(ModalScreen[None]):
         Binding("escape,q,t", "close", "Close", id="timeline.close"),
     ]
 
-    def __init__(self, document: dict[str, Any] | None, interval: float = 0.5) -> None:
+    def __init__(self, document: StatusDocument | None, interval: float = 0.5) -> None:
         super().__init__()
         self.document = document
         self.interval = interval
         self._shown: tuple[Any, ...] | None = None
-        self._entries: dict[str, dict[str, Any]] = {}  # row key -> its history entry
+        self._entries: dict[str, HistoryEntry] = {}  # row key -> its history entry
 
     def compose(self) -> ComposeResult:
         with Vertical(id="timeline") as panel:
@@ -174,15 +170,15 @@ class TimelineScreen(ModalScreen[None]):
         if document is not None:
             self.show(document)
 
-    def show(self, document: dict[str, Any] | None, *, force: bool = False) -> None:
+    def show(self, document: StatusDocument | None, *, force: bool = False) -> None:
         """List the document's history; the cursor stays on its change (on the newest when
         it was there), and the message column takes the width the others leave."""
         self.document = document
-        history: list[dict[str, Any]] = (document or {}).get("history") or []
+        history = [] if document is None else document.history
         table = self.table
         rows = timeline_rows(history)
         width = self._message_width(rows)
-        marker = (len(history), history[-1].get("time") if history else None, width)
+        marker = (len(history), history[-1].time if history else None, width)
         if marker == self._shown and not force:
             return
         self._shown = marker

@@ -20,7 +20,6 @@ import logging
 import math
 from collections import Counter
 
-from ddpwatch.core.vocabulary import SEVERITIES
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.census import Pace
@@ -51,6 +50,7 @@ from ddpwatch.diagnosis.rules.registry import Rule
 from ddpwatch.diagnosis.rules.relays import rule_relay_lost
 from ddpwatch.diagnosis.rules.startup import rule_not_connected, rule_startup_hang
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.order import severity_level
 
 __all__ = [
     "RANK_SCANS_PER_S",
@@ -107,14 +107,13 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-_SEVERITY_ORDER = {severity: n for n, severity in enumerate(SEVERITIES)}  # error first
 RULE_FAILURES: Counter[str] = Counter()
 """Ticks each rule raised on, by rule name, since the server started."""
 log = logging.getLogger("ddpwatch")
 
 
 def _sort_key(alert: Alert) -> tuple[int, str, tuple[int, ...]]:
-    return (_SEVERITY_ORDER.get(alert.severity, len(SEVERITIES)), alert.kind, alert.ranks)
+    return (-severity_level(alert.severity), alert.kind, alert.ranks)  # most severe first
 
 
 def diagnose(state: ServerState, now: float, th: Thresholds) -> list[Alert]:

@@ -15,12 +15,12 @@ from ddpwatch.diagnosis.text import (
     first_line,
     format_ranks,
     ordinal_advice,
-    seconds,
     verb,
     where,
 )
 from ddpwatch.server.host_memory import oom_note
 from ddpwatch.server.records import RankRecord
+from ddpwatch.status.fmt import seconds
 
 
 def _root_alert(root: Root, cascade: Cascade | None, now: float, stepping: bool = False) -> Alert:

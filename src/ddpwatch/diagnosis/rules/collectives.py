@@ -17,14 +17,13 @@ from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import (
     STACKS_IN,
     collective_name,
-    duration,
     first_line,
     format_ranks,
     in_data_loading,
-    seconds,
     verb,
     where,
 )
+from ddpwatch.status.fmt import seconds, wait
 
 
 @rule(AlertKind.STRAGGLER, AlertKind.STALLED)
@@ -62,9 +61,9 @@ def rule_straggler(f: Facts) -> list[Alert]:
     )
     if found.timeout_left is not None:
         message += (
-            f"; {waiters} will time out in {duration(found.timeout_left)}"
+            f"; {waiters} will time out in {wait(found.timeout_left)}"
             if found.timeout_left > 0
-            else f"; the process group's timeout has passed by {duration(-found.timeout_left)}"
+            else f"; the process group's timeout has passed by {wait(-found.timeout_left)}"
         )
     if loading:
         hint = (

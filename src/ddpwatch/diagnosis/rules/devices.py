@@ -15,15 +15,14 @@ from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import (
-    GIB,
     MAX_LISTED,
     first_line,
     format_ranks,
-    gib,
     ordinal_advice,
     verb,
 )
 from ddpwatch.server.records import RankRecord
+from ddpwatch.status.fmt import GIB, gib
 
 _DUPLICATE_PAIR = re.compile(r"rank (\d+) and rank (\d+) both on CUDA device", re.IGNORECASE)
 

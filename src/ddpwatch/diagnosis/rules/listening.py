@@ -7,7 +7,7 @@ from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.text import seconds
+from ddpwatch.status.fmt import seconds
 
 
 @rule(AlertKind.SERVER_BEHIND)

@@ -17,18 +17,10 @@ from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.text import duration, format_ranks
-from ddpwatch.server.host_memory import (
-    GIB,
-    LEAK_RATE,
-    WHERE,
-    Growth,
-    growth,
-    headroom,
-    mib_s,
-    size,
-)
+from ddpwatch.diagnosis.text import format_ranks
+from ddpwatch.server.host_memory import GIB, LEAK_RATE, WHERE, Growth, growth, headroom
 from ddpwatch.server.records import RankRecord
+from ddpwatch.status.fmt import memory, mib_per_s, wait
 
 PEERS_FACTOR = 3.0
 """A leaking rank grows at least this many times as fast as the median of the others."""
@@ -122,18 +114,19 @@ class _Pace:
 
 def _leak_alert(r: RankRecord, pace: _Pace) -> Alert:
     g = pace.rates[r.rank]
-    held = size(r.host_rss_bytes)
+    held = memory(r.host_rss_bytes)
     if r.workers_rss_bytes:
-        held += f", its workers {size(r.workers_rss_bytes)}"
+        held += f", its workers {memory(r.workers_rss_bytes)}"
     span = f"{g.span_s:.0f} s"
     if g.rising_s < g.span_s - 0.5:  # it began inside the window
         span = f"{g.rising_s:.0f} of the last {span}"
     message = (
-        f"rank {r.rank}'s host memory grows {mib_s(g.rate)}, steadily for {span} (the rank {held})"
+        f"rank {r.rank}'s host memory grows {mib_per_s(g.rate)}, steadily for {span} "
+        f"(the rank {held})"
     )
     peers = pace.others(g.rate)
     if peers is not None:
-        message += f"; the others' median {mib_s(peers)}"
+        message += f"; the others' median {mib_per_s(peers)}"
     left = pace.time_left(r)
     room = headroom(r)
     severity = Severity.WARNING
@@ -141,7 +134,7 @@ def _leak_alert(r: RankRecord, pace: _Pace) -> Alert:
         message += "; how much memory is left is not known"
     else:
         seconds, where = left
-        message += f"; {WHERE[where]} ({size(room[0])} left) runs out in about {duration(seconds)}"
+        message += f"; {WHERE[where]} ({memory(room[0])} left) runs out in about {wait(seconds)}"
         if seconds < ERROR_S:
             severity = Severity.ERROR
             message += ": the OOM killer will end it with SIGKILL and the others will hang"
@@ -171,15 +164,15 @@ def _uneven(live: list[RankRecord], named: set[int]) -> list[Alert]:
         top = max(heavy, key=lambda r: (r.host_rss_bytes or 0, -r.rank))
         most = float(top.host_rss_bytes or 0)
         held = (
-            f"holds {size(most)}"
+            f"holds {memory(most)}"
             if len(heavy) == 1
-            else f"hold up to {size(most)} (rank {top.rank})"
+            else f"hold up to {memory(most)} (rank {top.rank})"
         )
         ratio = f"{most / median:.1f}x" if median > 0 else "far above"
         on = f" on {host}" if host else ""
         message = (
             f"{format_ranks(r.rank for r in heavy)} {held} of host memory, {ratio} the median "
-            f"{size(median)} of the {len(ranks)} ranks{on}"
+            f"{memory(median)} of the {len(ranks)} ranks{on}"
         )
         alerts.append(
             alert(

@@ -13,8 +13,9 @@ from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.mismatch import odd_at_mark
 from ddpwatch.diagnosis.facts.ranks import is_busy
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.text import STACKS_IN, format_ranks, record_location, seconds, verb
+from ddpwatch.diagnosis.text import STACKS_IN, format_ranks, record_location, verb
 from ddpwatch.server.records import RankRecord
+from ddpwatch.status.fmt import seconds
 
 
 @rule(AlertKind.STALLED)
@@ -300,7 +301,7 @@ def _pace(step: float, bare: bool = False) -> str:
         rate = 1.0 / max(step, 1e-6)
         text = f"{rate:.0f}" if rate >= 10 else f"{rate:.1f}"
         return text if bare else f"runs at {text} steps/s"
-    return f"{step:.1f} s" if bare else f"takes {step:.1f} s a step"
+    return seconds(step) if bare else f"takes {seconds(step)} a step"
 
 
 def _slow_hint(slowest: RankRecord, lost: float, part: tuple[str, float, float] | None) -> str:

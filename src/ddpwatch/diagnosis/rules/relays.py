@@ -13,8 +13,9 @@ from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.text import format_ranks, seconds, verb
+from ddpwatch.diagnosis.text import format_ranks, verb
 from ddpwatch.server.relays import LostRelay
+from ddpwatch.status.fmt import seconds
 
 
 @rule(AlertKind.RELAY_LOST)

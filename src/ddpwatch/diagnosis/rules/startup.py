@@ -10,8 +10,9 @@ from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.census import missing_ranks
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.text import format_ranks, record_location, seconds, verb
+from ddpwatch.diagnosis.text import format_ranks, record_location, verb
 from ddpwatch.server.records import RankRecord
+from ddpwatch.status.fmt import seconds
 
 _PHASE_ORDER = {name: index for index, name in enumerate(STARTUP_PHASES)}
 
