@@ -37,7 +37,7 @@ else running. Then, for each mode, fresh processes (multiprocessing, spawn):
   8,192 relay threads.
 * **status prober**: a ``StatusClient`` REQ (``b"status"``, as ``ddpwatch status``) every
   ``--status-every`` s, timed; on a few replies, the dashboard's model build (decode, header
-  summary, alert index, history rings, worst-first rows: ``tui/model.py``; drawing the
+  summary, alert index, history rings, worst-first rows: ``tui/data/model.py``; drawing the
   visible rows is not included, ``tui_tick.py`` measures it).
 
 Publishers, relays and the prober run ``--publisher-nice`` steps nicer than the server: they
@@ -1122,14 +1122,14 @@ def _ticking(
 
 def _model_build(payload: bytes, history: Any = None) -> float:
     """CPU seconds the dashboard spends turning a status reply into its table's rows:
-    decode, header summary, alert index, history rings, worst-first order (``tui/model.py``;
+    decode, header summary, alert index, history rings, worst-first order (``tui/data/model.py``;
     drawing the visible rows is not included: ``tui_tick.py`` measures it)."""
     import msgspec
 
     from ddpwatch.status.schema import StatusDocument, SummaryReply
-    from ddpwatch.tui.header import summarize
-    from ddpwatch.tui.model import TableQuery, index_alerts, select_rows
-    from ddpwatch.tui.sparklines import History
+    from ddpwatch.tui.data.model import TableQuery, index_alerts, select_rows
+    from ddpwatch.tui.data.sparklines import History
+    from ddpwatch.tui.widgets.header import summarize
 
     history = History() if history is None else history
     c0 = time.process_time()
@@ -1143,7 +1143,7 @@ def _model_build(payload: bytes, history: Any = None) -> float:
 
 
 def _new_history() -> Any:
-    from ddpwatch.tui.sparklines import History
+    from ddpwatch.tui.data.sparklines import History
 
     return History()
 

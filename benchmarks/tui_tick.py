@@ -29,7 +29,7 @@ from tui_fixtures import big
 
 from ddpwatch.status.schema import StatusDocument
 from ddpwatch.tui.app import DashboardApp
-from ddpwatch.tui.rank_table import RankTable
+from ddpwatch.tui.widgets.rank_table import RankTable
 
 TICK_S = 0.5
 

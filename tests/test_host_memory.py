@@ -350,7 +350,7 @@ def test_the_agent_reads_this_process() -> None:
 
 
 def test_the_rank_detail_shows_host_memory() -> None:
-    from ddpwatch.tui.detail import identity_paragraphs
+    from ddpwatch.tui.widgets.detail import identity_paragraphs
 
     def text(row: dict[str, Any]) -> str:
         entry = msgspec.convert({"state": "running", **row}, RankEntry)

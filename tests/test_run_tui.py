@@ -69,7 +69,7 @@ def test_run_tui_says_when_the_job_fails_to_start() -> None:
 
 
 def test_the_output_screen_follows_a_file_in_whole_lines(tmp_path: Path) -> None:
-    from ddpwatch.tui.output import FileFollower
+    from ddpwatch.tui.screens.output import FileFollower
 
     path = tmp_path / "job.log"
     follower = FileFollower(str(path), first_read=16)
@@ -87,7 +87,7 @@ def test_the_output_screen_follows_a_file_in_whole_lines(tmp_path: Path) -> None
 
 
 def test_the_header_says_how_the_job_ended() -> None:
-    from ddpwatch.tui.sources import exit_description
+    from ddpwatch.tui.data.sources import exit_description
 
     assert exit_description(None) == "running"
     assert exit_description(0) == "exited 0"

@@ -400,7 +400,7 @@ def test_query_endpoint_is_read_only() -> None:
 
 def test_dashboard_client_uses_the_server_key(curve_server: Running, keys, monkeypatch) -> None:
     from ddpwatch.tui.app import run_client
-    from ddpwatch.tui.sources import RemoteSource
+    from ddpwatch.tui.data.sources import RemoteSource
 
     push(curve_server.port, [frame(0)], {SERVER_KEY_ENV: keys["server_key"]})
     curve_server.wait_for(lambda s: s["stats"]["received"] == 1, 10)

@@ -27,7 +27,7 @@ from ddpwatch.status.client import StatusClient, StatusQueryError, fetch_status
 from ddpwatch.status.order import worst_ranks
 from ddpwatch.status.query import Query, QueryError
 from ddpwatch.status.schema import PageReply, StatusDocument, SummaryReply
-from ddpwatch.tui.model import index_alerts, is_flagged
+from ddpwatch.tui.data.model import index_alerts, is_flagged
 
 CONTRACT_KEYS = [
     "schema", "server_time", "world_size", "ranks", "alerts", "stats", "history", "job_started",

@@ -12,7 +12,7 @@ from tui_fixtures import FixtureSource, document
 
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.history import AlertTracker
-from ddpwatch.tui.timeline import TimelineScreen, timeline_rows
+from ddpwatch.tui.screens.timeline import TimelineScreen, timeline_rows
 
 T0 = 1_800_000_000.0
 NAN = Alert("nan_loss", "error", (2,), (), "rank 2's loss is nan since step 15", "lower the lr")

@@ -25,11 +25,7 @@ from ddpwatch.core.ranges import rank_ranges
 from ddpwatch.status.fmt import human_bytes, short_seconds, uptime
 from ddpwatch.status.schema import RankEntry, StatusDocument
 from ddpwatch.tui.app import DashboardApp, run_dashboard
-from ddpwatch.tui.detail import split_text
-from ddpwatch.tui.fmt import DASH, loss_text, sparkline
-from ddpwatch.tui.header import HeaderInfo, StatusHeader, header_lines, summarize
-from ddpwatch.tui.help import HelpScreen
-from ddpwatch.tui.model import (
+from ddpwatch.tui.data.model import (
     HostGroup,
     TableQuery,
     index_alerts,
@@ -40,10 +36,14 @@ from ddpwatch.tui.model import (
     select_groups,
     select_rows,
 )
-from ddpwatch.tui.rank_table import RankTable
-from ddpwatch.tui.screen import DashboardScreen
-from ddpwatch.tui.sources import LocalSource, RemoteSource, StatusSource
-from ddpwatch.tui.sparklines import History
+from ddpwatch.tui.data.sources import LocalSource, RemoteSource, StatusSource
+from ddpwatch.tui.data.sparklines import History
+from ddpwatch.tui.screens.dashboard import DashboardScreen
+from ddpwatch.tui.screens.help import HelpScreen
+from ddpwatch.tui.widgets.detail import split_text
+from ddpwatch.tui.widgets.fmt import DASH, loss_text, sparkline
+from ddpwatch.tui.widgets.header import HeaderInfo, StatusHeader, header_lines, summarize
+from ddpwatch.tui.widgets.rank_table import RankTable
 
 SLOW = 3600.0  # poll interval for tests: only the first fetch happens by itself
 

@@ -23,16 +23,7 @@ from tui_fixtures import rank_entry as rank_dict
 
 from ddpwatch.status.order import STATE_ORDER
 from ddpwatch.status.schema import CollectiveWait, RankEntry
-from ddpwatch.tui.columns import (
-    ALERT_LOOKUPS,
-    FINISHED_FIELDS,
-    GROUP_COLUMNS,
-    RANK_COLUMNS,
-    Column,
-    finished,
-    row_signature,
-)
-from ddpwatch.tui.model import (
+from ddpwatch.tui.data.model import (
     CULPRIT_SCORE,
     AlertIndex,
     HostGroup,
@@ -40,6 +31,15 @@ from ddpwatch.tui.model import (
     group_by_host,
     index_alerts,
     score_style,
+)
+from ddpwatch.tui.widgets.columns import (
+    ALERT_LOOKUPS,
+    FINISHED_FIELDS,
+    GROUP_COLUMNS,
+    RANK_COLUMNS,
+    Column,
+    finished,
+    row_signature,
 )
 
 GIB = 1 << 30

@@ -27,14 +27,8 @@ from ddpwatch.jobs.launch import _with_dashboard
 from ddpwatch.server.recording import Recorder
 from ddpwatch.server.replay import ReplayServer
 from ddpwatch.status.schema import StatusDocument
-from ddpwatch.tui.alerts_panel import AlertList
 from ddpwatch.tui.app import DashboardApp
-from ddpwatch.tui.header import StatusHeader, header_lines
-from ddpwatch.tui.output import OutputScreen
-from ddpwatch.tui.quit import QuitScreen
-from ddpwatch.tui.rank_table import RankTable
-from ddpwatch.tui.screen import DashboardScreen
-from ddpwatch.tui.sources import (
+from ddpwatch.tui.data.sources import (
     JobSource,
     LocalSource,
     RemoteSource,
@@ -43,6 +37,12 @@ from ddpwatch.tui.sources import (
     local_source,
     replay_label,
 )
+from ddpwatch.tui.screens.dashboard import DashboardScreen
+from ddpwatch.tui.screens.output import OutputScreen
+from ddpwatch.tui.screens.quit import QuitScreen
+from ddpwatch.tui.widgets.alerts_panel import AlertList
+from ddpwatch.tui.widgets.header import StatusHeader, header_lines
+from ddpwatch.tui.widgets.rank_table import RankTable
 
 SLOW = 3600.0  # only the first fetch happens by itself; each test polls when it wants
 
@@ -231,7 +231,7 @@ async def test_help_says_what_q_does_under_run_tui() -> None:
         await settle(pilot)
         await pilot.press("question_mark")
         await pilot.pause()
-        from ddpwatch.tui.help import KEYS
+        from ddpwatch.tui.screens.help import KEYS
 
         q = dict(KEYS)["q"]
         assert "run --tui" in q and "detach" in q and "stop the job" in q

@@ -36,11 +36,11 @@ from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
 from ddpwatch.status.query import Query
 from ddpwatch.status.schema import UNSET, StatusDocument, SummaryReply
-from ddpwatch.tui import sources
-from ddpwatch.tui.header import summarize
-from ddpwatch.tui.large_job import scope_of
-from ddpwatch.tui.model import WORST_CRASHED, HostGroup
-from ddpwatch.tui.sources import LocalSource, RemoteSource
+from ddpwatch.tui.data import sources
+from ddpwatch.tui.data.large_job import scope_of
+from ddpwatch.tui.data.model import WORST_CRASHED, HostGroup
+from ddpwatch.tui.data.sources import LocalSource, RemoteSource
+from ddpwatch.tui.widgets.header import summarize
 
 RANKS = 12
 

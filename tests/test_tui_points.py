@@ -238,8 +238,8 @@ async def test_a_new_warning_does_not_pull_the_cursor_off_an_open_error() -> Non
 
 
 def test_help_says_how_the_cursor_follows() -> None:
-    from ddpwatch.tui.help import KEYS
-    from ddpwatch.tui.screen import DashboardScreen
+    from ddpwatch.tui.screens.dashboard import DashboardScreen
+    from ddpwatch.tui.screens.help import KEYS
 
     keys = dict(KEYS)
     assert "culprit of each new error" in keys["f"] and "until you move it" in keys["f"]
@@ -251,7 +251,7 @@ def test_help_says_how_the_cursor_follows() -> None:
 
 
 def stack_panel(pilot: Pilot[Any]) -> Any:
-    from ddpwatch.tui.stack_panel import StackPanel
+    from ddpwatch.tui.widgets.stack_panel import StackPanel
 
     return dashboard(pilot).query_one(StackPanel)
 
@@ -348,7 +348,7 @@ async def test_hints_in_the_dashboard_name_the_key_not_a_shell_command() -> None
 def test_every_phrasing_of_the_servers_hints_is_rewritten() -> None:
     from ddpwatch.diagnosis.alerts import Alert
     from ddpwatch.server.engine import with_port
-    from ddpwatch.tui.alerts_panel import dashboard_hint
+    from ddpwatch.tui.widgets.alerts_panel import dashboard_hint
 
     assert dashboard_hint(f"look at rank 7's stack ({STACKS_IN}) or run py-spy", [2, 7]) == (
         "look at rank 7's stack (the detail pane: press enter on rank 7) or run py-spy"

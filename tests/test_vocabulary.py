@@ -280,7 +280,9 @@ def test_the_server_gives_every_rank_state_of_the_vocabulary() -> None:
 def test_every_table_keyed_by_rank_state_covers_every_state() -> None:
     from ddpwatch.outputs import prometheus
     from ddpwatch.status import order
-    from ddpwatch.tui import detail, help, model
+    from ddpwatch.tui.data import model
+    from ddpwatch.tui.screens import help
+    from ddpwatch.tui.widgets import detail
 
     tables: dict[str, Any] = {
         "order.STATE_ORDER": order.STATE_ORDER,
@@ -300,8 +302,8 @@ def test_every_table_keyed_by_rank_state_covers_every_state() -> None:
 
 
 def test_the_help_names_the_states_worst_first() -> None:
-    from ddpwatch.tui import help
-    from ddpwatch.tui.model import state_text
+    from ddpwatch.tui.data.model import state_text
+    from ddpwatch.tui.screens import help
 
     words = re.findall(r"[a-z_]+", help.WORST_FIRST)
     named = [w for w in words if w in {state_text(s) for s in RANK_STATES}]
@@ -311,7 +313,8 @@ def test_the_help_names_the_states_worst_first() -> None:
 def test_every_table_keyed_by_severity_covers_every_severity() -> None:
     from ddpwatch.outputs import notify
     from ddpwatch.status import order
-    from ddpwatch.tui import header, model
+    from ddpwatch.tui.data import model
+    from ddpwatch.tui.widgets import header
 
     for name, table in {
         "model.CULPRIT_SCORE": model.CULPRIT_SCORE,
@@ -410,15 +413,15 @@ def _status_rows() -> Iterator[Any]:
 
 
 def test_every_css_class_the_rank_table_gives_is_styled() -> None:
-    from ddpwatch.tui.columns import (
+    from ddpwatch.tui.data.model import group_by_host, index_alerts
+    from ddpwatch.tui.widgets.columns import (
         CELL_STYLES,
         GROUP_COLUMNS,
         RANK_COLUMNS,
         state_style,
         style_class,
     )
-    from ddpwatch.tui.model import group_by_host, index_alerts
-    from ddpwatch.tui.rank_table import RankTable
+    from ddpwatch.tui.widgets.rank_table import RankTable
 
     styled = _classes_styled(RankTable.DEFAULT_CSS, "rank-table--")
     assert styled == RankTable.COMPONENT_CLASSES  # each class declared is styled, and back
@@ -446,7 +449,7 @@ def test_every_screen_class_the_code_sets_is_styled() -> None:
     """The dashboard's screen classes (``-detail``, ``-narrow``...) set in code and styled in
     ``dashboard.tcss`` are the same set."""
     given: set[str] = set()
-    for path in sorted((SRC / "tui").glob("*.py")):
+    for path in sorted((SRC / "tui").rglob("*.py")):
         for node in ast.walk(_tree(path)):
             if (
                 isinstance(node, ast.Call)

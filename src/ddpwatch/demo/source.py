@@ -11,7 +11,7 @@ from typing import Protocol
 from ddpwatch.demo.script import STEP_TIME_S, demo_note
 from ddpwatch.status.provider import StatusProvider
 from ddpwatch.status.schema import StatusDocument
-from ddpwatch.tui.sources import LocalSource, exit_description
+from ddpwatch.tui.data.sources import LocalSource, exit_description
 
 SLOWEST_STEP_S = 1.0
 """A step seen to take longer than this was held by a fault: it does not count to the pace."""

@@ -322,8 +322,8 @@ def _with_dashboard(
     (each rank's own tail also reaches its detail pane through its agent). The header shows
     whether the job still runs; quitting the dashboard stops it, unless the user detaches."""
     from ddpwatch.tui.app import run_dashboard
-    from ddpwatch.tui.quit import detached_message
-    from ddpwatch.tui.sources import JobSource
+    from ddpwatch.tui.data.sources import JobSource
+    from ddpwatch.tui.screens.quit import detached_message
 
     source = JobSource(server, job, log_path)
     ended = False

@@ -6,6 +6,6 @@ Entry points: ``run_dashboard(server)`` for ``ddpwatch serve`` and
 does not import Textual: ``ddpwatch.tui.app`` does.
 """
 
-from ddpwatch.tui.sources import LocalSource, RemoteSource, StatusSource
+from ddpwatch.tui.data.sources import LocalSource, RemoteSource, StatusSource
 
 __all__ = ["LocalSource", "RemoteSource", "StatusSource"]

@@ -18,12 +18,12 @@ from textual.screen import Screen
 
 from ddpwatch.status.provider import StatusProvider, in_background
 from ddpwatch.status.schema import StatusDocument
-from ddpwatch.tui.help import HelpScreen
-from ddpwatch.tui.output import OutputScreen
-from ddpwatch.tui.quit import QuitChoice, QuitScreen
-from ddpwatch.tui.screen import DashboardScreen
-from ddpwatch.tui.sources import RemoteSource, StatusSource, local_source
-from ddpwatch.tui.timeline import TimelineScreen
+from ddpwatch.tui.data.sources import RemoteSource, StatusSource, local_source
+from ddpwatch.tui.screens.dashboard import DashboardScreen
+from ddpwatch.tui.screens.help import HelpScreen
+from ddpwatch.tui.screens.output import OutputScreen
+from ddpwatch.tui.screens.quit import QuitChoice, QuitScreen
+from ddpwatch.tui.screens.timeline import TimelineScreen
 
 
 class DashboardApp(App[int]):

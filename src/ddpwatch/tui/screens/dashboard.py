@@ -26,13 +26,8 @@ from textual.widgets import Footer, Input, Static
 
 from ddpwatch.core.vocabulary import Severity
 from ddpwatch.status.schema import AlertEntry, RankEntry, StatusDocument, SummaryReply
-from ddpwatch.tui.alerts_panel import AlertList
-from ddpwatch.tui.columns import GROUP_COLUMNS, RANK_COLUMNS
-from ddpwatch.tui.detail import RankDetail
-from ddpwatch.tui.fmt import TIMES
-from ddpwatch.tui.header import HeaderInfo, StatusHeader, summarize
-from ddpwatch.tui.large_job import host_names, is_summary, scope_of, select_summary_groups
-from ddpwatch.tui.model import (
+from ddpwatch.tui.data.large_job import host_names, is_summary, scope_of, select_summary_groups
+from ddpwatch.tui.data.model import (
     WORST,
     AlertIndex,
     HostGroup,
@@ -43,11 +38,16 @@ from ddpwatch.tui.model import (
     select_rows,
     worst_first,
 )
-from ddpwatch.tui.rank_table import RankTable
-from ddpwatch.tui.sources import StatusSource
-from ddpwatch.tui.sparklines import METRICS, History
-from ddpwatch.tui.stack_panel import StackPanel
-from ddpwatch.tui.story import cleared_alerts, ended_banner, ranks_finished
+from ddpwatch.tui.data.sources import StatusSource
+from ddpwatch.tui.data.sparklines import METRICS, History
+from ddpwatch.tui.data.story import cleared_alerts, ended_banner, ranks_finished
+from ddpwatch.tui.widgets.alerts_panel import AlertList
+from ddpwatch.tui.widgets.columns import GROUP_COLUMNS, RANK_COLUMNS
+from ddpwatch.tui.widgets.detail import RankDetail
+from ddpwatch.tui.widgets.fmt import TIMES
+from ddpwatch.tui.widgets.header import HeaderInfo, StatusHeader, summarize
+from ddpwatch.tui.widgets.rank_table import RankTable
+from ddpwatch.tui.widgets.stack_panel import StackPanel
 
 MIN_WIDTH, MIN_HEIGHT = 60, 15
 """Below this the dashboard shows "terminal too small" instead of a cramped view."""

@@ -12,9 +12,9 @@ from textual.widget import Widget
 from ddpwatch.core.vocabulary import SEVERITIES, RankState, Severity
 from ddpwatch.status.fmt import NA, uptime
 from ddpwatch.status.schema import StatusDocument, Summary, SummaryReply
-from ddpwatch.tui.fmt import DASH
-from ddpwatch.tui.model import TableQuery, job_wait_fraction
-from ddpwatch.tui.packed import pack
+from ddpwatch.tui.data.model import TableQuery, job_wait_fraction
+from ddpwatch.tui.widgets.fmt import DASH
+from ddpwatch.tui.widgets.packed import pack
 
 SEVERITY_STYLE: dict[str, str] = {
     Severity.ERROR: "bold red",

@@ -15,8 +15,8 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from ddpwatch.status.schema import RankEntry
-from ddpwatch.tui.detail import stack_text
-from ddpwatch.tui.model import AlertIndex
+from ddpwatch.tui.data.model import AlertIndex
+from ddpwatch.tui.widgets.detail import stack_text
 
 NO_RANK = "no rank under the cursor: select a rank to see its stack here"
 

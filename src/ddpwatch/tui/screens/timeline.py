@@ -27,8 +27,8 @@ from ddpwatch.core.ranges import rank_ranges
 from ddpwatch.diagnosis.history import event_label
 from ddpwatch.status.fmt import elapsed, seconds
 from ddpwatch.status.schema import UNSET, HistoryEntry, StatusDocument
-from ddpwatch.tui.alerts_panel import append_who, dashboard_hint
-from ddpwatch.tui.header import SEVERITY_STYLE
+from ddpwatch.tui.widgets.alerts_panel import append_who, dashboard_hint
+from ddpwatch.tui.widgets.header import SEVERITY_STYLE
 
 COLUMNS = ("time", "elapsed", "event", "severity", "kind", "ranks", "up", "message")
 MESSAGE = len(COLUMNS) - 1

@@ -13,7 +13,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from ddpwatch.core.vocabulary import RankState
-from ddpwatch.tui.model import state_text
+from ddpwatch.tui.data.model import state_text
 
 KEYS = (
     (

@@ -15,7 +15,7 @@ from ddpwatch.core.ranges import MAX_PARSED_RANKS
 from ddpwatch.core.vocabulary import RANK_STATES
 from ddpwatch.status.query import Query
 from ddpwatch.status.schema import UNSET, StatusDocument, SummaryReply
-from ddpwatch.tui.model import (
+from ddpwatch.tui.data.model import (
     STATE_WORST,
     WORST_NONE,
     WORST_RUNNING,

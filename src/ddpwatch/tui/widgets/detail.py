@@ -14,10 +14,10 @@ from textual.widgets import Static
 from ddpwatch.core.vocabulary import AlertKind, RankState
 from ddpwatch.status.fmt import MIB, NA, human_bytes, short_seconds
 from ddpwatch.status.schema import AlertEntry, RankEntry
-from ddpwatch.tui.fmt import loss_text, sparkline
-from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
-from ddpwatch.tui.model import step_split
-from ddpwatch.tui.packed import Packed
+from ddpwatch.tui.data.model import step_split
+from ddpwatch.tui.widgets.fmt import loss_text, sparkline
+from ddpwatch.tui.widgets.header import SEVERITY_GLYPH, SEVERITY_STYLE
+from ddpwatch.tui.widgets.packed import Packed
 
 STATE_STYLE: dict[str, str] = {
     RankState.RUNNING: "bold green",

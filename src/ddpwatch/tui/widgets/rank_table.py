@@ -28,7 +28,8 @@ from textual.strip import Strip
 
 from ddpwatch.core.vocabulary import RankState
 from ddpwatch.status.schema import RankEntry
-from ddpwatch.tui.columns import (
+from ddpwatch.tui.data.model import AlertIndex, HostGroup, Row, step_split
+from ddpwatch.tui.widgets.columns import (
     CELL_STYLES,
     FINISHED_FIELDS,
     GROUP_COLUMNS,
@@ -42,7 +43,6 @@ from ddpwatch.tui.columns import (
     style_class,
     text_width,
 )
-from ddpwatch.tui.model import AlertIndex, HostGroup, Row, step_split
 
 TableRow = Row | HostGroup
 """A rank's row, or a host's when the table is grouped."""

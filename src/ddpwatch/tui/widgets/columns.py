@@ -23,8 +23,7 @@ from rich.cells import cell_len
 from ddpwatch.core.vocabulary import RANK_STATES, RankState
 from ddpwatch.status.fmt import NA, human_bytes, short_seconds
 from ddpwatch.status.order import state_order
-from ddpwatch.tui.fmt import DASH, bar, loss_text
-from ddpwatch.tui.model import (
+from ddpwatch.tui.data.model import (
     SPLIT_FIELDS,
     AlertIndex,
     HostGroup,
@@ -34,6 +33,7 @@ from ddpwatch.tui.model import (
     state_text,
     step_split,
 )
+from ddpwatch.tui.widgets.fmt import DASH, bar, loss_text
 
 Span = tuple[str, str | None]
 Cell = tuple[str | list[Span], str | None]

@@ -22,7 +22,7 @@ from ddpwatch.core.ranges import rank_ranges
 from ddpwatch.diagnosis.text import STACKS_IN_ANY_PORT
 from ddpwatch.status.fmt import elapsed, seconds
 from ddpwatch.status.schema import UNSET, AlertEntry, HistoryEntry
-from ddpwatch.tui.header import SEVERITY_GLYPH, SEVERITY_STYLE
+from ddpwatch.tui.widgets.header import SEVERITY_GLYPH, SEVERITY_STYLE
 
 _RANK_NAMED = re.compile(r"\brank (\d+)")
 _SHOWS_IT = " shows it"
