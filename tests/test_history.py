@@ -6,9 +6,10 @@ from __future__ import annotations
 import datetime
 
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
-from ddpwatch.diagnosis.history import HISTORY_KEPT, AlertTracker, describe, event_label, iso_time
+from ddpwatch.diagnosis.history import HISTORY_KEPT, AlertTracker, describe
 from ddpwatch.server.document import status_document
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.fmt import event_label, iso_time
 
 T0 = 1_800_000_000.0
 STRAGGLER = Alert("straggler", "warning", (1,), (0, 2), "rank 1 has not entered", "look")

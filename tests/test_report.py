@@ -21,6 +21,7 @@ from test_recording import Recording
 from ddpwatch.core.protocol import ErrorInfo, Event, Sample, encode
 from ddpwatch.outputs.postmortem import SERIES_POINTS, TIMES, load_run
 from ddpwatch.server.recording import MAGIC, Recorder
+from ddpwatch.server.replay import replay_to_end
 
 RANKS, STEPS = 3, 20
 GIB, MIB = 1 << 30, 1 << 20
@@ -295,7 +296,7 @@ def test_a_long_run_is_downsampled_but_keeps_its_spike(tmp_path: Path) -> None:
             recorder.tick(t)
     recorder.frame(t0 + 400, b"\x93not a message")  # a frame that no longer decodes
     recorder.close()
-    run = load_run(path)
+    run = load_run(path, *replay_to_end(path))
     assert run.undecodable == 1 and run.frames == 6001
     for series in run.series.values():
         assert series.samples == 3000 and series.max_step == 3000

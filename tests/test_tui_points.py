@@ -16,7 +16,7 @@ from textual.pilot import Pilot
 from tui_fixtures import T0, FixtureSource, rank_entry, typed
 
 from ddpwatch.core.vocabulary import RankState
-from ddpwatch.diagnosis.text import STACKS_IN
+from ddpwatch.status.fmt import STACKS_IN
 
 WORLD = 4
 STRAGGLER_STACK = """\

@@ -36,10 +36,11 @@ def run(args: argparse.Namespace) -> int:
     """``ddpwatch report FILE [FILE2] [--format md|html|json] [-o PATH]``."""
     from ddpwatch.outputs.report import load_run, render
     from ddpwatch.server.recording import RecordingError
+    from ddpwatch.server.replay import replay_to_end
 
     paths = [args.file] + ([args.other] if args.other else [])
     try:
-        runs = [load_run(path) for path in paths]
+        runs = [load_run(path, *replay_to_end(path)) for path in paths]
     except RecordingError as exc:
         print(f"ddpwatch report: {exc}", file=sys.stderr)
         return 1

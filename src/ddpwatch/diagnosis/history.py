@@ -15,7 +15,6 @@ launcher restarted is a new *attempt*: the alerts still up are closed as the att
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 from collections import deque
@@ -26,19 +25,13 @@ import msgspec
 
 from ddpwatch.core.vocabulary import HistoryEvent
 from ddpwatch.diagnosis.alerts import Alert
-from ddpwatch.status.fmt import elapsed, seconds
+from ddpwatch.status.fmt import NEW_ATTEMPT, elapsed, iso_time, seconds
 from ddpwatch.status.order import severity_level
 from ddpwatch.status.schema import UNSET, HistoryEntry, PreviousAlert
 
 HISTORY_KEPT = 1000
 
-NEW_ATTEMPT = "new_attempt"
-"""``closed_by`` of an alert the launcher's restart ended (``AlertChange.closed_by``)."""
 
-
-def iso_time(at: float, timespec: str = "milliseconds") -> str:
-    """ISO-8601 with the local offset: ``2026-11-23T19:02:05.134+01:00``."""
-    return datetime.datetime.fromtimestamp(at).astimezone().isoformat(timespec=timespec)
 
 
 def describe(change: AlertChange) -> str:
@@ -60,23 +53,6 @@ def describe(change: AlertChange) -> str:
     if change.event == HistoryEvent.ESCALATED and change.previous is not None:
         what += f" (was {change.previous.kind}, {change.previous.severity})"
     return f"ddpwatch: {when} {what}: {alert.message}\nddpwatch:   fix: {alert.hint}"
-
-
-def event_label(entry: HistoryEntry) -> str:
-    """A timeline entry's event, with its episode: "raised #2", "escalated #2 from
-    straggler", "cleared #2", "ended with attempt 1 #3", "raised #4 in attempt 2" (the report
-    and the dashboard's timeline write it the same)."""
-    event = entry.event
-    closed = entry.closed_by == NEW_ATTEMPT
-    if closed:
-        event = f"ended with attempt {entry.attempt}"
-    if entry.episode > 0:
-        event += f" #{entry.episode}"
-    if entry.event == HistoryEvent.ESCALATED and entry.previous is not UNSET:
-        event += f" from {entry.previous.kind}"
-    if entry.attempt > 1 and not closed:
-        event += f" in attempt {entry.attempt}"
-    return event
 
 
 def print_json_line(change: AlertChange, stream: IO[str] | None = None) -> None:

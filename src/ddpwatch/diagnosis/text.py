@@ -91,12 +91,6 @@ def where(record: RankRecord, stepping: bool = False) -> str:
     return f"{text}, {loc}" if loc else text
 
 
-STACKS_IN = "ddpwatch status --json"
-"""Where a hint sends people for a rank's stack and traceback: a shell command. The dashboard
-shows them in its detail pane and writes that in its place (``tui.alerts_panel``)."""
-STACKS_IN_ANY_PORT = re.compile(r"ddpwatch status(?: --port \d+)? --json")
-"""``STACKS_IN`` as the server writes it, with its port where it is not the default one
-(``server.engine.with_port``)."""
 
 _LOADER_PARTS = ("torch/utils/data/", "torch\\utils\\data\\")
 _WORKER_WAITS = frozenset({"_get_data", "_try_get_data"})

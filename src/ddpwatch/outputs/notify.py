@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ddpwatch.core.vocabulary import SEVERITIES, HistoryEvent, Severity
-from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.status.order import SEVERITY_LEVEL, severity_level
 
 log = logging.getLogger("ddpwatch.notify")
@@ -39,14 +38,34 @@ TEXT_ENV = "DDPWATCH_ALERT_TEXT"
 """The command also gets the one-line text here, for ``notify-send "$DDPWATCH_ALERT_TEXT"``."""
 
 
+class ChangedAlert(Protocol):
+    """What the notifier reads of an alert (``diagnosis.alerts.Alert``)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def severity(self) -> str: ...
+
+    @property
+    def message(self) -> str: ...
+
+    @property
+    def hint(self) -> str: ...
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...]]: ...
+
+
 class Change(Protocol):
-    """What the notifier reads of a ``service.AlertChange``."""
+    """What the notifier reads of an alert change (``diagnosis.history.AlertChange``): the
+    alert stream, not the server that made it."""
 
     @property
     def event(self) -> str: ...
 
     @property
-    def alert(self) -> Alert: ...
+    def alert(self) -> ChangedAlert: ...
 
     def to_dict(self) -> dict[str, Any]: ...
 

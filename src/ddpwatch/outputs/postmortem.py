@@ -18,12 +18,10 @@ from pathlib import Path
 
 from ddpwatch.core.protocol import ProtocolError, Sample, decode
 from ddpwatch.core.vocabulary import HistoryEvent, Severity
-from ddpwatch.diagnosis.history import event_label
 from ddpwatch.diagnosis.verdict import Run, read_run
 from ddpwatch.outputs.summary import summary_lines
 from ddpwatch.server.recording import RecordingError, RecordingReader
-from ddpwatch.server.replay import ReplayServer
-from ddpwatch.status.fmt import step_seconds
+from ddpwatch.status.fmt import event_label, step_seconds
 from ddpwatch.status.schema import (
     UNSET,
     AlertEntry,
@@ -278,13 +276,13 @@ class RunReport:
         return notes
 
 
-def load_run(path: str | os.PathLike[str]) -> RunReport:
-    """Replay ``path`` as fast as possible for its final document, then read its frames
-    again for the series. Raises ``RecordingError`` for a file that is not a recording
-    or holds no whole record."""
-    replay = ReplayServer(path, speed=None)
-    replay.run()
-    document = replay.status()
+def load_run(
+    path: str | os.PathLike[str], document: StatusDocument, sessions: int = 1
+) -> RunReport:
+    """The report of the recording ``path``: ``document``, its last status document as a
+    replay judged it (``server.replay.replay_to_end``, which also counts its ``sessions``),
+    and its frames read again for the series. Raises ``RecordingError`` for a file that
+    holds no whole record."""
     reader = RecordingReader(path)
     series: dict[int, RankSeries] = {}
     frames = undecodable = 0
@@ -321,7 +319,7 @@ def load_run(path: str | os.PathLike[str]) -> RunReport:
         frames=frames,
         undecodable=undecodable,
         tail_bytes=reader.tail_bytes,
-        sessions=replay.sessions,
+        sessions=sessions,
     )
 
 

@@ -12,7 +12,6 @@ from typing import Any
 import msgspec
 
 from ddpwatch.core.vocabulary import RankState
-from ddpwatch.diagnosis.history import iso_time
 from ddpwatch.outputs.postmortem import (
     Culprit,
     RankStats,
@@ -22,7 +21,7 @@ from ddpwatch.outputs.postmortem import (
     pair_ranks,
     ratio,
 )
-from ddpwatch.status.fmt import duration, elapsed, report_bytes, step_seconds
+from ddpwatch.status.fmt import duration, elapsed, iso_time, report_bytes, step_seconds
 
 REPORT_SCHEMA = 1
 TABLE_ROWS = 256  # ranks listed in a table; the JSON has them all

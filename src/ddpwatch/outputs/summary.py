@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from ddpwatch.core.vocabulary import RankState
-from ddpwatch.diagnosis.history import NEW_ATTEMPT
 from ddpwatch.diagnosis.verdict import Episode, Run, held_up_text, read_run
-from ddpwatch.status.fmt import duration, elapsed
+from ddpwatch.status.fmt import NEW_ATTEMPT, duration, elapsed
 from ddpwatch.status.schema import RankEntry, StatusDocument
 
 ALERTS_LISTED = 20

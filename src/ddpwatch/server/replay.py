@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -284,3 +284,18 @@ class ReplayServer:
     def _end_session(self) -> None:
         if not self._ticks and self.messages:
             self.tick(self.clock.now)  # a recording without ticks: diagnose its final state too
+
+
+class Replayed(NamedTuple):
+    """A recording replayed to its end: the last document and how many server runs it held."""
+
+    document: StatusDocument
+    sessions: int
+
+
+def replay_to_end(path: str | os.PathLike[str]) -> Replayed:
+    """Replay ``path`` as fast as possible, judging it as the live server did (what ``ddpwatch
+    report`` starts from). Raises ``RecordingError`` for a file that is not a recording."""
+    replay = ReplayServer(path, speed=None)
+    replay.run()
+    return Replayed(replay.status(), replay.sessions)

@@ -1,5 +1,6 @@
-"""Sizes and durations as every view writes them, each format once: the dashboard's compact
-cells, the alert messages, the timeline, the end-of-run summary and the reports.
+"""Sizes, durations, times and timeline labels as every view writes them, each format once:
+the dashboard's compact cells, the alert messages, the timeline, the end-of-run summary and
+the reports; and the command the hints send people to for stacks.
 
 Each function is one format with its own place (the names say where); a number the document
 does not know (None) is ``NA`` where a function takes None.
@@ -7,8 +8,13 @@ does not know (None) is ``NA`` where a function takes None.
 
 from __future__ import annotations
 
+import datetime
 import math
+import re
 from typing import Final
+
+from ddpwatch.core.vocabulary import HistoryEvent
+from ddpwatch.status.schema import UNSET, HistoryEntry
 
 NA: Final = "—"
 """An unknown value."""
@@ -159,3 +165,41 @@ def uptime(value: float | None) -> str:
     if minutes:
         return f"{minutes}m{secs:02d}s"
     return f"{secs}s"
+
+
+# ------------------------------------------------------------------------------ the timeline
+
+NEW_ATTEMPT = "new_attempt"
+"""``closed_by`` of an alert the launcher's restart ended (``AlertChange.closed_by``)."""
+
+
+def iso_time(at: float, timespec: str = "milliseconds") -> str:
+    """ISO-8601 with the local offset: ``2026-11-23T19:02:05.134+01:00``."""
+    return datetime.datetime.fromtimestamp(at).astimezone().isoformat(timespec=timespec)
+
+
+def event_label(entry: HistoryEntry) -> str:
+    """A timeline entry's event, with its episode: "raised #2", "escalated #2 from
+    straggler", "cleared #2", "ended with attempt 1 #3", "raised #4 in attempt 2" (the report
+    and the dashboard's timeline write it the same)."""
+    event = entry.event
+    closed = entry.closed_by == NEW_ATTEMPT
+    if closed:
+        event = f"ended with attempt {entry.attempt}"
+    if entry.episode > 0:
+        event += f" #{entry.episode}"
+    if entry.event == HistoryEvent.ESCALATED and entry.previous is not UNSET:
+        event += f" from {entry.previous.kind}"
+    if entry.attempt > 1 and not closed:
+        event += f" in attempt {entry.attempt}"
+    return event
+
+
+# ------------------------------------------------------------------------------ hints
+
+STACKS_IN = "ddpwatch status --json"
+"""Where a hint sends people for a rank's stack and traceback: a shell command. The dashboard
+shows them in its detail pane and writes that in its place (``tui.alerts_panel``)."""
+STACKS_IN_ANY_PORT = re.compile(r"ddpwatch status(?: --port \d+)? --json")
+"""``STACKS_IN`` as the server writes it, with its port where it is not the default one
+(``server.engine.with_port``)."""

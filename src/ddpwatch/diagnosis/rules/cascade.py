@@ -10,7 +10,6 @@ from ddpwatch.diagnosis.facts.cascade import Cascade, Root
 from ddpwatch.diagnosis.facts.ranks import is_clean_exit, is_term_exit
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import (
-    STACKS_IN,
     collective_name,
     first_line,
     format_ranks,
@@ -20,7 +19,7 @@ from ddpwatch.diagnosis.text import (
 )
 from ddpwatch.server.host_memory import oom_note
 from ddpwatch.server.records import RankRecord
-from ddpwatch.status.fmt import seconds
+from ddpwatch.status.fmt import STACKS_IN, seconds
 
 
 def _root_alert(root: Root, cascade: Cascade | None, now: float, stepping: bool = False) -> Alert:

@@ -15,7 +15,6 @@ from ddpwatch.diagnosis.facts.stragglers import Straggle
 from ddpwatch.diagnosis.knowledge import named_ranks
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import (
-    STACKS_IN,
     collective_name,
     first_line,
     format_ranks,
@@ -23,7 +22,7 @@ from ddpwatch.diagnosis.text import (
     verb,
     where,
 )
-from ddpwatch.status.fmt import seconds, wait
+from ddpwatch.status.fmt import STACKS_IN, seconds, wait
 
 
 @rule(AlertKind.STRAGGLER, AlertKind.STALLED)

@@ -13,9 +13,9 @@ from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.mismatch import odd_at_mark
 from ddpwatch.diagnosis.facts.ranks import is_busy
 from ddpwatch.diagnosis.rules.registry import alert, rule
-from ddpwatch.diagnosis.text import STACKS_IN, format_ranks, record_location, verb
+from ddpwatch.diagnosis.text import format_ranks, record_location, verb
 from ddpwatch.server.records import RankRecord
-from ddpwatch.status.fmt import seconds
+from ddpwatch.status.fmt import STACKS_IN, seconds
 
 
 @rule(AlertKind.STALLED)

@@ -24,8 +24,7 @@ from textual.widgets import DataTable, Static
 from textual.widgets.data_table import CellDoesNotExist
 
 from ddpwatch.core.ranges import rank_ranges
-from ddpwatch.diagnosis.history import event_label
-from ddpwatch.status.fmt import elapsed, seconds
+from ddpwatch.status.fmt import elapsed, event_label, seconds
 from ddpwatch.status.schema import UNSET, HistoryEntry, StatusDocument
 from ddpwatch.tui.widgets.alerts_panel import append_who, dashboard_hint
 from ddpwatch.tui.widgets.header import SEVERITY_STYLE

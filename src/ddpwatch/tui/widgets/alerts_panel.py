@@ -19,8 +19,7 @@ from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
 from ddpwatch.core.ranges import rank_ranges
-from ddpwatch.diagnosis.text import STACKS_IN_ANY_PORT
-from ddpwatch.status.fmt import elapsed, seconds
+from ddpwatch.status.fmt import STACKS_IN_ANY_PORT, elapsed, seconds
 from ddpwatch.status.schema import UNSET, AlertEntry, HistoryEntry
 from ddpwatch.tui.widgets.header import SEVERITY_GLYPH, SEVERITY_STYLE
 
