@@ -23,8 +23,12 @@ from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.server.service import AlertChange, Server
 from ddpwatch.server.state import ServerState
 
-ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 EXAMPLES = ROOT / "examples"
+SRC = ROOT / "src" / "ddpwatch"  # the package, as files: what the contract tests read
+BENCHMARKS = ROOT / "benchmarks"
+SCRIPTS = TESTS / "scripts"  # the training scripts tests run under torchrun and launchers
 
 
 @pytest.fixture(autouse=True)
@@ -109,6 +113,42 @@ class LiveServer:
     def stop(self) -> None:
         self.server.stop()
         self.thread.join(5)
+
+
+class Recording:
+    """A real ``Server`` recording to ``path`` on a background thread."""
+
+    def __init__(self, path: Path, thresholds: Thresholds | None = None) -> None:
+        self.port = free_port_pair()
+        self.changes: list[AlertChange] = []
+        self.server = Server(
+            "127.0.0.1", self.port, thresholds, on_change=self.changes.append, record=path
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(f"tcp://127.0.0.1:{self.port}")
+
+    def send(self, *frames: bytes) -> None:
+        for frame in frames:
+            self.sock.send(frame)
+
+    def wait_for(
+        self, predicate: Callable[[dict[str, Any]], Any], timeout: float
+    ) -> dict[str, Any]:
+        """The status document once ``predicate`` holds for it."""
+        return poll_status(
+            self.server, lambda status: status if predicate(status) else None, timeout
+        )
+
+    def stop(self) -> None:
+        self.sock.close()
+        self.context.term()
+        self.server.stop()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
 
 
 def ddpwatch_run(

@@ -9,7 +9,7 @@ contracts between modules, defined once here and imported everywhere they are us
 
 Importable anywhere (the server included): no torch, no third-party package. The agent and
 the integrations set only these phases (a user's ``ddpwatch.phase(name)`` may set any);
-``tests/test_vocabulary.py`` checks that each one they can set is known to the server, that
+``tests/core/test_vocabulary.py`` checks that each one they can set is known to the server, that
 the agent sends only these event kinds, and that each table keyed by one of these names
 covers every name.
 """
