@@ -1,32 +1,24 @@
-"""Guards on the shared vocabulary and on the agent / integrations layering.
+"""Guards on the shared vocabulary (``core/vocabulary.py``): the names that are a contract.
 
 * Every phase the agent or an integration can set is known to the server (a startup phase
   ``startup_hang`` orders, or a phase past startup), and is named through
   ``ddpwatch.core.vocabulary.Phase``, never as a literal.
-* Integrations depend on the agent one way: the agent imports no integration, and
-  integrations use only the agent's small public surface.
-* Every module of both packages imports on its own in a fresh interpreter (no import cycle
-  held together by import order), without importing torch or any framework.
 * Rank states, severities, event kinds and alert kinds are defined once, in the vocabulary:
   they match the documented contract, the agent and the rules name them through the
   vocabulary, and every table keyed by one of them covers all of them.
-* Every CSS class the dashboard's code gives is styled, and every class styled is given.
-* ``RankRecord`` declares every protocol field the server keeps, and refuses any other.
+
+Which part may import which is ``tests/test_architecture.py``'s.
 """
 
 from __future__ import annotations
 
 import ast
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, get_args
 
-import pytest
-from conftest import ROOT
+from conftest import ROOT, SRC
 
 from ddpwatch.core.vocabulary import (
     ALERT_KINDS,
@@ -44,7 +36,6 @@ from ddpwatch.core.vocabulary import (
 )
 from ddpwatch.diagnosis.rules import STARTUP_PHASES
 
-SRC = ROOT / "src" / "ddpwatch"
 AGENT = sorted((SRC / "agent").glob("*.py"))
 INTEGRATIONS = sorted((SRC / "integrations").glob("*.py"))
 
@@ -52,35 +43,9 @@ INTEGRATIONS = sorted((SRC / "integrations").glob("*.py"))
 PHASE_SETTERS = {"set_phase", "auto_phase", "_enter_phase", "phase", "startup_phase", "_startup"}
 PHASE_STACK = {"push", "pop"}  # PhaseStack (integrations only: lists and deques pop too)
 
-# what integrations may import of the agent
-AGENT_SURFACE = {
-    "ddpwatch.agent.api",  # WatcherSurface
-    "ddpwatch.agent.registry",  # register what they detect and how they attach
-    "ddpwatch.agent.patches",  # Patches
-    "ddpwatch.agent.auto",  # after_import
-    "ddpwatch.agent.loss",  # find_loss
-}
-
-
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(SRC.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
 
 def _tree(path: Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
-
-
-def _imports(path: Path) -> set[str]:
-    """Every ``ddpwatch`` module ``path`` imports, at the top or inside a function."""
-    found: set[str] = set()
-    for node in ast.walk(_tree(path)):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in found if name.split(".")[0] == "ddpwatch"}
 
 
 def _phases_set(path: Path) -> tuple[set[str], list[str]]:
@@ -131,46 +96,6 @@ def test_the_server_orders_the_startup_phases_of_the_vocabulary() -> None:
     assert startup.STARTUP_PHASES is STARTUP_PHASES
     assert STARTUP_PHASES[0] == Phase.STARTED and STARTUP_PHASES[-1] == Phase.TRAIN
     assert all(isinstance(name, str) and name == name.lower() for name in PHASES)
-
-
-def test_the_agent_imports_no_integration() -> None:
-    for path in AGENT:
-        imported = _imports(path)
-        assert not any(name.startswith("ddpwatch.integrations") for name in imported), path
-
-
-def test_integrations_use_only_the_agents_public_surface() -> None:
-    for path in INTEGRATIONS:
-        agent = {n for n in _imports(path) if n.startswith("ddpwatch.agent.") and n.count(".") == 2}
-        assert agent <= AGENT_SURFACE, (path.name, agent - AGENT_SURFACE)
-
-
-@pytest.mark.parametrize(
-    "module",
-    [_module_name(path) for path in AGENT + INTEGRATIONS]
-    + ["ddpwatch.core.vocabulary", "ddpwatch.core.ranges", "ddpwatch.boot.sitecustomize"],
-)
-def test_each_module_imports_alone_without_a_framework(module: str) -> None:
-    code = (
-        "import sys\n"
-        f"import {module}\n"
-        "heavy = ('torch', 'lightning', 'pytorch_lightning', 'deepspeed', 'transformers',"
-        " 'accelerate')\n"
-        "loaded = sorted(n for n in sys.modules if n.split('.')[0] in heavy)\n"
-        "assert not loaded, loaded\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-
-
-def test_the_vocabulary_imports_nothing_of_the_agent() -> None:
-    code = (
-        "import sys\n"
-        "import ddpwatch.core.vocabulary, ddpwatch.diagnosis.rules\n"
-        "assert not [n for n in sys.modules if n.startswith('ddpwatch.agent')]\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- contract names
@@ -365,189 +290,3 @@ def test_the_agent_sends_only_event_kinds_of_the_vocabulary() -> None:
         and any(isinstance(c, ast.Constant) for c in node.comparators)
     ]
     assert compared == []
-
-
-# ----------------------------------------------------------------------------- CSS classes
-
-
-def _classes_styled(css: str, prefix: str) -> set[str]:
-    """Every class starting with ``prefix`` that the CSS text styles (comments removed)."""
-    css = re.sub(r"/\*.*?\*/", "", css, flags=re.S)
-    return set(re.findall(rf"\.({re.escape(prefix)}[A-Za-z0-9_-]*)", css))
-
-
-def _status_rows() -> Iterator[dict[str, Any]]:
-    """Rank rows in every state, with and without exit codes, from the fixture documents."""
-    from tui_fixtures import document
-
-    for tick in (0, 6, 40):
-        yield from document(tick)["ranks"]
-    base = document(0)["ranks"][0]
-    for state in [*RANK_STATES, None]:
-        for code in (None, 0, 3):
-            yield {**base, "state": state, "exit_code": code}
-
-
-def test_every_css_class_the_rank_table_gives_is_styled() -> None:
-    from ddpwatch.tui.columns import (
-        CELL_STYLES,
-        GROUP_COLUMNS,
-        RANK_COLUMNS,
-        state_style,
-        style_class,
-    )
-    from ddpwatch.tui.model import group_by_host, index_alerts
-    from ddpwatch.tui.rank_table import RankTable
-
-    styled = _classes_styled(RankTable.DEFAULT_CSS, "rank-table--")
-    assert styled == RankTable.COMPONENT_CLASSES  # each class declared is styled, and back
-    assert {style_class(state_style(s)) for s in RANK_STATES} <= RankTable.COMPONENT_CLASSES
-    assert {style_class(name) for name in CELL_STYLES} <= RankTable.COMPONENT_CLASSES
-    # every style a cell gives, over rows in every state, is one of CELL_STYLES
-    from tui_fixtures import document
-
-    index = index_alerts(document(6)["alerts"])
-    rows = list(_status_rows())
-    given: set[str] = set()
-    for columns, table in [(RANK_COLUMNS, rows), (GROUP_COLUMNS, group_by_host(rows, index))]:
-        for row in table:
-            for column in columns:
-                text, style = column.cell(row, index, column.width)
-                if isinstance(text, list):  # spans of several styles
-                    given.update(name for _, name in text if name is not None)
-                if style is not None:
-                    given.add(style)
-    assert given <= CELL_STYLES
-    assert {state_style(s) for s in RANK_STATES} <= given  # the scan saw every state's style
-
-
-def test_every_screen_class_the_code_sets_is_styled() -> None:
-    """The dashboard's screen classes (``-detail``, ``-narrow``...) set in code and styled in
-    ``dashboard.tcss`` are the same set."""
-    given: set[str] = set()
-    for path in sorted((SRC / "tui").glob("*.py")):
-        for node in ast.walk(_tree(path)):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr in {"set_class", "add_class", "remove_class", "toggle_class"}
-            ):
-                given.update(
-                    arg.value
-                    for arg in node.args
-                    if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
-                )
-    assert given, "the scan found no class the screen sets"
-    styled = _classes_styled((SRC / "tui" / "dashboard.tcss").read_text(), "-")
-    assert given == styled
-
-
-# ----------------------------------------------------------------------------- the rank record
-
-
-def test_the_rank_record_declares_every_protocol_field_it_keeps() -> None:
-    from ddpwatch.core.protocol import Hello, Sample
-    from ddpwatch.server.records import STORED_FIELDS, RankRecord
-
-    declared = {f.name for f in fields(RankRecord)}
-    wire = set(Hello.__struct_fields__) | set(Sample.__struct_fields__)
-    assert set(STORED_FIELDS) == wire - {"v", "t"}
-    assert set(STORED_FIELDS) <= declared
-
-
-def test_the_rank_record_refuses_a_field_it_does_not_declare() -> None:
-    from ddpwatch.server.records import RankRecord
-
-    with pytest.raises(TypeError):
-        RankRecord(rank=0, first_seen=0.0, last_seen=0.0, bogus=1)  # type: ignore[call-arg]
-    record = RankRecord(rank=0, first_seen=0.0, last_seen=0.0)
-    with pytest.raises(AttributeError):
-        record.bogus = 1  # type: ignore[attr-defined]
-    assert not hasattr(record, "__dict__")
-
-
-def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
-    from ddpwatch.core.protocol import Collective, CollectiveCounts, Hello, Sample
-    from ddpwatch.server.records import STORED_FIELDS
-    from ddpwatch.server.state import ServerState
-
-    identity: dict[str, Any] = {
-        "local_rank": 1,
-        "world_size": 4,
-        "local_world_size": 2,
-        "node_rank": 0,
-        "host": "node-a",
-        "pid": 4242,
-        "launcher": "torchrun",
-        "job_id": "j1",
-        "backend": "nccl",
-        "torch_version": "2.4.0",
-        "cuda_visible_devices": "0,1",
-        "device": "cuda:1",
-        "device_index": 1,
-        "device_name": "H100",
-        "device_uuid": "GPU-1",
-        "device_pci_bus_id": "0000:01:00.0",
-        "device_count": 2,
-        "pg_timeout_s": 600.0,
-        "restart_count": 1,
-        "simulated": True,
-    }
-    measured: dict[str, Any] = {
-        "phase": "forward",
-        "step": 7,
-        "loss": 1.5,
-        "step_time_s": 0.2,
-        "avg_step_time_s": 0.25,
-        "data_wait_s": 0.01,
-        "collective_time_s": 0.03,
-        "input_wait_s": 0.02,
-        "compute_s": 0.15,
-        "grad_wait_s": 0.05,
-        "collective": Collective(op="all_reduce", seq=3, since_s=0.5, source="py"),
-        "collectives": CollectiveCounts(py=3),
-        "nan_step": 6,
-        "grad_nan_step": 5,
-        "forwards": 8,
-        "batch_marks": [(8, 9)],
-        "mem_allocated_bytes": 1,
-        "mem_reserved_bytes": 2,
-        "mem_peak_bytes": 3,
-        "gpu_mem_used_bytes": 4,
-        "gpu_mem_total_bytes": 5,
-        "gpu_pids": [4242],
-        "host_rss_bytes": 6,
-        "workers_rss_bytes": 7,
-        "host_available_bytes": 8,
-        "host_total_bytes": 9,
-        "cgroup_limit_bytes": 10,
-        "cgroup_used_bytes": 11,
-    }
-    # a new wire field fails here until this test (and the record) know it
-    assert set(identity) | set(measured) | {"rank"} == set(STORED_FIELDS)
-    state = ServerState(started=0.0)
-    state.apply(Hello(v=1, rank=1, t=0.0, **identity), 1.0)
-    record = state.ranks[1]
-    assert {name: getattr(record, name) for name in identity} == identity
-    state.apply(Sample(v=1, rank=1, t=0.0, **identity, **measured), 2.0)
-    record = state.ranks[1]
-    expected = {**identity, **measured, "rank": 1}
-    assert {name: getattr(record, name) for name in STORED_FIELDS} == expected
-
-
-# ----------------------------------------------------------------------------- rank lists
-
-
-def test_rank_lists_are_written_by_one_algorithm() -> None:
-    from ddpwatch.core import ranges
-    from ddpwatch.diagnosis.rules.text import format_ranks
-    from ddpwatch.tui import fmt
-
-    assert fmt.rank_ranges is ranges.rank_ranges
-    assert _imports(SRC / "core" / "ranges.py") == set()  # shared: the server and the views use it
-    assert format_ranks([0, 1, 2, 3, 7, 9, 10]) == "ranks 0-3, 7, 9, 10"
-    assert fmt.rank_ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3,7,9-10"
-    assert format_ranks(range(0, 40, 2), limit=3) == "ranks 0, 2, 4 and 17 more"
-    assert fmt.rank_ranges(range(0, 40, 2), limit=3) == "0,2,4 +17"
-    with pytest.raises(ValueError):
-        ranges.rank_ranges([1], min_run=1)
