@@ -156,6 +156,7 @@ ddpwatch.detach()
 """
 
 
+@pytest.mark.e2e
 def test_ddp_ranks_see_their_own_gradients_not_the_averaged_ones(tmp_path: Path) -> None:
     """Under gloo, rank 1's infinite gradient at step 3 reaches rank 0's ``.grad`` through the
     all-reduce in the same step; rank 0's own gradients are finite until its parameters are

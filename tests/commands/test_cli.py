@@ -127,6 +127,7 @@ def test_run_says_what_it_watches_and_where_before_the_job_prints(tmp_path: Path
     assert shown == full or (shown.endswith("…") and full.startswith(shown[:-1])), shown
 
 
+@pytest.mark.e2e
 def test_run_marks_alert_lines_and_writes_no_colour_to_a_pipe(tmp_path: Path) -> None:
     result = _run(tmp_path, sys.executable, "-c", CRASH.format(port=free_port_pair()))
     assert result.returncode == 1, result.stdout

@@ -16,7 +16,10 @@ from ddpwatch.demo.runner import stop_job
 from ddpwatch.demo.simulate import SimulatedCluster
 
 pytest.importorskip("textual_serve")
-pytestmark = pytest.mark.skipif(BROWSER is None, reason="needs Debian's chromium package")
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(BROWSER is None, reason="needs Debian's chromium package"),
+]
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -533,6 +533,7 @@ field_names = st.sampled_from(
 type_tags = st.sampled_from(["hello", "sample", "event", "bogus"])
 
 
+@pytest.mark.fuzz
 @pytest.mark.timeout(120)
 @FUZZ
 @given(st.binary(max_size=2048))
@@ -540,6 +541,7 @@ def test_fuzz_arbitrary_bytes(data: bytes) -> None:
     decode_or_reject(data)
 
 
+@pytest.mark.fuzz
 @pytest.mark.timeout(120)
 @FUZZ
 @given(st.binary(max_size=64))
@@ -549,6 +551,7 @@ def test_fuzz_bytes_after_a_valid_prefix(tail: bytes) -> None:
     decode_or_reject(encode(FULL_SAMPLE)[:-4] + tail)
 
 
+@pytest.mark.fuzz
 @pytest.mark.timeout(120)
 @FUZZ
 @given(values)
@@ -556,6 +559,7 @@ def test_fuzz_arbitrary_msgpack_values(value: Any) -> None:
     decode_or_reject(msgspec.msgpack.encode(value))
 
 
+@pytest.mark.fuzz
 @pytest.mark.timeout(120)
 @FUZZ
 @given(st.dictionaries(field_names, values, max_size=6), type_tags, st.booleans())
@@ -566,6 +570,7 @@ def test_fuzz_fields_of_a_valid_frame(fields: dict[str, Any], tag: str, keep_bas
     decode_or_reject(data)
 
 
+@pytest.mark.fuzz
 @pytest.mark.timeout(120)
 @FUZZ
 @given(values)
@@ -580,6 +585,7 @@ def test_fuzz_unknown_field_never_matters(value: Any) -> None:
     st.sampled_from([encode(FULL_SAMPLE), encode(EVENTS["crash"]), encode(FULL_HELLO)]),
     st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=4),
 )
+@pytest.mark.fuzz
 def test_fuzz_mutated_valid_frames(data: bytes, edits: list[tuple[int, int]]) -> None:
     mutated = bytearray(data)
     for position, byte in edits:

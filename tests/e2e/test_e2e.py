@@ -9,8 +9,6 @@ from conftest import LiveServer, alert_of
 
 from ddpwatch.diagnosis.alerts import Thresholds
 
-pytestmark = pytest.mark.e2e
-
 
 def all_ranks_stepping(n: int):
     """A predicate for ``wait_for``: the status document once ``n`` ranks have stepped."""

@@ -34,8 +34,6 @@ from diagnosis import (
 from ddpwatch.core.ports import free_port_pair
 from ddpwatch.demo.runner import stop_job
 
-pytestmark = pytest.mark.e2e
-
 # shorter than the benchmark: the same failure, fewer seconds of it
 SHORTER: dict[str, tuple[str, ...]] = {
     "healthy": ("--steps", "40"),

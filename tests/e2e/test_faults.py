@@ -9,13 +9,11 @@ import subprocess
 import sys
 import time
 
-import pytest
 from conftest import ROOT, SCRIPTS, LiveServer, alert_of, free_port_pair
 
 from ddpwatch.demo.runner import descendants, stop_job
 from ddpwatch.diagnosis.alerts import Thresholds
 
-pytestmark = pytest.mark.e2e
 JOB = SCRIPTS / "deterministic.py"
 
 

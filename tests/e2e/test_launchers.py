@@ -18,7 +18,7 @@ from conftest import SCRIPTS, LiveServer, ddpwatch_run, free_port_pair
 from slurm_cluster import SlurmCluster
 from slurm_cluster import missing as slurm_missing
 
-from ddpwatch.agent.auto import runs_a_launcher
+pytestmark = pytest.mark.launcher
 
 PYTHON = sys.executable
 REQUIRED = os.environ.get("CI_REQUIRE_LAUNCHERS") == "1"
@@ -60,20 +60,6 @@ def check_ranks(
     assert status["alerts"] == []
 
 
-def test_a_launcher_process_is_never_taken_for_a_rank() -> None:
-    python = "/venv/bin/python3"
-    assert runs_a_launcher([python, "/venv/bin/torchrun", "--nproc-per-node=2", "train.py"])
-    assert runs_a_launcher([python, "-u", "-m", "torch.distributed.run", "train.py"])
-    assert runs_a_launcher([python, "-X", "utf8", "-m", "deepspeed.launcher.launch", "x.py"])
-    assert runs_a_launcher([python, "/venv/bin/deepspeed", "--num_gpus", "2", "train.py"])
-    assert runs_a_launcher([python, "/venv/bin/accelerate", "launch", "train.py"])
-    assert not runs_a_launcher([python, "train.py", "--launcher", "torchrun"])
-    assert not runs_a_launcher([python, "-m", "my_project.train"])
-    assert not runs_a_launcher([python, "-c", "import torchrun"])
-    assert not runs_a_launcher([python])
-
-
-@pytest.mark.e2e
 def test_run_under_open_mpi(live_server: LiveServer) -> None:
     mpirun = need_command("mpirun.openmpi", "openmpi-bin")
     result = ddpwatch_run(
@@ -83,7 +69,6 @@ def test_run_under_open_mpi(live_server: LiveServer) -> None:
     check_ranks(live_server, result, "openmpi", steps=20)
 
 
-@pytest.mark.e2e
 def test_run_under_mpich_hydra(live_server: LiveServer) -> None:
     mpiexec = need_command("mpiexec.hydra", "mpich")
     result = ddpwatch_run(
@@ -106,7 +91,6 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     cluster.stop()
 
 
-@pytest.mark.e2e
 def test_run_under_srun(live_server: LiveServer, slurm: SlurmCluster) -> None:
     result = ddpwatch_run(
         live_server, "srun", "--ntasks=2", "--overcommit",
@@ -116,7 +100,6 @@ def test_run_under_srun(live_server: LiveServer, slurm: SlurmCluster) -> None:
     check_ranks(live_server, result, "slurm", steps=20, logs=slurm.log())
 
 
-@pytest.mark.e2e
 def test_run_srun_then_torchrun_reports_the_ranks_not_the_torchrun_agent(
     live_server: LiveServer, slurm: SlurmCluster
 ) -> None:
@@ -130,7 +113,6 @@ def test_run_srun_then_torchrun_reports_the_ranks_not_the_torchrun_agent(
     check_ranks(live_server, result, "torchrun", steps=48, logs=slurm.log())
 
 
-@pytest.mark.e2e
 def test_run_under_the_deepspeed_launcher(live_server: LiveServer) -> None:
     deepspeed = need_command("deepspeed", "deepspeed (the test extra)")
     result = ddpwatch_run(
@@ -140,7 +122,6 @@ def test_run_under_the_deepspeed_launcher(live_server: LiveServer) -> None:
     check_ranks(live_server, result, "deepspeed", steps=48)
 
 
-@pytest.mark.e2e
 def test_run_under_accelerate_launch(live_server: LiveServer) -> None:
     accelerate = need_command("accelerate", "accelerate (the test extra)")
     result = ddpwatch_run(

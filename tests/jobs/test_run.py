@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import SCRIPTS, LiveServer, ddpwatch_run, free_port_pair
 
-from ddpwatch.agent.auto import bootstrap, script_missing, started_by_launcher
+from ddpwatch.agent.auto import bootstrap, runs_a_launcher, script_missing, started_by_launcher
 from ddpwatch.jobs.launch import BOOT_DIR, job_environment
 from ddpwatch.jobs.stop import stop_job
 
@@ -24,6 +24,19 @@ def test_launchers_are_recognised_from_the_parent_command() -> None:
     assert started_by_launcher("prted --leave-session-attached")
     assert not started_by_launcher("python train.py --fast")
     assert not started_by_launcher("")
+
+
+def test_a_launcher_process_is_never_taken_for_a_rank() -> None:
+    python = "/venv/bin/python3"
+    assert runs_a_launcher([python, "/venv/bin/torchrun", "--nproc-per-node=2", "train.py"])
+    assert runs_a_launcher([python, "-u", "-m", "torch.distributed.run", "train.py"])
+    assert runs_a_launcher([python, "-X", "utf8", "-m", "deepspeed.launcher.launch", "x.py"])
+    assert runs_a_launcher([python, "/venv/bin/deepspeed", "--num_gpus", "2", "train.py"])
+    assert runs_a_launcher([python, "/venv/bin/accelerate", "launch", "train.py"])
+    assert not runs_a_launcher([python, "train.py", "--launcher", "torchrun"])
+    assert not runs_a_launcher([python, "-m", "my_project.train"])
+    assert not runs_a_launcher([python, "-c", "import torchrun"])
+    assert not runs_a_launcher([python])
 
 
 def test_bootstrap_decides_now_deferred_or_off(monkeypatch) -> None:

@@ -399,6 +399,7 @@ def test_a_tcp_relay_is_seen_listening_by_one_connect() -> None:
     assert not relay_listening("tcp://no-port") and not relay_listening("udp://x:1")
 
 
+@pytest.mark.e2e
 def test_ddpwatch_run_with_addr_relays_the_nodes_ranks(server: LiveServer, tmp_path: Path) -> None:
     result = ddpwatch_run(
         server, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",

@@ -173,6 +173,7 @@ _message = st.one_of(
 )
 
 
+@pytest.mark.fuzz
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )  # fmt: skip
@@ -206,6 +207,7 @@ def far_behind() -> Iterator[tuple[Collector, zmq.Socket]]:
     collector.close()
 
 
+@pytest.mark.fuzz
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )  # fmt: skip
@@ -309,6 +311,7 @@ def test_raw_tcp_garbage_is_refused_and_counted() -> None:
         running.stop()
 
 
+@pytest.mark.fuzz
 @settings(max_examples=30, deadline=None)
 @given(requests=st.lists(st.binary(max_size=MAX_QUERY_BYTES), min_size=1, max_size=5))
 def test_fuzz_the_query_socket(shared: tuple[Running, Model], requests: list[bytes]) -> None:
@@ -349,6 +352,7 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.fuzz
 def test_a_million_distinct_rank_ids_keep_memory_bounded() -> None:
     total, chunk = 1_000_000, 20_000
     running = Running()
