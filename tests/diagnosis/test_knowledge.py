@@ -12,7 +12,7 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from conftest import SCRIPTS
@@ -30,8 +30,10 @@ from ddpwatch.diagnosis.knowledge import (
     named_ranks,
     reporting_rank,
 )
+from ddpwatch.jobs.stop import stop_job
 
 JOB = SCRIPTS / "error_texts.py"
+FORKED = SCRIPTS / "forked_ranks.py"
 
 GLOO_CLOSED = (  # seen here: ranks 0 and 1 of all_gather_size, after rank 2 raised
     "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
@@ -748,13 +750,27 @@ def test_clients_joined(text: str, joined: tuple[int, int] | None) -> None:
 # ---------------------------------------------------------------- the texts of this torch build
 
 
-def _run_job(scenario: str, nproc: int, env: dict[str, str] | None = None) -> dict[int, dict]:
-    """Run tests/scripts/error_texts.py under torchrun; each rank's CAUGHT record, by rank."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    cmd += ["--master-addr=127.0.0.1", f"--master-port={free_port_pair()}", str(JOB), scenario]
-    done = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=120)
-    return {record["rank"]: record for record in _records(done.stdout)}
+def _run_jobs(jobs: dict[str, tuple[str, int, dict[str, str] | None]], out: Path) -> dict:
+    """Run tests/scripts/error_texts.py once per job (its scenario, ranks, environment), every
+    rank as torchrun starts it but forked after one torch import (tests/scripts/forked_ranks.py);
+    each job's CAUGHT records, by rank."""
+    spec = [
+        {"name": key, "args": [scenario], "nproc": nproc, "env": env or {}}
+        for key, (scenario, nproc, env) in jobs.items()
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, str(FORKED), str(JOB), str(out), json.dumps(spec)]
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        stop_job(launcher, grace=1.0)  # and every rank it forked
+    assert launcher.returncode == 0, output.decode(errors="replace")[-4000:]
+    caught: dict[str, dict[int, dict]] = {}
+    for key, (_, nproc, _) in jobs.items():
+        texts = "".join((out / f"{key}.{rank}").read_text() for rank in range(nproc))
+        caught[key] = {record["rank"]: record for record in _records(texts)}
+    return caught
 
 
 def _records(output: str) -> list[dict]:
@@ -774,7 +790,7 @@ def _as_error(record: dict) -> ErrorInfo:
 
 
 @pytest.mark.e2e
-def test_the_texts_torch_prints_today_are_known() -> None:
+def test_the_texts_torch_prints_today_are_known(tmp_path: Path) -> None:
     """Reproduce the failures and read what the ranks really raise: if a torch upgrade
     rewords one, this fails before diagnosis quietly stops recognising it."""
     detail = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
@@ -786,9 +802,7 @@ def test_the_texts_torch_prints_today_are_known() -> None:
         "model": ("ddp_model_mismatch", 3, None),
         "loader": ("dataloader_timeout", 1, None),
     }
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {key: pool.submit(_run_job, *job) for key, job in jobs.items()}
-        caught = {key: future.result() for key, future in futures.items()}
+    caught = _run_jobs(jobs, tmp_path)
 
     def reading(key: str, rank: int) -> tuple[str | None, tuple[int, ...], int | None]:
         error = _as_error(caught[key][rank])

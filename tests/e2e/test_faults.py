@@ -1,4 +1,8 @@
-"""The agent never hurts training, whatever the server does; a paused rank recovers visibly."""
+"""The agent never hurts training, whatever the server does; a paused rank recovers visibly.
+
+The tests that do something to a server (kill it, pause it) or to one rank share one endless
+job (``endless_job``): each puts its own server on the job's port, and the job outlives them.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
+import pytest
 from conftest import ROOT, SCRIPTS, LiveServer, alert_of, free_port_pair
 
 from ddpwatch.demo.runner import descendants, stop_job
@@ -76,9 +82,24 @@ def test_training_result_is_identical_with_and_without_ddpwatch(port: int) -> No
     assert checksum(out_bare) == checksum(out_watched)
 
 
-def test_server_killed_and_restarted_mid_run(port: int) -> None:
+@pytest.fixture(scope="module")
+def endless_job() -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """A 2-rank job that trains until stopped, reporting to a port no server holds yet: the
+    job, and its port for the tests' servers."""
+    port = free_port_pair()
+    job = torchrun(port, 10**9, watch=True)
+    try:
+        yield job, port
+    finally:
+        stop_job(job, grace=2)
+
+
+def test_server_killed_and_restarted_mid_run(
+    endless_job: tuple[subprocess.Popen[str], int],
+) -> None:
+    job, port = endless_job
+    assert job.poll() is None
     first = serve(port)
-    job = torchrun(port, 100_000, watch=True)
     try:
         deadline = time.monotonic() + 60
         while len(status(port).get("ranks", [])) < 2:
@@ -108,13 +129,15 @@ def test_server_killed_and_restarted_mid_run(port: int) -> None:
         finally:
             stop_job(second, grace=2)
     finally:
-        stop_job(job, grace=2)
         stop_job(first, grace=1)
 
 
-def test_server_paused_keeps_training_and_agent_memory_bounded(port: int) -> None:
+def test_server_paused_keeps_training_and_agent_memory_bounded(
+    endless_job: tuple[subprocess.Popen[str], int],
+) -> None:
+    job, port = endless_job
+    assert job.poll() is None
     server = serve(port)
-    job = torchrun(port, 100_000, watch=True)
     try:
         deadline = time.monotonic() + 60
         while not _stepping(status(port)):
@@ -134,7 +157,6 @@ def test_server_paused_keeps_training_and_agent_memory_bounded(port: int) -> Non
         assert growth < 50 << 20  # bounded queues: no unbounded buffering of heartbeats
     finally:
         server.send_signal(signal.SIGCONT)
-        stop_job(job, grace=2)
         stop_job(server, grace=1)
 
 
@@ -154,9 +176,12 @@ def _rss(pid: int) -> int:
     return 0
 
 
-def test_paused_rank_is_silent_then_recovers_and_the_alert_clears(port: int) -> None:
+def test_paused_rank_is_silent_then_recovers_and_the_alert_clears(
+    endless_job: tuple[subprocess.Popen[str], int],
+) -> None:
+    job, port = endless_job
+    assert job.poll() is None
     server = LiveServer(port, Thresholds())
-    job = torchrun(port, 100_000, watch=True)
     try:
         server.wait_for(
             lambda s: len(s["ranks"]) == 2 and all((r["step"] or 0) > 5 for r in s["ranks"]), 60
@@ -172,5 +197,4 @@ def test_paused_rank_is_silent_then_recovers_and_the_alert_clears(port: int) -> 
         server.wait_for(lambda s: all(r["state"] in ("running", "waiting") for r in s["ranks"]), 15)
         assert any(c.event == "cleared" and c.alert.kind == "silent" for c in server.changes)
     finally:
-        stop_job(job, grace=2)
         server.stop()
