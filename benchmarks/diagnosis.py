@@ -31,7 +31,7 @@ tracebacks, exit codes and torchrun's root cause; ``--json`` writes all of it.
 ``--relay``: each run's ranks report through a per-node relay (``ddpwatch.relay.Relay`` on a
 thread here, on its own ``ipc://`` socket), as ``ddpwatch run --addr`` sets them up.
 The functions here (``MODES``, ``run_mode``, ``score``, ``describe``) are what
-``tests/test_failure_modes.py`` uses.
+``tests/e2e/test_failure_modes.py`` uses.
 """
 
 from __future__ import annotations

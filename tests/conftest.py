@@ -1,4 +1,14 @@
-"""Shared fixtures: free ports, a live server on a thread, real torchrun jobs."""
+"""Shared fixtures: free ports, a live server on a thread, real torchrun jobs; and which tests
+a plain ``pytest`` runs.
+
+A plain ``pytest`` leaves out the slow tests, those marked with one of ``SLOW`` (by folder in
+``FOLDER_MARKS``, or by a mark on the test): the unit, contract and in-process tests run in a
+few minutes. ``pytest --all`` runs every test, as ``.ci/run`` does; ``-m`` picks for itself
+(``pytest -m e2e``), and a file or folder named on the command line runs whole.
+
+Tests import their helpers from here (``from conftest import LiveServer``), so this is the one
+``conftest.py``: a second one, in a folder, would take the module name ``conftest`` from it.
+"""
 
 from __future__ import annotations
 
@@ -25,8 +35,70 @@ from ddpwatch.diagnosis.history import AlertChange
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
 
-ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 EXAMPLES = ROOT / "examples"
+SRC = ROOT / "src" / "ddpwatch"  # the package, as files: what the contract tests read
+BENCHMARKS = ROOT / "benchmarks"
+SCRIPTS = TESTS / "scripts"  # the training scripts tests run under torchrun and launchers
+
+
+SLOW = {
+    "e2e": "starts real jobs: torchrun, `ddpwatch run` or `ddpwatch demo` with ranks",
+    "launcher": "runs a job under mpirun, mpiexec.hydra, srun (Debian's packages), deepspeed or"
+    " accelerate launch",
+    "browser": "drives a headless chromium (Debian's package)",
+    "fuzz": "random and flooding input at full size: hypothesis at its full examples, a million"
+    " rank ids",
+}
+"""The marks a plain ``pytest`` leaves out, and what each test so marked needs."""
+
+FOLDER_MARKS = {"e2e": "e2e"}
+"""Folders of tests/ whose every test carries a mark: tests/e2e/ holds whole-job tests."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--all",
+        action="store_true",
+        help="run every test, the slow ones too (marked " + ", ".join(SLOW) + "): as .ci/run",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for mark, needs in SLOW.items():
+        config.addinivalue_line("markers", f"{mark}: {needs}")
+
+
+def _named_paths(config: pytest.Config) -> list[Path]:
+    """The test files and folders named on the command line (``file::test`` names its file),
+    less tests/ itself: a plain ``pytest`` names none."""
+    named = []
+    for arg in config.args:
+        path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
+        if path.exists() and path not in (TESTS, ROOT):
+            named.append(path)
+    return named
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = item.path.relative_to(TESTS).parts[0] if item.path.is_relative_to(TESTS) else ""
+        if folder in FOLDER_MARKS:
+            item.add_marker(FOLDER_MARKS[folder])
+    if config.getoption("--all") or config.option.markexpr:
+        return
+    named = _named_paths(config)
+    slow = [
+        item
+        for item in items
+        if not any(item.path.is_relative_to(path) for path in named)
+        and any(item.get_closest_marker(mark) for mark in SLOW)
+    ]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        left_out = set(slow)
+        items[:] = [item for item in items if item not in left_out]
 
 
 @pytest.fixture(autouse=True)
@@ -118,6 +190,42 @@ class LiveServer:
     def stop(self) -> None:
         self.server.stop()
         self.thread.join(5)
+
+
+class Recording:
+    """A real ``Server`` recording to ``path`` on a background thread."""
+
+    def __init__(self, path: Path, thresholds: Thresholds | None = None) -> None:
+        self.port = free_port_pair()
+        self.changes: list[AlertChange] = []
+        self.server = Server(
+            "127.0.0.1", self.port, thresholds, on_change=self.changes.append, record=path
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(f"tcp://127.0.0.1:{self.port}")
+
+    def send(self, *frames: bytes) -> None:
+        for frame in frames:
+            self.sock.send(frame)
+
+    def wait_for(
+        self, predicate: Callable[[dict[str, Any]], Any], timeout: float
+    ) -> dict[str, Any]:
+        """The status document once ``predicate`` holds for it."""
+        return poll_status(
+            self.server, lambda status: status if predicate(status) else None, timeout
+        )
+
+    def stop(self) -> None:
+        self.sock.close()
+        self.context.term()
+        self.server.stop()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
 
 
 def ddpwatch_run(

@@ -66,7 +66,7 @@ MIN_PART_S = 20.0  # a part that cannot have this much is skipped, not started
 Doc = dict[str, Any]
 
 
-# pure helpers (tests/test_gpu_devices.py) --------------------------------------------------------
+# pure helpers (tests/benchmarks/test_gpu_devices.py) ----------------------------------------------
 def read_json_lines(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of a file written line by line; a missing file, a line cut off by a
     killed writer or any other garbage is left out."""

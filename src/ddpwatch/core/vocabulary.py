@@ -13,7 +13,7 @@ its members in order.
 
 Importable anywhere (the server included): no torch, no third-party package. The agent and
 the integrations set only these phases (a user's ``ddpwatch.phase(name)`` may set any);
-``tests/test_vocabulary.py`` checks that each one they can set is known to the server, that
+``tests/core/test_vocabulary.py`` checks that each one they can set is known to the server, that
 the agent sends only these event kinds, and that each table keyed by one of these names
 covers every name.
 """

@@ -3,7 +3,7 @@ says is coming next (``demo/source.py``).
 
 Each fault is held long enough to read, and the next one starts at least ``READ_S`` seconds
 after the server raised the alert of the one before, however fast the steps go (a step takes
-at least ``STEP_TIME_S``): ``tests/test_demo.py`` checks that from ``fault_starts``.
+at least ``STEP_TIME_S``): ``tests/demo/test_demo.py`` checks that from ``fault_starts``.
 """
 
 from __future__ import annotations

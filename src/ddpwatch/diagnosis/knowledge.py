@@ -1,7 +1,7 @@
 """Known error signatures of distributed PyTorch: what an error text means and what to do.
 
 The patterns match the texts torch, NCCL and gloo really print (checked against
-torch 2.13's binaries, against failures reproduced with tests/jobs/error_texts.py and
+torch 2.13's binaries, against failures reproduced with tests/scripts/error_texts.py and
 against reports of real failures). Order matters: the first match wins. Local failures
 whose text may quote a peer-failure text (a DataLoader worker's death is reported with
 the "Connection reset by peer" of its queue) come first; then the peer-failure texts —

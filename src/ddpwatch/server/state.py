@@ -267,7 +267,7 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     phase = sample.phase
     if phase and phase != record.phase:
         _set_phase(record, phase, now)
-    # every measurement as it came (``tests/test_vocabulary.py`` checks that each
+    # every measurement as it came (``tests/server/test_records.py`` checks that each
     # lands): plain stores on a slotted record
     loss = sample.loss
     collective_time_s = sample.collective_time_s

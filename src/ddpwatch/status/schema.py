@@ -6,7 +6,7 @@ contract always writes is always written (``null`` when unknown), and the keys i
 sometimes are ``UNSET`` (``Stats.refused``, ``StatusDocument.replay``, the replies' ``page``
 and ``summary``, a timeline entry's ``from``, ``duration_s`` and ``closed_by``) or, in alerts,
 omitted while None (``omit_defaults``).
-``tests/test_status_contract.py`` holds the bytes.
+``tests/status/test_status_contract.py`` holds the bytes.
 
 Decoding takes a document from an older server, which lacks keys added since: every always
 written key but the few that name a thing (a rank's ``rank`` and ``state``, an alert's) has a

@@ -3,7 +3,7 @@
 Each ``Column`` declares the row fields its cell reads (``fields``) and the per-rank alert
 lookups it makes (``alerts``). The table caches each drawn row under ``row_signature``,
 built from the visible columns' declarations, so a cell can only show stale text if it
-reads something it does not declare; ``tests/test_tui_columns.py`` checks that none does.
+reads something it does not declare; ``tests/tui/test_tui_columns.py`` checks that none does.
 
 Columns collapse by priority when the terminal is narrow: rank, state, phase, step and
 collective always stay; the rest appear as width allows. ``sim`` and ``split`` are shown only

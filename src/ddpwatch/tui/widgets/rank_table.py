@@ -65,7 +65,7 @@ class RankTable(ScrollView, can_focus=True, inherit_bindings=False):
         style_class(name) for name in ("header", "sorted", "cursor", *sorted(CELL_STYLES))
     }
     """The header's, the cursor's and every cell style's (``columns.CELL_STYLES``): each is
-    styled in ``DEFAULT_CSS`` (``tests/test_vocabulary.py`` checks both ways)."""
+    styled in ``DEFAULT_CSS`` (``tests/tui/test_styles.py`` checks both ways)."""
 
     DEFAULT_CSS = """
     RankTable {

@@ -1,0 +1,120 @@
+"""Every benchmark script runs in a tiny configuration and prints its RATIO line.
+
+A smoke test only: it checks that the scripts work end to end, never how fast anything is
+(timings on shared machines are noise at this size). See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import BENCHMARKS, ROOT
+
+pytestmark = pytest.mark.e2e
+
+
+
+def start_benchmark(script: str, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finished(proc: subprocess.Popen[str], timeout: float = 120) -> str:
+    """The benchmark's output once it has ended well and printed its RATIO lines."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"no end in {timeout} s\n{(stdout + stderr)[-4000:]}") from None
+    output = stdout + stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "RATIO " in stdout, output[-4000:]
+    return stdout
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 120) -> str:
+    return finished(start_benchmark(script, *args), timeout)
+
+
+def test_agent_overhead_tiny() -> None:
+    out = run_benchmark(
+        "agent_overhead.py",
+        "--trials",
+        "2",
+        "--block-s",
+        "0.05",
+        "--sizes",
+        "tiny",
+        "--peer",
+        "off",
+    )
+    assert "RATIO ddpwatch/bare tiny" in out
+    assert "RATIO A/A ddpwatch job/bare tiny" in out
+    assert "peer TraceML: skipped" in out
+
+
+def test_hot_path_tiny() -> None:
+    out = run_benchmark("hot_path.py", "--calls", "2000", "--rounds", "1", "--sync-steps", "30")
+    assert "RATIO hot path per step" in out
+    assert "RATIO training-thread syncs by ddpwatch = 0 (ok)" in out
+    assert "CUDA sync check" in out
+
+
+def test_ingest_tiny() -> None:
+    out = run_benchmark("ingest.py", "--messages", "2000", "--rounds", "1", "--ranks", "64")
+    assert "RATIO collector/raw live" in out
+    assert "RATIO collector/raw drain" in out
+
+
+def test_ingest_cpu_tiny() -> None:
+    out = run_benchmark("ingest_cpu.py", "--quick")
+    assert "RATIO apply/collector direct 1024" in out
+    assert "RATIO apply/collector relay 1024" in out
+
+
+def test_queue_horizon_tiny() -> None:
+    out = run_benchmark(
+        "queue_horizon.py", "--frames", "2000", "--trials", "1", "--hwms", "8,100000"
+    )
+    assert "RATIO queue_horizon rcvhwm=8:" in out
+    assert "RATIO queue_horizon rcvhwm=100000:" in out
+
+
+def test_alert_latency_tiny() -> None:
+    out = run_benchmark("alert_latency.py", "--reps", "1")
+    for kind in ("stalled", "silent", "straggler"):
+        assert f"RATIO {kind} latency beyond threshold" in out
+
+
+def test_diagnosis_tiny() -> None:
+    out = run_benchmark("diagnosis.py", "--reps", "1", "--modes", "raise")
+    assert "RATIO diagnosis right_culprit=" in out
+    assert "raise" in out
+
+
+def test_scale_tiny() -> None:
+    """Each mode in a run of its own, the three at once: a run is mostly waiting (6 s of
+    heartbeats, then the queue's drain), each process well under a tenth of a core."""
+    runs = {
+        mode: start_benchmark("scale.py", "--quick", "--modes", mode, *more)
+        for mode, more in [
+            ("relay", ()),
+            ("direct", ("--no-offline",)),
+            ("nodes", ("--no-offline",)),
+        ]
+    }
+    out = {mode: finished(proc) for mode, proc in runs.items()}
+    for mode in runs:
+        assert f"RATIO scale 512 {mode}" in out[mode]
+    assert "RATIO scale 512 in memory" in out["relay"]

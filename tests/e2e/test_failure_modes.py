@@ -1,0 +1,378 @@
+"""Failure modes from users' public bug reports: ddpwatch must blame the rank that caused them.
+
+Each test runs one mode of ``examples/failures.py`` as a real torchrun job (3 CPU ranks, 4 for
+allgather-size; gloo) under a live server, through the harness of ``benchmarks/diagnosis.py``
+(the same runs and scoring as the benchmark), and asserts what a user needs from the alert: the first alert that
+blames anyone names exactly the culprit rank with a kind that says why, and no alert during
+the whole run ever names an innocent rank. Sleeps and watch windows are shorter than the
+benchmark's, so the file takes about four minutes on two cores. On failure the assertion
+message is the run's full account: every alert with its time from the fault, how each rank
+ended, and the job's own tracebacks and torchrun's root cause.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import BENCHMARKS
+
+sys.path.insert(0, str(BENCHMARKS))
+from diagnosis import (
+    MODES,
+    RunResult,
+    describe,
+    job_command,
+    job_environment,
+    run_mode,
+    score,
+)
+
+from ddpwatch.core.ports import free_port_pair
+from ddpwatch.demo.runner import stop_job
+
+# shorter than the benchmark: the same failure, fewer seconds of it
+SHORTER: dict[str, tuple[str, ...]] = {
+    "healthy": ("--steps", "40"),
+    "barrier-sleep": ("--sleep", "8"),
+    "rank0-checkpoint": ("--sleep", "8"),
+    "rank0-checkpoint-timeout": ("--sleep", "10", "--pg-timeout", "5"),
+    "subgroup-cascade": ("--sleep", "8"),
+    "rank0-eval-epochs": ("--sleep", "5"),
+    "missing-rank": ("--init-timeout", "16"),
+    "host-leak": ("--oom-mib", "512"),
+}
+WATCH_S = {
+    "barrier-sleep": 14.0,
+    "rank0-checkpoint": 14.0,
+    "rank0-checkpoint-timeout": 14.0,
+    "subgroup-cascade": 14.0,
+    "rank0-eval-epochs": 30.0,
+    "dataloader-hang": 8.0,
+    "skipped-batch": 8.0,
+    "missing-rank": 22.0,
+    "host-leak": 60.0,
+}
+_runs: dict[str, RunResult] = {}
+
+
+def run(name: str, *extra: str) -> RunResult:
+    """One run per mode (and script flags ``extra``) for the whole module (a test that needs
+    it again shares it)."""
+    key = " ".join((name, *extra))
+    if key not in _runs:
+        flags = (*SHORTER.get(name, ()), *extra)
+        _runs[key] = run_mode(name, extra=flags, watch_s=WATCH_S.get(name))
+    return _runs[key]
+
+
+def assert_blames_only_the_culprit(name: str, *extra: str) -> RunResult:
+    """The first error-or-warning alert naming anyone names exactly the mode's culprits with
+    an allowed kind, and no alert of the run names a rank outside them."""
+    mode = MODES[name]
+    result = run(name, *extra)
+    scored = score(result, mode)
+    account = describe(result)
+    assert result.fault_at is not None, f"the fault never happened\n{account}"
+    first = scored.first
+    assert first is not None, f"no alert blamed anyone\n{account}"
+    assert set(first.ranks) == mode.culprits, f"blamed {list(first.ranks)} first\n{account}"
+    assert first.kind in mode.kinds, f"kind {first.kind} not in {sorted(mode.kinds)}\n{account}"
+    innocent = [(c.kind, list(c.ranks)) for c in scored.wrong]
+    assert not innocent, f"alerts named innocent ranks: {innocent}\n{account}"
+    assert scored.verdict_right, f"the verdict blames {result.verdict_named}\n{account}"
+    return result
+
+
+def test_healthy_run_raises_no_alert_at_all() -> None:
+    """The baseline every other mode is compared with: a clean job must stay silent."""
+    result = run("healthy")
+    account = describe(result)
+    assert result.returncode == 0, account
+    assert [c for c in result.changes if c.event != "cleared"] == [], account
+    assert result.verdict == "the job finished: every rank exited 0; no problems seen", account
+
+
+def test_exit_early_with_sys_exit_names_the_rank() -> None:
+    """Lightning #379: an early-stopping condition met on one DDP process stops only that
+    process and the others hang (https://github.com/Lightning-AI/pytorch-lightning/issues/379).
+    Here rank 1 calls sys.exit(3) at step 50."""
+    assert_blames_only_the_culprit("exit-early")
+
+
+def test_exit_with_code_zero_names_the_rank_not_the_ones_that_lost_it() -> None:
+    """PyTorch #138322: a rank with nothing to do returns while the others block in their next
+    collective (https://github.com/pytorch/pytorch/issues/138322). Its exit code is 0, so
+    torchrun's "Root Cause" names a rank that only lost its peer."""
+    assert_blames_only_the_culprit("exit-zero")
+
+
+def test_os_exit_names_the_rank() -> None:
+    """PyTorch #41067: a worker is gone and the survivors block on it
+    (https://github.com/pytorch/pytorch/issues/41067); os._exit(3) runs no exception hook and
+    no atexit handler."""
+    assert_blames_only_the_culprit("os-exit")
+
+
+def test_nan_names_the_first_rank_and_lists_the_ones_that_followed() -> None:
+    """Lightning #5243: a NaN loss on one DDP process reaches every replica through the
+    gradient all-reduce (https://github.com/Lightning-AI/pytorch-lightning/issues/5243).
+    Rank 1's loss is NaN at step 15 of 10 ms steps; ranks 0, 2 follow one step later, many
+    steps inside one heartbeat."""
+    result = assert_blames_only_the_culprit("nan")
+    first = score(result).first
+    assert first is not None and set(first.waiting) <= {0, 2}, describe(result)
+    nan_steps = {rank["rank"]: rank["nan_step"] for rank in result.ranks}
+    assert nan_steps == {0: 16, 1: 15, 2: 16}, describe(result)
+
+
+def test_nan_gradient_names_the_rank_whose_own_gradients_went_bad() -> None:
+    """PyTorch #2421: the gradient of a zero distance is NaN, and it "will propagate to make all
+    updates nan" (https://github.com/pytorch/pytorch/issues/2421). Rank 1's batch holds one
+    sample twice at step 15: its loss (with a distance term) is finite, its own gradients NaN;
+    DDP's all-reduce puts them in every rank's update, and every loss, rank 1's too, is NaN
+    from step 16. By losses alone the three ranks tie; rank 1's own gradients name it."""
+    result = assert_blames_only_the_culprit("nan-grad")
+    first = score(result).first
+    assert first is not None and set(first.waiting) == {0, 2}, describe(result)
+    assert "received them through DDP's all-reduce" in first.message, describe(result)
+    steps = {r["rank"]: (r["nan_step"], r["grad_nan_step"]) for r in result.ranks}
+    assert steps == {0: (16, 16), 1: (16, 15), 2: (16, 16)}, describe(result)
+
+
+def test_slow_rank_before_a_barrier_is_the_straggler() -> None:
+    """DeepSpeed #4488: one rank busy for a long time while the others wait in a barrier
+    (https://github.com/deepspeedai/DeepSpeed/issues/4488); training then goes on. The
+    release of the barrier must not turn a waiting rank into a culprit."""
+    assert_blames_only_the_culprit("barrier-sleep")
+
+
+def test_all_gather_with_another_size_names_the_odd_rank() -> None:
+    """Lightning #7773: all_gather of tensors whose size differs per rank freezes or fails
+    (https://github.com/Lightning-AI/pytorch-lightning/issues/7773); gloo aborts from C++
+    (SIGABRT: it reports nothing) the odd rank's ring neighbour, which receives too much.
+
+    The mode runs 4 ranks: the three calls still known show the odd one against a majority.
+    With 3 ranks the two known calls tie and the alert names nobody, saying whose call is
+    missing (``test_attribution``): never an innocent rank."""
+    assert_blames_only_the_culprit("allgather-size")
+
+
+def test_collective_on_rank_zero_only_names_rank_zero() -> None:
+    """Lightning #19045 / PR #19056: self.log(..., sync_dist=True) reached by rank 0 only
+    deadlocks (https://github.com/Lightning-AI/pytorch-lightning/pull/19056); under gloo the
+    extra all_reduce aborts a collective later."""
+    assert_blames_only_the_culprit("rank0-only-collective")
+
+
+def test_rank_zero_checkpointing_alone_is_the_one_waited_for() -> None:
+    """Accelerate #1359 / #2690: the main process saves or downloads alone while the others
+    wait in wait_for_everyone() (https://github.com/huggingface/accelerate/issues/1359,
+    https://github.com/huggingface/accelerate/issues/2690)."""
+    assert_blames_only_the_culprit("rank0-checkpoint")
+
+
+def test_a_timeout_waiting_for_rank_zero_keeps_the_blame_on_rank_zero() -> None:
+    """LLaMA-Factory #2424: rank 0 saves alone past the process group's timeout; the others'
+    barrier times out and torchrun's "Root Cause" names one of them. ddpwatch keeps rank 0
+    named, live and in the verdict, the timeouts its consequence."""
+    result = assert_blames_only_the_culprit("rank0-checkpoint-timeout")
+    assert result.verdict.startswith("rank 0 kept ranks 1, 2 waiting in 'checkpoint' until"), (
+        describe(result)
+    )
+
+
+def test_a_timeout_in_the_next_steps_collective_keeps_the_blame_too() -> None:
+    """The same without the barrier: the others time out in the next step's all-reduce."""
+    mode = MODES["rank0-checkpoint-timeout"]
+    extra = (*SHORTER["rank0-checkpoint-timeout"], "--no-barrier")
+    result = run_mode(mode, extra=extra, watch_s=WATCH_S["rank0-checkpoint-timeout"])
+    scored = score(result, mode)
+    account = describe(result)
+    assert scored.first is not None and scored.first.ranks == (0,), account
+    assert not scored.wrong and scored.verdict_right, account
+
+
+def test_a_cascade_through_a_subgroup_names_the_rank_at_its_end() -> None:
+    """PyTorch #130102's shape: rank 0 waits for slow rank 2 in a subgroup's all-reduce and
+    rank 1 waits for rank 0 in the world's: rank 0 is a victim, rank 2 the culprit."""
+    result = assert_blames_only_the_culprit("subgroup-cascade")
+    first = score(result, MODES["subgroup-cascade"]).first
+    assert first is not None and set(first.waiting) == {0, 1}, describe(result)
+
+
+def test_rank_zero_evaluating_alone_every_epoch_held_the_others_up_and_failed_nothing() -> None:
+    """RETURNN #1621: evaluation on rank 0 only, every epoch, while the others wait
+    (https://github.com/rwth-i6/returnn/issues/1621). Rank 0 works all along (busy, never
+    ``stalled``); each rank exits 0; the verdict adds the three waits up and calls no rank
+    failed."""
+    result = assert_blames_only_the_culprit("rank0-eval-epochs")
+    account = describe(result)
+    raised = [c for c in result.changes if c.event != "cleared"]
+    assert {c.kind for c in raised} == {"straggler"}, account
+    assert any("busy: its stack moves" in c.message for c in raised), account
+    assert result.returncode == 0, account
+    assert result.verdict.startswith(
+        "the job finished: every rank exited 0; rank 0 held ranks 1, 2 up 3 times"
+    ), account
+    assert "fail" not in result.verdict, account
+
+
+def test_hung_data_loader_worker_names_its_rank() -> None:
+    """PyTorch #87995: rank 0 hangs in its DataLoader and all other ranks wait in all_reduce
+    (https://github.com/pytorch/pytorch/issues/87995). Here rank 1's worker blocks forever."""
+    assert_blames_only_the_culprit("dataloader-hang")
+
+
+def test_killed_data_loader_worker_names_its_rank() -> None:
+    """PyTorch #8976: "DataLoader worker (pid N) is killed by signal: Killed" during DDP
+    training (https://github.com/pytorch/pytorch/issues/8976)."""
+    assert_blames_only_the_culprit("dataloader-killed")
+
+
+def test_unused_parameters_on_one_rank_names_that_rank() -> None:
+    """PyTorch #43259: "Expected to have finished reduction in the prior iteration ...
+    Parameter indices which did not receive grad for rank N"
+    (https://github.com/pytorch/pytorch/issues/43259). Rank 1 skips a submodule once."""
+    assert_blames_only_the_culprit("unused-params")
+
+
+def test_skipped_batch_desync_names_the_rank_that_skipped() -> None:
+    """PyTorch #44353: catching an OOM and skipping the batch on one rank desyncs the
+    collectives (https://github.com/pytorch/pytorch/issues/44353): rank 1 is one step behind
+    from then on, without an immediate error."""
+    assert_blames_only_the_culprit("skipped-batch")
+
+
+def test_a_skipped_batch_with_ddps_all_reduce_alone_is_named_before_anything_fails() -> None:
+    """The same with no collective but DDP's own all-reduce: sizes match, nothing fails, and
+    the rank's gradients are averaged with the others' next batch. Its batch marks name it."""
+    result = assert_blames_only_the_culprit("skipped-batch", "--no-metric")
+    scored = score(result, MODES["skipped-batch"])
+    assert scored.first is not None and scored.first.kind == "step_skew", describe(result)
+    assert scored.latency is not None and scored.latency < 3.0, describe(result)
+
+
+def test_uneven_gradient_accumulation_under_no_sync_names_the_rank() -> None:
+    """FunASR PR #3472's family: one rank accumulates 2 micro-batches a step (the first under
+    no_sync) where the others take 1; steps and all-reduces still pair up."""
+    result = assert_blames_only_the_culprit("accumulate-uneven")
+    latency = score(result, MODES["accumulate-uneven"]).latency
+    assert latency is not None and latency < 3.0, describe(result)
+
+
+def test_exception_on_one_rank_names_that_rank() -> None:
+    """Lightning #8130: one DDP process raises and the others hang or die of it
+    (https://github.com/Lightning-AI/pytorch-lightning/issues/8130)."""
+    assert_blames_only_the_culprit("raise")
+
+
+def test_world_size_larger_than_the_ranks_started_names_the_missing_rank() -> None:
+    """PyTorch #52848: init_process_group hangs when the world size counts more ranks than
+    were started (https://github.com/pytorch/pytorch/issues/52848). The script says 3, torchrun
+    starts 2: rank 2 is missing, ranks 0, 1 wait in the rendezvous and time out."""
+    assert_blames_only_the_culprit("missing-rank")
+
+
+def test_host_memory_leak_is_named_before_the_oom_killer_ends_the_rank() -> None:
+    """PyTorch #13246: host memory that grows every step until the kernel's OOM killer ends the
+    rank with SIGKILL and the others hang (https://github.com/pytorch/pytorch/issues/13246).
+    Rank 1 keeps 1 MiB a step "for logging" from step 20: ddpwatch warns while it grows, with
+    its rate and the time left; at 512 MiB it is SIGKILLed, and its silence is told as a
+    likely OOM kill."""
+    result = assert_blames_only_the_culprit("host-leak")
+    account = describe(result)
+    raised = result.scored()
+    first = raised[0]
+    assert (first.kind, first.ranks) == ("host_memory", (1,)), account
+    assert "MiB/s, steadily" in first.message and "runs out in about" in first.message, account
+    silent = [c for c in raised if c.kind == "silent" and c.ranks == (1,)]
+    assert silent and "likely the OOM killer" in silent[0].message, account
+    assert result.verdict.startswith("rank 1 fell silent"), account
+
+
+@pytest.mark.parametrize(
+    ("name", "extra", "part"),
+    [
+        ("slow-backward", (), "compute"),
+        ("slow-input", ("--no-metric",), "input wait"),
+    ],
+)
+def test_a_persistently_slower_rank_is_named_within_10_s(
+    name: str, extra: tuple[str, ...], part: str
+) -> None:
+    """TraceML #252 (https://github.com/traceopt-ai/traceml/issues/252): one rank's backward
+    takes 200 ms more every step (rank 1), or its input 160 ms more a batch (rank 2, the
+    report's control, with DDP's gradient all-reduce as the one collective a step). DDP's
+    all-reduce evens out every rank's step time: the others' wait inside it is what names the
+    culprit, with the part of its step that differs and what it costs the job."""
+    result = assert_blames_only_the_culprit(name, *extra)
+    account = describe(result)
+    scored = score(result)
+    assert scored.latency is not None and scored.latency <= 10.0, account
+    first = scored.first
+    assert first is not None and "DDP's gradient all-reduce" in first.message, account
+    assert f"(its {part} takes" in first.message and "steps/s instead of" in first.message
+    assert result.returncode == 0, account  # slow, never failed
+    assert "slower than ranks" in result.verdict, account
+
+
+# ------------------------------------------------------------ the same exits under `ddpwatch run`
+
+# "ddpwatch: 2026-11-23T19:02:05+01:00 +12.3 s [error] exited: rank 1 exited ..."
+ALERT = re.compile(
+    r"^.*?ddpwatch: \S+ \+[\d.]+ s \[(error|warning|info)\] (\w+)(?: \(was [^)]*\))?: (.*)$"
+)
+SUBJECT = re.compile(r"^ranks? (\d+(?:-\d+)?(?:, \d+(?:-\d+)?)*)")
+
+
+def named_ranks(message: str) -> set[int]:
+    """The culprits an alert line names: its messages begin with them ("rank 1 exited ...",
+    "ranks 0, 2 crashed ...", "ranks 0-2 have sent ...")."""
+    found = SUBJECT.match(message)
+    ranks: set[int] = set()
+    for part in found[1].split(", ") if found else []:
+        first, _, last = part.partition("-")
+        ranks.update(range(int(first), int(last or first) + 1))
+    return ranks
+
+
+@pytest.mark.parametrize("name", ["exit-early", "exit-zero", "os-exit"])
+def test_ddpwatch_run_prints_the_rank_that_exited(name: str, tmp_path: Path) -> None:
+    """`ddpwatch run -- torchrun ...` with its own collector, as a user types it: the alert
+    lines it prints on stderr must blame rank 1, and never rank 0 or 2 (which only lost it).
+    Same reports as the exit tests above (Lightning #379, PyTorch #138322, PyTorch #41067)."""
+    mode = MODES[name]
+    command = [sys.executable, "-m", "ddpwatch", "run", "--", *job_command(mode, free_port_pair())]
+    proc = subprocess.Popen(
+        command,
+        env=job_environment(None),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        cwd=tmp_path,  # where run records by default
+    )
+    try:
+        _, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        stop_job(proc, grace=3.0)
+        _, err = proc.communicate()
+        pytest.fail(f"ddpwatch run did not end in 90 s\n{err[-4000:]}")
+    lines = [m for m in map(ALERT.match, err.splitlines()) if m and m[1] != "info"]
+    assert lines, f"ddpwatch run printed no alert\n{err[-4000:]}"
+    _, kind, message = lines[0].groups()
+    assert named_ranks(message) == {1}, f"first alert: {lines[0][0]}\n{err[-4000:]}"
+    assert kind in mode.kinds, f"first alert: {lines[0][0]}\n{err[-4000:]}"
+    innocent = [m[0] for m in lines if named_ranks(m[3]) - {1}]
+    assert not innocent, "\n".join(innocent) + "\n" + err[-4000:]
+    # the end-of-run summary's last line says it once more, with the exit code
+    verdict = err.rstrip().splitlines()[-1]
+    expected = {"exit-early": "code 3", "exit-zero": "code 0", "os-exit": "rank 1"}[name]
+    assert verdict.startswith("ddpwatch: verdict: rank 1 "), err[-4000:]
+    assert expected in verdict and "rank 0" not in verdict, verdict
+    (recording,) = tmp_path.glob("ddpwatch-failures-*.ddpw")  # announced at start
+    assert f"recording to {recording.name}" in err

@@ -1,0 +1,186 @@
+"""``ddpwatch run``: zero-code attach in every rank of real jobs, and only in ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SCRIPTS, LiveServer, as_json, ddpwatch_run, free_port_pair
+
+from ddpwatch.agent.auto import bootstrap, runs_a_launcher, script_missing, started_by_launcher
+from ddpwatch.jobs.launch import BOOT_DIR, job_environment
+from ddpwatch.jobs.stop import stop_job
+
+
+def test_launchers_are_recognised_from_the_parent_command() -> None:
+    assert started_by_launcher(
+        "/usr/bin/python3 -m torch.distributed.run --nproc-per-node 2 train.py"
+    )
+    assert started_by_launcher("/opt/venv/bin/python /opt/venv/bin/torchrun train.py")
+    assert started_by_launcher("slurmstepd: [1234.0]")
+    assert started_by_launcher("prted --leave-session-attached")
+    assert not started_by_launcher("python train.py --fast")
+    assert not started_by_launcher("")
+
+
+def test_a_launcher_process_is_never_taken_for_a_rank() -> None:
+    python = "/venv/bin/python3"
+    assert runs_a_launcher([python, "/venv/bin/torchrun", "--nproc-per-node=2", "train.py"])
+    assert runs_a_launcher([python, "-u", "-m", "torch.distributed.run", "train.py"])
+    assert runs_a_launcher([python, "-X", "utf8", "-m", "deepspeed.launcher.launch", "x.py"])
+    assert runs_a_launcher([python, "/venv/bin/deepspeed", "--num_gpus", "2", "train.py"])
+    assert runs_a_launcher([python, "/venv/bin/accelerate", "launch", "train.py"])
+    assert not runs_a_launcher([python, "train.py", "--launcher", "torchrun"])
+    assert not runs_a_launcher([python, "-m", "my_project.train"])
+    assert not runs_a_launcher([python, "-c", "import torchrun"])
+    assert not runs_a_launcher([python])
+
+
+def test_bootstrap_decides_now_deferred_or_off(monkeypatch) -> None:
+    hooked: list[str] = []
+    monkeypatch.setattr("ddpwatch.agent.auto.after_import", lambda name, _: hooked.append(name))
+    monkeypatch.setattr("ddpwatch.agent.auto._install_integrations", lambda: None)
+    attached: list[str] = []
+
+    def attach() -> None:
+        attached.append("attach")
+
+    assert bootstrap({}, parent="torchrun x", attach=attach) == "off"
+    # a rank started by torchrun would attach "now"; here the parent is not a launcher
+    assert (
+        bootstrap(
+            {"DDPWATCH_AUTO": "1", "RANK": "0", "WORLD_SIZE": "2"},
+            parent="python x.py",
+            attach=attach,
+        )
+        == "deferred"
+    )
+    assert bootstrap({"DDPWATCH_AUTO": "1"}, parent="torchrun x", attach=attach) == "deferred"
+    assert hooked == ["torch.distributed", "torch.distributed"]
+    assert attached == []  # deferred: attached by init_process_group, not now
+
+
+def test_a_process_whose_script_is_missing_is_no_rank(tmp_path: Path) -> None:
+    """Python says "can't open file" only after the boot hook ran: attached, such a process
+    was a rank that reported and "exited 0", and ``ddpwatch run`` no longer saw a job that
+    did not start (``tests/jobs/test_not_started.py``)."""
+    python = sys.executable
+    assert script_missing([python, str(tmp_path / "missing.py")])
+    assert script_missing([python, "-u", "-X", "utf8", str(tmp_path / "missing.py"), "--x"])
+    assert not script_missing([python, __file__])
+    assert not script_missing([python, "-m", "no.such.module"])
+    assert not script_missing([python, "-c", "pass"])
+    assert not script_missing([python, "-"]) and not script_missing([python])
+    env = {"DDPWATCH_AUTO": "1", "RANK": "0", "WORLD_SIZE": "2"}
+    argv = [python, str(tmp_path / "missing.py")]
+    assert bootstrap(env, parent="torchrun x", argv=argv, attach=lambda: None) == "off"
+
+
+def test_job_environment_prepends_the_boot_hook() -> None:
+    env = job_environment("10.0.0.1:5599", {"PYTHONPATH": "/mine", "PATH": "/bin"})
+    assert env["PYTHONPATH"].split(":") == [str(BOOT_DIR), "/mine"]
+    assert env["DDPWATCH_ADDR"] == "10.0.0.1:5599" and env["DDPWATCH_AUTO"] == "1"
+    assert (BOOT_DIR / "sitecustomize.py").is_file()
+
+
+@pytest.mark.e2e
+def test_run_torchrun_on_an_unmodified_script_reports_every_rank_and_only_ranks(
+    live_server: LiveServer,
+) -> None:
+    master = free_port_pair()
+    result = ddpwatch_run(
+        live_server, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+        "--master-addr=127.0.0.1", f"--master-port={master}", str(SCRIPTS / "unmodified.py"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    status = as_json(live_server.server.status())
+    ranks = {r["rank"]: r for r in status["ranks"]}
+    assert set(ranks) == {0, 1}, status["ranks"]
+    for rank in ranks.values():
+        assert rank["step"] == 48  # 16 batches x 3 epochs, counted from optimizer.step()
+        assert rank["world_size"] == 2 and rank["launcher"] == "torchrun"
+        assert rank["state"] == "exited"
+    # rendezvous was watched: the phases went started -> rendezvous -> first_step -> ...
+    record = live_server.server.state.ranks[0]
+    phases = [name for name, _ in record.phases]
+    assert phases.index("rendezvous") < phases.index("model_wrap") < phases.index("first_step"), (
+        phases
+    )
+    assert status["alerts"] == []
+
+
+@pytest.mark.e2e
+def test_run_attaches_ranks_spawned_without_a_launcher(live_server: LiveServer) -> None:
+    result = ddpwatch_run(
+        live_server, sys.executable, str(SCRIPTS / "spawned.py"), str(free_port_pair())
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    status = as_json(live_server.server.status())
+    assert {r["rank"] for r in status["ranks"]} == {0, 1}
+    assert all(r["world_size"] == 2 for r in status["ranks"])
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("ddpwatch run: watching `")  # run's banner; the ranks say nothing
+    assert not [
+        line for line in lines if "ddpwatch" in line and not line.startswith("ddpwatch run: ")
+    ]
+
+
+def test_run_without_a_command_says_how(capsys) -> None:
+    from ddpwatch.cli import main
+
+    assert main(["run"]) == 2
+    assert "after --" in capsys.readouterr().err
+
+
+def test_after_import_runs_once_the_module_is_imported(tmp_path, monkeypatch) -> None:
+    from ddpwatch.agent.auto import after_import
+
+    (tmp_path / "late_module_for_ddpwatch.py").write_text("VALUE = 41\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[int] = []
+    after_import("late_module_for_ddpwatch", lambda module: seen.append(module.VALUE + 1))
+    assert seen == []
+    import late_module_for_ddpwatch  # noqa: F401
+
+    assert seen == [42]
+    after_import("late_module_for_ddpwatch", lambda module: seen.append(module.VALUE))
+    assert seen == [42, 41]  # already imported: called at once
+
+
+@pytest.mark.e2e
+def test_a_job_torchrun_restarted_is_told_as_two_attempts(tmp_path: Path) -> None:
+    """torchrun --max-restarts 1: rank 1 fails as it starts in the first attempt, while rank 0
+    waits for it in the rendezvous; torchrun stops rank 0 and restarts both, and the second
+    attempt trains to the end. The live stream says the crash ended with its attempt (not that
+    it cleared); the summary tells both attempts, each with its verdict. Rank 0, stopped
+    while blocked in the rendezvous store's C++ wait, is reported stopped, at once: the
+    agent's signal handler does not keep it alive until torchrun's kill 30 s later."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpwatch", "run", "--no-record", "--",
+         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+         "--max-restarts=1", "--master-addr=127.0.0.1", f"--master-port={free_port_pair()}",
+         str(SCRIPTS / "restart_once.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=150)
+    finally:
+        stop_job(proc, grace=1.0)  # never leave ranks behind, reporting to the next test
+    assert proc.returncode == 0, err[-4000:]
+    assert "attempt 2 began: crashed (rank 1) ends with attempt 1" in err, err[-4000:]
+    assert "cleared crashed" not in err, err[-4000:]
+    summary = err[err.index("── summary") :].splitlines()
+    assert "2 attempts (the launcher restarted it)" in summary[1], summary
+    verdicts = [line.removeprefix("ddpwatch: ") for line in summary if "verdict:" in line]
+    assert verdicts[0] == (
+        "verdict: attempt 1 of 2: rank 1 crashed with RuntimeError (config file not found: "
+        "/data/run.yaml), which ended the job; rank 0 was stopped because of it"
+    ), verdicts
+    assert "forcefully exiting via 9" not in err, err[-4000:]  # torchrun's kill after 30 s
+    assert verdicts[1].startswith(  # then "no problems seen", or a slow start's warning
+        "verdict: attempt 2 of 2: the job finished: every rank exited 0; "
+    ), verdicts

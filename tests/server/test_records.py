@@ -1,0 +1,99 @@
+"""``RankRecord`` (``server/records.py``) declares every protocol field the server keeps, refuses
+any other, and every field of a ``Sample`` and a ``Hello`` lands on it."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import pytest
+
+
+def test_the_rank_record_declares_every_protocol_field_it_keeps() -> None:
+    from ddpwatch.core.protocol import Hello, Sample
+    from ddpwatch.server.records import STORED_FIELDS, RankRecord
+
+    declared = {f.name for f in fields(RankRecord)}
+    wire = set(Hello.__struct_fields__) | set(Sample.__struct_fields__)
+    assert set(STORED_FIELDS) == wire - {"v", "t"}
+    assert set(STORED_FIELDS) <= declared
+
+
+def test_the_rank_record_refuses_a_field_it_does_not_declare() -> None:
+    from ddpwatch.server.records import RankRecord
+
+    with pytest.raises(TypeError):
+        RankRecord(rank=0, first_seen=0.0, last_seen=0.0, bogus=1)  # type: ignore[call-arg]
+    record = RankRecord(rank=0, first_seen=0.0, last_seen=0.0)
+    with pytest.raises(AttributeError):
+        record.bogus = 1  # type: ignore[attr-defined]
+    assert not hasattr(record, "__dict__")
+
+
+def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
+    from ddpwatch.core.protocol import Collective, CollectiveCounts, Hello, Sample
+    from ddpwatch.server.records import STORED_FIELDS
+    from ddpwatch.server.state import ServerState
+
+    identity: dict[str, Any] = {
+        "local_rank": 1,
+        "world_size": 4,
+        "local_world_size": 2,
+        "node_rank": 0,
+        "host": "node-a",
+        "pid": 4242,
+        "launcher": "torchrun",
+        "job_id": "j1",
+        "backend": "nccl",
+        "torch_version": "2.4.0",
+        "cuda_visible_devices": "0,1",
+        "device": "cuda:1",
+        "device_index": 1,
+        "device_name": "H100",
+        "device_uuid": "GPU-1",
+        "device_pci_bus_id": "0000:01:00.0",
+        "device_count": 2,
+        "pg_timeout_s": 600.0,
+        "restart_count": 1,
+        "simulated": True,
+    }
+    measured: dict[str, Any] = {
+        "phase": "forward",
+        "step": 7,
+        "loss": 1.5,
+        "step_time_s": 0.2,
+        "avg_step_time_s": 0.25,
+        "data_wait_s": 0.01,
+        "collective_time_s": 0.03,
+        "input_wait_s": 0.02,
+        "compute_s": 0.15,
+        "grad_wait_s": 0.05,
+        "collective": Collective(op="all_reduce", seq=3, since_s=0.5, source="py"),
+        "collectives": CollectiveCounts(py=3),
+        "nan_step": 6,
+        "grad_nan_step": 5,
+        "forwards": 8,
+        "batch_marks": [(8, 9)],
+        "mem_allocated_bytes": 1,
+        "mem_reserved_bytes": 2,
+        "mem_peak_bytes": 3,
+        "gpu_mem_used_bytes": 4,
+        "gpu_mem_total_bytes": 5,
+        "gpu_pids": [4242],
+        "host_rss_bytes": 6,
+        "workers_rss_bytes": 7,
+        "host_available_bytes": 8,
+        "host_total_bytes": 9,
+        "cgroup_limit_bytes": 10,
+        "cgroup_used_bytes": 11,
+    }
+    # a new wire field fails here until this test (and the record) know it
+    assert set(identity) | set(measured) | {"rank"} == set(STORED_FIELDS)
+    state = ServerState(started=0.0)
+    state.apply(Hello(v=1, rank=1, t=0.0, **identity), 1.0)
+    record = state.ranks[1]
+    assert {name: getattr(record, name) for name in identity} == identity
+    state.apply(Sample(v=1, rank=1, t=0.0, **identity, **measured), 2.0)
+    record = state.ranks[1]
+    expected = {**identity, **measured, "rank": 1}
+    assert {name: getattr(record, name) for name in STORED_FIELDS} == expected
