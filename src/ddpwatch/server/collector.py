@@ -50,16 +50,15 @@ BEHIND_BEATS = 2
 """Behind, a receive takes up to this many heartbeats per known rank (``RECV_BATCH`` at
 least), so that it holds most ranks more than once and applies only each one's newest: with
 tens of thousands of ranks, ``RECV_BATCH`` holds no rank twice, nothing is coalesced, and a
-server that fell behind by a little stays behind (at 65,536 ranks it takes 7-8 µs a heartbeat
-applied, against 131,072 heartbeats a second)."""
+server that fell behind by a little stays behind (measured in ``docs/performance.md``, §7)."""
 SHED_AFTER_S = 10.0
 """Behind for longer than this (since the queue was last found empty), the server sheds: a
 plain heartbeat (no identity, a finite loss) of a known rank that a newer one of the same
 rank follows in the same receive is counted from its head alone (``state.received`` and
 ``state.shed``), not decoded (``ingest._Shedding`` says which: those whose records come out
 the same either way). Validating and holding them is most of a superseded heartbeat's cost,
-so a server far behind spends up to a quarter less a heartbeat and catches up sooner
-(``benchmarks/ingest_cpu.py``). A frame refused only when decoded that follows a shed
+so a server far behind spends less a heartbeat and catches up sooner (``docs/performance.md``,
+§7; ``benchmarks/ingest_cpu.py``). A frame refused only when decoded that follows a shed
 heartbeat still counts as its successor."""
 SHED_BEATS = 4
 """Shedding, a receive takes up to this many heartbeats per known rank (``BEHIND_BEATS``
@@ -76,8 +75,9 @@ FREEZE_AFTER_RANKS = 1024
 """After a receive that leaves this many ranks more than at the last freeze, what the process
 holds is frozen (``gc.freeze``), the new records among it: they live as long as the server
 and hold no reference cycles (a record dropped for a restarted worker is freed by its
-reference count all the same), yet every full collection walked all of them, 350 ms at
-65,536 ranks, landing on whichever diagnosis tick allocated when one was due. Garbage is
+reference count all the same), yet every full collection walked all of them, hundreds of
+milliseconds at the largest jobs (``docs/performance.md``, §7), landing on whichever diagnosis
+tick allocated when one was due. Garbage is
 collected first, so nothing unreachable is frozen; ``close`` unfreezes."""
 PAUSE_S = 1.0
 """Wall time this much longer than the server's own CPU time and waits: it was not running."""
@@ -234,8 +234,8 @@ class Collector:
 
         Python's cyclic garbage collector waits meanwhile (if it was on at all): it would
         otherwise scan, again and again within one receive, what the receive holds (a
-        backlog's heartbeats) or creates (the records of ranks new in it: at a job's start,
-        65,536 ranks took twice the CPU with it on). Nothing taken in here forms a reference
+        backlog's heartbeats) or creates (the records of ranks new in it, all at a job's
+        start). Nothing taken in here forms a reference
         cycle; the collector runs as before once the receive is in."""
         now = self._clock()
         shedding, limit = self._window(now)
