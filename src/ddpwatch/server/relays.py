@@ -86,6 +86,10 @@ class LostRelay:
     relay: RelayRecord
     silent: tuple[RankRecord, ...]  # went silent with it
     moved: tuple[RankRecord, ...]  # heard from since, directly
+    going: tuple[RankRecord, ...] = ()
+    """Heard last around the relay's end, neither silent yet nor heard directly since: what
+    became of them is not known yet (a rank whose last frame came in the relay's last batch
+    goes silent up to a batch later than one whose last frame came in the batch before)."""
 
 
 def lost_relays(
@@ -115,6 +119,12 @@ def lost_relays(
             r for r in unfinished if is_silent(r) and r.last_seen >= relay.last_seen - TOGETHER_S
         )
         moved = tuple(r for r in unfinished if r.last_seen > relay.last_seen + TOGETHER_S)
+        settled = {r.rank for r in silent} | {r.rank for r in moved}
+        going = tuple(
+            r
+            for r in unfinished
+            if r.rank not in settled and r.last_seen >= relay.last_seen - TOGETHER_S
+        )
         if silent or moved:
-            lost.append(LostRelay(relay, silent, moved))
+            lost.append(LostRelay(relay, silent, moved, going))
     return lost

@@ -4,7 +4,9 @@ A relay's batches are its heartbeat. When they stop, its ranks either went silen
 (the node, its network, or the relay with ranks that cannot reach the server directly: one
 error naming that node's ranks) or moved to the server directly (a warning: nothing is lost
 but the batching). Ranks that went silent with their relay are left out of ``silent``
-(``Facts.relay_silent``, read by ``find_cascade``), so the culprit is said once, as the relay.
+(``Facts.relay_silent``, read by ``find_cascade``), so the culprit is said once, as the relay,
+and only once every rank it carried to its end is silent or heard directly: its ranks' last
+frames came in its last batches, not all in one, so they go silent a batch apart.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ def rule_relay_lost(facts: Facts) -> list[Alert]:
         return alerts
     waiting = [r.rank for r in facts.live if r.collective is not None]
     for lost in facts.lost_relays:
+        if lost.going:
+            continue  # said once its ranks are all silent or moved: one alert, all its ranks
         if not lost.silent:
             moved.append(lost)
             continue
