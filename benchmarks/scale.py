@@ -688,6 +688,7 @@ def prober(conn: Connection, port: int, every: float, models: int, nice: int) ->
     """Child process: time status requests; build the dashboard's model on a few replies."""
     os.nice(nice)
     from ddpwatch.status.client import StatusClient
+    from ddpwatch.status.query import Query
 
     client = StatusClient("127.0.0.1", port, timeout=60.0)
     history = _new_history()
@@ -713,7 +714,7 @@ def prober(conn: Connection, port: int, every: float, models: int, nice: int) ->
             continue
         latencies.append((time.time(), elapsed, len(reply)))
         started = time.perf_counter()
-        if client.request("view=summary") is not None:  # what ddpwatch status --summary asks
+        if client.request(Query.parse("view=summary")) is not None:  # as ddpwatch status --summary
             summaries.append(time.perf_counter() - started)
         n += 1
         if len(model) < models and n % 2 == 0:
