@@ -173,3 +173,23 @@ class Engine:
         contract: the one place it is set."""
         document.stats.refused = self.refused()
         return document
+
+
+class OnEngine:
+    """What a server built on an ``Engine`` (the live one, a replay) shows of it: the state it
+    judges, the alerts up as of the last tick and the thresholds, read-only."""
+
+    engine: Engine
+
+    @property
+    def state(self) -> ServerState:
+        return self.engine.state
+
+    @property
+    def alerts(self) -> list[Alert]:
+        """The alerts up as of the last tick."""
+        return self.engine.alerts
+
+    @property
+    def thresholds(self) -> Thresholds:
+        return self.engine.thresholds

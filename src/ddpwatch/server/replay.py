@@ -23,10 +23,10 @@ import msgspec
 
 from ddpwatch.core.protocol import DEFAULT_PORT, ProtocolError, decode
 from ddpwatch.core.vocabulary import HistoryEvent
-from ddpwatch.diagnosis.alerts import Alert, Thresholds
+from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.history import AlertChange
 from ddpwatch.diagnosis.rules import Diagnosis
-from ddpwatch.server.engine import TICK_S, Engine
+from ddpwatch.server.engine import TICK_S, Engine, OnEngine
 from ddpwatch.server.recording import Record, RecordingReader
 from ddpwatch.server.state import ServerState
 from ddpwatch.status.schema import ReplayInfo, StatusDocument
@@ -92,7 +92,7 @@ class VirtualClock:
         self._stopped = True
 
 
-class ReplayServer:
+class ReplayServer(OnEngine):
     """Replays a recording; ``run`` returns at its end (or at ``stop``), the state stays.
 
     ``speed``: virtual seconds per real second, None for as fast as possible.
@@ -136,19 +136,6 @@ class ReplayServer:
         if self._pending is not None and self._pending.kind == "session":
             self._begin_session(self._pending)
             self._pending = None
-
-    @property
-    def state(self) -> ServerState:
-        return self.engine.state
-
-    @property
-    def alerts(self) -> list[Alert]:
-        """The alerts up as of the last tick."""
-        return self.engine.alerts
-
-    @property
-    def thresholds(self) -> Thresholds:
-        return self.engine.thresholds
 
     @property
     def tail_bytes(self) -> int:

@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ddpwatch.diagnosis.alerts import Alert, Thresholds
+from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.history import AlertChange
 from ddpwatch.server.collector import Collector
-from ddpwatch.server.engine import TICK_S, Engine
+from ddpwatch.server.engine import TICK_S, Engine, OnEngine
 from ddpwatch.server.state import ServerState
 from ddpwatch.status.schema import StatusDocument
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ddpwatch.server.recording import Recorder
 
 
-class Server:
+class Server(OnEngine):
     """An engine fed by a collector; ``run`` loops until ``stop`` is called (thread-safe). A
     ``StatusProvider`` (``status/provider.py``), as ``ReplayServer`` is.
 
@@ -77,19 +77,6 @@ class Server:
                 self.collector.close()
                 raise
             self.collector.recorder = self.recorder
-
-    @property
-    def state(self) -> ServerState:
-        return self.engine.state
-
-    @property
-    def alerts(self) -> list[Alert]:
-        """The alerts up as of the last tick."""
-        return self.engine.alerts
-
-    @property
-    def thresholds(self) -> Thresholds:
-        return self.engine.thresholds
 
     @property
     def clock(self) -> Callable[[], float]:
