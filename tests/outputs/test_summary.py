@@ -33,7 +33,7 @@ def rank(r: int, state: str = "running", **fields: Any) -> dict[str, Any]:
 
 
 def document(ranks: list[dict[str, Any]], *ticks: list[Alert]) -> dict[str, Any]:
-    tracker = AlertTracker()
+    tracker = AlertTracker(raise_hold_s=0.0, clear_hold_s=0.0)  # a tick a second
     for i, alerts in enumerate(ticks):
         tracker.update(alerts, T0 + 10 + i, T0)
     return {
@@ -155,7 +155,7 @@ def test_a_rank_that_held_the_others_up_three_times_and_finished_is_not_a_failur
     """The trial: rank 0 validated alone three times while ranks 1, 2 waited at a barrier;
     every rank exited 0. Nobody failed; each episode keeps its own duration; the time lost
     is added up per culprit, against the run's length."""
-    tracker = AlertTracker()
+    tracker = AlertTracker(raise_hold_s=0.0, clear_hold_s=0.0)  # sparse ticks
     _straggles(tracker, (5.1, 13.1, 33.4), (38.0, 46.0, 66.8), (70.0, 78.0, 98.1 - 0.5))
     ranks = [
         rank(r, "exited", exit_code=0, step=129, ended_at=T0 + 98.0 + r / 10) for r in range(3)
@@ -186,7 +186,7 @@ def test_the_demo_ends_with_the_crash_that_ended_it_not_the_first_error() -> Non
     silent = Alert("silent", "error", (3,), (0, 1, 2), "rank 3 fell silent", "fix")
     crash = Alert("crashed", "error", (3,), (0, 1, 2), "rank 3 crashed", "fix")
     ordinal = Alert("device_ordinal", "error", (3,), (), "rank 3: invalid ordinal", "fix")
-    tracker = AlertTracker()
+    tracker = AlertTracker(raise_hold_s=0.0, clear_hold_s=0.0)  # sparse ticks
     for t, alerts in ((12, [straggler]), (17, []), (30, [nan]), (33, []), (45, [silent]),
                       (51, []), (62, [crash, ordinal])):  # fmt: skip
         tracker.update(alerts, T0 + t, T0)
@@ -211,7 +211,7 @@ def test_a_restarted_job_is_told_as_attempts_each_with_its_verdict() -> None:
     not "cleared" but ends with its attempt."""
     crash = Alert("crashed", "error", (1,), (0, 2), "rank 1 crashed", "fix")
     rendezvous = Alert("crashed", "error", (0,), (1, 2), "rank 0 crashed in rendezvous", "fix")
-    tracker = AlertTracker()
+    tracker = AlertTracker(raise_hold_s=0.0, clear_hold_s=0.0)  # sparse ticks
     tracker.update([crash], T0 + 10, T0)
     tracker.update([], T0 + 12.5, T0, attempt=2)
     tracker.update([rendezvous], T0 + 20, T0, attempt=2)
@@ -244,7 +244,7 @@ def test_a_restarted_job_is_told_as_attempts_each_with_its_verdict() -> None:
 
 def test_a_hang_stopped_from_outside_names_the_rank_that_held_the_others() -> None:
     stalled = Alert("stalled", "error", (1,), (0, 2), "rank 1 has made no progress", "fix")
-    tracker = AlertTracker()
+    tracker = AlertTracker(raise_hold_s=0.0, clear_hold_s=0.0)  # sparse ticks
     tracker.update([stalled], T0 + 20, T0)
     ranks = [rank(r, "stopped", exit_signal="SIGTERM", ended_at=T0 + 50) for r in range(3)]
     doc = {"server_time": T0 + 52, "job_started": T0, "world_size": 3, "ranks": ranks,
@@ -259,7 +259,7 @@ def test_a_victims_error_is_not_the_cause_the_rank_an_error_named_is() -> None:
     """allgather-size (4 ranks): rank 2 gathers another size; gloo aborts it and rank 0
     reports first, with a lost peer. The mismatch named rank 2: it ended the job."""
     mismatch = Alert("collective_mismatch", "error", (2,), (0, 1, 3), "rank 2 gathers 5", "fix")
-    tracker = AlertTracker()
+    tracker = AlertTracker(raise_hold_s=0.0, clear_hold_s=0.0)  # sparse ticks
     tracker.update([mismatch], T0 + 3.6, T0)
     lost = {
         "type": "RuntimeError",
@@ -285,7 +285,7 @@ def test_a_rank_that_never_came_is_what_the_others_timed_out_waiting_for(severit
     rendezvous store waiting for rank 2, which ddpwatch named as never connected (a warning
     still, when the timeout came before its escalation: seen with a 16 s timeout)."""
     absent = Alert("not_connected", severity, (2,), (0, 1), "rank 2 never connected", "fix")
-    tracker = AlertTracker()
+    tracker = AlertTracker(raise_hold_s=0.0, clear_hold_s=0.0)  # sparse ticks
     tracker.update([absent], T0 + 10, T0)
     wait = {
         "type": "DistStoreError",
@@ -304,7 +304,7 @@ def test_a_rank_that_never_came_is_what_the_others_timed_out_waiting_for(severit
 def test_a_wait_still_open_when_the_job_was_stopped_counts_to_its_end() -> None:
     """Ranks 0, 2 waited for rank 1 from +18 s; the last alert said 10 s at +28 s; the job
     was stopped at +50 s with the wait still open: they waited 32 s, not 10."""
-    tracker = AlertTracker()
+    tracker = AlertTracker(raise_hold_s=0.0, clear_hold_s=0.0)  # sparse ticks
     for t, severity in ((20.0, "warning"), (28.0, "error")):
         a = Alert("straggler", severity, (1,), (0, 2), "rank 1 …", "fix", waited_s=t - 18.0)
         tracker.update([a], T0 + t, T0)
@@ -319,7 +319,7 @@ def test_a_timeout_ends_the_job_because_of_the_rank_the_others_waited_for() -> N
     their barrier after 8 s and torchrun stops rank 0. The live alert stayed a straggler
     alert on rank 0 (the timeout its consequence): the verdict says rank 0 ended the job,
     not rank 1, the first to time out (torchrun's "Root Cause")."""
-    tracker = AlertTracker()
+    tracker = AlertTracker(raise_hold_s=0.0, clear_hold_s=0.0)  # sparse ticks
     for t, severity in ((22.0, "warning"), (24.0, "error"), (28.1, "error")):
         a = Alert(
             "straggler", severity, (0,), (1, 2), "…", "fix", waited_s=t - 20.0, phase="checkpoint"

@@ -35,10 +35,11 @@ class Clock:
 def test_a_tick_judges_at_the_time_it_is_given_not_the_clock() -> None:
     clock = Clock(1.0)  # would find every rank fresh
     engine = Engine(two_ranks_heard_until(1.0), Thresholds(), clock)
-    changes = engine.tick(100.0)
+    assert engine.tick(100.0) == [] and engine.alerts == []  # a warning: found, held
+    changes = engine.tick(100.5)
     assert [(c.event, c.alert.kind) for c in changes] == [("raised", "silent")]
-    assert [a.kind for a in engine.alerts] == ["silent"]
-    assert engine.tick(100.25) == []  # still up: no change
+    assert [(a.kind, a.episode, a.raised_at) for a in engine.alerts] == [("silent", 1, 100.5)]
+    assert engine.tick(100.75) == []  # still up: no change
 
 
 def test_the_document_is_built_once_a_tick_and_encoded_from_it() -> None:
@@ -79,6 +80,7 @@ def test_refused_is_in_the_document_and_every_query_reply() -> None:
 def test_a_restart_is_a_new_run_with_the_history_kept() -> None:
     engine = Engine(two_ranks_heard_until(1.0), Thresholds(), Clock(100.0))
     engine.tick(100.0)
+    engine.tick(100.5)
     engine.restart(ServerState(started=200.0))
     assert engine.alerts == [] and engine.state.ranks == {}
     assert engine.tick(201.0) == []  # nothing up in the new run, nothing cleared either

@@ -206,7 +206,9 @@ def test_replay_raises_the_same_alerts_as_the_live_server(tmp_path: Path) -> Non
             live.send(sample(0, step), sample(1, step))
             time.sleep(0.1)
         live.wait_for(lambda s: any(a["kind"] == "silent" for a in s["alerts"]), 5)
-        live.send(sample(2, 30))  # back: silent clears
+        for step in range(30, 45):  # rank 2 back for longer than the clear hold: silent clears
+            live.send(sample(0, step), sample(1, step), sample(2, step))
+            time.sleep(0.1)
         crash = Event(
             v=1, rank=0, t=time.time(), event="crash",
             error=ErrorInfo(type="RuntimeError", message="CUDA error: invalid device ordinal"),
@@ -224,7 +226,7 @@ def test_replay_raises_the_same_alerts_as_the_live_server(tmp_path: Path) -> Non
     assert sequence(changes) == expected
     # the final picture matches too (the live server's at its last tick)
     final = replay.status()
-    assert [r.step for r in final.ranks] == [25, 25, 30]
+    assert [r.step for r in final.ranks] == [44, 44, 44]
     assert final.stats.received == live.server.state.received
     assert final.replay and final.replay.finished is True
 

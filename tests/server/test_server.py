@@ -69,7 +69,16 @@ def test_status_document_follows_the_contract(server: LiveServer) -> None:
     )
     assert nan["ranks"] == [1]
     for alert in status["alerts"] + [nan]:
-        assert set(alert) == {"kind", "severity", "ranks", "waiting", "message", "hint"}
+        assert set(alert) == {
+            "kind",
+            "severity",
+            "ranks",
+            "waiting",
+            "message",
+            "hint",
+            "episode",
+            "raised",
+        }
 
 
 def test_bad_frames_are_counted_and_dropped(server: LiveServer) -> None:

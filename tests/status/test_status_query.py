@@ -232,7 +232,9 @@ def job() -> Iterator[Running]:
         running.clock.now += 60  # past the silent and the connect thresholds
         alive = [r for r in range(12) if r not in (*SILENT, CRASHED)]
         running.push([beat(r) for r in alive], received=13 + len(alive))
-        kinds = {"crashed", "not_connected"}  # a tick has judged them all
+        running.wait(lambda doc: {a["kind"] for a in doc["alerts"]} >= {"crashed"})
+        running.clock.now += 1  # a tick has found the warnings: past their raise hold
+        kinds = {"crashed", "not_connected"}
         running.wait(lambda doc: {a["kind"] for a in doc["alerts"]} >= kinds)
         yield running
     finally:

@@ -27,7 +27,7 @@ def with_history(tracker: AlertTracker, tick: int = 0) -> dict[str, Any]:
 
 
 def test_rows_newest_first_with_escalation_and_duration() -> None:
-    tracker = AlertTracker()
+    tracker = AlertTracker(raise_hold_s=0.0, clear_hold_s=0.0)  # sparse ticks
     tracker.update([NAN], T0 + 5, T0)
     tracker.update([], T0 + 9, T0)
     tracker.update([FROZEN], T0 + 20, T0)
@@ -43,7 +43,7 @@ def test_rows_newest_first_with_escalation_and_duration() -> None:
 
 
 async def test_t_opens_the_timeline_which_follows_new_changes_and_t_closes_it() -> None:
-    tracker = AlertTracker()
+    tracker = AlertTracker(raise_hold_s=0.0, clear_hold_s=0.0)  # sparse ticks
     tracker.update([NAN], T0 + 5, T0)
     tracker.update([], T0 + 9, T0)  # the NaN came and went before anyone looked
     source = FixtureSource([with_history(tracker)])

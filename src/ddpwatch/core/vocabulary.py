@@ -174,6 +174,7 @@ class HistoryEvent(Word):
 
     RAISED = "raised"
     ESCALATED = "escalated"  # more severe than before, about the same ranks, in one tick
+    UPDATED = "updated"  # the same episode about other ranks (some of them the same)
     CLEARED = "cleared"
 
 

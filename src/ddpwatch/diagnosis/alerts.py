@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from ddpwatch.core.vocabulary import Severity
+from ddpwatch.status.fmt import iso_time
 from ddpwatch.status.schema import AlertEntry
 
 STARTUP_SILENT_S = 15.0
@@ -33,6 +34,11 @@ class Alert:
     hint: str
     waited_s: float | None = None
     phase: str | None = None
+    episode: int = field(default=0, compare=False)
+    """Set by the tracker (``diagnosis/history.py``) on an alert on show: its episode, the
+    id that stays while its numbers and culprits change; 0 for a rule's finding."""
+    raised_at: float | None = field(default=None, compare=False)
+    """...and when that episode was raised (server time)."""
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
@@ -50,6 +56,8 @@ class Alert:
             hint=self.hint,
             waited_s=None if self.waited_s is None else round(self.waited_s, 3),
             phase=self.phase,
+            episode=self.episode or None,
+            raised=None if self.raised_at is None else iso_time(self.raised_at),
         )
 
     def to_dict(self) -> dict[str, Any]:

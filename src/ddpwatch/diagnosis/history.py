@@ -15,6 +15,7 @@ launcher restarted is a new *attempt*: the alerts still up are closed as the att
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections import deque
@@ -23,15 +24,13 @@ from typing import IO, Any
 
 import msgspec
 
-from ddpwatch.core.vocabulary import HistoryEvent
+from ddpwatch.core.vocabulary import AlertKind, HistoryEvent, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.status.fmt import NEW_ATTEMPT, elapsed, iso_time, seconds
 from ddpwatch.status.order import severity_level
 from ddpwatch.status.schema import UNSET, HistoryEntry, PreviousAlert
 
 HISTORY_KEPT = 1000
-
-
 
 
 def describe(change: AlertChange) -> str:
@@ -50,7 +49,10 @@ def describe(change: AlertChange) -> str:
             )
         return f"ddpwatch: {when} cleared {alert.kind}{who}{up}"
     what = f"[{alert.severity}] {alert.kind}"
-    if change.event == HistoryEvent.ESCALATED and change.previous is not None:
+    if change.event == HistoryEvent.UPDATED and change.previous is not None:
+        was = ", ".join(str(r) for r in change.previous.ranks[:16])
+        what += f" (now rank {culprits}, was {was or 'none'})"
+    elif change.event == HistoryEvent.ESCALATED and change.previous is not None:
         what += f" (was {change.previous.kind}, {change.previous.severity})"
     return f"ddpwatch: {when} {what}: {alert.message}\nddpwatch:   fix: {alert.hint}"
 
@@ -107,50 +109,106 @@ class AlertChange:
         return found
 
 
+RAISE_HOLD_S = 0.5
+"""A warning (or info) is raised once diagnosis has found it this long: a condition true for
+one tick (a heartbeat that came late, a wait measured mid-step) is not worth a line. An error
+is raised at once: it is an event that happened (a crash, an exit, a NaN) or a condition that
+has already held for its own threshold (a stall)."""
+CLEAR_HOLD_S = 1.0
+"""An alert clears once diagnosis has not found it for this long: one that comes back sooner
+(a threshold crossed back and forth, a rank set that changes) is the same episode, not
+another line."""
+
+
+@dataclass
+class _Up:
+    """An alert on show: its latest version, its episode's raise, and when diagnosis last
+    found it (``gone_since``: when it first did not since, else None)."""
+
+    alert: Alert
+    raised_at: float
+    episode: int
+    gone_since: float | None = None
+
+
+JOB_WIDE: frozenset[str] = frozenset(
+    {AlertKind.STALLED, AlertKind.NOT_CONNECTED, AlertKind.SERVER_BEHIND}
+)
+"""Kinds whose rule says one thing about the job as a whole (one alert a tick): while it stays
+up it is one episode, whichever ranks it names from tick to tick."""
+
+
+def _overlap(a: Alert, b: Alert) -> int:
+    """How alike two alerts of one kind are: their culprits in common, or 1 for two with no
+    culprit or of a ``JOB_WIDE`` kind; 0 for unrelated ones."""
+    if a.kind != b.kind:
+        return 0
+    common = len(set(a.ranks) & set(b.ranks))
+    if common == 0 and (a.kind in JOB_WIDE or (not a.ranks and not b.ranks)):
+        return 1
+    return common
+
+
+def match(found: list[Alert], shown: list[Alert]) -> dict[int, int]:
+    """Pair this tick's alerts (``found``) with those on show: the same kind and culprits, or
+    else the same kind with culprits in common (the most first); by index, each at most once.
+    An alert whose rank set changed (``[0, 2]`` → ``[0, 1, 2]``) is so the same episode."""
+    pairs: dict[int, int] = {}
+    taken: set[int] = set()
+    keys = {a.key: j for j, a in enumerate(shown)}
+    for i, alert in enumerate(found):
+        j = keys.get(alert.key)
+        if j is not None and j not in taken:
+            pairs[i] = j
+            taken.add(j)
+    candidates = sorted(
+        (
+            (-_overlap(alert, old), i, j)
+            for i, alert in enumerate(found)
+            if i not in pairs
+            for j, old in enumerate(shown)
+            if j not in taken and _overlap(alert, old) > 0
+        )
+    )
+    for _, i, j in candidates:
+        if i not in pairs and j not in taken:
+            pairs[i] = j
+            taken.add(j)
+    return pairs
+
+
+def _absorbed(alert: Alert, found: list[Alert]) -> bool:
+    """True when another alert of its kind found this tick names all its culprits (two silent
+    ranks' alerts become one about both): it ends at once, not after the clear hold."""
+    return bool(alert.ranks) and any(
+        a.kind == alert.kind and set(alert.ranks) <= set(a.ranks) for a in found
+    )
+
+
 def diff_alerts(before: dict[Any, Alert], after: list[Alert]) -> list[AlertChange]:
-    """Alerts that appeared, went away or became more severe between two ticks."""
-    now = {alert.key: alert for alert in after}
-    changes = [
-        AlertChange(HistoryEvent.CLEARED, alert) for key, alert in before.items() if key not in now
+    """Alerts that appeared, went away, became more severe or moved to other ranks between two
+    ticks, with no hysteresis (``AlertTracker`` adds it)."""
+    tracker = AlertTracker(raise_hold_s=0.0, clear_hold_s=0.0)
+    tracker.up = [_Up(alert, 0.0, 0) for alert in before.values()]
+    return [
+        AlertChange(c.event, c.alert, previous=c.previous) for c in tracker.update(after, 0.0, 0.0)
     ]
-    for key, alert in now.items():
-        old = before.get(key)
-        if old is None:
-            changes.append(AlertChange(HistoryEvent.RAISED, alert))
-        elif severity_level(alert.severity) > severity_level(old.severity):
-            changes.append(AlertChange(HistoryEvent.ESCALATED, alert, previous=old))
-    return _merge_escalations(changes)
-
-
-def _merge_escalations(changes: list[AlertChange]) -> list[AlertChange]:
-    """One tick clears a warning and raises an error about the same culprits (``straggler``
-    → ``stalled``): that is one escalation, not an unrelated pair."""
-    cleared = {
-        c.alert.ranks: c for c in changes if c.event == HistoryEvent.CLEARED and c.alert.ranks
-    }
-    merged: list[AlertChange] = []
-    replaced: set[int] = set()
-    for change in changes:
-        old = cleared.get(change.alert.ranks) if change.event == HistoryEvent.RAISED else None
-        if (
-            old is not None
-            and severity_level(change.alert.severity) > severity_level(old.alert.severity)
-        ):
-            merged.append(AlertChange(HistoryEvent.ESCALATED, change.alert, previous=old.alert))
-            replaced.add(id(old))
-        else:
-            merged.append(change)
-    return [c for c in merged if id(c) not in replaced]
 
 
 @dataclass
 class AlertTracker:
-    """The alerts up now, when each went up (and in which episode), and the bounded
-    timeline of changes."""
+    """The alerts on show, when each episode went up, and the bounded timeline of changes.
 
-    active: dict[Any, Alert] = field(default_factory=dict)
-    since: dict[Any, tuple[float, int]] = field(default_factory=dict)
-    """Per active alert: when its episode was raised, and the episode's number."""
+    Diagnosis is judged afresh each tick; the tracker turns its findings into episodes with
+    hysteresis: a warning goes up after ``raise_hold_s`` of being found, any alert comes down
+    after ``clear_hold_s`` of not being found, and an alert whose culprits change while up
+    (``match``) is ``updated`` in its episode rather than cleared and raised again."""
+
+    raise_hold_s: float = RAISE_HOLD_S
+    clear_hold_s: float = CLEAR_HOLD_S
+    up: list[_Up] = field(default_factory=list)
+    pending: dict[Any, float] = field(default_factory=dict)
+    """Warnings found but not yet on show: since when, by key."""
     history: deque[AlertChange] = field(default_factory=lambda: deque(maxlen=HISTORY_KEPT))
     total: int = 0
     """Changes ever recorded; ``len(history)`` stops at HISTORY_KEPT."""
@@ -158,6 +216,12 @@ class AlertTracker:
     """Episodes ever raised: the last one's number."""
     attempt: int = 1
     _entries: deque[HistoryEntry] = field(default_factory=lambda: deque(maxlen=HISTORY_KEPT))
+
+    @property
+    def shown(self) -> list[Alert]:
+        """The alerts on show now, each with its episode and raise time: what the status
+        document, the dashboard and the summary list as up."""
+        return [u.alert for u in self.up]
 
     def update(
         self, alerts: list[Alert], now: float, started: float, attempt: int = 1
@@ -168,50 +232,119 @@ class AlertTracker:
         stamped: list[AlertChange] = []
         if attempt > self.attempt:
             stamped += [
-                self._stamp(
-                    AlertChange(HistoryEvent.CLEARED, a), now, started, closed_by=NEW_ATTEMPT
-                )
-                for a in self.active.values()
+                self._change(HistoryEvent.CLEARED, u, now, started, closed_by=NEW_ATTEMPT)
+                for u in self.up
             ]
-            self.active = {}
+            self.up, self.pending = [], {}
             self.attempt = attempt
-        for change in diff_alerts(self.active, alerts):
-            key = change.alert.key
-            if change.event == HistoryEvent.RAISED:
-                self.episodes += 1
-                self.since[key] = (now, self.episodes)
-            elif change.previous is not None and change.previous.key != key:
-                # straggler → stalled: one problem, one episode, up since the straggler
-                self.since[key] = self.since.pop(change.previous.key, (now, 0))
-            stamped.append(self._stamp(change, now, started))
-        self.active = {alert.key: alert for alert in alerts}
+        pairs = match(alerts, [u.alert for u in self.up])
+        found = set(pairs.values())
+        fresh = [a for i, a in enumerate(alerts) if i not in pairs]
+        for i, j in pairs.items():
+            stamped += self._carry_on(self.up[j], alerts[i], now, started)
+        paired = [alerts[i] for i in pairs]
+        kept: list[_Up] = []
+        for j, u in enumerate(self.up):
+            if j in found:
+                u.gone_since = None
+            elif self._escalated_by(u, fresh, now, started, stamped):
+                pass
+            elif _absorbed(u.alert, paired):
+                u.gone_since = now  # its ranks are in another episode's alert now
+                stamped.append(self._change(HistoryEvent.CLEARED, u, now, started))
+                continue
+            elif u.gone_since is None:
+                u.gone_since = now
+            if u.gone_since is not None and now - u.gone_since >= self.clear_hold_s:
+                stamped.append(self._change(HistoryEvent.CLEARED, u, now, started))
+                continue
+            kept.append(u)
+        self.up = kept
+        stamped += self._raise(fresh, now, started)
         self.history.extend(stamped)
         self._entries.extend(change.entry() for change in stamped)
         self.total += len(stamped)
         return stamped
 
-    def _stamp(
-        self, change: AlertChange, now: float, started: float, closed_by: str | None = None
+    def _carry_on(self, u: _Up, alert: Alert, now: float, started: float) -> list[AlertChange]:
+        """An alert on show found again: its numbers move on without an event; more severe is
+        ``escalated``, other culprits ``updated``, both in its episode."""
+        before = u.alert
+        u.alert = self._stamped(alert, u)
+        if severity_level(alert.severity) > severity_level(before.severity):
+            return [self._change(HistoryEvent.ESCALATED, u, now, started, previous=before)]
+        if alert.ranks != before.ranks:
+            return [self._change(HistoryEvent.UPDATED, u, now, started, previous=before)]
+        return []
+
+    def _escalated_by(
+        self, u: _Up, fresh: list[Alert], now: float, started: float, out: list[AlertChange]
+    ) -> bool:
+        """A shown alert not found this tick whose culprits now have a more severe alert of
+        another kind (a ``straggler`` that became ``stalled``): that one takes its place, in
+        its episode, as an escalation. True when it did."""
+        for alert in fresh:
+            if (
+                alert.ranks
+                and alert.ranks == u.alert.ranks
+                and severity_level(alert.severity) > severity_level(u.alert.severity)
+            ):
+                fresh.remove(alert)
+                before = u.alert
+                u.alert, u.gone_since = self._stamped(alert, u), None
+                out.append(self._change(HistoryEvent.ESCALATED, u, now, started, previous=before))
+                return True
+        return False
+
+    def _raise(self, fresh: list[Alert], now: float, started: float) -> list[AlertChange]:
+        """New alerts: raised once found long enough (errors at once); the rest wait."""
+        changes = []
+        pending: dict[Any, float] = {}
+        for alert in fresh:
+            since = self.pending.get(alert.key, now)
+            hold = 0.0 if alert.severity == Severity.ERROR else self.raise_hold_s
+            if now - since < hold:
+                pending[alert.key] = since
+                continue
+            self.episodes += 1
+            u = _Up(alert, now, self.episodes)
+            u.alert = self._stamped(alert, u)
+            self.up.append(u)
+            changes.append(self._change(HistoryEvent.RAISED, u, now, started))
+        self.pending = pending
+        return changes
+
+    @staticmethod
+    def _stamped(alert: Alert, u: _Up) -> Alert:
+        return dataclasses.replace(alert, episode=u.episode, raised_at=u.raised_at)
+
+    def _change(
+        self,
+        event: HistoryEvent,
+        u: _Up,
+        now: float,
+        started: float,
+        *,
+        previous: Alert | None = None,
+        closed_by: str | None = None,
     ) -> AlertChange:
-        key = change.alert.key
-        cleared = change.event == HistoryEvent.CLEARED
-        raised_at, episode = (self.since.pop if cleared else self.since.get)(key, (now, 0))
+        cleared = event == HistoryEvent.CLEARED
+        end = u.gone_since if cleared and u.gone_since is not None else now
         return AlertChange(
-            change.event,
-            change.alert,
+            event,
+            u.alert,
             at=now,
             elapsed_s=max(0.0, now - started),
-            previous=change.previous,
-            duration_s=now - raised_at if cleared else None,
-            episode=episode,
+            previous=previous,
+            duration_s=max(0.0, end - u.raised_at) if cleared else None,
+            episode=u.episode,
             attempt=self.attempt,
             closed_by=closed_by,
         )
 
     def restart(self) -> None:
         """A new server session (replay): nothing is up any more; the timeline stays."""
-        self.active.clear()
-        self.since.clear()
+        self.up, self.pending = [], {}
         self.attempt = 1
 
     def entries(self) -> list[HistoryEntry]:

@@ -84,17 +84,19 @@ class Episode:
 
 def episodes(history: Iterable[HistoryEntry]) -> list[Episode]:
     """The timeline's entries paired into episodes, in raise order. An escalation continues
-    its episode (under its new kind); an entry whose raise fell off the bounded timeline
-    starts one from what it says."""
+    its episode (under its new kind), an update too (about other culprits); an entry whose
+    raise fell off the bounded timeline starts one from what it says."""
     found: list[_Open] = []
-    open_by_key: dict[tuple[str, tuple[int, ...]], _Open] = {}
+    open_by_key: dict[object, _Open] = {}
     for entry in history:
         alert = entry.alert
-        key = (alert.kind, tuple(alert.ranks))
+        # an episode's number is its id (its culprits may change: ``updated``); a timeline
+        # without numbers pairs by kind and culprits
+        key: object = entry.episode or (alert.kind, tuple(alert.ranks))
         event, at = entry.event, entry.elapsed_s
         current = open_by_key.pop(key, None)
-        if event == HistoryEvent.ESCALATED and entry.previous is not UNSET:
-            current = current or open_by_key.pop((entry.previous.kind, key[1]), None)
+        if event == HistoryEvent.ESCALATED and entry.previous is not UNSET and not entry.episode:
+            current = current or open_by_key.pop((entry.previous.kind, tuple(alert.ranks)), None)
         if current is None:
             up = entry.duration_s if entry.duration_s is not UNSET else 0.0
             since = at - up if event == HistoryEvent.CLEARED else at

@@ -31,6 +31,8 @@ from ddpwatch.status.schema import (
     StatusDocument,
 )
 
+RAISING = (HistoryEvent.RAISED, HistoryEvent.ESCALATED)
+"""The events that count as an alert raised (an update moves one to other ranks)."""
 SERIES_POINTS = 400  # per rank and metric: enough for a chart, small in JSON
 _COMPACT_AT = 8 * SERIES_POINTS  # series are thinned while read, so memory stays bounded
 STEP_TIMES_KEPT = 8192  # step times kept per rank for its median (halved evenly when full)
@@ -219,7 +221,7 @@ class RunReport:
 
     @property
     def alerts_raised(self) -> int:
-        return sum(1 for e in self.history if e.event != HistoryEvent.CLEARED)
+        return sum(1 for e in self.history if e.event in RAISING)
 
     @property
     def median_step_time_s(self) -> float | None:

@@ -95,9 +95,9 @@ class Engine:
         replies are built afresh for the next reader."""
         with self.lock:
             state = self.state
-            alerts = with_port(self.diagnosis(state, now, self.thresholds), self.port)
-            changes = self.tracker.update(alerts, now, state.job_started, state.attempt)
-            self.alerts = alerts
+            found = with_port(self.diagnosis(state, now, self.thresholds), self.port)
+            changes = self.tracker.update(found, now, state.job_started, state.attempt)
+            self.alerts = self.tracker.shown  # with hysteresis: ``AlertTracker``
             self._document = self._encoded = None
             self.queries.clear()
         return changes

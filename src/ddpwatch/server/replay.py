@@ -237,7 +237,7 @@ class ReplayServer(OnEngine):
         for change in changes:
             if change.event == HistoryEvent.CLEARED:
                 self.cleared += 1
-            else:
+            elif change.event != HistoryEvent.UPDATED:
                 self.raised += 1
             if self._on_change is not None:
                 self._on_change(change)

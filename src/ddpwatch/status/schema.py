@@ -145,7 +145,8 @@ class RankEntry(msgspec.Struct, kw_only=True, gc=False):
 
 
 class AlertEntry(msgspec.Struct, omit_defaults=True, gc=False):
-    """One alert (docs/status.md, "An alert"); ``waited_s`` and ``phase`` only where told."""
+    """One alert (docs/status.md, "An alert"); ``waited_s`` and ``phase`` only where told,
+    ``episode`` and ``raised`` on an alert the server has on show."""
 
     kind: str
     severity: str
@@ -155,6 +156,8 @@ class AlertEntry(msgspec.Struct, omit_defaults=True, gc=False):
     hint: str
     waited_s: float | None = None
     phase: str | None = None
+    episode: int | None = None
+    raised: str | None = None
 
 
 class PreviousAlert(msgspec.Struct, gc=False):
