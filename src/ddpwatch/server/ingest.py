@@ -208,6 +208,8 @@ class Receive:
                 if superseded is not None:
                     del pending[rank]
                 state.apply(message, at)
+                if message.pid is not None or superseded is not None:
+                    _mark_relayed(state, rank, relayed)  # a new process: a new record
             else:
                 pending[rank] = (message, at)
             return rank
@@ -220,8 +222,17 @@ class Receive:
         if earlier is not None:
             state.apply(*earlier)
         state.apply(message, at)
-        state.ranks[rank].relayed = relayed
+        _mark_relayed(state, rank, relayed)
         return rank
+
+
+def _mark_relayed(state: ServerState, rank: int, relayed: bool) -> None:
+    """Note the path the rank's last frame took on its record, if it has one now: ``apply``
+    may have started a new record (a new process), or taken the frame into the last
+    attempt's (an old process's late event, for a rank whose record moved there)."""
+    record = state.ranks.get(rank)
+    if record is not None:
+        record.relayed = relayed
 
 
 def _decodes(frame: bytes) -> bool:
