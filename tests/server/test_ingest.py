@@ -141,3 +141,41 @@ def test_a_restart_goes_through_ingest_as_through_apply(
         r: record_fields(rec) for r, rec in expected.past_attempts[0].records.items()
     }
     assert past.records[1].exit_code == 1 and past.records[1].log_tail[-1] == "Traceback ..."
+
+
+@pytest.mark.parametrize("relayed", [False, True])
+def test_a_frame_whose_handling_raises_is_counted_logged_once_and_dropped(
+    relayed: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As a rule that raises is skipped for its tick: rank 1's frames fail in ``apply`` (a bug
+    injected), each is counted in ``state.failed`` and dropped, one line per (rank, kind)
+    names it, and every other frame, before and after, is taken in; the next receive too."""
+    real_apply = ServerState.apply
+
+    def apply(self: ServerState, message: AnyMessage, now: float) -> None:
+        if message.rank == 1:
+            raise RuntimeError("injected")
+        real_apply(self, message, now)
+
+    monkeypatch.setattr(ServerState, "apply", apply)
+    state = ServerState(started=0.0)
+    messages: list[AnyMessage] = [
+        *(Hello(v=1, rank=r, t=0.0, pid=10 + r) for r in range(3)),
+        *(Sample(v=1, rank=r, t=0.0, step=s) for s in (1, 2) for r in range(3)),
+        Event(v=1, rank=1, t=0.0, event="exit", exit_code=1),
+    ]
+    frames = [encode(m) for m in messages]
+    if relayed:
+        frames = [encode(Batch(v=1, relay="n:1", t=0.0, frames=frames))]
+    for _ in range(2):
+        receive(state, frames)
+    assert sorted(state.ranks) == [0, 2] and state.ranks[2].step == 2
+    assert (state.failed, state.rejected) == (2 * 4, 0)
+    lines = [r.getMessage() for r in caplog.records if "could not be taken in" in r.getMessage()]
+    assert len(lines) == 3  # hello, sample, event:exit: once each, over both receives
+    assert all("of rank 1 (" in line and "RuntimeError: injected" in line for line in lines)
+    assert {line.split("(")[1].split(")")[0] for line in lines} == {
+        "hello",
+        "sample",
+        "event:exit",
+    }
