@@ -18,6 +18,7 @@ from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.server import service as service_module
 from ddpwatch.server.service import Server, describe
 from ddpwatch.server.state import ServerState
+from ddpwatch.status.client import fetch_reply, fetch_status
 
 
 def test_a_frame_that_raises_is_counted_and_the_collector_goes_on(
@@ -116,6 +117,21 @@ def test_a_stop_asked_for_is_no_alert(port: int) -> None:
     live.stop()
     live.server.tick()
     assert live.server.state.collector_stopped is None and not live.server.status().alerts
+
+
+def test_a_status_query_that_raises_is_answered_and_the_next_one_too(port: int) -> None:
+    """A REP socket left without an answer is stuck (every later receive on it raises): a
+    snapshot that raises is answered with an error, and the next query is answered."""
+    live = LiveServer(port, Thresholds())
+    try:
+        real = live.server.collector._snapshot
+        live.server.collector._snapshot = _raising(RuntimeError("injected"))
+        assert b"the server failed: RuntimeError" in (fetch_reply("127.0.0.1", port, 5.0) or b"")
+        live.server.collector._snapshot = real
+        assert fetch_status("127.0.0.1", port, 5.0) is not None
+        assert live.thread.is_alive() and live.server.state.collector_failure is None
+    finally:
+        live.stop()
 
 
 def test_describe_names_the_exception_and_where_it_was_raised() -> None:
