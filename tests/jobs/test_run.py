@@ -171,6 +171,7 @@ def test_a_job_torchrun_restarted_is_told_as_two_attempts(tmp_path: Path) -> Non
     finally:
         stop_job(proc, grace=1.0)  # never leave ranks behind, reporting to the next test
     assert proc.returncode == 0, err[-4000:]
+    assert not _collector_failed(err), err[-4000:]
     assert "attempt 2 began: crashed (rank 1) ends with attempt 1" in err, err[-4000:]
     assert "cleared crashed" not in err, err[-4000:]
     summary = err[err.index("── summary") :].splitlines()
@@ -184,3 +185,45 @@ def test_a_job_torchrun_restarted_is_told_as_two_attempts(tmp_path: Path) -> Non
     assert verdicts[1].startswith(  # then "no problems seen", or a slow start's warning
         "verdict: attempt 2 of 2: the job finished: every rank exited 0; "
     ), verdicts
+
+
+@pytest.mark.e2e
+def test_a_job_that_fails_again_after_its_restart_is_judged_on_both_attempts(
+    tmp_path: Path,
+) -> None:
+    """Issue #33: torchrun --max-restarts 1, rank 1 raising at step 30 in both attempts, so
+    torchrun exits 1. The collector took every report in (its thread once died on rank 1's
+    late exit report after attempt 2 began: live alerts stopped, and the verdict said the job
+    was still running); the last verdict names rank 1's crash, the summary sees problems."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpwatch", "run", "--no-record", "--",
+         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+         "--max-restarts=1", "--master-addr=127.0.0.1", f"--master-port={free_port_pair()}",
+         str(SCRIPTS / "restart_fails_twice.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=150)
+    finally:
+        stop_job(proc, grace=1.0)
+    assert proc.returncode == 1, err[-4000:]
+    assert not _collector_failed(err), err[-4000:]
+    summary = err[err.index("── summary") :].splitlines()
+    assert "2 attempts (the launcher restarted it)" in summary[1], summary
+    verdicts = [line.removeprefix("ddpwatch: ") for line in summary if "verdict:" in line]
+    assert len(verdicts) == 2, summary
+    for attempt, verdict in enumerate(verdicts, 1):
+        assert verdict.startswith(
+            f"verdict: attempt {attempt} of 2: rank 1 crashed with RuntimeError (bad batch at "
+            f"step 30 (attempt {attempt}))"
+        ), verdicts
+    assert "still running" not in "\n".join(summary), summary
+
+
+def _collector_failed(err: str) -> bool:
+    """Whether ``ddpwatch run``'s output tells of a collector that raised or stopped."""
+    return any(
+        text in err
+        for text in ("Exception in thread", "collector stopped", "could not be taken in")
+    )

@@ -75,6 +75,27 @@ def test_a_server_behind_its_queue_judges_ranks_as_of_what_it_has_read() -> None
     assert silent_culprits(state, 30.0) != [(2,)]
 
 
+def test_a_failing_or_stopped_collector_is_named_in_server_behind() -> None:
+    """A collector whose polls raise is behind with a reason: the warning names it, not the
+    load. One whose thread stopped is an error at once, with when live data stopped."""
+    state = job({0: 10.0, 1: 10.1, 2: 10.0})
+    state.heard_until = 10.2
+    state.collector_failure = "KeyError: 1 (server/ingest.py, line 223, in _take)"
+    assert not [a for a in diagnose(state, 12.0, TH) if a.kind == "server_behind"]
+    (failing,) = [a for a in diagnose(state, 30.0, TH) if a.kind == "server_behind"]
+    assert failing.severity == "warning"
+    assert "its collector fails (KeyError: 1 (server/ingest.py" in failing.message
+    state.collector_stopped = 10.5
+    for now in (10.6, 30.0):  # at once, and on
+        (stopped,) = [a for a in diagnose(state, now, TH) if a.kind == "server_behind"]
+        assert stopped.severity == "error" and stopped.ranks == ()
+        stopped_at = time.strftime("%H:%M:%S", time.localtime(10.2))
+        assert stopped.message.startswith(
+            f"the collector stopped: KeyError: 1 (server/ingest.py, line 223, in _take); "
+            f"live data stopped at {stopped_at} ("
+        )
+
+
 def test_silence_counts_afresh_once_the_server_listens_again() -> None:
     """After a backlog or a pause (listening since 20 s) no rank is silent for a full
     threshold, then the quiet one is."""

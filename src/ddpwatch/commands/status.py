@@ -205,8 +205,10 @@ def _table(ranks: list[RankEntry]) -> list[str]:
 
 
 def _messages(stats: Stats) -> str:
-    return f"{stats.received} messages, {stats.rejected} rejected" + (
-        f", {stats.refused} refused" if stats.refused else ""
+    return (
+        f"{stats.received} messages, {stats.rejected} rejected"
+        + (f", {stats.failed} failed" if stats.failed else "")
+        + (f", {stats.refused} refused" if stats.refused else "")
     )
 
 

@@ -233,11 +233,12 @@ def _settle(
     """Let the ranks' last messages in before the final diagnosis: a rank's exit or crash
     report is sent as it dies, and may still be on its way when the launcher returns. A
     collector still working through its queue (a loaded machine) is waited for up to
-    ``behind_limit_s``: until then its ranks look alive, and the verdict would say so."""
+    ``behind_limit_s``: until then its ranks look alive, and the verdict would say so. One
+    that stopped (``state.collector_stopped``) takes nothing more in: not waited for."""
     ended = server.clock()
     start = time.monotonic()
     seen, since = server.state.received, start
-    while True:
+    while server.state.collector_stopped is None:  # stopped: nothing more will come in
         now = time.monotonic()
         heard = server.state.heard_until
         caught_up = heard is not None and heard >= ended

@@ -163,6 +163,11 @@ class StatusCollector:
             "Heartbeats counted unread while the server was far behind (newer ones followed).",
             value=stats.shed,
         )
+        yield CounterMetricFamily(
+            "ddpwatch_messages_failed",
+            "Valid frames dropped because taking them in raised (a ddpwatch bug; logged).",
+            value=stats.failed,
+        )
 
 
 def summary_from_query(query_json: Callable[[bytes], bytes]) -> Summary:

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -325,13 +326,20 @@ class Collector:
             request = b"".join(self._query.recv_multipart(zmq.NOBLOCK))
         except zmq.Again:
             return
-        if request.strip() == b"status":
-            reply = self._snapshot()
-        elif self._query_reply is not None:
-            reply = self._query_reply(request)
-        else:
-            reply = b'{"error": "unknown request; send the bytes status"}'
+        try:
+            reply = self._reply(request)
+        except Exception as exc:  # answered all the same: a REP socket left unanswered is stuck
+            log.exception("a status query failed; it is answered with an error")
+            reply = msgspec.json.encode({"error": f"the server failed: {type(exc).__name__}"})
         self._query.send(reply)
+
+    def _reply(self, request: bytes) -> bytes:
+        """The bytes that answer ``request`` (``_answer``)."""
+        if request.strip() == b"status":
+            return self._snapshot()
+        if self._query_reply is not None:
+            return self._query_reply(request)
+        return b'{"error": "unknown request; send the bytes status"}'
 
     def close(self) -> None:
         for sock, monitor in zip(self.sockets, self._monitors, strict=False):

@@ -188,6 +188,7 @@ def document_around(
             received=state.received,
             rejected=state.rejected,
             shed=state.shed,
+            failed=state.failed,
             lag_s=round(now - state.as_of(now), 3),
         ),
         history=history or [],

@@ -8,11 +8,14 @@ goes through the same two steps, in the order it came: its head is read as it is
 recorded and applied (``Receive._take``), exactly as if it had come alone. A bad frame is
 counted in ``state.rejected`` and dropped, never raised; so is a valid one that ``admit``
 refuses (the collector's rank cap). Accepted frames go to the optional ``recorder`` with
-their receive time.
+their receive time. A frame whose handling raises all the same (a bug in ddpwatch) is
+isolated as a diagnosis rule that raises is: counted in ``state.failed``, logged once per
+rank and kind, and dropped (``frame_failed``); the frames after it are taken in as usual.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +24,7 @@ import msgspec
 from ddpwatch.core.protocol import (
     AnyMessage,
     Batch,
+    Event,
     ProtocolError,
     Sample,
     decode,
@@ -33,7 +37,10 @@ from ddpwatch.server.state import ServerState
 if TYPE_CHECKING:
     from ddpwatch.server.recording import Recorder
 
+log = logging.getLogger("ddpwatch.server")
+
 MAX_RELAY_AGE_US = 60_000_000  # a frame a relay held longer is dated a minute back, no more
+FAILURES_LOGGED = 256  # (rank, kind) pairs of failed frames logged at most, one line each
 
 
 class Receive:
@@ -138,16 +145,22 @@ class Receive:
                 if position >= answer_at:
                     answer_at = position + every
                     answer_waiting()
-                take(frames[position], position, now, False)
+                try:  # next to nothing until it raises (a frame that raises is isolated)
+                    take(frames[position], position, now, False)
+                except Exception as exc:  # isolated: counted, logged
+                    self._failed(frames[position], exc)
             if batch is not None:
                 if start >= answer_at:
                     answer_at = start + every
                     answer_waiting()
                 self._open(batch, start)
                 alone = start + len(batch.frames)
-        apply = self.state.apply
+        state = self.state
         for sample, at in self.pending.values():
-            apply(sample, at)
+            try:
+                state.apply(sample, at)
+            except Exception as exc:  # isolated: counted, logged
+                frame_failed(state, sample.rank, "sample", exc)
 
     def _open(self, batch: Batch, position: int) -> None:
         """Take a relay's frames, each dated by its arrival at the relay; ``position`` is the
@@ -155,14 +168,22 @@ class Receive:
         state, now = self.state, self.now
         state.rejected += batch.rejected  # frames the relay refused count as ours would
         state.received += batch.coalesced  # as our own coalescing counts what it leaves out
-        relay = note_batch(state.relays, batch, now)
+        try:
+            relay = note_batch(state.relays, batch, now)
+        except Exception as exc:  # its frames are taken in all the same
+            frame_failed(state, None, "batch", exc)
+            relay = None
         carried = None if relay is None else relay.ranks
         frames = batch.frames
         ages = batch.ages_us if len(batch.ages_us) == len(frames) else [0] * len(frames)
         take, most = self._take, MAX_RELAY_AGE_US
         for i, (frame, age) in enumerate(zip(frames, ages, strict=True)):
             at = now - (age if age < most else most) / 1e6  # not min(): a call a frame
-            rank = take(frame, position + i, at, True)
+            try:
+                rank = take(frame, position + i, at, True)
+            except Exception as exc:  # isolated: counted, logged
+                self._failed(frame, exc)
+                continue
             if rank is not None and carried is not None:
                 carried.add(rank)
 
@@ -208,6 +229,8 @@ class Receive:
                 if superseded is not None:
                     del pending[rank]
                 state.apply(message, at)
+                if message.pid is not None or superseded is not None:
+                    _mark_relayed(state, rank, relayed)  # a new process: a new record
             else:
                 pending[rank] = (message, at)
             return rank
@@ -220,8 +243,63 @@ class Receive:
         if earlier is not None:
             state.apply(*earlier)
         state.apply(message, at)
-        state.ranks[rank].relayed = relayed
+        _mark_relayed(state, rank, relayed)
         return rank
+
+    def _failed(self, frame: bytes, exc: Exception) -> None:
+        """The frame's handling raised: counted and logged with its rank and kind, dropped."""
+        rank, kind = _rank_and_kind(frame)
+        frame_failed(self.state, rank, kind, exc)
+
+
+def frame_failed(state: ServerState, rank: int | None, kind: str, exc: Exception) -> None:
+    """A valid frame whose handling raised (a bug in ddpwatch, not in the frame): count it in
+    ``state.failed`` and drop it, logging the first of each (rank, kind) with its traceback,
+    so that the collector goes on and the failure is seen, not repeated line after line."""
+    state.failed += 1
+    logged = state.failures_logged
+    key = (rank, kind)
+    if key in logged or len(logged) >= FAILURES_LOGGED:
+        return
+    logged.add(key)
+    log.error(
+        "a frame of rank %s (%s) could not be taken in, so it was dropped and the collector "
+        "goes on (stats.failed counts these; this rank and kind are logged once): %s: %s",
+        "?" if rank is None else rank,
+        kind,
+        type(exc).__name__,
+        exc,
+        exc_info=exc,
+    )
+
+
+def kind_of(message: AnyMessage) -> str:
+    """A message's kind, as a failed frame's log line names it: its type, and an event's
+    kind after a colon ("event:exit")."""
+    if isinstance(message, Event):
+        return f"event:{message.event}"
+    return "sample" if isinstance(message, Sample) else "hello"
+
+
+def _rank_and_kind(frame: bytes) -> tuple[int | None, str]:
+    """What a frame that failed was, for its log line: its rank, and its type ("event:exit"
+    for an event), as far as its head can be read."""
+    try:
+        head = _failed_heads.decode(frame)
+    except _HEAD_ERRORS:
+        return None, "unreadable"
+    rank = head.rank if type(head.rank) is int else None
+    kind = str(head.type)
+    return rank, f"{kind}:{head.event}" if head.event is not None else kind
+
+
+def _mark_relayed(state: ServerState, rank: int, relayed: bool) -> None:
+    """Note the path the rank's last frame took on its record, if it has one now: ``apply``
+    may have started a new record (a new process), or taken the frame into the last
+    attempt's (an old process's late event, for a rank whose record moved there)."""
+    record = state.ranks.get(rank)
+    if record is not None:
+        record.relayed = relayed
 
 
 def _decodes(frame: bytes) -> bool:
@@ -256,7 +334,14 @@ class _ShedHead(_Head, gc=False):
     device: Any = None
 
 
+class _FailedHead(_Head, gc=False):
+    """The head of a frame that failed, with an event's kind, for its log line."""
+
+    event: Any = None
+
+
 _heads = msgspec.msgpack.Decoder(_Head)
+_failed_heads = msgspec.msgpack.Decoder(_FailedHead)
 _shed_heads = msgspec.msgpack.Decoder(_ShedHead)
 _HEAD_ERRORS = (msgspec.MsgspecError, UnicodeDecodeError, RecursionError)
 _RANK_TYPES = ("hello", "sample", "event")

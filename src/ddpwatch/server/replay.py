@@ -27,6 +27,7 @@ from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.history import AlertChange
 from ddpwatch.diagnosis.rules import Diagnosis
 from ddpwatch.server.engine import TICK_S, Engine, OnEngine
+from ddpwatch.server.ingest import frame_failed, kind_of
 from ddpwatch.server.recording import Record, RecordingReader
 from ddpwatch.server.state import ServerState
 from ddpwatch.status.schema import ReplayInfo, StatusDocument
@@ -225,7 +226,10 @@ class ReplayServer(OnEngine):
                 self.state.rejected += 1
             return
         with self.lock:
-            self.state.apply(message, record.t)
+            try:
+                self.state.apply(message, record.t)
+            except Exception as exc:  # isolated as the live collector isolates it
+                frame_failed(self.state, message.rank, kind_of(message), exc)
             self.clock.reach(record.t)
         self.messages += 1
 

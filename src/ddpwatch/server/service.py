@@ -3,14 +3,25 @@ recorder, diagnosis every tick, raised/cleared alerts out.
 
 Views (headless printer, TUI) subscribe to ``AlertChange``s and read ``status()``; they never
 own state.
+
+The loop that polls the collector and ticks cannot die quietly: a poll or a tick that raises
+is logged (once per kind of failure) and the loop goes on, as a frame whose handling raises
+is isolated by ingest and a raising rule by diagnosis; a collector that fails
+``FAILURES_IN_A_ROW`` polls in a row is stopped. A thread that ends while the server is
+meant to run (``_stopped``, or a tick that finds it not alive) says so in one line on stderr
+and in a ``server_behind`` error alert, "the collector stopped: ...", with the time live
+data stopped, never as a quiet, healthy-looking job.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -24,6 +35,14 @@ from ddpwatch.status.schema import StatusDocument
 if TYPE_CHECKING:
     from ddpwatch.core.security import ServerCurve
     from ddpwatch.server.recording import Recorder
+
+log = logging.getLogger("ddpwatch.server")
+
+FAILURES_IN_A_ROW = 20
+"""Polls in a row that raise before the collector is taken as stopped (``RETRY_S`` apart:
+two seconds): one that cannot take a frame in any more must say so, not log forever."""
+RETRY_S = 0.1
+"""The pause after a poll that raised: a failure that repeats does not spin a core."""
 
 
 class Server(OnEngine):
@@ -59,6 +78,9 @@ class Server(OnEngine):
         self.lock = self.engine.lock  # the collector answers queries within a receive
         self._on_change = on_change
         self._stop = threading.Event()
+        self._runner: threading.Thread | None = None  # the thread in ``run``, once started
+        self._failures_in_a_row = 0
+        self._failures_logged: set[tuple[str, str]] = set()  # (what, exception type)
         self.collector = Collector(
             self.state,
             self.engine.document_json,
@@ -112,7 +134,9 @@ class Server(OnEngine):
         return Recorder(path, session)
 
     def tick(self) -> list[AlertChange]:
-        """Run diagnosis once and report what changed."""
+        """Run diagnosis once and report what changed (from any thread: the final tick of
+        ``ddpwatch run`` notices a collector thread that ended, ``_check_runner``)."""
+        self._check_runner()
         with self.lock:
             now = self.clock()
             changes = self.engine.tick(now)
@@ -138,20 +162,111 @@ class Server(OnEngine):
         return self.engine.query_json(request)
 
     def run(self) -> None:
+        """Poll the collector and tick until ``stop``; a failure is isolated (``_poll``,
+        ``_tick``), and a thread that ends all the same says why (``_stopped``)."""
+        self._runner = threading.current_thread()
         next_tick = time.monotonic()
         try:
             while not self._stop.is_set():
-                self.collector.poll(max(0.0, min(TICK_S, next_tick - time.monotonic())), self.lock)
+                self._poll(max(0.0, min(TICK_S, next_tick - time.monotonic())))
                 if time.monotonic() >= next_tick:
                     started = time.monotonic()
-                    self.tick()
+                    self._tick()
                     spent = time.monotonic() - started
                     # huge jobs: keep diagnosis under about a third of a core
                     next_tick = time.monotonic() + max(TICK_S, 2 * spent)
+        except BaseException as exc:  # the thread ends: say so, in one line and an alert
+            self._stopped(exc)
         finally:
             self.collector.close()
             if self.recorder is not None:
                 self.recorder.close()
 
+    def _poll(self, timeout_s: float) -> None:
+        """One poll of the collector; one that raises is logged and noted in the state
+        (``collector_failure``), and raises on only after ``FAILURES_IN_A_ROW`` in a row."""
+        try:
+            self.collector.poll(timeout_s, self.lock)
+        except Exception as exc:
+            self._failures_in_a_row += 1
+            if self._failures_in_a_row >= FAILURES_IN_A_ROW:
+                raise
+            self._failed("the collector's poll", exc)
+            with self.lock:
+                self.state.collector_failure = describe(exc)
+            time.sleep(RETRY_S)
+            return
+        if self._failures_in_a_row:
+            self._failures_in_a_row = 0
+            with self.lock:
+                self.state.collector_failure = None
+
+    def _tick(self) -> None:
+        """A tick of the loop; one that raises is logged and the loop goes on (the rules
+        are isolated already: this is the rest, the document and the recording)."""
+        try:
+            self.tick()
+        except Exception as exc:
+            self._failed("a diagnosis tick", exc)
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        """Log a failure of the loop with its traceback, once per (what, exception type)."""
+        key = (what, type(exc).__name__)
+        if key in self._failures_logged:
+            return
+        self._failures_logged.add(key)
+        log.error("%s failed (%s); the server goes on", what, describe(exc), exc_info=exc)
+
+    def _stopped(self, exc: BaseException | None) -> None:
+        """The loop ended while the server was meant to run: note when and why in the state,
+        say it in one line on stderr (then the traceback, to report), and tick once so the
+        ``server_behind`` alert goes out to the views at once."""
+        if self._stop.is_set() and exc is None:
+            return
+        why = "its thread ended" if exc is None else describe(exc)
+        with self.lock:
+            state = self.state
+            if state.collector_stopped is not None:
+                return
+            state.collector_stopped = now = self.clock()
+            state.collector_failure = why
+            heard = now if state.heard_until is None else min(state.heard_until, now)
+        print(
+            f"ddpwatch: the collector stopped: {why}; live data stopped at "
+            f"{time.strftime('%H:%M:%S', time.localtime(heard))}: the alerts and the summary "
+            "judge the ranks as of then (a bug in ddpwatch: please report it)",
+            file=sys.stderr,
+            flush=True,
+        )
+        if exc is not None and not isinstance(exc, KeyboardInterrupt | SystemExit):
+            log.error("the collector's traceback, to report:", exc_info=exc)
+        try:
+            self.tick()
+        except Exception as failed:  # the alert is in the state: the next tick shows it
+            self._failed("the tick after the collector stopped", failed)
+
+    def _check_runner(self) -> None:
+        """A thread that was running ``run`` and is gone, with no ``stop`` asked and no
+        word of it (``_stopped`` did not run: it cannot have, in practice), is said too."""
+        runner = self._runner
+        if runner is None or runner.is_alive() or self._stop.is_set():
+            return
+        if self.state.collector_stopped is None:
+            self._runner = None  # once
+            self._stopped(None)
+
     def stop(self) -> None:
         self._stop.set()
+
+
+def describe(exc: BaseException) -> str:
+    """An exception in one line, with where it was raised: "KeyError: 1 (server/ingest.py,
+    line 223, in _take)", the ddpwatch path shortened."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return text
+    last = frames[-1]
+    path = last.filename.replace("\\", "/")
+    path = path.split("/ddpwatch/", 1)[-1] if "/ddpwatch/" in path else path.rsplit("/", 1)[-1]
+    return f"{text} ({path}, line {last.lineno}, in {last.name})"

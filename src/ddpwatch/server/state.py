@@ -63,6 +63,20 @@ class ServerState:
     shed: int = 0
     """Of ``received``: heartbeats counted from their head while far behind, not decoded
     (``collector.SHED_AFTER_S``)."""
+    failed: int = 0
+    """Valid frames whose handling raised (a bug in ddpwatch, not in the frame): dropped, each
+    counted here and the first of each rank and kind logged (``ingest.frame_failed``), so
+    that one frame cannot stop the collector, as a rule that raises cannot stop a tick."""
+    failures_logged: set[tuple[int | None, str]] = field(
+        default_factory=set, repr=False, compare=False
+    )
+    """The (rank, kind) of the failed frames logged so far: each logged once."""
+    collector_failure: str | None = None
+    """What the collector's loop last failed on (``service.describe``), until a poll goes
+    through again; once its thread has stopped, what stopped it. ``server_behind`` names it."""
+    collector_stopped: float | None = None
+    """When the collector's thread stopped while the server was meant to run: no message is
+    taken in after it, and ``server_behind`` says so at once, not as a quiet job."""
     first_report: float | None = None
     """When the first rank reported: the job's start, as far as the server can tell."""
     relays: dict[str, RelayRecord] = field(default_factory=dict)

@@ -190,6 +190,7 @@ class Stats(msgspec.Struct, gc=False):
     received: int = 0
     rejected: int = 0
     shed: int = 0
+    failed: int = 0
     lag_s: float = 0.0
     refused: int | UnsetType = UNSET
 
