@@ -5,11 +5,13 @@ changed; errors as torch and gloo print them."""
 from __future__ import annotations
 
 import dataclasses
+import math
+from array import array
 from typing import Any
 
 from ddpwatch.core.protocol import Collective, ErrorInfo
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
-from ddpwatch.server.records import RankRecord
+from ddpwatch.server.records import Beat, RankRecord
 from ddpwatch.server.state import ServerState
 
 NOW = 10_000.0
@@ -74,6 +76,20 @@ def rank(r: int, world: int = 4, **changes: Any) -> RankRecord:
         last_progress=NOW - 0.05,
     )
     return dataclasses.replace(record, **changes)
+
+
+def beats(
+    n: int = 10, *, step: float, waited: float, gap: float = 0.5, **parts: float
+) -> array[float]:
+    """``RankRecord.beats``: ``n`` like heartbeats ``gap`` apart, each of steps of ``step``
+    seconds that waited ``waited`` for the others; ``parts`` the other ``Beat`` columns by
+    name (``grad_wait``, ``input_wait``, ``compute``, ``data_wait``), NaN (untimed) if left
+    out."""
+    one = [math.nan] * len(Beat)
+    one[Beat.GAP], one[Beat.STEP], one[Beat.WAITED] = gap, step, waited
+    for name, value in parts.items():
+        one[Beat[name.upper()]] = value
+    return array("d", one * n)
 
 
 def state_of(*records: RankRecord) -> ServerState:

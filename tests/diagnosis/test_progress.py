@@ -11,6 +11,7 @@ from lockstep import (
     NOW,
     STACK,
     TH,
+    beats,
     job,
     kinds,
     only,
@@ -252,9 +253,8 @@ def test_step_skew_after_a_pause_uses_the_current_step_rate() -> None:
 
 
 def test_slow_rank() -> None:
-    settled = {"avg_step_time_s": 0.2, "collective_time_samples": 10}
-    state = job(4, avg_collective_time_s=0.1, **settled)
-    state.ranks[3] = rank(3, avg_collective_time_s=0.01, **settled)
+    state = job(4, beats=beats(step=0.2, waited=0.1))
+    state.ranks[3] = rank(3, beats=beats(step=0.2, waited=0.01))
     alert = only(diagnose(state, NOW, TH), "slow_rank")
     assert alert.ranks == (3,) and alert.waiting == (0, 1, 2)
     assert alert.message == (
@@ -272,38 +272,42 @@ def test_slow_rank() -> None:
     ],
 )
 def test_slow_rank_quiet(times: tuple[float, ...]) -> None:
-    state = state_of(
-        *(
-            rank(r, avg_step_time_s=0.2, avg_collective_time_s=t, collective_time_samples=10)
-            for r, t in enumerate(times)
-        )
+    state = state_of(*(rank(r, beats=beats(step=0.2, waited=t)) for r, t in enumerate(times)))
+    assert rule_slow_rank(state, NOW, TH) == []
+
+
+def test_slow_rank_waits_for_windows_past_warm_up() -> None:
+    """9 heartbeats still hold the first steps (DataLoader workers starting): say nothing
+    yet, as seen on a healthy rank 0 just before another rank's real fault."""
+    state = job(4, beats=beats(9, step=0.2, waited=0.1))
+    state.ranks[3] = rank(3, beats=beats(9, step=0.2, waited=0.01))
+    assert rule_slow_rank(state, NOW, TH) == []
+    state.ranks[3].beats = beats(10, step=0.2, waited=0.01)
+    assert rule_slow_rank(state, NOW, TH) == []  # the others' windows are young still
+
+
+def test_slow_rank_counts_no_beat_before_an_episode() -> None:
+    """A step gap past the collective limit (a stall, a stop) starts every window afresh:
+    10 beats of rank 3 lagging before it, 9 after, are not enough."""
+    episode = beats(1, step=0.2, waited=0.1, gap=14.0)
+    state = job(4, beats=beats(step=0.2, waited=0.1) + episode + beats(9, step=0.2, waited=0.1))
+    lagging = beats(step=0.2, waited=0.01)
+    state.ranks[3] = rank(3, beats=lagging + episode + beats(9, step=0.2, waited=0.01))
+    assert rule_slow_rank(state, NOW, TH) == []
+    for r in state.ranks.values():
+        assert r.beats is not None
+        r.beats += r.beats[-len(episode) :]  # a tenth beat since the episode
+    assert kinds(rule_slow_rank(state, NOW, TH)) == ["slow_rank"]
+
+
+def _split(
+    grad: float, compute: float, data: float = 0.001, collective: float = 0.001
+) -> dict[str, Any]:
+    """A settled rank's step split: DDP's gradient wait, compute, input wait (medians)."""
+    window = beats(
+        step=0.24, waited=collective + grad, grad_wait=grad, compute=compute, input_wait=data
     )
-    assert rule_slow_rank(state, NOW, TH) == []
-
-
-def test_slow_rank_waits_for_averages_past_warm_up() -> None:
-    """An average of 9 heartbeats still holds the first steps (DataLoader workers starting):
-    say nothing yet, as seen on a healthy rank 0 just before another rank's real fault."""
-    young = {"avg_step_time_s": 0.2, "collective_time_samples": 9}
-    state = job(4, avg_collective_time_s=0.1, **young)
-    state.ranks[3] = rank(3, avg_collective_time_s=0.01, **young)
-    assert rule_slow_rank(state, NOW, TH) == []
-    state.ranks[3].collective_time_samples = 10
-    assert rule_slow_rank(state, NOW, TH) == []  # the others' averages are young still
-
-
-def _split(grad: float, compute: float, data: float = 0.001, **more: Any) -> dict[str, Any]:
-    """A settled rank's step split: DDP's gradient wait, compute, input wait (averages)."""
-    return {
-        "avg_step_time_s": 0.24,
-        "collective_time_samples": 10,
-        "avg_collective_time_s": 0.001,
-        "avg_grad_wait_s": grad,
-        "grad_wait_s": grad,
-        "compute_s": compute,
-        "input_wait_s": data,
-        **more,
-    }
+    return {"beats": window, "grad_wait_s": grad, "compute_s": compute, "input_wait_s": data}
 
 
 def test_slow_rank_waited_for_inside_ddps_gradient_all_reduce() -> None:
@@ -316,7 +320,7 @@ def test_slow_rank_waited_for_inside_ddps_gradient_all_reduce() -> None:
     assert alert.ranks == (1,) and alert.waiting == (0, 2)
     assert alert.message == (
         "rank 1 enters DDP's gradient all-reduce ~197 ms after ranks 0, 2 every step (its "
-        "compute takes 235 ms, theirs 35 ms): the job runs at 4.2 steps/s instead of ~23"
+        "compute takes 235 ms, theirs 35 ms): the job runs at 4.2 steps/s instead of ~25"
     )
     assert alert.hint.startswith("rank 1 computes slower than the others")
 
@@ -333,8 +337,8 @@ def test_slow_rank_by_its_input() -> None:
 
 def test_slow_rank_adds_the_waits_in_collectives_and_in_ddp() -> None:
     """A job with a metric all-reduce too: the others wait partly in each."""
-    state = job(3, **_split(0.05, 0.03, avg_collective_time_s=0.05))
-    state.ranks[0] = rank(0, 3, **_split(0.001, 0.13, avg_collective_time_s=0.001))
+    state = job(3, **_split(0.05, 0.03, collective=0.05))
+    state.ranks[0] = rank(0, 3, **_split(0.001, 0.13))
     alert = only(diagnose(state, NOW, TH), "slow_rank")
     assert alert.ranks == (0,)
     assert "~98 ms after ranks 1, 2" in alert.message
@@ -357,7 +361,8 @@ def test_slow_rank_never_names_a_rank_that_cannot_see_ddps_wait() -> None:
     """A rank whose agent reports no gradient wait (older, or its model on a GPU) would look
     like the one that never waits: it is left out, never named."""
     state = job(4, **_split(0.2, 0.035))
-    state.ranks[3] = rank(3, **{**_split(0.0, 0.035), "avg_grad_wait_s": None})
+    untimed = beats(step=0.24, waited=0.001, compute=0.035, input_wait=0.001)
+    state.ranks[3] = rank(3, **{**_split(0.0, 0.035), "beats": untimed})
     assert rule_slow_rank(state, NOW, TH) == []
 
 

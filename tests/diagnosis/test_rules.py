@@ -17,6 +17,7 @@ from lockstep import (
     PEER,
     STACK,
     TH,
+    beats,
     job,
     kinds,
     only,
@@ -236,8 +237,8 @@ def test_a_rule_that_raises_loses_only_its_own_alerts(monkeypatch: pytest.Monkey
     def broken(*_: Any) -> list[Alert]:
         raise RuntimeError("a bug in one rule")
 
-    state = job(4, avg_collective_time_s=0.1, avg_step_time_s=0.2, collective_time_samples=10)
-    state.ranks[3].avg_collective_time_s = 0.01
+    state = job(4, beats=beats(step=0.2, waited=0.1))
+    state.ranks[3].beats = beats(step=0.2, waited=0.01)
     monkeypatch.setattr(rules, "RULES", (broken, *rules.RULES))
     monkeypatch.setattr(rules, "RULE_FAILURES", type(rules.RULE_FAILURES)())
     assert kinds(rules.diagnose(state, NOW, TH)) == ["slow_rank"]

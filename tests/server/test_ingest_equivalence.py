@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from array import array
 from collections import deque
 from dataclasses import fields
 from typing import Any
@@ -65,7 +66,7 @@ def snapshot(record: RankRecord) -> dict[str, Any]:
             return "nan"
         if isinstance(value, tuple):
             return tuple(plain(v) for v in value)
-        if isinstance(value, (list, deque)):
+        if isinstance(value, (list, deque, array)):
             return [plain(v) for v in value]
         if isinstance(value, dict):
             return list(value.items())
@@ -188,10 +189,16 @@ def expected_after_life() -> dict[str, Any]:
         "collective_seen": None,
         "collectives": None,  # the last sample (t=14) sent none
         "sample_seen": 14.0,
-        # 0.1 at step 1; 0.3 at step 2; 0.1 at steps 3, 4, 5, 8 (the sample at t=11 did not move)
-        "avg_collective_time_s": _ewma([0.1, 0.3, 0.1, 0.1, 0.1, 0.1]),
-        "collective_time_samples": 6,
-        "avg_grad_wait_s": None,
+        # steps 1, 2, 3, 4, 5, 8 (the sample at t=11 did not move), 0.1 s in collectives but
+        # 0.3 at step 2, each after its step gap (the first since the server's time 0)
+        "beats": [
+            *_beat(2.0, 0.1),
+            *_beat(5.0, 0.3),
+            *_beat(1.0, 0.1),
+            *_beat(1.0, 0.1),
+            *_beat(1.0, 0.1),
+            *_beat(4.0, 0.1),
+        ],
         "step_marks": [(0, 0), (8, 3)],
         "forwards": 7,
         "batch_marks": None,  # this life drew no batches from a DataLoader
@@ -230,12 +237,9 @@ def expected_after_life() -> dict[str, Any]:
     }
 
 
-def _ewma(values: list[float]) -> float:
-    """``avg + 0.2 * (value - avg)``, in the order the state folds it."""
-    avg = values[0]
-    for value in values[1:]:
-        avg = avg + 0.2 * (value - avg)
-    return avg
+def _beat(gap: float, waited: float) -> list[Any]:
+    """One ``records.Beat`` of ``beat()``'s: 0.5 s steps, 0.01 s data wait, no step split."""
+    return [gap, 0.5, waited, "nan", "nan", "nan", 0.01]
 
 
 def test_a_ranks_life_lands_field_by_field() -> None:
@@ -298,8 +302,7 @@ def test_a_new_process_for_a_rank_starts_its_record_afresh() -> None:
             "avg_step_time_s": 0.5,
             "data_wait_s": 0.01,
             "collective_time_s": 0.1,
-            "avg_collective_time_s": 0.1,
-            "collective_time_samples": 1,
+            "beats": _beat(19.0, 0.1),
             "forwards": 1,
             "mem_allocated_bytes": 10,
             "mem_reserved_bytes": 20,

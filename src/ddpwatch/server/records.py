@@ -11,10 +11,45 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from dataclasses import dataclass, field, fields
+from enum import IntEnum
 
 from ddpwatch.core.protocol import Collective, CollectiveCounts, ErrorInfo, Sample
 
 LOG_LINES = 50
+BEATS = 16
+"""Heartbeats that ended steps a rank's ``beats`` keeps (8 s at 2 Hz): enough for medians
+that one long step does not move, few enough to follow a job as it changes."""
+
+
+class Beat(IntEnum):
+    """The columns of one heartbeat in ``RankRecord.beats``: seconds per step of the steps it
+    ended (NaN where the agent did not time it)."""
+
+    GAP = 0
+    """Since the rank's step before them ended, by the server's clock: a long one ends an
+    episode (a stall, a stop, the start), after which ``slow_rank`` starts afresh."""
+    STEP = 1  # the last step's time
+    WAITED = 2  # in Python-level collectives (the last step) and in DDP's all-reduce
+    GRAD_WAIT = 3  # in DDP's gradient all-reduce alone
+    INPUT_WAIT = 4  # in DataLoader iterators
+    COMPUTE = 5  # the rest of the step, less the waits
+    DATA_WAIT = 6  # from the step's end to the next forward pass (the last step)
+
+
+BEAT_WIDTH = len(Beat)
+
+
+def note_beat(beats: array[float] | None, values: tuple[float, ...]) -> array[float]:
+    """Add one heartbeat's ``values`` (one per ``Beat`` column) to a rank's window, dropping
+    the oldest past ``BEATS``: one ``array`` of floats per rank, nothing the garbage
+    collector scans."""
+    if beats is None:
+        return array("d", values)
+    beats.extend(values)
+    if len(beats) > BEATS * BEAT_WIDTH:
+        del beats[:BEAT_WIDTH]
+    return beats
+
 
 STORED_FIELDS = tuple(name for name in Sample.__struct_fields__ if name not in ("v", "t"))
 """Every field of a ``Hello`` or a ``Sample`` the server keeps on the rank's record (all but
@@ -77,13 +112,10 @@ class RankRecord:
     collectives: CollectiveCounts | None = None
     """How many collectives the rank had entered at its last sample (the attribution evidence)."""
     sample_seen: float | None = None  # when its last sample arrived
-    avg_collective_time_s: float | None = None
-    """Collective wait per step, averaged over the steps heartbeats saw (one step is noisy)."""
-    collective_time_samples: int = 0
-    """How many heartbeats' steps that average holds: a young average still holds warm-up."""
-    avg_grad_wait_s: float | None = None
-    """The wait in DDP's gradient all-reduce per step (``grad_wait_s``), averaged the same
-    way: with ``avg_collective_time_s``, all a rank waits for the others each step."""
+    beats: array[float] | None = None
+    """The last ``BEATS`` heartbeats that ended steps and timed the rank's collective wait,
+    ``BEAT_WIDTH`` floats each (``Beat``): where its steps go, which ``slow_rank`` reads as
+    medians (one step is noisy, one stall is no slow rank)."""
     step_marks: dict[int, int] = field(default_factory=dict)
     """Python-level collectives entered by the end of marked steps (every MARK_EVERY-th)."""
     forwards: int | None = None

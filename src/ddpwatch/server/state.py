@@ -24,7 +24,7 @@ from ddpwatch.core.protocol import (
 )
 from ddpwatch.core.vocabulary import EventKind
 from ddpwatch.server.host_memory import note as note_host_memory
-from ddpwatch.server.records import LOG_LINES, RankRecord
+from ddpwatch.server.records import LOG_LINES, RankRecord, note_beat
 from ddpwatch.server.relays import RelayRecord
 from ddpwatch.server.waits import WaitIndex
 
@@ -241,6 +241,22 @@ def _apply_identity(record: RankRecord, message: Identity) -> None:
             setattr(record, name, value)
 
 
+def _beat(sample: Sample, gap_s: float) -> tuple[float, ...]:
+    """A heartbeat's ``records.Beat`` columns: NaN for what its agent did not time."""
+    nan = math.nan
+    grad = sample.grad_wait_s
+    inputs, compute, data = sample.input_wait_s, sample.compute_s, sample.data_wait_s
+    return (
+        gap_s,
+        nan if sample.step_time_s is None else sample.step_time_s,
+        (sample.collective_time_s or 0.0) + (grad or 0.0),
+        nan if grad is None else grad,
+        nan if inputs is None else inputs,
+        nan if compute is None else compute,
+        nan if data is None else data,
+    )
+
+
 def _set_phase(record: RankRecord, phase: str | None, now: float) -> None:
     if phase and phase != record.phase:
         record.phase = phase
@@ -262,6 +278,7 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     counts = sample.collectives
     before = record.collectives
     moved = step is not None and step != record.step
+    stepped_at = record.last_step_at
     if moved:
         record.last_progress = now
         record.last_step_at = now
@@ -293,7 +310,7 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     record.collective_time_s = collective_time_s
     record.input_wait_s = sample.input_wait_s
     record.compute_s = sample.compute_s
-    grad_wait_s = record.grad_wait_s = sample.grad_wait_s
+    record.grad_wait_s = sample.grad_wait_s
     record.forwards = sample.forwards
     record.mem_allocated_bytes = sample.mem_allocated_bytes
     record.mem_reserved_bytes = sample.mem_reserved_bytes
@@ -330,14 +347,7 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
         record.collective_seen = None
     record.sample_seen = now
     if moved and collective_time_s is not None:
-        avg = record.avg_collective_time_s
-        record.avg_collective_time_s = (
-            collective_time_s if avg is None else avg + 0.2 * (collective_time_s - avg)
-        )
-        record.collective_time_samples += 1
-    if moved and grad_wait_s is not None:
-        avg = record.avg_grad_wait_s
-        record.avg_grad_wait_s = grad_wait_s if avg is None else avg + 0.2 * (grad_wait_s - avg)
+        record.beats = note_beat(record.beats, _beat(sample, now - stepped_at))
     if counts is not None:
         marks = counts.marks
         if marks:

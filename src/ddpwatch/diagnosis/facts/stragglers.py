@@ -1,10 +1,13 @@
 """Stragglers: the collective most ranks wait in and the live ranks that, on their own
 evidence, have not entered it; one waits-for graph across process groups finds the ranks
-at the end of the chains, and the process group's timeout says how long is left."""
+at the end of the chains, and the process group's timeout says how long is left. And the
+straggler that never stops: each rank's ``Lag``, where its steps go since its last episode,
+which ``slow_rank`` compares."""
 
 from __future__ import annotations
 
 import math
+from array import array
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,7 +15,7 @@ from dataclasses import dataclass, field
 from ddpwatch.diagnosis.facts.census import Census, median_step_time
 from ddpwatch.diagnosis.facts.ranks import WaitKey, entered, wait_key
 from ddpwatch.diagnosis.text import collective_name
-from ddpwatch.server.records import RankRecord
+from ddpwatch.server.records import BEAT_WIDTH, Beat, RankRecord
 from ddpwatch.server.waits import WaitGroup
 
 
@@ -311,3 +314,76 @@ def _has_not_entered(record: RankRecord, key: WaitKey, seq: int | None) -> bool:
     if seq is not None and c.seq is not None:
         return c.seq < seq
     return wait_key(c) != key
+
+
+class Lag:
+    """Where a rank's steps go since its last episode, as medians over its heartbeats
+    (``RankRecord.beats``): ``slow_rank``'s evidence.
+
+    Medians, because a mean remembers one long step (a stall of 8 s) as a lag on every step
+    for many seconds; and a window that starts afresh after an episode (a step gap longer
+    than a collective may wait: a stall, a stop, the start), so what a rank did before it
+    counts for nothing after: a one-off stall is the straggler alert's, never a slow rank.
+    Each median is worked out once, when asked: a tick at 8,192 ranks reads only the waits.
+    """
+
+    __slots__ = ("_medians", "_window", "beats")
+
+    def __init__(self, window: array[float]) -> None:
+        self._window = window
+        self._medians: dict[Beat, tuple[float, int] | None] = {}
+        self.beats = len(window) // BEAT_WIDTH
+        """Heartbeats since the episode: how much evidence the medians hold."""
+
+    def median(self, column: Beat) -> float | None:
+        """The column's median over the beats that timed it; None where none did."""
+        found = self._median_of(column)
+        return None if found is None else found[0]
+
+    def _median_of(self, column: Beat) -> tuple[float, int] | None:
+        """(median, beats that timed it) of a column, once."""
+        if column not in self._medians:
+            values = [v for v in self._window[column::BEAT_WIDTH] if v == v]
+            self._medians[column] = (_median(values), len(values)) if values else None
+        return self._medians[column]
+
+    @property
+    def waited_s(self) -> float:
+        """All the rank waits for the others per step, on most steps."""
+        return self.median(Beat.WAITED) or 0.0
+
+    def own_step(self) -> tuple[float, int] | None:
+        """The rank's own step, less its waits for the others, and the beats it rests on: its
+        compute and input wait where the agent split the step, else its step less the waits."""
+        compute = self._median_of(Beat.COMPUTE)
+        if compute is not None:
+            return compute[0] + (self.median(Beat.INPUT_WAIT) or 0.0), compute[1]
+        step = self._median_of(Beat.STEP)
+        return None if step is None else (max(0.0, step[0] - self.waited_s), step[1])
+
+
+def timed(beats: array[float], column: Beat) -> bool:
+    """The last of a rank's non-empty ``beats`` timed the column (its agent measures it)."""
+    value = beats[column - BEAT_WIDTH]
+    return value == value  # NaN: untimed
+
+
+def _median(values: list[float]) -> float:
+    """The median of a non-empty list, sorted in place (``statistics.median``, less its
+    checks: one per rank and column)."""
+    values.sort()
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def lag_since_episode(record: RankRecord, episode_s: float) -> Lag | None:
+    """The rank's ``Lag`` over its beats after the last whose step gap exceeds
+    ``episode_s`` (that beat's own steps held the episode); None before any beat."""
+    beats = record.beats
+    if beats is None:
+        return None
+    gaps = beats[Beat.GAP :: BEAT_WIDTH]
+    if max(gaps) <= episode_s:  # most ranks, most of the time
+        return Lag(beats)
+    start = next(at + 1 for at in range(len(gaps) - 1, -1, -1) if gaps[at] > episode_s)
+    return Lag(beats[start * BEAT_WIDTH :])

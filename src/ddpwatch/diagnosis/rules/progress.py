@@ -12,9 +12,10 @@ from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.mismatch import odd_at_mark
 from ddpwatch.diagnosis.facts.ranks import is_busy
+from ddpwatch.diagnosis.facts.stragglers import Lag, lag_since_episode, timed
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import format_ranks, record_location, verb
-from ddpwatch.server.records import RankRecord
+from ddpwatch.server.records import BEAT_WIDTH, Beat, RankRecord
 from ddpwatch.status.fmt import STACKS_IN, seconds
 
 
@@ -171,67 +172,63 @@ def rule_batch_desync(f: Facts) -> list[Alert]:
     ]
 
 
-SETTLED_SAMPLES = 10
-"""Heartbeats a rank's averaged collective wait needs before slow_rank reads it: the
-warm-up's weight in the average is 0.8**10, about a tenth, after 10 (5 s at 2 Hz)."""
+SETTLED_BEATS = 10
+"""Heartbeats since a rank's last episode (``Lag``) before slow_rank reads it: medians of 10
+(5 s at 2 Hz) hold neither a warm-up's first second (DataLoader workers starting, first
+compilations) nor the stall or stop before them."""
 SLOW_COST = 0.075
 """The share of the step the others lose waiting from which slow_rank speaks: a rank that
-costs the job 10 % is named within seconds (the averages cross 7.5 % on their way up), one
+costs the job 10 % is named within seconds (once it lags on most beats of the window), one
 that costs under 5 % never is, and a cost near the line does not come and go with each
-step's jitter (the averages move a fifth of the way per heartbeat)."""
+step's jitter (medians over 8 s move only when most of its beats do)."""
 MIN_WAIT_S = 0.005  # the others' wait per step below which nothing is said (timer noise)
+PACE_BEATS = 5
+"""Heartbeats of the others' own steps (their work, less their waits) that the pace the job
+would have without the slow rank needs: with fewer, "instead of ~N steps/s" is not said."""
 LISTED = 8  # the waiting ranks a message names one by one
-
-
-def waited(record: RankRecord) -> float:
-    """All a rank waits for the others per step: in Python-level collectives and in DDP's
-    gradient all-reduce (inside ``backward()``, where no wrapper sees it)."""
-    return (record.avg_collective_time_s or 0.0) + (record.avg_grad_wait_s or 0.0)
+SAMPLED = 256
+"""Ranks whose windows tell the others' typical wait and step (``_spread``)."""
 
 
 @rule(AlertKind.SLOW_RANK, every="slow")
 def rule_slow_rank(f: Facts) -> list[Alert]:
-    """The rank the others wait for every step: its own wait is far shorter than theirs.
+    """The rank the others wait for on most steps: its own wait is far shorter than theirs.
 
     DDP's all-reduce evens out every rank's step time, so a rank slower in its input or its
     compute shows only as the others' wait (TraceML issue 252): in collectives, and in the
     gradient all-reduce at the end of ``backward()`` (``grad_wait_s``). Conservative on
-    purpose: a healthy job must stay silent, so the slow rank must stand out clearly in waits
-    averaged over steps (one step's wait jitters by milliseconds on a busy host), every
-    average must hold enough steps to be past warm-up (DataLoader workers starting, first
-    compilations: a rank slow for its first second is not slow), and what the others lose
-    must be a real share of the step (``SLOW_COST``).
+    purpose: a healthy job must stay silent, so the slow rank must stand out clearly in
+    waits that are medians over heartbeats since each rank's last episode (``Lag``: one
+    step's wait jitters by milliseconds on a busy host, and a one-off stall or stop is the
+    straggler's and silent alerts' business, not a slow rank), every window must hold enough
+    beats (``SETTLED_BEATS``), and what the others lose must be a real share of the step
+    (``SLOW_COST``).
     """
-    moved = f.now - f.stall_after  # ``idle(r) <= stall_after``, without a call per rank
-    ranks = [
-        r
-        for r in f.live
-        if r.avg_step_time_s is not None
-        and r.avg_collective_time_s is not None
-        and r.collective_time_samples >= SETTLED_SAMPLES
-        and (r.collective is not None or r.last_progress >= moved or f.since >= moved)
-    ]
-    if any(r.avg_grad_wait_s is not None for r in ranks):
-        # a rank that cannot see DDP's wait (an older agent, a GPU) would look the slowest
-        ranks = [r for r in ranks if r.avg_grad_wait_s is not None]
-    if len(ranks) < 3:
+    limit = f.collective_limit  # a step gap longer than this ends an episode
+    ranks = _judged(f)
+    sample = _settled(_spread(ranks), limit)
+    if len(sample) < 3:
         return []
-    step = statistics.median(r.avg_step_time_s or 0.0 for r in ranks)
-    wait = statistics.median(waited(r) for r in ranks)
-    if step <= 0 or wait < MIN_WAIT_S:
+    wait = statistics.median(lag.waited_s for _, lag in sample)
+    if wait < MIN_WAIT_S:
         return []
-    slow = sorted((r for r in ranks if waited(r) < 0.25 * wait), key=lambda r: r.rank)
+    slow = _lagging(ranks, 0.25 * wait, limit)
     if not slow or len(slow) > max(1, len(ranks) // 4):
         return []
-    slowest = min(slow, key=lambda r: (waited(r), r.rank))
-    lost = wait - waited(slowest)
-    if lost < SLOW_COST * step:
+    culprits = {r.rank for r, _ in slow}
+    theirs = [lag for r, lag in sample if r.rank not in culprits]
+    if not theirs:
         return []
-    culprits = {r.rank for r in slow}
+    slowest, lag = min(slow, key=lambda found: (found[1].waited_s, found[0].rank))
+    lost = statistics.median(their.waited_s for their in theirs) - lag.waited_s
+    step = statistics.median(their.median(Beat.STEP) or 0.0 for their in theirs)
+    if step <= 0 or lost < SLOW_COST * step:
+        return []
     others = [r for r in ranks if r.rank not in culprits]
-    part = _differing_part(slowest, others, lost)
-    message = _slow_message(slow, slowest, others, (lost, step), part)
-    hint = _slow_hint(slowest, lost, part)
+    part = _differing_part(lag, theirs, lost)
+    without = _pace_without(lag, theirs, step)
+    message = _slow_message([r for r, _ in slow], others, theirs, (lost, step, without), part)
+    hint = _slow_hint(slowest.rank, (lag, theirs), lost, part)
     return [
         alert(
             AlertKind.SLOW_RANK,
@@ -244,15 +241,67 @@ def rule_slow_rank(f: Facts) -> list[Alert]:
     ]
 
 
+def _judged(f: Facts) -> list[RankRecord]:
+    """The live ranks slow_rank compares, by what their records say at a glance: moving or
+    inside a collective, ``SETTLED_BEATS`` beats kept, their steps timed; only those that
+    time DDP's wait where any does (one that cannot see it would look the slowest: an
+    older agent, a model on a GPU)."""
+    moved = f.now - f.stall_after  # ``idle(r) <= stall_after``, without a call per rank
+    need = SETTLED_BEATS * BEAT_WIDTH
+    ranks = [
+        r
+        for r in f.live
+        if r.beats is not None
+        and len(r.beats) >= need
+        and timed(r.beats, Beat.STEP)
+        and (r.collective is not None or r.last_progress >= moved or f.since >= moved)
+    ]
+    seeing = [r for r in ranks if r.beats is not None and timed(r.beats, Beat.GRAD_WAIT)]
+    return seeing or ranks
+
+
+def _spread(ranks: list[RankRecord]) -> list[RankRecord]:
+    """Up to about ``SAMPLED`` ranks spread over the list, whose windows tell the others'
+    typical wait and step: 65,536 ranks of one lockstep job tell them no better than a few
+    hundred, and reading every window each second would cost a tenth of a core."""
+    return ranks if len(ranks) <= 2 * SAMPLED else ranks[:: len(ranks) // SAMPLED]
+
+
+def _settled(ranks: list[RankRecord], limit: float) -> list[tuple[RankRecord, Lag]]:
+    """Each rank's ``Lag`` since its last episode, where that holds ``SETTLED_BEATS``."""
+    found = []
+    for r in ranks:
+        lag = lag_since_episode(r, limit)
+        if lag is not None and lag.beats >= SETTLED_BEATS:
+            found.append((r, lag))
+    return found
+
+
+def _lagging(
+    ranks: list[RankRecord], below: float, limit: float
+) -> list[tuple[RankRecord, Lag]]:
+    """The settled ranks whose wait is under ``below`` on most beats since their episode,
+    by rank; a rank none of whose beats waited that little is passed over at a glance."""
+    found = []
+    for r in ranks:
+        beats = r.beats
+        if beats is None or min(beats[Beat.WAITED :: BEAT_WIDTH]) >= below:
+            continue
+        lag = lag_since_episode(r, limit)
+        if lag is not None and lag.beats >= SETTLED_BEATS and lag.waited_s < below:
+            found.append((r, lag))
+    return sorted(found, key=lambda found: found[0].rank)
+
+
 def _differing_part(
-    slowest: RankRecord, others: list[RankRecord], lost: float
+    slowest: Lag, others: list[Lag], lost: float
 ) -> tuple[str, float, float] | None:
     """The part of the slow rank's step that differs from the others' (its input wait or
-    its compute, the others' median), when that explains half the loss at least."""
+    its compute, medians), when that explains half the loss at least."""
     found = []
-    for name, field in (("input wait", "input_wait_s"), ("compute", "compute_s")):
-        own: float | None = getattr(slowest, field)
-        values = [v for v in (getattr(r, field) for r in others) if v is not None]
+    for name, column in (("input wait", Beat.INPUT_WAIT), ("compute", Beat.COMPUTE)):
+        own = slowest.median(column)
+        values = [v for v in (lag.median(column) for lag in others) if v is not None]
         if own is not None and values:
             theirs = statistics.median(values)
             found.append((own - theirs, name, own, theirs))
@@ -262,19 +311,35 @@ def _differing_part(
     return (name, own, theirs) if extra >= 0.5 * lost else None
 
 
+def _pace_without(slowest: Lag, others: list[Lag], step: float) -> float | None:
+    """The step the job would take without the slow rank: the others' own step (their work,
+    less their waits: median) plus what the slow rank itself waits (the all-reduce's own
+    time). None without ``PACE_BEATS`` of the others' own steps, for own steps within timer
+    noise (no "~1000000 steps/s" from a step of nothing), or for no faster pace than now."""
+    owns = [own for own, beats in filter(None, (lag.own_step() for lag in others))
+            if beats >= PACE_BEATS]  # fmt: skip
+    if not owns:
+        return None
+    own = statistics.median(owns)
+    if own < MIN_WAIT_S:
+        return None
+    without = own + slowest.waited_s
+    return without if without < step else None
+
+
 def _slow_message(
     slow: list[RankRecord],
-    slowest: RankRecord,
     others: list[RankRecord],
-    cost: tuple[float, float],
+    theirs: list[Lag],
+    cost: tuple[float, float, float | None],
     part: tuple[str, float, float] | None,
 ) -> str:
     """The alert's sentence: "rank 1 enters DDP's gradient all-reduce ~190 ms after ranks 0, 2
     every step (its compute takes 210 ms, theirs 20 ms): the job runs at 4.3 steps/s instead
-    of ~5.2"."""
-    lost, step = cost
-    grad = statistics.median(r.avg_grad_wait_s or 0.0 for r in others)
-    total = statistics.median(waited(r) for r in others)
+    of ~5.2"; without the last clause where ``_pace_without`` cannot tell."""
+    lost, step, without = cost
+    grad = statistics.median(lag.median(Beat.GRAD_WAIT) or 0.0 for lag in theirs)
+    total = statistics.median(lag.waited_s for lag in theirs)
     where = "DDP's gradient all-reduce" if grad >= 0.5 * total else "their collectives"
     if len(slow) == 1:
         where = where.replace("their", "its")
@@ -289,24 +354,28 @@ def _slow_message(
         f"{them} every step"
     )
     if part is not None:
-        name, own, theirs = part
-        mine = "its" if len(slow) == 1 else f"rank {slowest.rank}'s"
-        message += f" ({mine} {name} takes {own * 1000:.0f} ms, theirs {theirs * 1000:.0f} ms)"
-    return message + f": the job {_pace(step)} instead of ~{_pace(step - lost, bare=True)}"
+        name, own, their = part
+        mine = "its" if len(slow) == 1 else f"rank {min(slow, key=lambda r: r.rank).rank}'s"
+        message += f" ({mine} {name} takes {own * 1000:.0f} ms, theirs {their * 1000:.0f} ms)"
+    message += f": the job {_pace(step)}"
+    return message if without is None else message + f" instead of ~{_pace(without, bare=True)}"
 
 
 def _pace(step: float, bare: bool = False) -> str:
-    """How fast the job goes: "runs at 4.3 steps/s", or "takes 2.5 s a step" for slow steps."""
+    """How fast the job goes (``step`` > 0): "runs at 4.3 steps/s", or "takes 2.5 s a step"
+    for slow steps."""
     if step < 1.0:
-        rate = 1.0 / max(step, 1e-6)
+        rate = 1.0 / step
         text = f"{rate:.0f}" if rate >= 10 else f"{rate:.1f}"
         return text if bare else f"runs at {text} steps/s"
     return seconds(step) if bare else f"takes {seconds(step)} a step"
 
 
-def _slow_hint(slowest: RankRecord, lost: float, part: tuple[str, float, float] | None) -> str:
-    rank = slowest.rank
-    data_wait = slowest.data_wait_s
+def _slow_hint(
+    rank: int, lags: tuple[Lag, list[Lag]], lost: float, part: tuple[str, float, float] | None
+) -> str:
+    """What to look at on the slow rank: the part of its step that differs; else its data
+    wait where that alone differs from the others' (a wait every rank has is no fix)."""
     if part is not None and part[0] == "input wait":
         return (
             f"rank {rank} waits {part[1] * 1000:.0f} ms per step for its input: give its "
@@ -319,15 +388,26 @@ def _slow_hint(slowest: RankRecord, lost: float, part: tuple[str, float, float] 
             "temperature, other processes), its batch and sequence sizes, and any work it "
             "alone does in its step (hooks, logging, checks)"
         )
-    if data_wait and data_wait > 0.5 * lost:
+    data = _data_waits(*lags)
+    if data is not None and data[0] - data[1] > 0.5 * lost:
         return (
-            f"rank {rank} waits {data_wait * 1000:.0f} ms per step for data: "
-            "give its DataLoader more workers or faster storage"
+            f"rank {rank} waits {data[0] * 1000:.0f} ms per step for data, the others "
+            f"{data[1] * 1000:.0f} ms: give its DataLoader more workers or faster storage"
         )
     return (
         f"rank {rank} computes or loads data slower than the others: compare its data "
         "wait, its GPU (clocks, temperature, other processes) and its batch sizes"
     )
+
+
+def _data_waits(slowest: Lag, others: list[Lag]) -> tuple[float, float] | None:
+    """The slow rank's wait for data per step and the others' (medians, 0 where they timed
+    none), or None where it timed none."""
+    own = slowest.median(Beat.DATA_WAIT)
+    if own is None:
+        return None
+    theirs = [v for v in (lag.median(Beat.DATA_WAIT) for lag in others) if v is not None]
+    return own, statistics.median(theirs) if theirs else 0.0
 
 
 @rule(AlertKind.NAN_LOSS)
