@@ -35,10 +35,11 @@ POINTS = 16
 STRIDE = 3
 """Floats a point takes in the window: server time, bytes, step (``NO_STEP`` for none)."""
 NO_STEP = -1.0
-WARM_S = 3.0
+WARM_S = 2.0
 WARM_STEPS = 5
 """A rank's memory has settled this long and this many steps past its first step: its start
-(imports, model, DDP, DataLoader workers, the first steps' buffers) is behind it."""
+(imports, model, DDP, DataLoader workers, the first steps' buffers) is behind it. With the
+``SUSTAIN_S`` horizon after it, a start that climbs until 7 s past the first step is quiet."""
 IDLE_WARM_S = 60.0
 """...or this long after it first reported while it has taken no step (a job the agent sees
 no steps of, a rank stuck before its first): judged per second, as memory runs out."""
