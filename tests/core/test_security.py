@@ -390,6 +390,7 @@ def test_query_endpoint_is_read_only() -> None:
             "received": 0,
             "rejected": 0,
             "shed": 0,
+            "failed": 0,
             "refused": 0,
             "lag_s": 0,
         }

@@ -446,6 +446,7 @@ def test_serve_max_ranks_from_the_command_line() -> None:
             "received": 2,
             "rejected": 1,
             "shed": 0,
+            "failed": 0,
             "refused": 0,
             "lag_s": 0,
         }

@@ -22,7 +22,7 @@ from ddpwatch.core.protocol import Sample
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.rules import diagnose, rule_cascade, rule_host_memory
 from ddpwatch.server.document import status_document
-from ddpwatch.server.host_memory import growth, note
+from ddpwatch.server.host_memory import WARM_S, growth, note
 from ddpwatch.server.state import ServerState
 from ddpwatch.status.schema import RankEntry
 
@@ -235,24 +235,173 @@ def test_of_two_ranks_silent_at_once_the_one_the_oom_killer_was_coming_for_is_na
     assert silent.ranks == (0, 1)
 
 
+# ------------------------------------------------------------------------------- warm-up
+
+START = 100 * MIB
+PLATEAU = 310 * MIB
+Steps = Callable[[int, float], "int | None"]  # (rank, seconds since start) -> step, None before
+
+
+def ramp(plateau_s: dict[int, float], default: float) -> Memory:
+    """A rank's start as real 3-rank gloo jobs on a loaded 2-core machine show it: its memory
+    climbs from 100 to 310 MiB (torch imported, the model, DDP, the first steps) until its
+    plateau, at ``plateau_s[rank]`` s (else ``default``), then flat to the byte."""
+    return lambda r, t: int(START + (PLATEAU - START) * min(1.0, t / plateau_s.get(r, default)))
+
+
+def stepping(first_s: float, per_s: float) -> Steps:
+    """Every rank's first step at ``first_s``, then ``per_s`` steps a second; None before."""
+    return lambda r, t: None if t < first_s else 1 + int((t - first_s) * per_s)
+
+
+def watch(
+    rss: Memory, steps: Steps, world: int = 3, seconds: float = 40.0, **fields: Any
+) -> list[tuple[float, Alert]]:
+    """``world`` ranks on one host, a heartbeat every 0.5 s with ``steps(r, t)``, the
+    ``host_memory`` rule run every second as the server's slow cadence does: every alert it
+    raised, with the seconds since the start it was raised at."""
+    state = ServerState(started=T0 - 1)
+    fields = {"host_available_bytes": 100 * GIB, "host_total_bytes": 128 * GIB, **fields}
+    raised = []
+    for k in range(int(seconds / 0.5) + 1):
+        t = k * 0.5
+        for r in range(world):
+            sample = Sample(
+                v=1, rank=r, t=T0 + t, pid=100 + r, host="node0", world_size=world,
+                local_rank=r, step=steps(r, t), host_rss_bytes=rss(r, t), workers_rss_bytes=0,
+                **fields,
+            )  # fmt: skip
+            state.apply(sample, T0 + t)
+        if k % 2 == 0:
+            raised += [(t, a) for a in rule_host_memory(state, T0 + t, TH)]
+    return raised
+
+
+@pytest.mark.parametrize("late_s", [3.5, 4.0])
+@pytest.mark.parametrize("per_s", [10.0, 2.0], ids=["10 steps a second", "2 steps a second"])
+@pytest.mark.parametrize("available", [100 * GIB, 4 * GIB], ids=["room", "4 GiB left"])
+@pytest.mark.parametrize("stepping_s", [1.0, 6.0], ids=["its last 1 s", "its last 6 s"])
+def test_a_rank_that_reaches_its_plateau_late_is_no_leak(
+    late_s: float, per_s: float, available: int, stepping_s: float
+) -> None:
+    """Issue #32: healthy 3-rank jobs on a busy machine named the rank that reached its
+    plateau last ("rank 2's host memory grows 7.4 MiB/s, steadily for 9 of the last 11 s
+    (the rank 312 MiB); the others' median 1.7 MiB/s"; with little memory left, "runs out in
+    about 29 min"). Its climb is its start, about over when the ranks step together, or
+    going on through the first ``stepping_s`` seconds of steps."""
+    plateau = 5.0 + late_s
+    rss = ramp({2: plateau}, 5.0)
+    steps = stepping(plateau - stepping_s, per_s)
+    assert watch(rss, steps, host_available_bytes=available) == []
+
+
+def test_every_rank_starting_at_its_own_pace_is_no_leak() -> None:
+    """Plateaus from 7 to 12 s after the first report, the first step at 8 s."""
+    rss = ramp({0: 7.0, 1: 9.0, 2: 12.0}, 7.0)
+    assert watch(rss, stepping(8.0, 10.0), host_available_bytes=4 * GIB) == []
+
+
+def test_a_leak_after_the_start_is_named_within_10_s() -> None:
+    """host-leak's shape: rank 1 keeps 1 MiB a step from step 20, ~10 steps a second, right
+    after a start whose late rank (2) reaches its plateau 4 s after the others."""
+    steps = stepping(8.0, 10.0)
+    leak_from = 8.0 + 19 / 10.0  # step 20
+
+    def rss(r: int, t: float) -> int:
+        held = ramp({2: 9.0}, 5.0)(r, t)
+        step = steps(r, t)
+        return held + (MIB * max(0, step - 19) if r == 1 and step is not None else 0)
+
+    raised = watch(rss, steps)
+    assert raised, "the leak was not named"
+    at, first = raised[0]
+    assert first.ranks == (1,) and at - leak_from <= 10.0, (at - leak_from, first.message)
+    assert {a.ranks for _, a in raised} == {(1,)}
+    assert first.message.startswith("rank 1's host memory grows 10.0 MiB/s, steadily for ")
+    assert " steps, 1.0 MiB a step (the rank " in first.message
+    assert "runs out in about" in first.message
+
+
+@pytest.mark.parametrize("spread_s", [0.0, 3.0], ids=["at once", "over 3 s"])
+def test_a_checkpoints_one_off_buffer_is_no_leak(spread_s: float) -> None:
+    """+500 MiB on one rank at 20 s (a checkpoint's buffers, at once or written over 3 s),
+    then flat: neither a leak nor uneven memory."""
+
+    def rss(r: int, t: float) -> int:
+        extra = (
+            0.0 if r != 0 else min(1.0, max(0.0, (t - 20.0) / spread_s if spread_s else t - 20.0))
+        )
+        return int(BASE + (t >= 20.0) * 500 * MIB * (extra if spread_s else 1.0))
+
+    assert watch(rss, stepping(1.0, 10.0), seconds=45.0) == []
+
+
+def test_a_rank_that_stops_stepping_and_grows_is_named_per_second() -> None:
+    """Settled, then rank 1 stalls (no step since 15 s) while its memory grows 10 MiB/s:
+    judged per second, as memory runs out (12 s: three quarters of a full window rising)."""
+
+    def steps(r: int, t: float) -> int:
+        return 1 + int(min(t, 15.0) * 10) if r == 1 else 1 + int(t * 10)
+
+    raised = watch(lambda r, t: int(BASE + (10 * MIB * max(0.0, t - 15.0) if r == 1 else 0)), steps)
+    at, first = raised[0]
+    assert first.ranks == (1,) and at <= 15.0 + 12.0, first.message
+    assert "steadily for 12 of the last 15 s, taking no step (the rank" in first.message
+
+
+def test_a_rank_that_never_steps_is_judged_once_its_start_is_long_past() -> None:
+    """No step seen (a job the agent counts no steps of): memory that grows during its first
+    ``IDLE_WARM_S`` is its start (a dataset loaded); growth past it is judged per second."""
+    grows = lambda r, t: int(BASE + (8 * MIB * t if r == 0 else 0))  # noqa: E731
+    raised = watch(grows, lambda r, t: None, seconds=80.0)
+    assert raised and raised[0][0] >= 60.0 and raised[0][1].ranks == (0,)
+
+
+def test_uneven_memory_is_compared_on_settled_ranks() -> None:
+    """Rank 0 loads its 9 GiB at once, the others over 6 s, before the first step at 7 s:
+    only the ranks' settled memory says one holds far more than its peers."""
+    rss = lambda r, t: int(9 * GIB * (1.0 if r == 0 else min(1.0, 0.1 + t / 6.0)))  # noqa: E731
+    assert watch(rss, stepping(7.0, 10.0), world=4) == []
+    heavy = lambda r, t: int(9 * GIB if r == 0 else 3 * GIB)  # noqa: E731
+    raised = watch(heavy, stepping(7.0, 10.0), world=4, seconds=15.0)
+    assert raised and raised[0][1].ranks == (0,) and raised[0][0] >= 7.0 + WARM_S
+
+
 # ------------------------------------------------------------------------------- the window
 
 
 def test_the_window_keeps_a_point_a_second_and_sixteen_of_them() -> None:
     points = None
     for k in range(80):
-        points = note(points, T0 + k * 0.25, k)
-    assert points is not None and len(points) == 32
-    assert list(points[-2:]) == [T0 + 19.0, 76.0] and points[0] == T0 + 4.0
+        points = note(points, T0 + k * 0.25, k, k // 4 or None)
+    assert points is not None and len(points) == 48
+    assert list(points[-3:]) == [T0 + 19.0, 76.0, 19.0] and points[0] == T0 + 4.0
+    assert note(None, T0, 1, None)[2] == -1.0  # no step yet
+
+
+def test_growth_is_told_per_step_while_it_grew() -> None:
+    """Steps count where memory grew: 10 a second, 1 MiB each, is 1 MiB a step; a rank
+    that grew taking no step has none (judged per second)."""
+    points = None
+    for k in range(12):
+        points = note(points, float(k), BASE + k * 10 * MIB, 100 + 10 * k)
+    found = growth(points)
+    assert found is not None and found.steady and found.per_step == pytest.approx(MIB)
+    assert found.rising_steps == 110
+    stalled = None
+    for k in range(12):
+        stalled = note(stalled, float(k), BASE + k * 10 * MIB, 100)
+    found = growth(stalled)
+    assert found is not None and found.steady and found.per_step is None
 
 
 def test_growth_leaves_a_one_off_jump_out() -> None:
     points = None
     for k in range(16):
-        points = note(points, float(k), BASE + (4 * GIB if k >= 9 else 0) + k * 100)
+        points = note(points, float(k), BASE + (4 * GIB if k >= 9 else 0) + k * 100, k)
     found = growth(points)
     assert found is not None and abs(found.rate) < MIB and not found.steady
-    assert growth(note(None, 0.0, 1)) is None
+    assert growth(note(None, 0.0, 1, None)) is None
 
 
 def test_the_status_document_shows_host_memory() -> None:

@@ -46,9 +46,14 @@ def known_ranks() -> ServerState:
     return state
 
 
+COALESCED = {"relayed", "first_step"}
+"""Fields a receive may legitimately differ in from messages applied one by one: which path the
+last frame took, and the first step seen (a heartbeat coalesced under backlog is not seen)."""
+
+
 def record_fields(record: RankRecord) -> dict[str, Any]:
-    """Every field but ``relayed`` (which path the last frame took), NaN as a string."""
-    values = {f.name: getattr(record, f.name) for f in fields(RankRecord) if f.name != "relayed"}
+    """Every field but ``COALESCED``, NaN as a string."""
+    values = {f.name: getattr(record, f.name) for f in fields(RankRecord) if f.name not in COALESCED}
     return {k: "nan" if isinstance(v, float) and math.isnan(v) else v for k, v in values.items()}
 
 

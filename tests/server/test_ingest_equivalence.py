@@ -216,6 +216,8 @@ def expected_after_life() -> dict[str, Any]:
         "cgroup_limit_bytes": None,
         "cgroup_used_bytes": None,
         "host_mem_points": None,
+        "first_step": 1,
+        "first_step_at": 2.0,
         "last_progress": 14.0,
         "last_step_at": 14.0,
         "wait_ended_at": 4.0,  # out of the all-reduce it had waited in for 0.5 s at t=3
@@ -313,6 +315,8 @@ def test_a_new_process_for_a_rank_starts_its_record_afresh() -> None:
             "sample_seen": 19.0,
             "last_progress": 19.0,
             "last_step_at": 19.0,
+            "first_step": 1,
+            "first_step_at": 19.0,
             "attempt": 2,
         }
     )

@@ -136,8 +136,13 @@ class RankRecord:
     cgroup_limit_bytes: int | None = None
     cgroup_used_bytes: int | None = None
     host_mem_points: array[float] | None = None
-    """(server time, rank + workers bytes) about every second, the last 16, interleaved:
-    how fast its host memory grows (``server/host_memory.py``)."""
+    """(server time, rank + workers bytes, step) about every second, the last 16,
+    interleaved, once its memory settled: how fast its host memory grows
+    (``server/host_memory.py``)."""
+    first_step: int | None = None
+    first_step_at: float | None = None
+    """The first step the rank reported, and when (server time): its start ends some time
+    after it (``host_memory.settled``)."""
     last_progress: float = 0.0  # a step ended or a forward pass ran
     last_step_at: float = 0.0  # a step ended
     wait_ended_at: float = 0.0

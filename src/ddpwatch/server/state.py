@@ -24,6 +24,7 @@ from ddpwatch.core.protocol import (
 )
 from ddpwatch.core.vocabulary import EventKind
 from ddpwatch.server.host_memory import note as note_host_memory
+from ddpwatch.server.host_memory import settled
 from ddpwatch.server.records import LOG_LINES, RankRecord, note_beat
 from ddpwatch.server.relays import RelayRecord
 from ddpwatch.server.waits import WaitIndex
@@ -282,6 +283,8 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     if moved:
         record.last_progress = now
         record.last_step_at = now
+        if record.first_step_at is None:
+            record.first_step, record.first_step_at = step, now
         if record.error is None and record.exit_time is None:  # not ``finished``
             record.stack = None  # it moved on: the captured stack is stale
     elif (
@@ -333,8 +336,12 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     record.host_total_bytes = sample.host_total_bytes
     record.cgroup_limit_bytes = sample.cgroup_limit_bytes
     record.cgroup_used_bytes = sample.cgroup_used_bytes
-    if rss is not None:
-        record.host_mem_points = note_host_memory(record.host_mem_points, now, rss + (workers or 0))
+    if rss is not None:  # a window only once its start is behind it: warm-up is no leak
+        record.host_mem_points = (
+            note_host_memory(record.host_mem_points, now, rss + (workers or 0), step)
+            if settled(record, now)
+            else None
+        )
     if collective is not None:
         shape = collective.shape
         held = record.collective

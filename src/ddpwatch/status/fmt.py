@@ -78,6 +78,14 @@ def mib_per_s(rate: float) -> str:
     return f"{rate / MIB:.1f} MiB/s"
 
 
+def per_step(value: float) -> str:
+    """Memory a training step keeps, in an alert message: "1.0 MiB a step", "250 KiB a
+    step" (a leak of a few tensors a step is small, its steps many)."""
+    if abs(value) >= MIB:
+        return f"{value / MIB:.1f} MiB a step"
+    return f"{value / KIB:.0f} KiB a step"
+
+
 # ------------------------------------------------------------------------------ durations
 
 

@@ -2,9 +2,11 @@
 others hang), and a rank that holds far more host memory than the others on its host.
 
 The growth of each rank (its own resident set plus its workers') is read from the window
-``ServerState`` keeps (``server/host_memory.py``): robust to a one-off jump, so the first
-epoch's allocation or a checkpoint loaded once says nothing; ranks that grow alike (a cache
-every rank fills) are quiet unless the memory they share runs out soon.
+``ServerState`` keeps (``server/host_memory.py``) once the rank's memory settled: its start
+(imports, model, DDP, the first steps) is no leak, however late it reaches its plateau. The
+window is robust to a one-off jump, so the first epoch's allocation or a checkpoint's buffers
+say nothing; ranks that grow alike (a cache every rank fills) are quiet unless the memory
+they share runs out soon. Ranks are compared for how much they hold only once settled too.
 """
 
 from __future__ import annotations
@@ -18,9 +20,18 @@ from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import format_ranks
-from ddpwatch.server.host_memory import GIB, LEAK_RATE, WHERE, Growth, growth, headroom
+from ddpwatch.server.host_memory import (
+    GIB,
+    LEAK_RATE,
+    WHERE,
+    Growth,
+    growth,
+    headroom,
+    settled,
+)
 from ddpwatch.server.records import RankRecord
 from ddpwatch.status.fmt import memory, mib_per_s, wait
+from ddpwatch.status.fmt import per_step as fmt_per_step
 
 PEERS_FACTOR = 3.0
 """A leaking rank grows at least this many times as fast as the median of the others."""
@@ -59,7 +70,7 @@ def rule_host_memory(f: Facts) -> list[Alert]:
     pace = _Pace(live)
     leaking = [r for r in live if pace.leaking(r)]
     alerts = [_leak_alert(r, pace) for r in leaking]
-    alerts += _uneven(live, {r.rank for r in leaking})
+    alerts += _uneven([r for r in live if settled(r, f.now)], {r.rank for r in leaking})
     return alerts
 
 
@@ -117,11 +128,8 @@ def _leak_alert(r: RankRecord, pace: _Pace) -> Alert:
     held = memory(r.host_rss_bytes)
     if r.workers_rss_bytes:
         held += f", its workers {memory(r.workers_rss_bytes)}"
-    span = f"{g.span_s:.0f} s"
-    if g.rising_s < g.span_s - 0.5:  # it began inside the window
-        span = f"{g.rising_s:.0f} of the last {span}"
     message = (
-        f"rank {r.rank}'s host memory grows {mib_per_s(g.rate)}, steadily for {span} "
+        f"rank {r.rank}'s host memory grows {mib_per_s(g.rate)}, steadily for {_span(g)} "
         f"(the rank {held})"
     )
     peers = pace.others(g.rate)
@@ -139,6 +147,18 @@ def _leak_alert(r: RankRecord, pace: _Pace) -> Alert:
             severity = Severity.ERROR
             message += ": the OOM killer will end it with SIGKILL and the others will hang"
     return alert(AlertKind.HOST_MEMORY, severity, [r.rank], [], message, LEAK_HINT)
+
+
+def _span(g: Growth) -> str:
+    """How long (and over how many steps, a leak's unit) the growth went on: "8 s and 190
+    steps, 1.0 MiB a step", "9 of the last 11 s, taking no step"."""
+    span = f"{g.span_s:.0f} s"
+    if g.rising_s < g.span_s - 0.5:  # it began inside the window
+        span = f"{g.rising_s:.0f} of the last {span}"
+    per_step = g.per_step
+    if per_step is None:
+        return f"{span}, taking no step"
+    return f"{span} and {g.rising_steps:.0f} steps, {fmt_per_step(per_step)}"
 
 
 def _uneven(live: list[RankRecord], named: set[int]) -> list[Alert]:
