@@ -103,7 +103,7 @@ def test_the_server_orders_the_startup_phases_of_the_vocabulary() -> None:
     from ddpwatch.diagnosis.rules import startup
 
     assert startup.STARTUP_PHASES is STARTUP_PHASES
-    assert STARTUP_PHASES[0] == Phase.STARTED and STARTUP_PHASES[-1] == Phase.TRAIN
+    assert STARTUP_PHASES[:2] == (Phase.STARTING, Phase.STARTED) and STARTUP_PHASES[-1] == Phase.TRAIN
     assert all(isinstance(name, str) and name == name.lower() for name in PHASES)
 
 

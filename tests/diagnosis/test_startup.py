@@ -10,11 +10,13 @@ from lockstep import (
     NOW,
     STACK,
     TH,
+    kinds,
     only,
     rank,
     state_of,
 )
 
+from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.rules import (
     diagnose,
     rule_not_connected,
@@ -90,3 +92,100 @@ def test_not_connected_ignores_ranks_beyond_the_world() -> None:
     state = state_of(rank(0, 2, first_seen=NOW - 30), rank(1, 2, first_seen=NOW - 30))
     state.ranks[5] = rank(5, 2, first_seen=NOW - 30)
     assert rule_not_connected(state, NOW, TH) == []
+
+
+# ------------------------------------------------------------ a slow start is not a hang (#32)
+
+LOADED = Thresholds(stall_after=4.0, silent_after=3.0, startup_after=6.0)
+"""``serve --stall-after 4 --silent-after 3 --startup-after 6``, as the issue ran it."""
+
+
+def importing(r: int, since: float, world: int = 3, cpu_grew: float = 0.3) -> RankRecord:
+    """A rank that said its early hello ``since`` s ago and is still importing: phase
+    'starting', its CPU time last grown ``cpu_grew`` s ago."""
+    return starting(
+        r, "starting", since, world, first_seen=NOW - since, cpu_s=4.0, cpu_grew_at=NOW - cpu_grew
+    )
+
+
+def test_ranks_still_importing_are_starting_not_never_connected() -> None:
+    """Issue #32: "ranks 1, 2 never connected while rank 0 has waited in 'rendezvous' for
+    6.2 s" while their processes were alive, importing Lightning."""
+    state = state_of(
+        starting(0, "rendezvous", 6.2, 3, first_seen=NOW - 6.5),
+        importing(1, 5.9),
+        importing(2, 5.8),
+    )
+    alerts = diagnose(state, NOW, LOADED)
+    assert not [a for a in alerts if "never connected" in a.message], alerts
+    assert "not_connected" not in kinds(alerts)
+    note = only(alerts, "startup_hang")
+    assert (note.severity, note.ranks, note.waiting) == ("info", (1, 2), (0,))
+    assert note.message == (
+        "ranks 1, 2 are still starting after 5.9 s, their CPU time growing (importing or "
+        "preparing, not hung) while rank 0 has waited in 'rendezvous' for 6.2 s"
+    )
+
+
+def test_a_long_start_while_cpu_grows_is_a_warning_never_an_error() -> None:
+    state = state_of(starting(0, "rendezvous", 20, 2), importing(1, 20, 2))
+    alert = only(rule_startup_hang(state, NOW, LOADED), "startup_hang")
+    assert (alert.severity, alert.ranks) == ("warning", (1,))
+
+
+def test_a_starting_rank_whose_cpu_stopped_is_named_as_before() -> None:
+    state = state_of(starting(0, "rendezvous", 20, 2), importing(1, 20, 2, cpu_grew=15))
+    alert = only(rule_startup_hang(state, NOW, LOADED), "startup_hang")
+    assert (alert.severity, alert.ranks, alert.waiting) == ("error", (1,), (0,))
+    assert (
+        alert.message
+        == "rank 1 is still in 'starting' after 20.0 s while rank 0 waits in 'rendezvous'"
+    )
+
+
+def test_a_rank_that_never_started_is_still_named_beside_one_starting() -> None:
+    state = state_of(starting(0, "rendezvous", 6.2, 3), importing(1, 5.9))
+    alert = only(rule_startup_hang(state, NOW, LOADED), "startup_hang")
+    assert (alert.severity, alert.ranks, alert.waiting) == ("error", (2,), (0,))
+    assert alert.message == (
+        "rank 2 never connected while rank 0 has waited in 'rendezvous' for 6.2 s; "
+        "rank 1 is still starting after 5.9 s, its CPU time growing"
+    )
+
+
+def test_ranks_with_no_process_and_no_hello_are_never_connected() -> None:
+    state = state_of(starting(0, "rendezvous", 6.2, 3, first_seen=NOW - 6.5))
+    alert = only(diagnose(state, NOW, LOADED), "startup_hang")
+    assert (alert.severity, alert.ranks, alert.waiting) == ("error", (1, 2), (0,))
+    assert alert.message == (
+        "ranks 1, 2 never connected while rank 0 has waited in 'rendezvous' for 6.2 s"
+    )
+
+
+def test_every_rank_slow_in_one_phase_names_no_culprit() -> None:
+    """Issue #32: "ranks 0-2 are still in 'model_wrap' after 6.2 s": every rank slow
+    together, named as culprits."""
+    state = state_of(*(starting(r, "model_wrap", 6.2 + r / 10, 3) for r in range(3)))
+    alert = only(diagnose(state, NOW, LOADED), "startup_hang")
+    assert (alert.severity, alert.ranks, alert.waiting) == ("warning", (), ())
+    assert alert.message == (
+        "all 3 ranks have been in 'model_wrap' for 6.2 s: slow start-up on every rank, "
+        "no rank holds the others"
+    )
+    alert.to_dict()  # a valid alert with no culprit
+
+
+def test_a_job_wide_slow_phase_stays_a_warning() -> None:
+    state = state_of(*(starting(r, "model_wrap", 130, 3) for r in range(3)))
+    alert = only(rule_startup_hang(state, NOW, TH), "startup_hang")
+    assert (alert.severity, alert.ranks) == ("warning", ())
+
+
+def test_a_job_wide_phase_with_a_silent_rank_still_names_ranks() -> None:
+    """Not every rank is there (one went quiet): the job-wide wording does not apply."""
+    state = state_of(
+        *(starting(r, "model_wrap", 70, 3) for r in range(2)),
+        starting(2, "model_wrap", 70, 3, last_seen=NOW - 30),
+    )
+    alert = only(rule_startup_hang(state, NOW, TH), "startup_hang")
+    assert alert.ranks == (0, 1)

@@ -59,6 +59,7 @@ def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
     }
     measured: dict[str, Any] = {
         "phase": "forward",
+        "cpu_s": 12.5,
         "step": 7,
         "loss": 1.5,
         "step_time_s": 0.2,
@@ -97,3 +98,29 @@ def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
     record = state.ranks[1]
     expected = {**identity, **measured, "rank": 1}
     assert {name: getattr(record, name) for name in STORED_FIELDS} == expected
+
+
+def test_the_early_hellos_phase_never_puts_a_rank_back() -> None:
+    """'starting' is a process's first phase only: an early beat that arrives after the
+    agent's first word (another socket) leaves the phase, and its clock, as they were."""
+    from ddpwatch.core.protocol import Sample
+    from ddpwatch.server.state import ServerState
+
+    state = ServerState(started=0.0)
+    state.apply(Sample(v=1, rank=1, t=0.0, pid=7, phase="starting", cpu_s=0.2), 1.0)
+    state.apply(Sample(v=1, rank=1, t=0.0, pid=7, phase="rendezvous", cpu_s=3.0), 5.0)
+    state.apply(Sample(v=1, rank=1, t=0.0, pid=7, phase="starting", cpu_s=2.9), 5.1)
+    record = state.ranks[1]
+    assert (record.phase, record.phase_since) == ("rendezvous", 5.0)
+    assert [name for name, _ in record.phases] == ["starting", "rendezvous"]
+
+
+def test_the_record_notes_when_the_ranks_cpu_time_last_grew() -> None:
+    from ddpwatch.core.protocol import Sample
+    from ddpwatch.server.state import ServerState
+
+    state = ServerState(started=0.0)
+    for now, cpu in ((1.0, 0.20), (1.5, 0.25), (2.0, 0.35), (2.5, 0.36), (9.0, 0.37)):
+        state.apply(Sample(v=1, rank=0, t=0.0, pid=7, phase="starting", cpu_s=cpu), now)
+    record = state.ranks[0]
+    assert (record.cpu_s, record.cpu_grew_at) == (0.37, 2.0)  # 0.1 s of CPU from 0.20 on

@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-from ddpwatch.agent import registry
-from ddpwatch.agent.identity import is_rank_process
+from ddpwatch.agent import early, registry
+from ddpwatch.agent.identity import is_rank_process, rank_from_env
 
 log = logging.getLogger("ddpwatch")
 
@@ -105,6 +105,78 @@ def script_missing(argv: Sequence[str]) -> bool:
     start and says why (``jobs/failure.py``)."""
     kind, target = _what_runs(argv)
     return kind == "script" and target not in (None, "-") and not os.path.exists(target or "")
+
+
+def hello_early() -> bool:
+    """The boot hook's first act, before the user's imports: a process that is a rank for
+    sure says so on a thread (``agent/early.py``); whether it did. Never raises."""
+    try:
+        rank = says_hello_early()
+        return rank is not None and early.start(rank)
+    except Exception:
+        return False
+
+
+def says_hello_early(
+    environ: Mapping[str, str] | None = None,
+    parent: Sequence[str] | None = None,
+    argv: Sequence[str] | None = None,
+    parent_cwd: str | None = None,
+) -> int | None:
+    """The rank this process should say its early hello as (``agent/early.py``), or None.
+
+    Only processes that are ranks for sure: started by a launcher with a rank in their
+    environment (they attach "now"), or a copy of their parent given ``LOCAL_RANK`` (how
+    Lightning starts ranks 1.. of a node; they attach only at ``init_process_group``).
+    DataLoader and compile workers inherit the rank variables but run another program."""
+    env = os.environ if environ is None else environ
+    command = argv if argv is not None else sys.orig_argv
+    if env.get(AUTO_ENV) != "1" or "--multiprocessing-fork" in command:
+        return None
+    if runs_a_launcher(command) or script_missing(command) or not is_rank_process(env):
+        return None
+    rank = rank_from_env(env)
+    if rank is None:
+        return None
+    theirs = parent if parent is not None else parent_argv()
+    if started_by_launcher(" ".join(theirs)):
+        return rank
+    relaunched = "RANK" not in env and "LOCAL_RANK" in env
+    cwd = parent_cwd if parent_cwd is not None else _parent_cwd()
+    return rank if relaunched and runs_the_same_program(command, theirs, cwd) else None
+
+
+def parent_argv() -> list[str]:
+    """The parent's arguments ([] where /proc is not available)."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def _parent_cwd() -> str:
+    try:
+        return os.readlink(f"/proc/{os.getppid()}/cwd")
+    except OSError:
+        return ""
+
+
+def runs_the_same_program(argv: Sequence[str], parent: Sequence[str], parent_cwd: str) -> bool:
+    """Whether this interpreter runs the module or script its parent runs (its path taken
+    from the parent's working directory): a rank re-launched by its rank 0, not a worker."""
+    kind, target = _what_runs(argv)
+    parent_kind, parent_target = _what_runs(parent)
+    if kind != parent_kind or target is None or parent_target is None:
+        return False
+    if kind == "-m":
+        return target == parent_target
+    try:
+        return kind == "script" and os.path.samefile(
+            target, os.path.join(parent_cwd, parent_target)
+        )
+    except OSError:
+        return False
 
 
 def bootstrap(

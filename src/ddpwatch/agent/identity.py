@@ -270,11 +270,29 @@ def _host() -> str | None:
 # public API --------------------------------------------------------------------------------------
 
 
-def identity_from_env(environ: Mapping[str, str] | None = None) -> RankIdentity:
-    """Read the launcher's variables (``os.environ`` by default); never raises."""
-    ident = RankIdentity(pid=os.getpid(), host=_host(), torch_version=_torch_version())
+def identity_from_env(
+    environ: Mapping[str, str] | None = None, *, torch_version: bool = True
+) -> RankIdentity:
+    """Read the launcher's variables (``os.environ`` by default); never raises.
+    ``torch_version=False`` skips torch's package metadata (the early hello's: tens of ms)."""
+    version = _torch_version() if torch_version else None
+    ident = RankIdentity(pid=os.getpid(), host=_host(), torch_version=version)
+    _from_env(os.environ if environ is None else environ, ident)
+    return ident
+
+
+def rank_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    """The global rank the launcher's variables give, read the way ``identity_from_env`` does
+    but without the host name and torch's package metadata (tens of milliseconds): the boot
+    hook asks at interpreter start, before every rank's imports."""
+    ident = RankIdentity()
+    _from_env(os.environ if environ is None else environ, ident)
+    return ident.rank
+
+
+def _from_env(env: Mapping[str, str], ident: RankIdentity) -> None:
+    """Fill ``ident`` from the first launcher whose variables are there; never raises."""
     try:
-        env = os.environ if environ is None else environ
         ident.cuda_visible_devices = env.get("CUDA_VISIBLE_DEVICES")
         ident.job_id = _job_id(env)
         ident.restart_count = _int(env.get("TORCHELASTIC_RESTART_COUNT"))
@@ -290,7 +308,6 @@ def identity_from_env(environ: Mapping[str, str] | None = None) -> RankIdentity:
             _from_lightning(env, ident)
     except Exception:
         pass
-    return ident
 
 
 def is_rank_process(environ: Mapping[str, str] | None = None) -> bool:

@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
-from ddpwatch.agent import hostmem, registry
+from ddpwatch.agent import early, hostmem, registry
 from ddpwatch.agent.auto import after_import
 from ddpwatch.agent.collectives import CollectiveWrappers, FlightRecorder, ensure_flight_recorder
 from ddpwatch.agent.hooks import BackwardLoss, ModelHooks, ProcessHooks
@@ -100,6 +100,7 @@ class Watcher:
         if os.environ.get("DDPWATCH_LOG_TAIL", "1") != "0":
             self._log_tail.install()
         self.publisher.start()
+        early.hand_over()  # the early hello's sender (boot hook) stops: this one beats now
         if self.identity.rank is not None:
             self.publisher.publish(
                 Hello(v=PROTOCOL_VERSION, rank=self.rank, t=time.time(), **self._identity_fields())
@@ -389,6 +390,7 @@ class Watcher:
             **memory_info(device).as_fields(),
             **hostmem.read().as_fields(),  # /proc and the cgroup: a few reads, some cached
             phase=progress.phase,
+            cpu_s=time.process_time(),
             step=progress.step,
             loss=loss,
             nan_step=progress.loss.nan_step,

@@ -12,6 +12,12 @@ import sys
 
 def _bootstrap() -> None:
     try:
+        from ddpwatch.agent.auto import hello_early
+
+        hello_early()  # a rank is known from here on, however long its imports take
+    except Exception:
+        pass  # a courtesy: the attach below still runs
+    try:
         import ddpwatch
         import ddpwatch.integrations  # each framework registers the hooks it boots
         from ddpwatch.agent.auto import bootstrap

@@ -116,6 +116,9 @@ class Sample(Identity, tag="sample"):
     """The heartbeat: identity plus the rank's latest measurements."""
 
     phase: str | None = None
+    cpu_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    """The process's CPU time so far (user + system, every thread): a rank whose CPU time
+    grows is working (importing, preparing), not hung, even before it reports a step."""
     step: NonNegInt | None = None
     loss: float | None = None
     step_time_s: float | None = None

@@ -46,6 +46,7 @@ class Phase(Word):
     rank goes through them, up to ``TRAIN``, then those past startup."""
 
     # startup, in the order a rank goes through them
+    STARTING = "starting"  # the early hello: the interpreter runs, the agent not attached yet
     STARTED = "started"
     RENDEZVOUS = "rendezvous"  # init_process_group
     SETUP = "setup"  # the process group exists; Lightning: prepare_data, setup hooks

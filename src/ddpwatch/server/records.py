@@ -51,6 +51,10 @@ def note_beat(beats: array[float] | None, values: tuple[float, ...]) -> array[fl
     return beats
 
 
+CPU_STEP_S = 0.1
+"""CPU seconds a rank must use for its CPU time to count as growing (``cpu_grew_at``): the
+agent's own thread uses a few milliseconds a second, a rank that imports or computes ~1 s."""
+
 STORED_FIELDS = tuple(name for name in Sample.__struct_fields__ if name not in ("v", "t"))
 """Every field of a ``Hello`` or a ``Sample`` the server keeps on the rank's record (all but
 the protocol version and the sender's clock): ``RankRecord`` declares each one."""
@@ -98,6 +102,10 @@ class RankRecord:
     # measurements
     phase: str | None = None
     phase_since: float | None = None
+    cpu_s: float | None = None
+    cpu_grew_at: float | None = None
+    """When its CPU time last grew by ``CPU_STEP_S`` (server time): a rank working, not hung."""
+    cpu_mark_s: float | None = None  # its CPU time at ``cpu_grew_at``
     step: int | None = None
     loss: float | None = None
     step_time_s: float | None = None

@@ -22,10 +22,10 @@ from ddpwatch.core.protocol import (
     Identity,
     Sample,
 )
-from ddpwatch.core.vocabulary import EventKind
+from ddpwatch.core.vocabulary import EventKind, Phase
 from ddpwatch.server.host_memory import note as note_host_memory
 from ddpwatch.server.host_memory import settled
-from ddpwatch.server.records import LOG_LINES, RankRecord, note_beat
+from ddpwatch.server.records import CPU_STEP_S, LOG_LINES, RankRecord, note_beat
 from ddpwatch.server.relays import RelayRecord
 from ddpwatch.server.waits import WaitIndex
 
@@ -259,11 +259,26 @@ def _beat(sample: Sample, gap_s: float) -> tuple[float, ...]:
 
 
 def _set_phase(record: RankRecord, phase: str | None, now: float) -> None:
+    """Enter ``phase``. 'starting' (the early hello's) is only ever a process's first phase:
+    a beat of the early sender that arrives after the agent's first word (two sockets, no
+    order between them) must not put the rank back, nor restart its phase's clock."""
+    if phase == Phase.STARTING and record.phase not in (None, Phase.STARTING):
+        return
     if phase and phase != record.phase:
         record.phase = phase
         record.phase_since = now
         record.phases.append((phase, now))
         del record.phases[:-32]
+
+
+def _note_cpu(record: RankRecord, cpu_s: float, now: float) -> None:
+    """Keep the rank's CPU time, and when it last grew by ``CPU_STEP_S``: the agent's own
+    thread costs far less between two marks, so growth is the rank's own work."""
+    record.cpu_s = cpu_s
+    mark = record.cpu_mark_s
+    if mark is None or cpu_s - mark >= CPU_STEP_S or cpu_s < mark:
+        record.cpu_mark_s = cpu_s
+        record.cpu_grew_at = now
 
 
 def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # noqa: C901, PLR0912, PLR0915 -- hot path: every heartbeat of every rank, kept flat
@@ -301,6 +316,9 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     phase = sample.phase
     if phase and phase != record.phase:
         _set_phase(record, phase, now)
+    cpu_s = sample.cpu_s
+    if cpu_s is not None:
+        _note_cpu(record, cpu_s, now)
     # every measurement as it came (``tests/server/test_records.py`` checks that each
     # lands): plain stores on a slotted record
     loss = sample.loss

@@ -8,7 +8,7 @@ from collections import Counter
 from ddpwatch.core.vocabulary import STARTUP_PHASES, AlertKind, Phase, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
-from ddpwatch.diagnosis.facts.census import missing_ranks
+from ddpwatch.diagnosis.facts.census import missing_ranks, world_complete
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import format_ranks, record_location, verb
 from ddpwatch.server.records import RankRecord
@@ -23,7 +23,27 @@ def _phase_index(record: RankRecord) -> int:
     return max(index, len(STARTUP_PHASES) - 1) if record.step is not None else index
 
 
+CPU_GROWING_S = 5.0
+"""A rank whose CPU time grew within this long (``RankRecord.cpu_grew_at``) is working."""
+_BEFORE_INIT = (Phase.STARTING, Phase.STARTED)
+
+
+def _in_phase(record: RankRecord, now: float) -> float:
+    return now - (record.phase_since or record.first_seen)
+
+
+def still_starting(record: RankRecord, now: float) -> bool:
+    """A rank before ``init_process_group`` whose CPU time grows: importing or preparing, slow
+    on a loaded machine but working, not hung (the early hello's 'starting', or 'started')."""
+    grew = record.cpu_grew_at
+    phase = record.phase or Phase.STARTED
+    return phase in _BEFORE_INIT and grew is not None and now - grew <= CPU_GROWING_S
+
+
 _PHASE_HINTS: dict[str, str] = {
+    Phase.STARTING: "the interpreter runs but the rank has not reached torch or "
+    "init_process_group yet: its imports (torch, Lightning) or the script's first lines are "
+    "slow; a loaded machine or a slow file system stretches them",
     Phase.STARTED: "the rank has not reached init_process_group: it may be downloading or "
     "preparing data while the others wait; prepare data beforehand or only on rank 0 "
     "followed by a barrier",
@@ -59,7 +79,9 @@ def rule_startup_hang(f: Facts) -> list[Alert]:
     """Ranks stuck before their first step: name the ones furthest behind.
 
     Only ranks in a startup phase count as starting: a rank in 'train' or in a phase
-    of its own ('forward', 'eval') is past startup even before its first step.
+    of its own ('forward', 'eval') is past startup even before its first step. Ranks that
+    are behind but working (``still_starting``) are a note, not a hang; a phase every rank of
+    the job is in names no culprit: none holds the others.
     """
     now, th = f.now, f.th
     live = f.live
@@ -67,21 +89,31 @@ def rule_startup_hang(f: Facts) -> list[Alert]:
     starting = [r for r in live if r.step is None and _phase_index(r) < train]
     if not starting:
         return []
-    longest = max(now - (r.phase_since or r.first_seen) for r in starting)
+    longest = max(_in_phase(r, now) for r in starting)
     if longest <= th.startup_after:
         return []
     earliest = min(_phase_index(r) for r in starting)
     behind = sorted((r for r in starting if _phase_index(r) == earliest), key=lambda r: r.rank)
     ahead = sorted(r.rank for r in live if _phase_index(r) > earliest)
     missing = missing_ranks(f.state)
+    working = all(still_starting(r, now) for r in behind)
     if missing and not ahead:
-        return [_waiting_for_missing(missing, behind, longest)]
-    if not ahead and min(now - (r.phase_since or r.first_seen) for r in behind) <= th.startup_after:
+        phase = behind[0].phase or Phase.STARTED
+        return [_waiting_for_missing(missing, [r.rank for r in behind], phase, longest)]
+    if missing and working:  # the ranks behind are on their way: the missing ones are not
+        phase, note = _ahead_phase(live, earliest), _starting_note(behind, now)
+        return [_waiting_for_missing(missing, ahead, phase, longest, note)]
+    if not ahead and min(_in_phase(r, now) for r in behind) <= th.startup_after:
         return []  # the last rank has just joined the others: the phase is about to end
+    severity = _severity(longest, th.startup_after, working)
+    if not ahead and len(behind) == len(live) and world_complete(f.state, live):
+        return [_job_wide(behind, now, severity)]
+    if working:
+        return [_still_starting(behind, f, earliest, longest, severity)]
     first = behind[0]
     phase = first.phase or Phase.STARTED
     culprits = sorted({r.rank for r in behind} | set(missing))
-    own = max(now - (r.phase_since or r.first_seen) for r in behind)
+    own = max(_in_phase(r, now) for r in behind)
     loc = record_location(first)
     message = (
         f"{format_ranks(r.rank for r in behind)} {verb(len(behind), 'is', 'are')} still in "
@@ -90,30 +122,92 @@ def rule_startup_hang(f: Facts) -> list[Alert]:
     if missing:
         message += f" and {format_ranks(missing)} never connected"
     if ahead:
-        ahead_phase = Counter(
-            r.phase or Phase.STARTED for r in live if _phase_index(r) > earliest
-        ).most_common(1)[0][0]
         message += (
-            f" while {format_ranks(ahead)} {verb(len(ahead), 'waits', 'wait')} in '{ahead_phase}'"
+            f" while {format_ranks(ahead)} {verb(len(ahead), 'waits', 'wait')} in "
+            f"'{_ahead_phase(live, earliest)}'"
         )
     hint = _PHASE_HINTS.get(phase, "look at the stacks of the ranks furthest behind")
-    severity = Severity.ERROR if longest > 2 * th.startup_after else Severity.WARNING
     return [alert(AlertKind.STARTUP_HANG, severity, culprits, ahead, message, hint)]
 
 
-def _waiting_for_missing(missing: list[int], behind: list[RankRecord], longest: float) -> Alert:
-    phase = behind[0].phase or Phase.STARTED
-    message = (
-        f"{format_ranks(missing)} never connected while {format_ranks(r.rank for r in behind)} "
-        f"{verb(len(behind), 'has', 'have')} waited in '{phase}' for {seconds(longest)}"
+def _severity(longest: float, startup_after: float, working: bool) -> Severity:
+    """Warning past ``startup_after``, error past twice that; a step lower for ranks that are
+    still working (their CPU time grows): a note, then a warning, never an error."""
+    late = longest > 2 * startup_after
+    if working:
+        return Severity.WARNING if late else Severity.INFO
+    return Severity.ERROR if late else Severity.WARNING
+
+
+def _ahead_phase(live: list[RankRecord], earliest: int) -> str:
+    """The phase most of the ranks ahead of the ones behind are in."""
+    phases = Counter(r.phase or Phase.STARTED for r in live if _phase_index(r) > earliest)
+    return phases.most_common(1)[0][0]
+
+
+def _starting_note(behind: list[RankRecord], now: float) -> str:
+    """'ranks 1, 2 are still starting after 5.9 s, their CPU time growing'."""
+    own = max(_in_phase(r, now) for r in behind)
+    return (
+        f"{format_ranks(r.rank for r in behind)} {verb(len(behind), 'is', 'are')} still "
+        f"starting after {seconds(own)}, {verb(len(behind), 'its', 'their')} CPU time growing"
     )
+
+
+def _still_starting(
+    behind: list[RankRecord], f: Facts, earliest: int, longest: float, severity: Severity
+) -> Alert:
+    """Ranks behind that are still starting and working: say so, and for how long, without
+    calling them hung (on a loaded machine a rank's imports alone take seconds)."""
+    ahead = [r for r in f.live if _phase_index(r) > earliest]
+    waited = max((_in_phase(r, f.now) for r in ahead if r.step is None), default=longest)
+    message = (
+        f"{_starting_note(behind, f.now)} (importing or preparing, not hung) while "
+        f"{format_ranks(r.rank for r in ahead)} {verb(len(ahead), 'has', 'have')} waited in "
+        f"'{_ahead_phase(f.live, earliest)}' for {seconds(waited)}"
+    )
+    hint = (
+        "nothing to do while their CPU time grows: a slow start (imports of torch or "
+        "Lightning, data preparation), stretched on a loaded machine; if it lasts, look at "
+        "their stacks (py-spy dump --pid) and at what else runs on the node"
+    )
+    culprits, waiting = [r.rank for r in behind], [r.rank for r in ahead]
+    return alert(AlertKind.STARTUP_HANG, severity, culprits, waiting, message, hint)
+
+
+def _job_wide(behind: list[RankRecord], now: float, severity: Severity) -> Alert:
+    """Every rank of the job in the same startup phase, long: the phase is slow everywhere,
+    and no rank is to blame for the others (no culprit, nobody waits on anyone)."""
+    phase = behind[0].phase or Phase.STARTED
+    shortest = min(_in_phase(r, now) for r in behind)
+    count = f"all {len(behind)} ranks" if len(behind) > 1 else "the only rank"
+    message = (
+        f"{count} {verb(len(behind), 'has', 'have')} been in '{phase}' for {seconds(shortest)}: "
+        f"slow start-up on every rank, no rank holds the others"
+    )
+    hint = (
+        "every rank is slow in the same phase: a loaded machine (compare the ranks' CPU use), "
+        "a large model or checkpoint, or something they all wait on (MASTER_ADDR:MASTER_PORT, "
+        "a file system, a download); one rank's stack shows where"
+    )
+    capped = Severity.INFO if severity == Severity.INFO else Severity.WARNING
+    return alert(AlertKind.STARTUP_HANG, capped, [], [], message, hint)
+
+
+def _waiting_for_missing(
+    missing: list[int], waiters: list[int], phase: str, longest: float, note: str = ""
+) -> Alert:
+    """Ranks that never connected, named; ``note`` says which others are still starting."""
+    waited = "been starting" if phase == Phase.STARTING else f"waited in '{phase}'"
+    message = (
+        f"{format_ranks(missing)} never connected while {format_ranks(waiters)} "
+        f"{verb(len(waiters), 'has', 'have')} {waited} for {seconds(longest)}"
+    ) + (f"; {note}" if note else "")
     hint = (
         "start the missing ranks or fix their launch (nnodes x nproc_per_node must equal "
         "WORLD_SIZE); their own logs say why they did not come up"
     )
-    return alert(
-        AlertKind.STARTUP_HANG, Severity.ERROR, missing, [r.rank for r in behind], message, hint
-    )
+    return alert(AlertKind.STARTUP_HANG, Severity.ERROR, missing, waiters, message, hint)
 
 
 @rule(AlertKind.NOT_CONNECTED)
@@ -139,7 +233,7 @@ def rule_not_connected(f: Facts) -> list[Alert]:
         "that they call ddpwatch.attach(), and that they can reach the ddpwatch server"
     )
     severity = Severity.ERROR if elapsed > th.startup_after else Severity.WARNING
-    waiting = [r.rank for r in f.live if r.step is None]
+    waiting = [r.rank for r in f.live if r.step is None and not still_starting(r, now)]
     waiting += [r.rank for r in f.records if r.finished]  # died waiting for them (store timeout)
     return [alert(AlertKind.NOT_CONNECTED, severity, missing, waiting, message, hint)]
 
