@@ -175,6 +175,7 @@ def expected_after_life() -> dict[str, Any]:
         "identity_key": identity_key(device="cuda:1"),
         "phase": "train",
         "phase_since": 13.0,
+        "compile_reason": None,
         "step": 8,
         "loss": 1.0,
         "step_time_s": 0.5,

@@ -70,6 +70,7 @@ class Phase(Word):
     PREDICT = "predict"  # Lightning
     EVALUATION = "evaluation"  # Hugging Face Trainer
     CHECKPOINT = "checkpoint"  # Lightning: trainer.save_checkpoint
+    COMPILING = "compiling"  # inside torch.compile: dynamo, AOT autograd, inductor, a build
 
 
 _PHASES: tuple[str, ...] = tuple(Phase)

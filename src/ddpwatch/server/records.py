@@ -63,6 +63,7 @@ class RankRecord:
     # measurements
     phase: str | None = None
     phase_since: float | None = None
+    compile_reason: str | None = None  # while ``phase`` is ``compiling``: why (a recompile)
     step: int | None = None
     loss: float | None = None
     step_time_s: float | None = None

@@ -281,6 +281,7 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     record.compute_s = sample.compute_s
     grad_wait_s = record.grad_wait_s = sample.grad_wait_s
     record.forwards = sample.forwards
+    record.compile_reason = sample.compile_reason
     record.mem_allocated_bytes = sample.mem_allocated_bytes
     record.mem_reserved_bytes = sample.mem_reserved_bytes
     record.mem_peak_bytes = sample.mem_peak_bytes
