@@ -97,13 +97,16 @@ def test_the_deferred_backward_compile_is_compiling_too(rank_env: None, fresh_dy
     assert entered == [Phase.COMPILING, Phase.STARTED]
 
 
-def test_detach_unregisters_the_callbacks(rank_env: None, fresh_dynamo: None) -> None:  # noqa: F811
+def test_detach_unregisters_the_callbacks_and_a_reset_does_not(rank_env: None, fresh_dynamo: None) -> None:  # noqa: F811
     from torch._dynamo.callback import callback_handler
 
     before = len(callback_handler.start_callbacks), len(callback_handler.end_callbacks)
     watcher = ddpwatch.attach(addr="127.0.0.1:1", interval=0.1)
     assert watcher is not None and watcher._compile.hooked
     assert len(callback_handler.start_callbacks) == before[0] + 1
+    torch.compiler.reset()  # clears every callback: ours come back
+    assert watcher._compile._started in callback_handler.start_callbacks
+    assert watcher._compile._ended in callback_handler.end_callbacks
     ddpwatch.detach()
     assert (len(callback_handler.start_callbacks), len(callback_handler.end_callbacks)) == before
 

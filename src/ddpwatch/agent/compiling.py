@@ -23,12 +23,13 @@ from types import FrameType, ModuleType
 from typing import Any, Final
 
 from ddpwatch.agent.auto import after_import
+from ddpwatch.agent.patches import Patches
 from ddpwatch.agent.progress import Progress
 from ddpwatch.core.vocabulary import Phase
 
 log = logging.getLogger("ddpwatch")
 
-CALLBACKS_MODULE: Final = "torch._dynamo.callback"
+DYNAMO: Final = "torch._dynamo"  # its callback_handler (torch._dynamo.callback) and reset()
 REASON_CHARS: Final = 240  # a guard failure names a tensor and two sizes: short
 _COMPILING: Final = Phase.COMPILING
 _COMPILE_ID: Final = re.compile(r"^\[?\d+/\d+\]?:\s*")  # "0/0: " before a guard failure
@@ -42,12 +43,16 @@ class CompileWatch:
     ``enter_phase(name)``: the watcher's own phase setter, which also sends the phase event
     at once (a compile is rare; the server should not wait a heartbeat to know)."""
 
-    def __init__(self, progress: Progress, enter_phase: Callable[[str], None]) -> None:
+    def __init__(
+        self, progress: Progress, enter_phase: Callable[[str], None], patches: Patches
+    ) -> None:
         self._progress = progress
         self._enter_phase = enter_phase
+        self._patches = patches  # the watcher's: undone when it detaches
         self._handler: Any = None
         self._before: str = Phase.STARTED
         self._active = False  # between our start and end callbacks
+        self._removed = False  # detached: a later import of torch._dynamo registers nothing
         self._seen: dict[Any, int] = {}  # guard failures already read, per code object
         self.hooked = False
         """torch's compile callbacks are registered: the stack is not needed to tell."""
@@ -55,9 +60,10 @@ class CompileWatch:
     def install(self) -> None:
         """Register once torch._dynamo is imported (``torch.compile`` imports it at its first
         call): a job that never compiles never imports it on our account."""
-        after_import(CALLBACKS_MODULE, self._register)
+        after_import(DYNAMO, self._register)
 
     def remove(self) -> None:
+        self._removed = True
         handler, self._handler = self._handler, None
         self.hooked = False
         if handler is None:
@@ -66,19 +72,31 @@ class CompileWatch:
             (handler.remove_start_callback, self._started),
             (handler.remove_end_callback, self._ended),
         ):
-            with contextlib.suppress(Exception):  # torch._dynamo.reset() cleared them
+            with contextlib.suppress(Exception):  # ValueError: a reset cleared them
                 remove(callback)
 
-    def _register(self, module: ModuleType) -> None:
-        handler = getattr(module, "callback_handler", None)
+    def _register(self, dynamo: ModuleType) -> None:
+        """Add the callbacks, and again after each ``torch._dynamo.reset()`` (which
+        ``torch.compiler.reset()`` calls): it clears every callback."""
+        if self._removed:
+            return
+        handler = getattr(dynamo, "callback_handler", None)
         try:
-            handler.register_start_callback(self._started)  # type: ignore[union-attr]
-            handler.register_end_callback(self._ended)  # type: ignore[union-attr]
+            self._add_callbacks(handler)
         except Exception as exc:
             log.debug("ddpwatch: no torch.compile callbacks (%r): phase from the stack", exc)
             return
         self._handler = handler
         self.hooked = True
+        self._patches.wrap(dynamo, "reset", after=lambda *_: self._add_callbacks(self._handler))
+
+    def _add_callbacks(self, handler: Any) -> None:
+        if self._removed or handler is None:
+            return
+        if self._started not in getattr(handler, "start_callbacks", ()):
+            handler.register_start_callback(self._started)
+        if self._ended not in getattr(handler, "end_callbacks", ()):
+            handler.register_end_callback(self._ended)
 
     # the compiling thread: torch runs these under its own lock, once per outermost compile
     def _started(self, args: Any = None) -> None:

@@ -74,7 +74,6 @@ class Watcher:
         self._split_on = os.environ.get("DDPWATCH_STEP_SPLIT", "1") != "0"
         self._model_hooks.on_optimizer = self._grad_ready.backward_ended
         self._input_timer = InputTimer(self.progress)
-        self._compile = CompileWatch(self.progress, self._enter_phase)  # phase ``compiling``
         self._split = SplitReader(self.progress, device_waits=self._grad_ready.collect)
         self._process_hooks = ProcessHooks(
             self._report_crash, self._report_exit, mark=lambda: self.progress.step
@@ -82,6 +81,7 @@ class Watcher:
         self._beat_lock = threading.Lock()  # one sample built at a time (heartbeat or exit)
         self._final_sent = False
         self.patches = Patches()  # undone by detach; integrations wrap through it too
+        self._compile = CompileWatch(self.progress, self._enter_phase, self.patches)
         self._log_tail = LogTail()
         self._next_log = 0.0
         self._detached = False
