@@ -69,6 +69,17 @@ def test_every_rank_compiling_is_no_stall_however_long() -> None:
     assert only(rule_stalled(state, NOW, TH), "stalled").ranks == (2,)
 
 
+def test_a_compile_that_ends_is_progress() -> None:
+    """Leaving 'compiling' after 16 s (a cold inductor cache) is no stall until the step
+    ends: seen as one 'stalled' alert, raised and cleared within 0.25 s."""
+    state = ServerState(started=NOW - 60)
+    for at, phase in ((NOW - 16.0, "compiling"), (NOW - 0.1, "backward")):
+        for r in range(2):
+            state.apply(Sample(v=1, rank=r, t=at, world_size=2, phase=phase, step=1), at)
+    assert state.ranks[0].last_progress == NOW - 0.1
+    assert rule_stalled(state, NOW, TH) == []
+
+
 def test_stalled_many_ranks_is_one_alert() -> None:
     state = job(16, last_progress=NOW - 30)
     alert = only(rule_stalled(state, NOW, TH), "stalled")

@@ -22,7 +22,7 @@ from ddpwatch.core.protocol import (
     Identity,
     Sample,
 )
-from ddpwatch.core.vocabulary import EventKind
+from ddpwatch.core.vocabulary import EventKind, Phase
 from ddpwatch.server.host_memory import note as note_host_memory
 from ddpwatch.server.records import LOG_LINES, RankRecord
 from ddpwatch.server.relays import RelayRecord
@@ -229,6 +229,11 @@ def _apply_identity(record: RankRecord, message: Identity) -> None:
 
 def _set_phase(record: RankRecord, phase: str | None, now: float) -> None:
     if phase and phase != record.phase:
+        if record.phase == Phase.COMPILING:
+            # a compile that ends is progress: else the rank it kept from stepping for
+            # minutes is "stalled" until its step ends (seen: inductor, a cold cache on 2
+            # cores, stalled for 0.25 s as both ranks left 16 s of compiling)
+            record.last_progress = now
         record.phase = phase
         record.phase_since = now
         record.phases.append((phase, now))
