@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_agent import Receiver, rank_env, receiver  # noqa: F401 -- fixtures
+from test_agent import Receiver, rank_env, receiver  # noqa: F401 -- fixtures, by name
 
 import ddpwatch
 from ddpwatch.agent.compiling import clean_reason, in_compile_stack
@@ -46,12 +46,12 @@ def spying_backend(
     return backend
 
 
+@pytest.mark.usefixtures("rank_env", "fresh_dynamo")
 def test_compiling_is_the_phase_during_a_compile_and_reverts_after(
-    receiver: Receiver,  # noqa: F811
-    rank_env: None,  # noqa: F811
-    fresh_dynamo: None,
+    request: pytest.FixtureRequest,
 ) -> None:
-    watcher = ddpwatch.attach(addr=f"127.0.0.1:{receiver.collector.port}", interval=0.1)
+    server: Receiver = request.getfixturevalue("receiver")
+    watcher = ddpwatch.attach(addr=f"127.0.0.1:{server.collector.port}", interval=0.1)
     assert watcher is not None
     seen: list[tuple[str, str | None, Sample | None, bool]] = []
     model = torch.nn.Linear(4, 1)
@@ -76,12 +76,13 @@ def test_compiling_is_the_phase_during_a_compile_and_reverts_after(
         names = [name for name, _ in record.phases] if record else []
         return Phase.COMPILING in names and names[-1] == Phase.STARTED
 
-    receiver.wait_for(back_from_compiling)  # the phase events reached the server, in order
-    names = [name for name, _ in receiver.state.ranks[0].phases]
+    server.wait_for(back_from_compiling)  # the phase events reached the server, in order
+    names = [name for name, _ in server.state.ranks[0].phases]
     assert names[names.index(Phase.COMPILING) - 1 :][:3] == ["eval", Phase.COMPILING, "eval"]
 
 
-def test_the_deferred_backward_compile_is_compiling_too(rank_env: None, fresh_dynamo: None) -> None:  # noqa: F811
+@pytest.mark.usefixtures("rank_env", "fresh_dynamo")
+def test_the_deferred_backward_compile_is_compiling_too() -> None:
     """AOT autograd compiles the backward at its first run (torch's ``LAZY_BACKWARD``)."""
     watcher = ddpwatch.attach(addr="127.0.0.1:1", interval=0.1)
     assert watcher is not None
@@ -97,7 +98,8 @@ def test_the_deferred_backward_compile_is_compiling_too(rank_env: None, fresh_dy
     assert entered == [Phase.COMPILING, Phase.STARTED]
 
 
-def test_detach_unregisters_the_callbacks_and_a_reset_does_not(rank_env: None, fresh_dynamo: None) -> None:  # noqa: F811
+@pytest.mark.usefixtures("rank_env", "fresh_dynamo")
+def test_detach_unregisters_the_callbacks_and_a_reset_does_not() -> None:
     from torch._dynamo.callback import callback_handler
 
     before = len(callback_handler.start_callbacks), len(callback_handler.end_callbacks)
@@ -111,7 +113,8 @@ def test_detach_unregisters_the_callbacks_and_a_reset_does_not(rank_env: None, f
     assert (len(callback_handler.start_callbacks), len(callback_handler.end_callbacks)) == before
 
 
-def test_without_torchs_callbacks_the_stack_tells(rank_env: None, fresh_dynamo: None) -> None:  # noqa: F811
+@pytest.mark.usefixtures("rank_env", "fresh_dynamo")
+def test_without_torchs_callbacks_the_stack_tells() -> None:
     """The fallback: a rank idle a while whose main thread is in dynamo's convert_frame."""
     watcher = ddpwatch.attach(addr="127.0.0.1:1", interval=0.1)
     assert watcher is not None
