@@ -79,6 +79,7 @@ FULL_SAMPLE = Sample(
     compute_s=0.15,
     grad_wait_s=0.03,
     forwards=1234,
+    compile_reason="tensor 'x' size mismatch at index 0. expected 4, actual 8",
     collective=Collective(
         op="all_reduce",
         seq=987,

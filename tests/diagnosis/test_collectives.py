@@ -45,6 +45,45 @@ def test_straggler_exact_message() -> None:
     assert "rank 1" in alerts[0].hint and "all_reduce #42" in alerts[0].hint
 
 
+COMPILE_STACK = STACK.replace(
+    "    y = self.net(x)\n",
+    "    y = self.net(x)\n"
+    '  File "/home/ann/.venv/lib/python3.11/site-packages/torch/_dynamo/convert_frame.py", '
+    "line 1681, in compile_inner\n"
+    "    result = _compile_inner(code, one_graph, hooks)\n",
+)
+
+
+def test_straggler_compiling_says_so_and_why() -> None:
+    """One rank recompiles (its batch has another size) while the others wait in the
+    all-reduce: it is the straggler, compiling, for the reason torch gave."""
+    state = straggler_job()
+    reason = "tensor 'x' size mismatch at index 0. expected 32, actual 31"
+    state.ranks[1] = rank(
+        1,
+        3,
+        step=311,
+        stack=COMPILE_STACK,
+        last_progress=NOW - 12.4,
+        phase="compiling",
+        compile_reason=reason,
+    )
+    alerts = diagnose(state, NOW, TH)
+    assert [(a.kind, a.severity, a.ranks, a.waiting) for a in alerts] == [
+        ("straggler", "error", (1,), (0, 2))
+    ]
+    assert alerts[0].message == (
+        "rank 1 has not entered all_reduce #42 that ranks 0, 2 have waited in for 12.4 s; "
+        f"it is compiling (torch.compile recompiles: {reason}) at step 311, train.py:88"
+    )
+    assert alerts[0].hint.startswith("rank 1 is inside torch.compile while the others wait")
+    assert "TORCH_LOGS=recompiles" in alerts[0].hint
+    state.ranks[1].compile_reason = None  # a first compile on this rank alone
+    assert only(diagnose(state, NOW, TH), "straggler").message.endswith(
+        "; it is compiling (torch.compile) at step 311, train.py:88"
+    )
+
+
 @pytest.mark.parametrize(
     ("age", "step_time", "expected"),
     [

@@ -58,6 +58,29 @@ def test_stalled_quiet(changes: dict[str, Any]) -> None:
     assert rule_stalled(state, NOW, TH) == []
 
 
+def test_every_rank_compiling_is_no_stall_however_long() -> None:
+    """Issue #32: a cold torch.compile on every rank (~20 s on 2 cores, minutes on a large
+    model) was a ``stalled`` error, raised and cleared 16 times in 15 s as its ranks changed."""
+    state = job(3, step=1, phase="compiling", phase_since=NOW - 30, last_progress=NOW - 30)
+    assert rule_stalled(state, NOW, TH) == []
+    assert diagnose(state, NOW, TH) == []  # nor any other alert naming ranks
+    minutes = job(3, step=1, phase="compiling", phase_since=NOW - 600, last_progress=NOW - 600)
+    assert diagnose(minutes, NOW, TH) == []
+    state.ranks[2] = rank(2, 3, step=1, phase="backward", last_progress=NOW - 30)  # stuck
+    assert only(rule_stalled(state, NOW, TH), "stalled").ranks == (2,)
+
+
+def test_a_compile_that_ends_is_progress() -> None:
+    """Leaving 'compiling' after 16 s (a cold inductor cache) is no stall until the step
+    ends: seen as one 'stalled' alert, raised and cleared within 0.25 s."""
+    state = ServerState(started=NOW - 60)
+    for at, phase in ((NOW - 16.0, "compiling"), (NOW - 0.1, "backward")):
+        for r in range(2):
+            state.apply(Sample(v=1, rank=r, t=at, world_size=2, phase=phase, step=1), at)
+    assert state.ranks[0].last_progress == NOW - 0.1
+    assert rule_stalled(state, NOW, TH) == []
+
+
 def test_stalled_many_ranks_is_one_alert() -> None:
     state = job(16, last_progress=NOW - 30)
     alert = only(rule_stalled(state, NOW, TH), "stalled")

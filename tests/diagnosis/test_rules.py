@@ -77,6 +77,11 @@ def test_format_ranks(ranks: list[int], text: str) -> None:
             '  File "/usr/lib/python3/dist-packages/numpy/core.py", line 1, in f\n',
             "model.py:7",
         ),
+        (  # torch.compile's generated code (inductor's default cache) is not the user's line
+            '  File "/w/train.py", line 41, in step\n'
+            '  File "/tmp/torchinductor_ann/k3/ck3xq5.py", line 88, in call\n',
+            "train.py:41",
+        ),
     ],
 )
 def test_location(stack: str | None, where: str | None) -> None:
@@ -92,6 +97,7 @@ def test_location(stack: str | None, where: str | None) -> None:
         ({"last_seen": NOW - 3.0}, "silent"),
         (waiting_in("all_reduce", 4, 0.01), "waiting"),
         ({"last_progress": NOW - 11}, "stalled"),
+        ({"last_progress": NOW - 600, "phase": "compiling"}, "busy"),  # a cold compile works
         ({"last_progress": NOW - 11, "step": None}, "running"),
         ({"last_progress": NOW - 9}, "running"),
         ({"last_seen": NOW - 3.0, **waiting_in("all_reduce", 4, 9.0)}, "silent"),

@@ -74,6 +74,7 @@ def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
         "nan_step": 6,
         "grad_nan_step": 5,
         "forwards": 8,
+        "compile_reason": "tensor 'x' size mismatch at index 0. expected 4, actual 8",
         "batch_marks": [(8, 9)],
         "mem_allocated_bytes": 1,
         "mem_reserved_bytes": 2,

@@ -39,7 +39,8 @@ class Progress:
         self.avg_step_time_s: float | None = None
         self.data_wait_s: float | None = None
         self.phase: str = Phase.STARTED
-        self.pinned = 0  # depth of user phase() blocks
+        self.pinned = 0  # depth of user phase() blocks (and of a compilation: ``compiling``)
+        self.compile_reason: str | None = None  # why torch recompiles, while ``compiling``
         self.phase_changed = now
         self.last_progress = now
         self.collective_op: str | None = None

@@ -171,12 +171,15 @@ class Publisher:
                 self._open(context, home)
             self._drain()
             now = time.monotonic()
-            if now >= next_beat and not stopping:
+            # a beat never overtakes what is queued (the hello, an event not yet taken): it
+            # waits for the next one, as a beat no server took would
+            if now >= next_beat and not stopping and not self._queue:
                 for message in self._safe_heartbeat():
                     if isinstance(message, Event):
                         self.publish(message)  # a log or stack event happens once: keep it
                     elif not self._send(message):
                         self.dropped += 1  # the next beat repeats it
+            if now >= next_beat:
                 next_beat = max(next_beat + self.interval, now)
             if stopping:
                 return

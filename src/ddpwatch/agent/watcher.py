@@ -16,6 +16,7 @@ from typing import Any
 from ddpwatch.agent import early, hostmem, registry
 from ddpwatch.agent.auto import after_import
 from ddpwatch.agent.collectives import CollectiveWrappers, FlightRecorder, ensure_flight_recorder
+from ddpwatch.agent.compiling import CompileWatch, in_compile_stack
 from ddpwatch.agent.hooks import BackwardLoss, ModelHooks, ProcessHooks
 from ddpwatch.agent.identity import RankIdentity, identity_from_env, refresh_from_torch
 from ddpwatch.agent.logtail import LogTail
@@ -45,6 +46,9 @@ IDENTITY_EVERY = 10
 """Heartbeats carry the identity when it changed, after each new connection, and at least
 every this many beats (a safety net); the server keeps the last one it was told."""
 STACK_AFTER_S = 5.0  # half the server's default stall threshold
+COMPILE_LOOK_AFTER_S = 1.0
+"""Without torch's compile callbacks: how long a rank idles before its stack is read for a
+compilation (a cold compile takes seconds; a healthy step is not read at all)."""
 CRASH_FLUSH_S = 1.0  # the most a crash or an exit waits for its report to leave
 FINAL_SAMPLE_WAIT_S = 0.1  # for a heartbeat being built on the publisher thread
 _BEFORE_TRAINING = (Phase.STARTED, Phase.SETUP, Phase.FIRST_STEP)  # "train" once a step ends
@@ -77,6 +81,7 @@ class Watcher:
         self._beat_lock = threading.Lock()  # one sample built at a time (heartbeat or exit)
         self._final_sent = False
         self.patches = Patches()  # undone by detach; integrations wrap through it too
+        self._compile = CompileWatch(self.progress, self._enter_phase, self.patches)
         self._log_tail = LogTail()
         self._next_log = 0.0
         self._detached = False
@@ -115,6 +120,7 @@ class Watcher:
         self._detached = True
         self._model_hooks.remove()
         self._grad_ready.remove()
+        self._compile.remove()
         self._process_hooks.remove()
         self.patches.restore()
         self._log_tail.remove()
@@ -209,6 +215,7 @@ class Watcher:
             return
         self._model_hooks.add_optimizer_hook()
         self._patch_startup(torch)
+        self._compile.install()
         if not dist.is_available():
             return
         self._dist = dist
@@ -382,6 +389,7 @@ class Watcher:
         identity = {**self._identity_fields(), **device.as_fields()}
         loss = progress.loss.poll()
         input_wait_s, compute_s, grad_wait_s = self._split.read()
+        phase = self._phase_now()
         return Sample(
             v=PROTOCOL_VERSION,
             rank=self.rank,
@@ -389,8 +397,9 @@ class Watcher:
             **(identity if self._identity_due(identity) else {}),
             **memory_info(device).as_fields(),
             **hostmem.read().as_fields(),  # /proc and the cgroup: a few reads, some cached
-            phase=progress.phase,
+            phase=phase,
             cpu_s=time.process_time(),
+            compile_reason=progress.compile_reason if phase == Phase.COMPILING else None,
             step=progress.step,
             loss=loss,
             nan_step=progress.loss.nan_step,
@@ -407,6 +416,20 @@ class Watcher:
             forwards=progress.forwards or None,
             batch_marks=list(progress.batch_marks) or None,
         )
+
+    def _phase_now(self) -> str:
+        """The phase to report: the training thread's, or ``compiling`` where torch has no
+        compile callbacks and the main thread, idle a while, is inside a compilation."""
+        phase = self.progress.phase
+        if (
+            self._compile.hooked
+            or phase == Phase.COMPILING
+            or "torch._dynamo" not in sys.modules
+            or self.progress.idle_for() < COMPILE_LOOK_AFTER_S
+        ):
+            return phase
+        frame = sys._current_frames().get(self._main_thread) if self._main_thread else None
+        return Phase.COMPILING if in_compile_stack(frame) else phase
 
     def _stack_if_stuck(self) -> str | None:
         """The main thread's stack once idle for ``stack_after``; sent only when it changed."""

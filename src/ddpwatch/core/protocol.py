@@ -137,6 +137,9 @@ class Sample(Identity, tag="sample"):
     grad_nan_step: NonNegInt | None = None
     """The first step whose own gradients, before DDP's all-reduce, were not finite (exact)."""
     forwards: NonNegInt | None = None
+    compile_reason: str | None = None
+    """While ``phase`` is ``compiling``: why torch compiles again (a guard failure, as torch
+    words it); None on a first compile or where torch does not say."""
     mem_allocated_bytes: NonNegInt | None = None
     mem_reserved_bytes: NonNegInt | None = None
     mem_peak_bytes: NonNegInt | None = None

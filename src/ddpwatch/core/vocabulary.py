@@ -71,6 +71,7 @@ class Phase(Word):
     PREDICT = "predict"  # Lightning
     EVALUATION = "evaluation"  # Hugging Face Trainer
     CHECKPOINT = "checkpoint"  # Lightning: trainer.save_checkpoint
+    COMPILING = "compiling"  # inside torch.compile: dynamo, AOT autograd, inductor, a build
 
 
 _PHASES: tuple[str, ...] = tuple(Phase)
@@ -97,7 +98,7 @@ class RankState(Word):
     SILENT = "silent"  # no heartbeat
     STALLED = "stalled"  # no progress for the stall threshold
     NOT_CONNECTED = "not_connected"  # below the world size, never reported
-    BUSY = "busy"  # no step for the stall threshold, but its stack moves: working
+    BUSY = "busy"  # no step for the stall threshold, but its stack moves or it compiles
     WAITING = "waiting"  # inside a collective
     RUNNING = "running"
     STOPPED = "stopped"  # ended by SIGTERM/SIGINT/SIGHUP from outside

@@ -51,6 +51,12 @@ def _is_stdlib(parts: list[str]) -> bool:
     return any(_STDLIB_DIR.match(part) for part in parts[:-1])
 
 
+def _is_generated(parts: list[str]) -> bool:
+    """Code torch.compile wrote ("/tmp/torchinductor_ann/ab/cabxyz.py", inductor's default
+    cache): the user's line is further out."""
+    return any(part.startswith("torchinductor_") for part in parts[:-1])
+
+
 def location(stack: str | None) -> str | None:
     """Return "train.py:88", the innermost frame of a formatted stack in the user's own code.
 
@@ -62,7 +68,12 @@ def location(stack: str | None) -> str | None:
     for path, line in reversed(_FRAME.findall(stack)):
         parts = re.split(r"[\\/]", path)
         name = parts[-1]
-        if name.startswith("<") or _SKIP_PARTS.intersection(parts) or _is_stdlib(parts):
+        if (
+            name.startswith("<")
+            or _SKIP_PARTS.intersection(parts)
+            or _is_stdlib(parts)
+            or _is_generated(parts)
+        ):
             continue
         return f"{name}:{line}"
     return None
@@ -76,11 +87,12 @@ def record_location(record: RankRecord) -> str | None:
     return found
 
 
-def where(record: RankRecord, stepping: bool = False) -> str:
+def where(record: RankRecord, stepping: bool = False, phase: bool = True) -> str:
     """Describe where a rank is: "in 'forward' at step 311, train.py:88", as far as known.
-    ``stepping``: other ranks reported steps, so one that reported none may have made some."""
+    ``stepping``: other ranks reported steps, so one that reported none may have made some;
+    ``phase``: False where the sentence says the phase in words of its own."""
     parts = []
-    if record.phase:
+    if phase and record.phase:
         parts.append(f"in '{record.phase}'")
     if record.step is not None:
         parts.append(f"at step {record.step}")

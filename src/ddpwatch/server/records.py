@@ -106,6 +106,7 @@ class RankRecord:
     cpu_grew_at: float | None = None
     """When its CPU time last grew by ``CPU_STEP_S`` (server time): a rank working, not hung."""
     cpu_mark_s: float | None = None  # its CPU time at ``cpu_grew_at``
+    compile_reason: str | None = None  # while ``phase`` is ``compiling``: why (a recompile)
     step: int | None = None
     loss: float | None = None
     step_time_s: float | None = None

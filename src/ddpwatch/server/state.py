@@ -265,6 +265,11 @@ def _set_phase(record: RankRecord, phase: str | None, now: float) -> None:
     if phase == Phase.STARTING and record.phase not in (None, Phase.STARTING):
         return
     if phase and phase != record.phase:
+        if record.phase == Phase.COMPILING:
+            # a compile that ends is progress: else the rank it kept from stepping for
+            # minutes is "stalled" until its step ends (seen: inductor, a cold cache on 2
+            # cores, stalled for 0.25 s as both ranks left 16 s of compiling)
+            record.last_progress = now
         record.phase = phase
         record.phase_since = now
         record.phases.append((phase, now))
@@ -333,6 +338,7 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     record.compute_s = sample.compute_s
     record.grad_wait_s = sample.grad_wait_s
     record.forwards = sample.forwards
+    record.compile_reason = sample.compile_reason
     record.mem_allocated_bytes = sample.mem_allocated_bytes
     record.mem_reserved_bytes = sample.mem_reserved_bytes
     record.mem_peak_bytes = sample.mem_peak_bytes

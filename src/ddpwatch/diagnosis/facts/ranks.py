@@ -69,7 +69,8 @@ def rank_state(
     if record.collective is not None:
         return RankState.WAITING
     if record.step is not None and now - max(record.last_progress, since) > stall_after:
-        return RankState.BUSY if is_busy(record, now, th) else RankState.STALLED
+        working = is_busy(record, now, th) or is_compiling(record)
+        return RankState.BUSY if working else RankState.STALLED
     return RankState.RUNNING
 
 
@@ -82,6 +83,13 @@ def is_busy(record: RankRecord, now: float, th: Thresholds) -> bool:
     (one big kernel, a GPU sync) looks stuck too: that is the conservative side."""
     moved = record.stack_moved_at
     return moved is not None and moved > record.last_progress and now - moved <= th.silent
+
+
+def is_compiling(record: RankRecord) -> bool:
+    """Inside ``torch.compile`` (dynamo, AOT autograd, inductor), as the agent hears from
+    torch itself: working, however long a cold compile takes (minutes on a large model),
+    never stalled."""
+    return record.phase == Phase.COMPILING
 
 
 def is_term_exit(record: RankRecord) -> bool:

@@ -10,7 +10,7 @@ from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.census import world_complete
 from ddpwatch.diagnosis.facts.mismatch import Mismatch, odd_at_mark
-from ddpwatch.diagnosis.facts.ranks import is_busy, normal_op
+from ddpwatch.diagnosis.facts.ranks import is_busy, is_compiling, normal_op
 from ddpwatch.diagnosis.facts.stragglers import Straggle
 from ddpwatch.diagnosis.knowledge import named_ranks
 from ddpwatch.diagnosis.rules.registry import alert, rule
@@ -22,6 +22,7 @@ from ddpwatch.diagnosis.text import (
     verb,
     where,
 )
+from ddpwatch.server.records import RankRecord
 from ddpwatch.status.fmt import STACKS_IN, seconds, wait
 
 
@@ -38,14 +39,9 @@ def rule_straggler(f: Facts) -> list[Alert]:
     name = collective_name(found.op, found.seq)
     first = culprits[0]
     subject = "it is" if len(culprits) == 1 and not found.via else f"rank {first.rank} is"
-    detail = f"{subject} {where(first)}"
-    if first.collective is not None:
-        detail += f", inside {collective_name(first.collective.op, first.collective.seq)}"
-    elif is_busy(first, f.now, f.th):
-        detail += ", busy: its stack moves (working, not stuck)"
+    compiling = first.collective is None and is_compiling(first)
     loading = in_data_loading(first.stack)
-    if loading:
-        detail += ", waiting for its DataLoader"
+    detail = _culprit_detail(f, first, subject, compiling, loading)
     waiters = format_ranks(waiting)  # once: thousands of ranks at scale
     chain = "".join(
         f"; {format_ranks(hop.ranks)} {verb(len(hop.ranks), 'waits', 'wait')} in {hop.name} "
@@ -64,23 +60,7 @@ def rule_straggler(f: Facts) -> list[Alert]:
             if found.timeout_left > 0
             else f"; the process group's timeout has passed by {wait(-found.timeout_left)}"
         )
-    if loading:
-        hint = (
-            f"data loading: rank {first.rank}'s main thread waits for a DataLoader worker; a "
-            "worker that hangs (a deadlock, a network read, a lock taken before fork) keeps it "
-            "there: run with num_workers=0 to see where, and give DataLoader a timeout="
-        )
-    else:
-        hint = (
-            f"see where rank {first.rank} is (its stack in {STACKS_IN}): a "
-            "rank-dependent branch, slow data loading or I/O, or a collective that not every "
-            f"rank calls keeps it from {name}"
-        )
-    if found.timeout_left is not None and not loading:
-        hint += (
-            "; if that rank's work is legitimate (saving, evaluating on one rank), raise "
-            "timeout= in init_process_group or let the other ranks do it too"
-        )
+    hint = _straggler_hint(first.rank, name, compiling, loading, found.timeout_left is not None)
     severity = Severity.ERROR if found.age >= f.stall_after else Severity.WARNING
     return [
         alert(
@@ -94,6 +74,66 @@ def rule_straggler(f: Facts) -> list[Alert]:
             phase=first.phase,
         )
     ]
+
+
+def _culprit_detail(
+    f: Facts, first: RankRecord, subject: str, compiling: bool, loading: bool
+) -> str:
+    """Where the first culprit is and what it does: "it is in 'forward' at step 311,
+    train.py:88", then inside which collective, busy, compiling or waiting for data."""
+    if compiling:  # its phase, said in full
+        detail = f"{subject} {_compiling(first)} {where(first, phase=False)}"
+    else:
+        detail = f"{subject} {where(first)}"
+    if first.collective is not None:
+        detail += f", inside {collective_name(first.collective.op, first.collective.seq)}"
+    elif not compiling and is_busy(first, f.now, f.th):
+        detail += ", busy: its stack moves (working, not stuck)"
+    if loading:
+        detail += ", waiting for its DataLoader"
+    return detail
+
+
+def _straggler_hint(rank: int, name: str, compiling: bool, loading: bool, timed: bool) -> str:
+    """What to do about the culprit; ``timed``: the waiters' process-group timeout is known."""
+    if compiling:
+        return _compile_hint(rank, name)
+    if loading:
+        return (
+            f"data loading: rank {rank}'s main thread waits for a DataLoader worker; a "
+            "worker that hangs (a deadlock, a network read, a lock taken before fork) keeps it "
+            "there: run with num_workers=0 to see where, and give DataLoader a timeout="
+        )
+    hint = (
+        f"see where rank {rank} is (its stack in {STACKS_IN}): a "
+        "rank-dependent branch, slow data loading or I/O, or a collective that not every "
+        f"rank calls keeps it from {name}"
+    )
+    if timed:
+        hint += (
+            "; if that rank's work is legitimate (saving, evaluating on one rank), raise "
+            "timeout= in init_process_group or let the other ranks do it too"
+        )
+    return hint
+
+
+def _compiling(record: RankRecord) -> str:
+    """What a rank inside torch.compile is doing, and why where torch said (a guard that
+    failed: this rank compiles again where the others run what they compiled)."""
+    reason = record.compile_reason
+    if reason:
+        return f"compiling (torch.compile recompiles: {first_line(reason)})"
+    return "compiling (torch.compile)"
+
+
+def _compile_hint(rank: int, name: str) -> str:
+    return (
+        f"rank {rank} is inside torch.compile while the others wait in {name}: a recompile on "
+        "one rank (a guard failed: a shape, a dtype or a Python value that differs by rank; "
+        "TORCH_LOGS=recompiles says which) or a compile cache the others hit and it missed; "
+        "pad inputs to one shape or mark the dimension dynamic (torch._dynamo.mark_dynamic), "
+        "and warm the cache (TORCHINDUCTOR_CACHE_DIR on a shared disk)"
+    )
 
 
 def _all_waiting(facts: Facts, found: Straggle) -> list[Alert]:

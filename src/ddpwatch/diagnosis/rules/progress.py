@@ -11,7 +11,7 @@ from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.mismatch import odd_at_mark
-from ddpwatch.diagnosis.facts.ranks import is_busy
+from ddpwatch.diagnosis.facts.ranks import is_busy, is_compiling
 from ddpwatch.diagnosis.facts.stragglers import Lag, lag_since_episode, timed
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import format_ranks, record_location, verb
@@ -21,7 +21,9 @@ from ddpwatch.status.fmt import STACKS_IN, seconds
 
 @rule(AlertKind.STALLED)
 def rule_stalled(f: Facts) -> list[Alert]:
-    """A training rank that stopped making progress outside any collective."""
+    """A training rank that stopped making progress outside any collective. A rank that
+    compiles (``torch.compile``) works: not a stall, however long; one the others wait
+    for in a collective is the straggler's business."""
     cutoff = f.now - f.stall_after  # idle(r) > stall_after, without a call per rank
     if f.since >= cutoff:
         return []
@@ -35,6 +37,7 @@ def rule_stalled(f: Facts) -> list[Alert]:
         r
         for r in candidates
         if r.rank not in excluded
+        and not is_compiling(r)
         and not is_busy(r, f.now, f.th)
         and (r.sample_seen or 0.0) >= released
     ]
