@@ -227,3 +227,46 @@ def _collector_failed(err: str) -> bool:
         text in err
         for text in ("Exception in thread", "collector stopped", "could not be taken in")
     )
+
+
+def test_run_records_in_one_folder_keeps_the_last_20_and_says_where_at_the_end(
+    tmp_path: Path,
+) -> None:
+    """A newcomer's afternoon left nine recordings beside their script (#33): they go to
+    ./ddpwatch-runs, the oldest beyond 20 removed, and the end of the run says which file."""
+    runs = tmp_path / "ddpwatch-runs"
+    runs.mkdir()
+    for n in range(25):
+        old = runs / f"ddpwatch-old-{n:02}.ddpw"
+        old.write_bytes(b"")
+        os.utime(old, (1_000_000 + n, 1_000_000 + n))
+    (runs / "notes.txt").write_text("mine")  # not a recording: never touched
+    env = {k: v for k, v in os.environ.items() if k != "DDPWATCH_RECORD_DIR"}
+    done = subprocess.run(
+        [sys.executable, "-m", "ddpwatch", "run", "--", sys.executable, "-c", "print('hi')"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    kept = sorted(p.name for p in runs.glob("ddpwatch-*.ddpw"))
+    (new,) = [name for name in kept if not name.startswith("ddpwatch-old-")]
+    assert len(kept) == 20 and kept[:19] == [f"ddpwatch-old-{n:02}.ddpw" for n in range(6, 25)]
+    assert (runs / "notes.txt").exists()
+    assert not list(tmp_path.glob("*.ddpw"))  # nothing beside the user's files
+    last = done.stderr.strip().splitlines()[-1]
+    assert (
+        last
+        == f"ddpwatch run: recorded in ddpwatch-runs/{new}: ddpwatch report ddpwatch-runs/{new}"
+    )
+
+
+def test_run_usage_names_every_option() -> None:
+    from ddpwatch.cli import build_parser
+
+    parser = build_parser()
+    (run,) = [
+        p for a in parser._subparsers._group_actions for n, p in a.choices.items() if n == "run"
+    ]
+    usage = run.format_usage()
+    options = [a.option_strings for a in run._actions if a.option_strings]
+    assert len(options) > 5
+    assert [o for o in options if not any(f"[{s}" in usage or f" {s}" in usage for s in o)] == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ddpwatch.commands._args import Subparsers, _addr, add_bell, add_notify, notifier
 
@@ -14,8 +15,9 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         NAME,
         help="run a launch command with ddpwatch in every rank, no code change",
-        usage="ddpwatch run [--addr HOST:PORT] [--tui] [--notify-cmd CMD] [--webhook URL] "
-        "-- COMMAND ...",
+        usage="ddpwatch run [-h] [--addr HOST:PORT] [--tui] [--record FILE | --no-record] "
+        "[--no-relay] [--notify-cmd CMD] [--webhook URL] [--notify-level LEVEL] "
+        "[--notify-interval S] [--no-bell] -- COMMAND ...",
     )
     parser.add_argument(
         "--addr",
@@ -34,7 +36,8 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         metavar="FILE",
         default=None,
         help="record the run here (default: ddpwatch-<script>-<time>.ddpw in "
-        "$DDPWATCH_RECORD_DIR or the working directory; ddpwatch report FILE reads it)",
+        "$DDPWATCH_RECORD_DIR or ./ddpwatch-runs, the last 20 kept; ddpwatch report FILE "
+        "reads it)",
     )
     recording.add_argument("--no-record", action="store_true", help="do not record the run")
     parser.add_argument(
@@ -49,7 +52,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpwatch.jobs.launch import default_recording, run_command
+    from ddpwatch.jobs.launch import default_recording, prune_recordings, run_command
 
     job = args.job[1:] if args.job[:1] == ["--"] else args.job
     if args.addr is not None and (args.notify_cmd or args.webhook):
@@ -67,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     record = None
     if args.addr is None and not args.no_record:
         record = args.record or default_recording(job)
+        if not args.record:
+            prune_recordings(Path(record).parent)
     return run_command(
         job,
         args.addr,

@@ -45,6 +45,11 @@ from ddpwatch.status.provider import in_background
 
 BOOT_DIR = Path(__file__).resolve().parent.parent / "boot"
 RECORD_DIR_ENV = "DDPWATCH_RECORD_DIR"  # where run's default recordings go
+RUNS_DIR = "ddpwatch-runs"
+"""...when it is not set: one folder in the working directory, not a file per run beside the
+user's own."""
+RUNS_KEPT = 20
+"""Default recordings kept in that folder: the oldest beyond these go as a new run starts."""
 
 
 def job_environment(addr: str, environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -117,9 +122,22 @@ def run_command(
                 server.tick()  # report what the job's last messages say
     finally:
         why = _not_started(server, job.returncode, lines, stops)
-        print_summary(server.status(), sys.stderr, not_started=why)
-        if notify is not None:
-            notify.close()  # the final alerts still go out (a few seconds at most)
+        _end_of_run(server, why, record, notify)
+
+
+def _end_of_run(
+    server: Server, why: str | None, record: str | None, notify: Notifier | None
+) -> None:
+    """The summary, then where the run was recorded (what reads it once this server is gone);
+    the notifier closes last (its final alerts still go out, a few seconds at most)."""
+    print_summary(server.status(), sys.stderr, not_started=why)
+    if server.recorder is not None and record is not None:
+        print(
+            f"ddpwatch run: recorded in {record}: ddpwatch report {shlex.quote(record)}",
+            file=sys.stderr,
+        )
+    if notify is not None:
+        notify.close()
 
 
 def _not_started(
@@ -197,16 +215,33 @@ def _start(
 
 
 def default_recording(command: Sequence[str], now: float | None = None) -> str:
-    """Where ``ddpwatch run`` records when not told: ``$DDPWATCH_RECORD_DIR`` or the working
-    directory, named after the job's script (or program) and the time, e.g.
-    ``ddpwatch-train-20261123-192600.ddpw``."""
+    """Where ``ddpwatch run`` records when not told: ``$DDPWATCH_RECORD_DIR`` or
+    ``./ddpwatch-runs``, named after the job's script (or program) and the time, e.g.
+    ``ddpwatch-runs/ddpwatch-train-20261123-192600.ddpw``."""
     scripts = [Path(arg).stem for arg in command if arg.endswith(".py")]
     name = scripts[0] if scripts else Path(command[0]).name if command else "job"
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:40] or "job"
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
-    folder = os.environ.get(RECORD_DIR_ENV)
-    file = f"ddpwatch-{name}-{stamp}.ddpw"
-    return str(Path(folder) / file) if folder else file
+    folder = os.environ.get(RECORD_DIR_ENV) or RUNS_DIR
+    return str(Path(folder) / f"ddpwatch-{name}-{stamp}.ddpw")
+
+
+def prune_recordings(folder: str | os.PathLike[str], keep: int = RUNS_KEPT - 1) -> list[Path]:
+    """Remove the oldest default recordings (``ddpwatch-*.ddpw``) in ``folder`` beyond the
+    newest ``keep``, room for the one a run is about to make; the paths removed. A file that
+    cannot be removed stays: housekeeping never stops a run."""
+    try:
+        found = sorted(Path(folder).glob("ddpwatch-*.ddpw"), key=lambda p: p.stat().st_mtime)
+    except OSError:
+        return []
+    removed = []
+    for old in found[: max(0, len(found) - keep)]:
+        try:
+            old.unlink()
+        except OSError:
+            continue
+        removed.append(old)
+    return removed
 
 
 def _local_server(port: int, on_change: Any, record: str | None) -> Server:
