@@ -35,7 +35,7 @@ def summary_lines(document: StatusDocument, not_started: str | None = None) -> l
             lines.append("  " + episode_line(episode, end_s))
         if len(run.episodes) > ALERTS_LISTED:
             more = len(run.episodes) - ALERTS_LISTED
-            lines.append(f"  and {more} more (ddpwatch status --json)")
+            lines.append(f"  and {more} more (all of them: ddpwatch report on the recording)")
     else:
         lines.append("alerts: none")
     held = [h for account in run.accounts for h in account.held]
