@@ -64,6 +64,7 @@ class GradCheck:
         self._sums: list[Any] = []
         self._torch: Any = None
         self._tensor: Any = None  # torch.Tensor
+        self.enabled = True  # ``DDPWATCH_PROBES=-grads`` (``agent/switches.py``): no hooks
         self.faults = 0
 
     # training thread -------------------------------------------------------
@@ -72,7 +73,9 @@ class GradCheck:
 
         Plain tensors only: a ``DTensor`` (FSDP2, tensor parallel) is skipped, as its sum
         could need a collective."""
-        if os.environ.get(ENV, "1") == "0" or not hasattr(model, "parameters"):
+        if not self.enabled or os.environ.get(ENV, "1") == "0":
+            return []
+        if not hasattr(model, "parameters"):
             return []
         if _is_fsdp(model):
             return []
