@@ -1,19 +1,21 @@
-"""Agent overhead on a real gloo DDP loop: attached vs. bare, interleaved in one job, and the peer.
+"""Agent overhead on a real gloo DDP loop: attached vs. bare, each part's cost, and the peer.
 
     python benchmarks/agent_overhead.py [--ranks 2] [--trials 40] [--block-s 0.5]
-                                        [--sizes small,medium] [--peer auto|off]
+                                        [--sizes small,medium] [--arms ...] [--peer auto|off]
 
-Two launches of the same training loop (a DDP MLP on gloo, OMP_NUM_THREADS=1):
+Two launches of the same training loop (a DDP MLP on gloo, OMP_NUM_THREADS=1, each step's
+batch drawn from a ``DataLoader``, so the agent's DataLoader probes run as in a real job):
 
 * ``torchrun`` job, ddpwatch: every trial times one block of steps per arm, the arms in a
   rotated order (trial t starts with arm t mod n): ``bare`` (no agent; ``ddpwatch.step``
   still called, a no-op), ``bare-again`` (a second bare arm: the run's noise floor),
-  and ``ddpwatch`` (``ddpwatch.attach(model)``, reporting to a real server in this
-  process); ``--arms`` may add ``ddpwatch-nosplit``, the agent without its step split
-  (``DDPWATCH_STEP_SPLIT=0``: no gradient-ready hooks, no backward or DataLoader timing).
+  ``ddpwatch`` (``ddpwatch.attach(model)``, reporting to a real server in this process),
+  and one ``ddpwatch-<part>`` arm per part of ``agent/switches.py`` (the whole agent with that
+  part switched off, ``DDPWATCH_PROBES=-<part>``): a part's cost is, trial by trial, the CPU
+  time of ``ddpwatch`` minus that of ``ddpwatch-<part>``. ``--arms`` picks the arms.
   The agent is attached before its block and detached after;
-  0.25 s of untimed steps after attaching hold the attach-time heartbeat, so a 0.5 s block
-  holds one heartbeat, as the steady state does.
+  0.25 s of untimed steps after attaching hold the attach-time heartbeat and the hooks'
+  learning steps, so a 0.5 s block holds one heartbeat, as the steady state does.
 * ``traceml run`` job, the peer (skipped with a line saying so when ``traceml-ai`` is not
   installed): ``traceml_ai.init(mode="auto")`` at start, then ``bare``/``bare-again``
   blocks vs. ``traceml`` blocks with each step inside ``traceml_ai.trace_step(model)``.
@@ -25,8 +27,11 @@ Before timing, each job runs 2100 one-element all-reduces so the c10d flight-rec
 
 Per size and arm it prints the bare step time, the median of the per-trial ratios arm/bare
 with their interquartile range, the pooled ratio (sum of arm times over sum of bare times)
-and the median ratio of CPU time summed over the ranks. Ratios, not absolute times: the
-machines here are shared and noisy.
+and the median ratio of CPU time summed over the ranks (process CPU time: every thread,
+the publisher's included). Then, per size, each part's cost in CPU microseconds per step and
+rank (median of the per-trial differences, with their IQR) and as a share of the bare step's
+CPU time, beside the whole agent's and the A/A difference (the noise). Ratios and paired
+differences, not absolute times: the machines here are shared and noisy.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddpwatch.agent.switches import PARTS
 from ddpwatch.core.ports import free_port_pair
 
 SIZES = {  # width, hidden layers, batch: ~2-4 ms and ~15 ms steps with 2 gloo ranks on 2 cores
@@ -54,6 +60,8 @@ SIZES = {  # width, hidden layers, batch: ~2-4 ms and ~15 ms steps with 2 gloo r
 TARGETS = {"small": 1.02, "medium": 1.005}
 FR_FILL = 2100
 SETTLE_S = 0.25  # untimed steps after attach: the attach-time heartbeat falls here
+FULL = "ddpwatch"
+DEFAULT_ARMS = ",".join(["bare", "bare-again", FULL, *(f"{FULL}-{part}" for part in PARTS)])
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -86,6 +94,7 @@ def measure_size(name: str, args: argparse.Namespace, traceml: Any) -> dict[str,
     import torch
     import torch.distributed as dist
     from torch import nn
+    from torch.utils.data import DataLoader
 
     import ddpwatch
 
@@ -95,9 +104,10 @@ def measure_size(name: str, args: argparse.Namespace, traceml: Any) -> dict[str,
     model = nn.parallel.DistributedDataParallel(nn.Sequential(*body, nn.Linear(width, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(batch, width)
+    batches = iter(DataLoader(_Repeat(x), batch_size=None))
 
     def plain_step() -> Any:
-        loss = model(x).pow(2).mean()
+        loss = model(next(batches)).pow(2).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -113,9 +123,8 @@ def measure_size(name: str, args: argparse.Namespace, traceml: Any) -> dict[str,
             ddpwatch.step(loss)  # a no-op when detached: the call is in every arm
 
     def block(arm: str, steps: int, settle_steps: int) -> tuple[float, float]:
-        if arm.startswith("ddpwatch"):
-            # "ddpwatch-nosplit": the agent without its step split (``agent/split.py``)
-            os.environ["DDPWATCH_STEP_SPLIT"] = "0" if arm == "ddpwatch-nosplit" else "1"
+        if arm.startswith(FULL):
+            os.environ["DDPWATCH_PROBES"] = _probes(arm)  # "ddpwatch-grads": all but grads
             ddpwatch.attach(model)
         traced = arm == "traceml"  # "bare-again" is a second bare arm: the noise floor
         run(settle_steps, traced)
@@ -126,7 +135,7 @@ def measure_size(name: str, args: argparse.Namespace, traceml: Any) -> dict[str,
         dist.barrier()
         elapsed = time.perf_counter() - started
         cpu_s = torch.tensor([time.process_time() - cpu])
-        if arm.startswith("ddpwatch"):
+        if arm.startswith(FULL):
             ddpwatch.detach()
         dist.all_reduce(cpu_s)  # every rank's process CPU time (all its threads)
         return elapsed, float(cpu_s)
@@ -149,7 +158,30 @@ def measure_size(name: str, args: argparse.Namespace, traceml: Any) -> dict[str,
             elapsed, cpu_s = block(arm, steps, settle_steps)
             times[arm].append(elapsed)
             cpu[arm].append(cpu_s)
-    return {"steps": steps, "times": times, "cpu": cpu}
+    return {"steps": steps, "ranks": dist.get_world_size(), "times": times, "cpu": cpu}
+
+
+class _Repeat:
+    """A map-style dataset whose every item is the same batch: the DataLoader's own cost
+    (sampler, fetch) stays small and equal in every arm."""
+
+    def __init__(self, batch: Any) -> None:
+        self._batch = batch
+
+    def __len__(self) -> int:
+        return 1 << 40
+
+    def __getitem__(self, index: int) -> Any:
+        return self._batch
+
+
+def _probes(arm: str) -> str:
+    """``DDPWATCH_PROBES`` for an arm: ``ddpwatch`` runs every part, ``ddpwatch-<part>`` all
+    but that one."""
+    part = arm.removeprefix(FULL).removeprefix("-")
+    if part and part not in PARTS:
+        raise SystemExit(f"unknown arm {arm!r}: parts are {', '.join(PARTS)}")
+    return f"-{part}" if part else ""
 
 
 # ------------------------------------------------------------------------------------ parent
@@ -201,6 +233,56 @@ def summarise(result: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def part_costs(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per size: CPU microseconds per step and rank of the whole agent (``ddpwatch`` - bare),
+    of the A/A pair (``bare-again`` - bare: the noise) and of each part (``ddpwatch`` -
+    ``ddpwatch-<part>``), as medians of the per-trial differences with their IQR, and as a
+    share of the bare arm's CPU time per step and rank."""
+    rows = []
+    for size, data in result["sizes"].items():
+        cpu, steps, ranks = data["cpu"], data["steps"], data.get("ranks", 2)
+        per_step = 1e6 / (steps * ranks)
+        bare_us = statistics.median(cpu["bare"]) * per_step
+        pairs = [("whole agent", FULL, "bare"), ("A/A (noise)", "bare-again", "bare")]
+        pairs += [(part, FULL, f"{FULL}-{part}") for part in PARTS]
+        for label, arm, minus in pairs:
+            if arm not in cpu or minus not in cpu:
+                continue
+            diffs = [(a - b) * per_step for a, b in zip(cpu[arm], cpu[minus], strict=True)]
+            q1, median, q3 = _quartiles(diffs)
+            rows.append(
+                {
+                    "size": size,
+                    "part": label,
+                    "bare_cpu_us": bare_us,
+                    "us": median,
+                    "q1": q1,
+                    "q3": q3,
+                    "share": median / bare_us,
+                }
+            )
+    return rows
+
+
+def print_part_costs(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    print(
+        f"\n{'size':<7} {'part':<12} {'CPU/step':>9} {'cost us/step/rank':>18} "
+        f"{'IQR':>15} {'% of step':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['size']:<7} {r['part']:<12} {r['bare_cpu_us']:>7.0f}us {r['us']:>+18.1f} "
+            f"{r['q1']:>+7.1f}..{r['q3']:<+7.1f} {100 * r['share']:>+8.2f}%"
+        )
+    for r in rows:
+        print(
+            f"PART {r['part'].split(' ')[0]} {r['size']} ({r['bare_cpu_us']:.0f} us CPU/step) "
+            f"us={r['us']:+.1f} iqr={r['q1']:+.1f}..{r['q3']:+.1f} share={r['share']:+.4f}"
+        )
 
 
 def _traceml_command() -> list[str] | None:
@@ -286,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="small,medium", help=f"of {', '.join(SIZES)}")
     parser.add_argument(
         "--arms",
-        default="bare,bare-again,ddpwatch",
-        help="arms of the ddpwatch job (bare must be one)",
+        default=DEFAULT_ARMS,
+        help="arms of the ddpwatch job (bare must be one; ddpwatch-<part> needs ddpwatch)",
     )
     parser.add_argument("--peer", choices=("auto", "off"), default="auto")
     parser.add_argument("--json", metavar="PATH", help="also write every block time here")
@@ -298,8 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    if "bare" not in args.arms.split(","):
+    arms = args.arms.split(",")
+    if "bare" not in arms:
         parser.error("--arms must include bare")
+    if any(arm.startswith(f"{FULL}-") for arm in arms) and FULL not in arms:
+        parser.error(f"--arms: a {FULL}-<part> arm needs the {FULL} arm")
 
     print(
         f"agent overhead: {args.ranks} gloo ranks, DDP MLP, {args.trials} interleaved trials "
@@ -348,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['q1']:.3f}..{r['q3']:.3f} (IQR); medians closer to 1 than that are not "
                 "resolved by this run"
             )
+    print_part_costs(part_costs(ours))
     for r in rows:
         print(
             f"RATIO {r['arm']}/bare {r['size']} ({r['bare_ms']:.1f} ms steps) "

@@ -396,3 +396,30 @@ def test_the_cuda_clock_records_on_the_devices_stream_and_reuses_its_events() ->
     cuda.capturing = True  # a CUDA graph being captured: no event recorded into it
     with pytest.raises(RuntimeError):
         clock.record()
+
+
+@pytest.mark.parametrize("probes", ["-split", "-batches", "-hostmem,-collectives"])
+def test_each_part_switched_off_alone(monkeypatch: pytest.MonkeyPatch, probes: str) -> None:
+    """``DDPWATCH_PROBES``: a part switched off leaves the others whole (the split and the
+    batch marks share the DataLoader wrapper, but not each other's work)."""
+    monkeypatch.setenv("DDPWATCH_PROBES", probes)
+    off = set(probes.replace("-", "").split(","))
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    watcher = ddpwatch.attach(addr=f"127.0.0.1:{free_port_pair()}", interval=60.0)
+    try:
+        assert watcher is not None
+        batches = iter(DataLoader(Samples(), batch_size=2))
+        for _ in range(16):
+            next(batches)
+            ddpwatch.step()
+        progress = watcher.progress
+        assert bool(progress.batch_marks) == ("batches" not in off)
+        assert progress.input_seen == ("split" not in off)
+        assert getattr(dist.all_reduce, "__ddpwatch__", False) == ("collectives" not in off)
+        sample = watcher._sample()
+        assert sample is not None
+        assert (sample.host_rss_bytes is None) == ("hostmem" in off)
+    finally:
+        ddpwatch.detach()

@@ -64,6 +64,7 @@ class GradCheck:
         self._sums: list[Any] = []
         self._torch: Any = None
         self._tensor: Any = None  # torch.Tensor
+        self.enabled = True  # ``DDPWATCH_PROBES=-grads`` (``agent/switches.py``): no hooks
         self.faults = 0
 
     # training thread -------------------------------------------------------
@@ -72,7 +73,9 @@ class GradCheck:
 
         Plain tensors only: a ``DTensor`` (FSDP2, tensor parallel) is skipped, as its sum
         could need a collective."""
-        if os.environ.get(ENV, "1") == "0" or not hasattr(model, "parameters"):
+        if not self.enabled or os.environ.get(ENV, "1") == "0":
+            return []
+        if not hasattr(model, "parameters"):
             return []
         if _is_fsdp(model):
             return []
@@ -91,9 +94,7 @@ class GradCheck:
             if ref is not None and ref() is param:
                 continue
             self._hooked[id(param)] = weakref.ref(param)
-            # the sum in float32 at least: a half-precision sum of finite values may overflow
-            dtype = param.dtype if param.dtype == torch.float64 else torch.float32
-            check = functools.partial(self._check, id(param), _stride(param), dtype)
+            check = functools.partial(self._check, id(param), _stride(param), _sum_dtype(param))
             handle = param.register_hook(check)
             self._handles[id(param)] = handle
             handles.append(handle)
@@ -111,9 +112,9 @@ class GradCheck:
                 self._step = step
             if self._learning:
                 self._arrived.append(key)
-            if stride > 1 and grad.is_contiguous():
-                grad = grad.view(-1)[::stride]
-            self._sums.append(grad.sum(dtype=dtype))
+            if stride > 1 and grad.is_contiguous():  # one view, not a flat one and a slice
+                grad = grad.as_strided((-(-grad.numel() // stride),), (stride,))
+            self._sums.append(grad.sum() if dtype is None else grad.sum(dtype=dtype))
         except Exception:
             self.faults += 1
 
@@ -163,8 +164,26 @@ def _stride(param: Any) -> int:
     return max(1, min(-(-count // SAMPLED), count // max(1, rows)))
 
 
+def _sum_dtype(param: Any) -> Any:
+    """The dtype a gradient like ``param``'s is summed in, float32 at least (a half-precision
+    sum of finite values may overflow); None for its own dtype (no ``dtype`` argument: parsing
+    it costs a third of a small sum)."""
+    import torch
+
+    if param.dtype in (torch.float32, torch.float64):
+        return None
+    return torch.float32
+
+
 def _stacked_sum(torch: Any, sums: list[Any]) -> Any:
+    """One scalar, not finite when any of ``sums`` is not: added up when they are few (the
+    steady state: ``KEPT`` sums, one op instead of a stack and a sum), stacked otherwise."""
     try:
+        if len(sums) <= KEPT:
+            total = sums[0]
+            for value in sums[1:]:
+                total = total + value
+            return total
         return torch.stack(sums).sum()
     except RuntimeError:  # parameters on several devices: gather the sums on the first one
         device = sums[0].device

@@ -326,12 +326,17 @@ class GradReady:
 
 class InputTimer:
     """Times a DataLoader iterator's ``__next__`` (the ``around`` of a ``Patches.wrap``): one
-    object serves every call; a DataLoader read inside another one counts once."""
+    object serves every call; a DataLoader read inside another one counts once.
 
-    __slots__ = ("_depth", "_iterator", "_progress", "_start", "faults")
+    ``timing``: the input wait (the step split); ``counting``: the batches drawn per iterator
+    (the batch marks). Either may be switched off alone (``agent/switches.py``)."""
 
-    def __init__(self, progress: Progress) -> None:
+    __slots__ = ("_counting", "_depth", "_iterator", "_progress", "_start", "_timing", "faults")
+
+    def __init__(self, progress: Progress, timing: bool = True, counting: bool = True) -> None:
         self._progress = progress
+        self._timing = timing
+        self._counting = counting
         self._depth = 0
         self._start = 0.0
         self._iterator = 0
@@ -344,7 +349,7 @@ class InputTimer:
 
     def __enter__(self) -> None:
         self._depth += 1
-        if self._depth == 1:
+        if self._depth == 1 and self._timing:
             self._start = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
@@ -352,9 +357,10 @@ class InputTimer:
             self._depth -= 1
             if self._depth == 0:
                 progress = self._progress
-                progress.input_time_step += time.perf_counter() - self._start
-                progress.input_seen = True
-                if exc[0] is None:  # a batch came (not StopIteration, not an error)
+                if self._timing:
+                    progress.input_time_step += time.perf_counter() - self._start
+                    progress.input_seen = True
+                if exc[0] is None and self._counting:  # a batch came (no StopIteration)
                     progress.note_draw(self._iterator)
         except Exception:
             self.faults += 1

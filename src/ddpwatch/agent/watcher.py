@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
-from ddpwatch.agent import early, hostmem, registry
+from ddpwatch.agent import early, hostmem, registry, switches
 from ddpwatch.agent.auto import after_import
 from ddpwatch.agent.collectives import CollectiveWrappers, FlightRecorder, ensure_flight_recorder
 from ddpwatch.agent.compiling import CompileWatch, in_compile_stack
@@ -71,9 +71,13 @@ class Watcher:
         self._flight_recorder: FlightRecorder | None = None
         self._backward_loss = BackwardLoss(self.progress)
         self._grad_ready = GradReady(self.progress)  # where the step goes: ``agent/split.py``
-        self._split_on = os.environ.get("DDPWATCH_STEP_SPLIT", "1") != "0"
+        self.probes = switches.from_env()  # the parts switched off (``agent/switches.py``)
+        self._split_on = self.probes.on("split")
+        self.progress.grads.enabled = self.probes.on("grads")
         self._model_hooks.on_optimizer = self._grad_ready.backward_ended
-        self._input_timer = InputTimer(self.progress)
+        self._input_timer = InputTimer(
+            self.progress, timing=self._split_on, counting=self.probes.on("batches")
+        )
         self._split = SplitReader(self.progress, device_waits=self._grad_ready.collect)
         self._process_hooks = ProcessHooks(
             self._report_crash, self._report_exit, mark=lambda: self.progress.step
@@ -104,7 +108,8 @@ class Watcher:
         self._process_hooks.install(self.patches)
         if os.environ.get("DDPWATCH_LOG_TAIL", "1") != "0":
             self._log_tail.install()
-        self.publisher.start()
+        if self.probes.on("publisher"):
+            self.publisher.start()
         early.hand_over()  # the early hello's sender (boot hook) stops: this one beats now
         if self.identity.rank is not None:
             self.publisher.publish(
@@ -219,7 +224,8 @@ class Watcher:
         if not dist.is_available():
             return
         self._dist = dist
-        self._wrappers.install(dist)
+        if self.probes.on("collectives"):
+            self._wrappers.install(dist)
         if dist.is_initialized():
             self._on_group_ready()
             note_current_device()
@@ -240,8 +246,9 @@ class Watcher:
         )
         patches.wrap(torch, "save", before=self._before_save)
         self._backward_loss.install(patches, torch)  # zero-code loss: what backward() is run on
-        if self._split_on:  # the end of each backward (``Tensor.backward`` calls it), DataLoaders
+        if self._split_on:  # the end of each backward (``Tensor.backward`` calls it)
             patches.wrap(torch.autograd, "backward", after=self._grad_ready.backward_ended)
+        if self._split_on or self.probes.on("batches"):  # DataLoaders: time, batches drawn
             after_import("torch.utils.data.dataloader", self._time_data_loaders)
         self._wrap_model_class(torch.nn.parallel, "DistributedDataParallel")
         after_import(
@@ -254,7 +261,8 @@ class Watcher:
             log.debug("ddpwatch: no framework hooks: %r", exc)
 
     def _time_data_loaders(self, dataloader: Any) -> None:
-        """Time every DataLoader iterator's ``__next__``: the rank's input wait."""
+        """Wrap every DataLoader iterator's ``__next__``: the rank's input wait, and the
+        batches it drew (``InputTimer``)."""
         if not self._detached:
             self.patches.wrap(dataloader._BaseDataLoaderIter, "__next__", around=self._input_timer)
 
@@ -396,7 +404,7 @@ class Watcher:
             t=time.time(),
             **(identity if self._identity_due(identity) else {}),
             **memory_info(device).as_fields(),
-            **hostmem.read().as_fields(),  # /proc and the cgroup: a few reads, some cached
+            **self._host_memory().as_fields(),
             phase=phase,
             cpu_s=time.process_time(),
             compile_reason=progress.compile_reason if phase == Phase.COMPILING else None,
@@ -430,6 +438,12 @@ class Watcher:
             return phase
         frame = sys._current_frames().get(self._main_thread) if self._main_thread else None
         return Phase.COMPILING if in_compile_stack(frame) else phase
+
+    def _host_memory(self) -> hostmem.HostMemoryInfo:
+        """/proc and the cgroup (a few reads, some cached); none when switched off."""
+        if self.probes.on("hostmem"):
+            return hostmem.read()
+        return hostmem.HostMemoryInfo()
 
     def _stack_if_stuck(self) -> str | None:
         """The main thread's stack once idle for ``stack_after``; sent only when it changed."""
