@@ -38,6 +38,7 @@ CPU wait, holds on either.
 
 from __future__ import annotations
 
+import itertools
 import time
 import weakref
 from collections import deque
@@ -344,7 +345,7 @@ class InputTimer:
 
     def __call__(self, *args: Any, **kwargs: Any) -> InputTimer:
         if self._depth == 0 and args:
-            self._iterator = id(args[0])  # the iterator whose ``__next__`` this is
+            self._iterator = iterator_key(args[0])  # the iterator whose ``__next__`` this is
         return self
 
     def __enter__(self) -> None:
@@ -364,6 +365,26 @@ class InputTimer:
                     progress.note_draw(self._iterator)
         except Exception:
             self.faults += 1
+
+
+_SERIALS = itertools.count(1)
+SERIAL_ATTR = "_ddpwatch_serial"
+
+
+def iterator_key(iterator: Any) -> int:
+    """A DataLoader iterator's own number, given at its first batch. Not ``id()``: a new
+    epoch's iterator often takes the freed address of the last one on one rank and not on
+    another, and its batches then counted on from the last epoch's there (a false
+    ``step_skew``, "8 against 265", at the first epoch's end). ``id()`` only where the
+    iterator takes no attribute."""
+    key = getattr(iterator, SERIAL_ATTR, None)
+    if key is None:
+        key = next(_SERIALS)
+        try:
+            setattr(iterator, SERIAL_ATTR, key)
+        except Exception:
+            return -id(iterator)
+    return int(key)
 
 
 def _is_ddp(model: Any) -> bool:
