@@ -38,10 +38,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from diagnosis import BLAMING, ROOT, Mode, RunResult, Stamped, run_mode
+from diagnosis import BLAMING, ROOT, Mode, RunResult, Stamped, run_mode, stamp
 
 from ddpwatch.core.vocabulary import HistoryEvent
 from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.diagnosis.history import AlertChange
+from ddpwatch.server.replay import ReplayServer
 
 HEALTHY = ROOT / "examples" / "healthy.py"
 FAILURES = ROOT / "examples" / "failures.py"
@@ -165,6 +167,15 @@ def score(result: RunResult) -> Score:
     """Score one live run: the changes before the harness stopped the job, if it did."""
     limit = result.stopped_at if result.stopped_at is not None else float("inf")
     return score_changes([c for c in result.changes if c.at < limit], result.returncode)
+
+
+def replayed(path: Path, thresholds: Thresholds) -> list[Stamped]:
+    """The alert changes of a recording (``--record``) replayed in-process as fast as
+    possible under ``thresholds``: the live server's stream again, without the job (what
+    the default tests score)."""
+    changes: list[AlertChange] = []
+    ReplayServer(path, speed=None, on_change=changes.append, thresholds=thresholds).run()
+    return [stamp(c, c.at) for c in changes]
 
 
 # ----------------------------------------------------------------------------------- running

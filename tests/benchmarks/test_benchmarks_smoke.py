@@ -103,6 +103,14 @@ def test_diagnosis_tiny() -> None:
     assert "raise" in out
 
 
+def test_false_alarms_quick() -> None:
+    """The real-job slice of the healthy corpus: three short jobs, tight thresholds, idle;
+    a correct monitor names no rank (the default tests replay recordings of the same)."""
+    out = run_benchmark("false_alarms.py", "--quick", timeout=300)
+    assert "RATIO false_alarms total=0 " in out, out
+    assert "failed_jobs=0 " in out, out
+
+
 def test_scale_tiny() -> None:
     """Each mode in a run of its own, the three at once: a run is mostly waiting (6 s of
     heartbeats, then the queue's drain), each process well under a tenth of a core."""
