@@ -82,6 +82,7 @@ class Mode:
     nproc: int = 3
     args: tuple[str, ...] = ()  # script arguments for every run of the mode
     watch_s: float = 15.0  # after the fault line, stop a job that has not ended
+    script: Path = SCRIPT  # the job script (benchmarks/false_alarms.py runs examples/healthy.py)
 
 
 def _mode(name: str, culprits: set[int], kinds: set[str], report: str, **kw: Any) -> Mode:
@@ -235,6 +236,15 @@ class Stamped:
     waiting: tuple[int, ...]
     message: str
     hint: str
+    episode: int = 0  # the alert's episode (history.py): its raise, escalations and clearing
+
+
+def stamp(change: AlertChange, at: float) -> Stamped:
+    """One change as kept here: the fields of its ``serve --headless`` JSON line, at ``at``."""
+    a = change.alert
+    return Stamped(
+        at, change.event, a.kind, a.severity, a.ranks, a.waiting, a.message, a.hint, change.episode
+    )
 
 
 @dataclass
@@ -268,12 +278,7 @@ class _Recorder:
         self.changes: list[Stamped] = []
 
     def __call__(self, change: AlertChange) -> None:
-        a = change.alert
-        self.changes.append(
-            Stamped(
-                time.time(), change.event, a.kind, a.severity, a.ranks, a.waiting, a.message, a.hint
-            )
-        )
+        self.changes.append(stamp(change, time.time()))
 
 
 def job_command(mode: Mode, master_port: int, extra: tuple[str, ...] = ()) -> list[str]:
@@ -282,7 +287,7 @@ def job_command(mode: Mode, master_port: int, extra: tuple[str, ...] = ()) -> li
         sys.executable, "-m", "torch.distributed.run",
         f"--nproc-per-node={mode.nproc}", "--master-addr=127.0.0.1",
         f"--master-port={master_port}",
-        str(SCRIPT), "--mode", mode.name, *mode.args, *extra,
+        str(mode.script), "--mode", mode.name, *mode.args, *extra,
     ]  # fmt: skip
 
 
@@ -305,15 +310,16 @@ def run_mode(
     extra: tuple[str, ...] = (),
     watch_s: float | None = None,
     relay: bool = False,
+    record: Path | None = None,
 ) -> RunResult:
     """Run one mode once under a live server (its ranks through a per-node relay when
-    ``relay``, as ``ddpwatch run --addr`` sets it up); the job is always stopped before
-    returning."""
+    ``relay``, as ``ddpwatch run --addr`` sets it up; recording to ``record`` when given, as
+    ``serve --record`` does); the job is always stopped before returning."""
     mode = MODES[mode] if isinstance(mode, str) else mode
     watch = mode.watch_s if watch_s is None else watch_s
     port = free_port_pair()
     recorder = _Recorder()
-    server = Server("127.0.0.1", port, thresholds, on_change=recorder)
+    server = Server("127.0.0.1", port, thresholds, on_change=recorder, record=record)
     thread = threading.Thread(target=server.run, name="diagnosis-server", daemon=True)
     thread.start()
     result = RunResult(mode.name, started=time.time())

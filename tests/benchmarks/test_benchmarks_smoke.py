@@ -103,6 +103,19 @@ def test_diagnosis_tiny() -> None:
     assert "raise" in out
 
 
+@pytest.mark.xfail(
+    strict=False,  # real jobs on a shared machine: a run may come out clean before the fixes
+    reason="before #32's rule fixes: startup_hang on every rank past the tight 6 s start-up, "
+    "host_memory warm-up (docs/performance.md section 9)",
+)
+def test_false_alarms_quick() -> None:
+    """The real-job slice of the healthy corpus: three short jobs, tight thresholds, idle;
+    a correct monitor names no rank (the default tests replay recordings of the same)."""
+    out = run_benchmark("false_alarms.py", "--quick", timeout=300)
+    assert "RATIO false_alarms total=0 " in out, out
+    assert "failed_jobs=0 " in out, out
+
+
 def test_scale_tiny() -> None:
     """Each mode in a run of its own, the three at once: a run is mostly waiting (6 s of
     heartbeats, then the queue's drain), each process well under a tenth of a core."""
