@@ -369,8 +369,10 @@ def test_ddpwatch_run_prints_the_rank_that_exited(name: str, tmp_path: Path) -> 
     assert kind in mode.kinds, f"first alert: {lines[0][0]}\n{err[-4000:]}"
     innocent = [m[0] for m in lines if named_ranks(m[3]) - {1}]
     assert not innocent, "\n".join(innocent) + "\n" + err[-4000:]
-    # the end-of-run summary's last line says it once more, with the exit code
-    verdict = err.rstrip().splitlines()[-1]
+    # the end-of-run summary's last line says it once more, with the exit code; then where
+    # the run was recorded
+    *_, verdict, recorded = err.rstrip().splitlines()
+    assert recorded.startswith("ddpwatch run: recorded in "), err[-4000:]
     expected = {"exit-early": "code 3", "exit-zero": "code 0", "os-exit": "rank 1"}[name]
     assert verdict.startswith("ddpwatch: verdict: rank 1 "), err[-4000:]
     assert expected in verdict and "rank 0" not in verdict, verdict

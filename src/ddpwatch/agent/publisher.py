@@ -171,15 +171,16 @@ class Publisher:
                 self._open(context, home)
             self._drain()
             now = time.monotonic()
-            # a beat never overtakes what is queued (the hello, an event not yet taken): it
-            # waits for the next one, as a beat no server took would
-            if now >= next_beat and not stopping and not self._queue:
+            if now >= next_beat and not stopping:
+                # a beat never overtakes what is still queued (the hello, an event no server
+                # took yet): it is dropped, as one no server took would be, and the next
+                # repeats it
+                behind = bool(self._queue)
                 for message in self._safe_heartbeat():
                     if isinstance(message, Event):
                         self.publish(message)  # a log or stack event happens once: keep it
-                    elif not self._send(message):
-                        self.dropped += 1  # the next beat repeats it
-            if now >= next_beat:
+                    elif behind or not self._send(message):
+                        self.dropped += 1
                 next_beat = max(next_beat + self.interval, now)
             if stopping:
                 return
@@ -218,24 +219,27 @@ class Publisher:
         return home if relay_listening(home) else None
 
     def _drain(self) -> None:
-        """Send queued events; keep those no server took yet (they happen once, unlike beats)."""
-        unsent: list[AnyMessage] = []
+        """Send queued events in order; at the first no server takes, it and all after it wait
+        for the next drain (they happen once, unlike beats). Sending on past it would let a
+        later event overtake: the socket can connect between two sends."""
         while self._queue:
             try:
                 message = self._queue.popleft()
             except IndexError:
                 break
-            if not self._send(message):
-                unsent.append(message)
+            if self._send(message):
+                with self._drained:
+                    self._pending -= 1
+                    self._drained.notify_all()
+                continue
             with self._drained:
-                self._pending -= 1
-                self._drained.notify_all()
-        with self._drained:
-            for message in reversed(unsent):
+                self._pending -= 1 + len(self._queue)  # each tried once, as ``flush`` waits for
                 if len(self._queue) < QUEUE_LEN:
                     self._queue.appendleft(message)
                 else:
                     self.dropped += 1
+                self._drained.notify_all()
+            return
 
     def _safe_heartbeat(self) -> list[AnyMessage]:
         try:
