@@ -376,5 +376,5 @@ def test_ddpwatch_run_prints_the_rank_that_exited(name: str, tmp_path: Path) -> 
     expected = {"exit-early": "code 3", "exit-zero": "code 0", "os-exit": "rank 1"}[name]
     assert verdict.startswith("ddpwatch: verdict: rank 1 "), err[-4000:]
     assert expected in verdict and "rank 0" not in verdict, verdict
-    (recording,) = tmp_path.glob("ddpwatch-failures-*.ddpw")  # announced at start
-    assert f"recording to {recording.name}" in err
+    (recording,) = tmp_path.glob("ddpwatch-runs/ddpwatch-failures-*.ddpw")  # announced at start
+    assert f"recording to ddpwatch-runs/{recording.name}" in err
