@@ -103,11 +103,6 @@ def test_diagnosis_tiny() -> None:
     assert "raise" in out
 
 
-@pytest.mark.xfail(
-    strict=False,  # real jobs on a shared machine: a run may come out clean before the fixes
-    reason="before #32's rule fixes: startup_hang on every rank past the tight 6 s start-up, "
-    "host_memory warm-up (docs/performance.md section 9)",
-)
 def test_false_alarms_quick() -> None:
     """The real-job slice of the healthy corpus: three short jobs, tight thresholds, idle;
     a correct monitor names no rank (the default tests replay recordings of the same)."""
