@@ -158,18 +158,7 @@ def test_a_job_torchrun_restarted_is_told_as_two_attempts(tmp_path: Path) -> Non
     it cleared); the summary tells both attempts, each with its verdict. Rank 0, stopped
     while blocked in the rendezvous store's C++ wait, is reported stopped, at once: the
     agent's signal handler does not keep it alive until torchrun's kill 30 s later."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddpwatch", "run", "--no-record", "--",
-         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-         "--max-restarts=1", "--master-addr=127.0.0.1", f"--master-port={free_port_pair()}",
-         str(SCRIPTS / "restart_once.py")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-    )  # fmt: skip
-    try:
-        _, err = proc.communicate(timeout=150)
-    finally:
-        stop_job(proc, grace=1.0)  # never leave ranks behind, reporting to the next test
+    proc, err = run_restarted(tmp_path, "restart_once.py")
     assert proc.returncode == 0, err[-4000:]
     assert not _collector_failed(err), err[-4000:]
     assert "attempt 2 began: crashed (rank 1) ends with attempt 1" in err, err[-4000:]
@@ -195,18 +184,7 @@ def test_a_job_that_fails_again_after_its_restart_is_judged_on_both_attempts(
     torchrun exits 1. The collector took every report in (its thread once died on rank 1's
     late exit report after attempt 2 began: live alerts stopped, and the verdict said the job
     was still running); the last verdict names rank 1's crash, the summary sees problems."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddpwatch", "run", "--no-record", "--",
-         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-         "--max-restarts=1", "--master-addr=127.0.0.1", f"--master-port={free_port_pair()}",
-         str(SCRIPTS / "restart_fails_twice.py")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-    )  # fmt: skip
-    try:
-        _, err = proc.communicate(timeout=150)
-    finally:
-        stop_job(proc, grace=1.0)
+    proc, err = run_restarted(tmp_path, "restart_fails_twice.py")
     assert proc.returncode == 1, err[-4000:]
     assert not _collector_failed(err), err[-4000:]
     summary = err[err.index("── summary") :].splitlines()
@@ -270,3 +248,21 @@ def test_run_usage_names_every_option() -> None:
     options = [a.option_strings for a in run._actions if a.option_strings]
     assert len(options) > 5
     assert [o for o in options if not any(f"[{s}" in usage or f" {s}" in usage for s in o)] == []
+
+
+def run_restarted(tmp_path: Path, script: str) -> tuple[subprocess.Popen[str], str]:
+    """``ddpwatch run -- torchrun --max-restarts=1`` on two ranks of ``script``: the process
+    (ended) and its stderr; its ranks never left behind, reporting to the next test."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpwatch", "run", "--no-record", "--",
+         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+         "--max-restarts=1", "--master-addr=127.0.0.1", f"--master-port={free_port_pair()}",
+         str(SCRIPTS / script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=150)
+    finally:
+        stop_job(proc, grace=1.0)
+    return proc, err
