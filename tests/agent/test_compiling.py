@@ -141,3 +141,25 @@ def test_clean_reason_keeps_torchs_words_on_one_line() -> None:
     assert clean_reason("   ") is None
     long = clean_reason("0/0: " + "x" * 1000)
     assert long is not None and len(long) == 240 and long.endswith("…")
+
+
+@pytest.mark.usefixtures("rank_env", "fresh_dynamo")
+def test_a_model_attached_then_compiled_keeps_its_graph_whole_and_its_steps() -> None:
+    """``attach(model)`` then ``torch.compile(model)``: dynamo traces the forward hooks; their
+    clock and ``suppress`` broke the graph (a warning and a split graph per compile)."""
+    from torch._dynamo.utils import counters
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    watcher = ddpwatch.attach(model, addr="127.0.0.1:1", interval=0.1)
+    assert watcher is not None
+    compiled = torch.compile(model, backend="eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    counters.clear()
+    for _ in range(4):
+        compiled(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert dict(counters["graph_break"]) == {}
+    assert watcher.progress.step == 4  # the optimizer hooks end the compiled steps
+    model(torch.randn(4, 8))  # eager, the hooks run as before
+    assert watcher.progress.phase == Phase.BACKWARD

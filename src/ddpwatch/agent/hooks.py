@@ -40,6 +40,26 @@ _OPTIMIZER: Final = Phase.OPTIMIZER
 _DATA: Final = Phase.DATA
 
 
+def _not_compiling() -> bool:
+    return False
+
+
+def compiling_check() -> Callable[[], bool]:
+    """``torch.compiler.is_compiling``: True while dynamo traces the calling code.
+
+    A model attached and then compiled (``torch.compile(model)`` after ``attach(model)``) has
+    its forward hooks traced into the graph; their ``perf_counter`` and ``suppress`` would
+    each break it (a warning per graph and a slower model). Dynamo folds this check to True,
+    so a hook that returns on it traces to nothing: a compiled forward marks no phase, and
+    the optimizer hooks and ``backward`` still end the step.
+    """
+    try:
+        from torch.compiler import is_compiling
+    except ImportError:  # torch < 2.3
+        return _not_compiling
+    return is_compiling
+
+
 class ModelHooks:
     """Forward hooks on attached models, gradient checks on their parameters (and those of
     every DDP model built, ``watch_gradients``) and a global optimizer step hook."""
@@ -48,12 +68,14 @@ class ModelHooks:
         self._progress = progress
         self._handles: list[Any] = []
         self._models: list[int] = []
+        self._compiling: Callable[[], bool] = _not_compiling
         self.on_optimizer: Callable[[], object] | None = None
 
     def add_model(self, model: Any) -> None:
         if id(model) in self._models or not hasattr(model, "register_forward_hook"):
             return
         self._models.append(id(model))
+        self._compiling = compiling_check()
         self._handles.append(model.register_forward_pre_hook(self._before_forward))
         self._handles.append(model.register_forward_hook(self._after_forward))
         self.watch_gradients(model)
@@ -84,10 +106,14 @@ class ModelHooks:
         self._progress.grads.forget()
 
     def _before_forward(self, module: Any, args: Any) -> None:
+        if self._compiling():
+            return
         with contextlib.suppress(Exception):  # never let the agent break a forward pass
             self._progress.forward_started()
 
     def _after_forward(self, module: Any, args: Any, output: Any) -> None:
+        if self._compiling():
+            return
         try:
             progress = self._progress
             progress.auto_phase(_BACKWARD)
