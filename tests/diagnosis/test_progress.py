@@ -460,3 +460,25 @@ def test_step_skew_after_a_long_barrier_reads_the_fastest_rank() -> None:
     assert rule_step_skew(state, NOW, TH) == []
     state.ranks[2] = rank(2, 3, step=21 - 60, step_time_s=0.03, avg_step_time_s=0.03)
     assert kinds(rule_step_skew(state, NOW, TH)) == ["step_skew"]  # a real gap still shows
+
+
+@pytest.mark.parametrize("step", [1, None])
+def test_a_compile_far_longer_than_a_cold_one_is_a_warning(step: int | None) -> None:
+    """A compile that never ends (``dynamic=True``, PyTorch #118492; max-autotune under DDP,
+    #140395) raised nothing, at the first step (step None) as later: after 20 min, a
+    warning that says it is compiling; 10 min is a cold compile still."""
+    ten = job(3, step=step, phase="compiling", phase_since=NOW - 600, last_progress=NOW - 600)
+    assert diagnose(ten, NOW, TH) == []
+    state = job(3, step=step, phase="compiling", phase_since=NOW - 1500, last_progress=NOW - 1500)
+    state.ranks[1] = rank(
+        1, 3, step=step, phase="compiling", phase_since=NOW - 1300, last_progress=NOW - 1300
+    )
+    alerts = [a for a in diagnose(state, NOW, TH) if a.ranks]
+    found = only(alerts, "stalled")
+    where = "at step 1" if step else "before its first step"
+    assert (found.severity, found.ranks) == ("warning", (0, 1, 2))
+    assert found.message == (
+        f"ranks 0-2 have been compiling (torch.compile) for up to 25 min {where}: a cold "
+        "compile takes minutes, this one may never end"
+    )
+    assert "#118492" in found.hint

@@ -16,20 +16,32 @@ from ddpwatch.diagnosis.facts.stragglers import Lag, lag_since_episode, timed
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import format_ranks, record_location, verb
 from ddpwatch.server.records import BEAT_WIDTH, Beat, RankRecord
-from ddpwatch.status.fmt import STACKS_IN, seconds
+from ddpwatch.status.fmt import STACKS_IN, seconds, wait
+
+COMPILE_LONG_S = 1200.0
+"""A compile this long (or 60 stall thresholds, if more) may never end: a cold compile of a
+large model takes minutes, but ``torch.compile(dynamic=True)`` has compiled forever (PyTorch
+#118492) and max-autotune has hung under DDP (#140395)."""
 
 
 @rule(AlertKind.STALLED)
 def rule_stalled(f: Facts) -> list[Alert]:
     """A training rank that stopped making progress outside any collective. A rank that
-    compiles (``torch.compile``) works: not a stall, however long; one the others wait
-    for in a collective is the straggler's business."""
+    compiles (``torch.compile``) works: not a stall until it has compiled far longer than a
+    cold compile takes (then a warning that says so); one the others wait for in a
+    collective is the straggler's business."""
     cutoff = f.now - f.stall_after  # idle(r) > stall_after, without a call per rank
     if f.since >= cutoff:
         return []
-    candidates = [r for r in f.census.idle if r.last_progress < cutoff and r.step is not None]
-    if not candidates or f.cascade.roots:
+    idle = [r for r in f.census.idle if r.last_progress < cutoff]
+    if not idle or f.cascade.roots:
         return []
+    stepping = [r for r in idle if r.step is not None]  # before: startup_hang's business
+    stalled = _stalled(f, stepping) if stepping else []
+    return stalled or _compiling_too_long(f, idle)
+
+
+def _stalled(f: Facts, candidates: list[RankRecord]) -> list[Alert]:
     found = f.straggle
     excluded = {r.rank for r in found.culprits} if found else set()
     released = _latest_release(f)
@@ -62,6 +74,45 @@ def rule_stalled(f: Facts) -> list[Alert]:
         "wait on data loading, I/O, a lock or a GPU kernel"
     )
     return [alert(AlertKind.STALLED, Severity.ERROR, ranks, [], message, hint, phase=worst.phase)]
+
+
+def _compiling_too_long(f: Facts, candidates: list[RankRecord]) -> list[Alert]:
+    """Ranks inside ``torch.compile`` for longer than any cold compile should take: at their
+    first step too (startup_hang counts no compiling rank as starting)."""
+    limit = max(COMPILE_LONG_S, 60 * f.stall_after)
+    cutoff = f.now - limit
+    if f.since >= cutoff:
+        return []
+    long = [
+        r
+        for r in candidates
+        if is_compiling(r) and max(r.last_progress, r.phase_since or 0.0) < cutoff
+    ]
+    if not long:
+        return []
+    worst = min(long, key=lambda r: (r.last_progress, r.rank))
+    ranks = sorted(r.rank for r in long)
+    took = wait(f.now - max(worst.last_progress, worst.phase_since or 0.0))
+    who = f"rank {worst.rank} has" if len(ranks) == 1 else f"{format_ranks(ranks)} have"
+    reason = f" (a recompile: {worst.compile_reason})" if worst.compile_reason else ""
+    message = (
+        f"{who} been compiling (torch.compile) for {'up to ' if len(ranks) > 1 else ''}{took} "
+        f"{_at_step(worst)}{reason}: a cold compile takes minutes, this one may never end"
+    )
+    pid = f"py-spy dump --pid {worst.pid}" if worst.pid else "py-spy dump"
+    hint = (
+        f"run {pid} to see where the compiler is; TORCH_LOGS=+dynamo,+inductor tells what it "
+        "compiles. Compiles known to run forever: dynamic=True on some models (PyTorch "
+        "#118492), mode='max-autotune' under DDP (#140395): try the default mode, "
+        "dynamic=False or TORCHINDUCTOR_COMPILE_THREADS=1"
+    )
+    return [
+        alert(AlertKind.STALLED, Severity.WARNING, ranks, [], message, hint, phase=worst.phase)
+    ]
+
+
+def _at_step(record: RankRecord) -> str:
+    return "before its first step" if record.step is None else f"at step {record.step}"
 
 
 def _latest_release(f: Facts) -> float:
