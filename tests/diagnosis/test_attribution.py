@@ -223,6 +223,34 @@ def test_a_timeout_keeps_the_blame_on_the_rank_it_waited_for(place: Collective) 
     assert "it was stopped after them" in later[0].message
 
 
+PEER_GONE = ErrorInfo(
+    type="RuntimeError",
+    message="[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+    "[127.0.0.1]:61125",
+)
+
+
+@pytest.mark.parametrize("beat_inside", [False, True], ids=["crash-only", "beat-then-crash"])
+def test_the_rank_waited_for_that_enters_after_the_timeouts_and_fails_keeps_the_blame(
+    beat_inside: bool,
+) -> None:
+    """The same, where torchrun is slow to stop rank 0 (on a loaded machine it took 9 s):
+    rank 0 ends its checkpoint, enters the barrier its peers timed out in, and fails there
+    ("Connection closed by peer"). It entered after they gave up: still the one they waited
+    for, not a rank that crashed on its own and left ranks 1, 2 to blame."""
+    place = in_barrier(46, 8.0)
+    state = _checkpoint_timeout(place, 45)
+    inside = Collective(op=place.op, seq=46, since_s=0.05, source=place.source, group=place.group)
+    if beat_inside:
+        feed(state, NOW + 4.9, beat(0, collective=inside, collectives=counts(46, 46), step=20))
+    crash = Event(v=1, rank=0, t=0.0, event="crash", error=PEER_GONE, collective=inside, step=20)
+    feed(state, NOW + 5.0, crash)
+    errors = [a for a in alerts_at(state, NOW + 5.5) if a.severity == "error"]
+    assert [(a.kind, a.ranks, a.waiting) for a in errors] == [("straggler", (0,), (1, 2))], [
+        a.message for a in errors
+    ]
+
+
 def test_a_timeout_in_a_subgroup_blames_the_member_that_had_not_entered_it() -> None:
     """Group "1" holds ranks 0, 2 only: rank 1's count for it is absent, so it is not named."""
     place = Collective(op="gloo:all_reduce", seq=7, since_s=8.0, source="fr", group="1")

@@ -342,6 +342,14 @@ def test_a_timeout_ends_the_job_because_of_the_rank_the_others_waited_for() -> N
         "ended the job; ranks 1, 2 failed because of it"
     ), text
     assert "rank 0 was stopped" not in text
+    # torchrun slow to stop it: rank 0 ends its checkpoint, enters the barrier after they
+    # gave up and fails there, its peers gone (seen on a loaded machine, 5 s after them)
+    gone = {"type": "RuntimeError", "message": "[pair.cc:553] Connection closed by peer"}
+    late = [rank(0, "crashed", error=gone, step=20, ended_at=T0 + 33.1), *ranks[1:]]
+    late_doc = {**doc, "server_time": T0 + 35, "ranks": late}
+    assert verdict(typed(late_doc)).startswith(
+        "rank 0 kept ranks 1, 2 waiting in 'checkpoint' until they timed out"
+    ), verdict(typed(late_doc))
     # a timeout with no straggler alert up at its end: no rank is guessed
     cleared = document(ranks)
     assert not verdict(typed(cleared)).startswith("rank 0"), verdict(typed(cleared))

@@ -357,27 +357,37 @@ def _held_until_timeout(
     """Every failure only a victim's (timed out waiting), all of them ranks a straggler
     alert still up at the end said waited for one rank that did not fail itself: that rank
     ended the job (LLaMA-Factory #2424: rank 0 saves past the process group's timeout), not
-    the first rank to time out, as the launcher's "Root Cause" says."""
+    the first rank to time out, as the launcher's "Root Cause" says. That rank may fail too,
+    with a victim's words, after them: it came to the collective once they had gone."""
     if not failed or not all(o.waited for o in failed):
         return None
-    victims = {o.rank for o in failed}
     for e in found:
-        if (
+        if not (
             e.kind in HOLDING
             and e.severity == Severity.ERROR
             and e.cleared_s is None
             and len(e.ranks) == 1
-            and victims <= set(e.waiting)
         ):
-            rank = e.ranks[0]
-            own = outcomes.get(rank)
-            if own is None or own.failed:
-                return None
-            where = f" in '{e.phase}'" if e.phase else ""
-            when = min((o.ended_at for o in failed if o.ended_at is not None), default=None)
-            text = f"kept {format_ranks(sorted(victims))} waiting{where} until they timed out"
-            return Outcome(rank, "held", True, when, text)
+            continue
+        rank = e.ranks[0]
+        victims = [o for o in failed if o.rank != rank]
+        if not victims or not {o.rank for o in victims} <= set(e.waiting):
+            continue
+        own = outcomes.get(rank)
+        when = min((o.ended_at for o in victims if o.ended_at is not None), default=None)
+        if own is None or (own.failed and not _failed_after(own, when)):
+            return None
+        where = f" in '{e.phase}'" if e.phase else ""
+        names = format_ranks(sorted(o.rank for o in victims))
+        text = f"kept {names} waiting{where} until they timed out"
+        return Outcome(rank, "held", True, when, text)
     return None
+
+
+def _failed_after(own: Outcome, victims_ended: float | None) -> bool:
+    """A victim's failure (a lost peer) after the victims had ended: a consequence."""
+    ended = own.ended_at
+    return own.waited and ended is not None and victims_ended is not None and ended > victims_ended
 
 
 _NEVER = "never reported (it did not start, or could not reach ddpwatch or the other ranks)"

@@ -12,7 +12,13 @@ from ddpwatch.core.vocabulary import AlertKind
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.facts.census import Census, missing_ranks
 from ddpwatch.diagnosis.facts.mismatch import Mismatch
-from ddpwatch.diagnosis.facts.ranks import entered, is_clean_exit, is_term_exit, wait_key
+from ddpwatch.diagnosis.facts.ranks import (
+    WaitKey,
+    entered,
+    is_clean_exit,
+    is_term_exit,
+    wait_key,
+)
 from ddpwatch.diagnosis.knowledge import WAIT_NAMES, Signature, named_ranks
 from ddpwatch.diagnosis.text import first_line
 from ddpwatch.server.host_memory import oom_note
@@ -332,17 +338,32 @@ def _held_up_by(facts: Evidence, timeouts: list[Root]) -> Root | None:
     began = min(
         (r.error_time or r.last_seen) - (r.pg_timeout_s or 0.0) for r in waited
     )  # when their wait began, at the latest
+    gave_up = min(r.error_time or r.last_seen for r in waited)
     held = [
         r
         for r in facts.records
         if r.rank not in out
-        and r.error is None
         and r.last_seen > began
-        and entered(r, place) is False
-        and not (r.collective is not None and r.exit_time is None)
+        and (
+            _entered_after(r, place, gave_up)
+            or (
+                r.error is None
+                and entered(r, place) is False
+                and not (r.collective is not None and r.exit_time is None)
+            )
+        )
     ]
     if not held:
         return None
     held.sort(key=lambda r: r.rank)
-    time = min(r.error_time or r.last_seen for r in waited)
-    return Root(AlertKind.STRAGGLER, [r.rank for r in held], time, held, timed_out=waited)
+    return Root(AlertKind.STRAGGLER, [r.rank for r in held], gave_up, held, timed_out=waited)
+
+
+def _entered_after(record: RankRecord, place: WaitKey, gave_up: float) -> bool:
+    """The rank entered ``place`` only after the ranks waiting in it had timed out, and
+    failed there (its peers gone: gloo's "Connection closed by peer"): torchrun slow to stop
+    it, it finished what held the others and came (seen on a loaded machine, 9 s late)."""
+    final = record.final_collective
+    if final is None or record.error_time is None or wait_key(final) != place:
+        return False
+    return record.error_time - final.since_s >= gave_up
