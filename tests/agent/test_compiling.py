@@ -163,3 +163,20 @@ def test_a_model_attached_then_compiled_keeps_its_graph_whole_and_its_steps() ->
     assert watcher.progress.step == 4  # the optimizer hooks end the compiled steps
     model(torch.randn(4, 8))  # eager, the hooks run as before
     assert watcher.progress.phase == Phase.BACKWARD
+
+
+def test_importing_dynamo_is_not_compiling() -> None:
+    """The body of ``convert_frame.py`` runs while ``torch._dynamo`` is imported (DDP's
+    constructor imports it): seen under mpirun on a loaded machine as 'compiling' and
+    'model_wrap' alternating 16 times, which pushed 'rendezvous' out of the rank's phases."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch._dynamo.convert_frame")
+    assert spec is not None and spec.origin is not None
+    body = compile("import sys\nframe = sys._getframe()", spec.origin, "exec")
+    scope: dict[str, Any] = {}
+    exec(body, scope)  # a frame of convert_frame.py's module body, as an import runs it
+    assert not in_compile_stack(scope["frame"])
+    inner = compile("def _compile():\n    return sys._getframe()\n", spec.origin, "exec")
+    exec(inner, scope)
+    assert in_compile_stack(scope["_compile"]())

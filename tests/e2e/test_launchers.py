@@ -56,6 +56,7 @@ def check_ranks(
         assert rank["step"] == steps and rank["state"] == "exited", rank
         assert any("loading data" in line for line in rank["log_tail"]), rank["log_tail"]
         phases = [name for name, _ in server.server.state.ranks[number].phases]
+        assert "rendezvous" in phases and "first_step" in phases, phases
         assert phases.index("rendezvous") < phases.index("first_step"), phases
     assert status["alerts"] == []
 

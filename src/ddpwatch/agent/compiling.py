@@ -161,9 +161,12 @@ def clean_reason(reason: str) -> str | None:
 def in_compile_stack(frame: FrameType | None) -> bool:
     """Whether a thread whose innermost frame is ``frame`` is inside a compilation: a frame
     of dynamo's ``convert_frame.py`` is on the stack (AOT autograd and inductor run inside
-    it). The fallback where torch's callbacks are not there."""
+    it). The fallback where torch's callbacks are not there. The module's own body is not a
+    compilation: importing ``torch._dynamo`` runs it for seconds on a loaded machine (seen
+    as 'compiling' flapping with 'model_wrap' 16 times while DDP's constructor imported it)."""
     while frame is not None:
-        if frame.f_code.co_filename.endswith(_CONVERT_FRAME):
+        code = frame.f_code
+        if code.co_filename.endswith(_CONVERT_FRAME) and code.co_name != "<module>":
             return True
         frame = frame.f_back
     return False
