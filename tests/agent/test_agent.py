@@ -340,6 +340,33 @@ def test_publisher_never_blocks_without_a_server() -> None:
     assert publisher.dropped > 0 and not publisher.alive
 
 
+def test_a_beat_never_overtakes_events_queued_while_it_was_computed(receiver) -> None:
+    """The training thread enters 'eval' then 'compiling' while the publisher computes a
+    beat that reads 'compiling': the events go first. Sent ahead, the beat put 'compiling'
+    before 'eval' in the rank's phases (seen under load: the compile test's phases began
+    'started', 'compiling', 'eval')."""
+    calls = 0
+
+    def heartbeat() -> list[Sample]:
+        nonlocal calls
+        calls += 1
+        if calls == 6:  # connected by then (a beat before is dropped, no server has it)
+            for phase in ("eval", "compiling"):  # as the training thread would, meanwhile
+                publisher.publish(Event(v=1, rank=0, t=time.time(), event="phase", phase=phase))
+        phase = "started" if calls < 6 else "compiling"
+        return [Sample(v=1, rank=0, t=time.time(), world_size=1, phase=phase)]
+
+    publisher = Publisher(f"tcp://127.0.0.1:{receiver.collector.port}", 0.05, heartbeat)
+    publisher.start()
+    try:
+        record = receiver.wait_for(
+            lambda state: (r := state.ranks.get(0)) is not None and len(r.phases) >= 3 and r
+        )
+        assert [name for name, _ in record.phases] == ["started", "eval", "compiling"]
+    finally:
+        publisher.stop()
+
+
 def test_progress_step_timing_and_data_wait() -> None:
     progress = Progress()
     progress.end_step()

@@ -174,9 +174,13 @@ class Publisher:
             if now >= next_beat and not stopping:
                 # a beat never overtakes what is still queued (the hello, an event no server
                 # took yet): it is dropped, as one no server took would be, and the next
-                # repeats it
+                # repeats it. Events queued while it was computed go first: it may have read
+                # their phase (seen: a beat that said 'compiling' ahead of the 'eval' event
+                # before it, the server's phases then 'compiling', 'eval', 'compiling')
+                beat = self._safe_heartbeat()
+                self._drain()
                 behind = bool(self._queue)
-                for message in self._safe_heartbeat():
+                for message in beat:
                     if isinstance(message, Event):
                         self.publish(message)  # a log or stack event happens once: keep it
                     elif behind or not self._send(message):
