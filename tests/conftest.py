@@ -229,7 +229,7 @@ class Recording:
 
 
 def ddpwatch_run(
-    server: LiveServer, *command: str, env: dict[str, str] | None = None, timeout: float = 150
+    server: LiveServer, *command: str, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
     """``ddpwatch run --addr <server> -- command``, as a user types it."""
     addr = f"127.0.0.1:{server.port}"
@@ -322,6 +322,19 @@ def jobs() -> Iterator[Callable[..., Job]]:
         job.proc.communicate()
 
 
+def wait_listening(port: int, process: subprocess.Popen[Any], timeout: float = 60.0) -> None:
+    """Until something accepts TCP connections on 127.0.0.1:``port``: a server process
+    started, however long its imports take on a loaded machine (seconds, not a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert process.poll() is None and time.monotonic() < deadline, "no listener"
+            time.sleep(0.05)
+
+
 @pytest.fixture
 def http_server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     """A real process holding a port: ``python -m http.server PORT`` on 127.0.0.1, listening
@@ -333,14 +346,7 @@ def http_server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, "no listener"
-                time.sleep(0.05)
+        wait_listening(port, process)
         yield process, port
     finally:
         process.kill()

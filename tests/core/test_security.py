@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from conftest import ROOT, as_json, free_port_pair, poll_status
+from conftest import ROOT, as_json, free_port_pair, poll_status, wait_listening
 
 from ddpwatch.agent.publisher import Publisher
 from ddpwatch.cli import fetch_status, main
@@ -320,8 +320,9 @@ def _serve(port: int, *extra: str) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
-def _stderr_after_start(proc: subprocess.Popen[str]) -> str:
-    time.sleep(1.5)
+def _stderr_after_start(proc: subprocess.Popen[str], port: int) -> str:
+    wait_listening(port, proc)  # its imports took more than a fixed 1.5 s under load
+    time.sleep(0.5)  # its signal handlers come just after its sockets
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=10)
     assert proc.returncode == 0, err
@@ -329,16 +330,18 @@ def _stderr_after_start(proc: subprocess.Popen[str]) -> str:
 
 
 def test_non_loopback_bind_without_key_warns_once(keys: dict[str, Any]) -> None:
-    err = _stderr_after_start(_serve(free_port_pair(), "--host", "0.0.0.0"))
+    port = free_port_pair()
+    err = _stderr_after_start(_serve(port, "--host", "0.0.0.0"), port)
     warnings = [line for line in err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "without authentication" in warnings[0], err
+    port = free_port_pair()
+    secret = str(keys["server_secret"])
     err = _stderr_after_start(
-        _serve(
-            free_port_pair(), "--host", "0.0.0.0", "--curve-secret-file", str(keys["server_secret"])
-        )
+        _serve(port, "--host", "0.0.0.0", "--curve-secret-file", secret), port
     )
     assert "warning" not in err, err
-    err = _stderr_after_start(_serve(free_port_pair()))
+    port = free_port_pair()
+    err = _stderr_after_start(_serve(port), port)
     assert "warning" not in err and "127.0.0.1" in err, err
 
 

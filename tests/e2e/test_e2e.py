@@ -118,7 +118,7 @@ def test_server_started_after_the_ranks_rebuilds_state(port: int, jobs) -> None:
     time.sleep(12)  # the ranks are training with nobody listening
     server = LiveServer(port, Thresholds())
     try:
-        server.wait_for(all_ranks_stepping(2), timeout=10)
+        server.wait_for(all_ranks_stepping(2), timeout=60)  # imports: seconds more when loaded
         status = as_json(server.server.status())
         assert {r["rank"] for r in status["ranks"]} == {0, 1}
         assert all(r["host"] and r["pid"] and r["world_size"] == 2 for r in status["ranks"])

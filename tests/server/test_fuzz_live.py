@@ -426,7 +426,9 @@ def test_serve_max_ranks_from_the_command_line() -> None:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )  # fmt: skip
     try:
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60  # its imports took more than a fixed 1 s under load
+        while fetch_status("127.0.0.1", port, 0.5) is None:  # (a bare TCP probe is "refused")
+            assert proc.poll() is None and time.monotonic() < deadline, "no server"
         context = zmq.Context.instance()
         sock = context.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
