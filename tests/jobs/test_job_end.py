@@ -20,10 +20,10 @@ from terminal import Terminal
 
 from ddpwatch.cli import main
 from ddpwatch.core.protocol import ErrorInfo, Event, Sample, encode
-from ddpwatch.core.vocabulary import HistoryEvent
+from ddpwatch.core.vocabulary import HistoryEvent, JobStop
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.history import AlertChange
-from ddpwatch.jobs.ending import ChangePrinter
+from ddpwatch.jobs.ending import ChangePrinter, Stops, job_end
 from ddpwatch.jobs.launch import latest_recording
 
 RECORDED = re.compile(r"ddpwatch run: recorded in (\S+\.ddpw)")
@@ -99,6 +99,19 @@ def test_the_report_of_torchrun_on_a_held_port_names_the_port_and_its_holder() -
     assert said.startswith(f"the job did not start: port {port} is already in use"), said
     assert f"pid {holder.pid}" in said
     assert f"**Verdict:** {said}" in report, report
+
+
+def test_how_the_launcher_ended_in_job_end() -> None:
+    stops = Stops(lambda: 100.0)
+    killed = job_end(-9, True, ["x"], stops, 101.0)
+    assert (killed.exit_code, killed.exit_signal, killed.stopped_by, killed.not_started) == (
+        None, "SIGKILL", None, None,
+    )  # fmt: skip
+    assert job_end(0, False, [], stops, 101.0).not_started is None  # ended well, no ranks
+    stops.ask(JobStop.CTRL_C)
+    stopped = job_end(1, False, ["Traceback ..."], stops, 101.0)
+    assert (stopped.stopped_by, stopped.stopped_at) == ("ctrl_c", 100.0)
+    assert stopped.not_started == "it was stopped by you (Ctrl-C) before any rank reported"
 
 
 # ------------------------------------------------------------------ stopped by you

@@ -60,8 +60,7 @@ def job_end(
 ) -> JobEnd:
     """How the job ended: its launcher's code or signal, the first stop asked, and, where
     the launcher failed before any rank reported (``started`` false), why, in its words."""
-    first = stops.first
-    code = returncode
+    first, code = stops.first, returncode
     return JobEnd(
         at=at,
         exit_code=code if code is None or code >= 0 else None,
