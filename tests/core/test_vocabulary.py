@@ -35,6 +35,7 @@ from ddpwatch.core.vocabulary import (
     CollectiveSource,
     EventKind,
     HistoryEvent,
+    JobStop,
     Phase,
     RankState,
     Severity,
@@ -127,7 +128,8 @@ def _doc_field_row(path: Path, field: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "cls", [Phase, RankState, Severity, EventKind, AlertKind, HistoryEvent, CollectiveSource]
+    "cls",
+    [Phase, RankState, Severity, EventKind, AlertKind, HistoryEvent, CollectiveSource, JobStop],
 )
 def test_each_name_is_its_plain_string(cls: type[Word]) -> None:
     """A member is its string wherever it goes: compared, hashed, printed, formatted, quoted,
@@ -157,6 +159,7 @@ def test_the_vocabulary_matches_the_documented_contract() -> None:
     assert history == list(HistoryEvent)
     source = next(line for line in protocol.read_text().splitlines() if "`collective.source`" in line)
     assert re.findall(r"`(fr|py)`", source) == list(CollectiveSource)
+    assert _doc_field_row(status, "stopped_by") == list(JobStop)
     # byte-identical on the wire: what older agents send and older servers read
     assert EVENT_KINDS == ("phase", "crash", "exit", "stack", "checkpoint", "log")
 

@@ -134,15 +134,12 @@ def test_the_dashboard_run_reads_the_reason_from_its_log(
             stdout=output, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
-    def dashboard(server: Any, source: Any, **kwargs: Any) -> None:
+    def dashboard(source: Any, **kwargs: Any) -> None:
         job.wait()  # the user watches until the job has ended, then quits
 
-    monkeypatch.setattr("ddpwatch.tui.app.run_dashboard", dashboard)
+    monkeypatch.setattr("ddpwatch.tui.app.show_dashboard", dashboard)
     server = Server("127.0.0.1", free_port_pair(), Thresholds())
-    try:
-        assert _with_dashboard(server, job, str(log)) == 2
-    finally:
-        server.collector.close()  # its loop never ran: close its sockets here
+    assert _with_dashboard(server, job, str(log)) == 2
     err = capsys.readouterr().err
     assert "verdict: the job did not start: the script /x/train.py was not found" in err, err
 

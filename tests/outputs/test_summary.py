@@ -353,3 +353,72 @@ def test_a_timeout_ends_the_job_because_of_the_rank_the_others_waited_for() -> N
     # a timeout with no straggler alert up at its end: no rank is guessed
     cleared = document(ranks)
     assert not verdict(typed(cleared)).startswith("rank 0"), verdict(typed(cleared))
+
+
+# ------------------------------------------------------------------ what ddpwatch run said
+
+
+def stopped_by(by: str, at: float, **fields: Any) -> dict[str, Any]:
+    """``job_end`` as ``ddpwatch run`` writes it once the job it launched was stopped."""
+    return {"at": at + 3.0, "exit_code": 1, "stopped_by": by, "stopped_at": at, **fields}
+
+
+def test_a_job_stopped_from_the_dashboard_is_stopped_by_you_not_still_running() -> None:
+    """#33: "Stop the job" in run --tui; the verdict said the job "was still running when
+    the watch ended". Rank 1 never said it ended (SIGKILLed after the grace)."""
+    ranks = [rank(0, "stopped", exit_signal="SIGTERM", ended_at=T0 + 41), rank(1)]
+    doc = document(ranks)
+    doc["job_end"] = stopped_by("dashboard", T0 + 40)
+    assert verdict(typed(doc)) == (
+        "the job was stopped by you from the dashboard (Stop the job) at +40.0 s; no problems seen"
+    )
+
+
+def test_ctrl_c_is_a_stop_not_the_crashes_and_alerts_it_caused() -> None:
+    """Ctrl-C: rank 0 ends with the KeyboardInterrupt, rank 1 loses its peer; the crash
+    alert raised after the stop is the stop's doing, not what ended the job."""
+    interrupted = {"type": "KeyboardInterrupt"}
+    lost = {"type": "RuntimeError", "message": "Connection closed by peer [127.0.0.1]:1946"}
+    crashed = Alert("crashed", "error", (0,), (1,), "rank 0 crashed", "fix")
+    ranks = [
+        rank(0, "crashed", error=interrupted, ended_at=T0 + 30.2),
+        rank(1, "crashed", error=lost, ended_at=T0 + 30.4),
+    ]
+    doc = document(ranks)
+    tracker = AlertTracker(raise_hold_s=0.0, clear_hold_s=0.0)
+    tracker.update([crashed], T0 + 31, T0)
+    doc["history"] = tracker.entries()
+    doc["job_end"] = stopped_by("ctrl_c", T0 + 30)
+    assert verdict(typed(doc)) == "the job was stopped by you (Ctrl-C) at +30.0 s; no problems seen"
+    assert "alerts, in order:" in summary_lines(typed(doc))  # what was raised is still listed
+
+
+def test_a_failure_before_the_stop_still_ended_the_job() -> None:
+    """Rank 1 crashed at +20 s, ranks 0, 2 hung waiting for it until the user pressed
+    Ctrl-C at +60 s: the crash ended the job, the others were stopped by the user."""
+    boom = {"type": "RuntimeError", "message": "boom"}
+    crashed = Alert("crashed", "error", (1,), (0, 2), "rank 1 crashed", "fix")
+    tracker = AlertTracker(raise_hold_s=0.0, clear_hold_s=0.0)
+    tracker.update([crashed], T0 + 20.5, T0)
+    ranks = [
+        rank(0, "stopped", exit_signal="SIGTERM", ended_at=T0 + 60.3),
+        rank(1, "crashed", error=boom, step=30, ended_at=T0 + 20),
+        rank(2, "crashed", error={"type": "KeyboardInterrupt"}, ended_at=T0 + 60.2),
+    ]
+    doc = {"server_time": T0 + 62, "job_started": T0, "world_size": 3, "ranks": ranks,
+           "history": tracker.entries(), "job_end": stopped_by("ctrl_c", T0 + 60)}  # fmt: skip
+    assert verdict(typed(doc)) == (
+        "rank 1 crashed with RuntimeError (boom) at step 30, which ended the job; ranks 0, 2 "
+        "were still running when you stopped the job (Ctrl-C) at +60.0 s"
+    )
+
+
+def test_a_job_that_never_started_says_why_from_the_document() -> None:
+    """The launcher's reason travels in ``job_end``: the summary of a replay or a report
+    says it, not only the live run's."""
+    why = "the script /x/train.py was not found: check its path"
+    doc = {"server_time": T0 + 3, "job_started": None, "world_size": None, "ranks": [],
+           "history": [], "job_end": {"at": T0 + 2, "exit_code": 2, "not_started": why}}  # fmt: skip
+    assert summary_lines(typed(doc))[-1] == f"verdict: the job did not start: {why}"
+    del doc["job_end"]  # a server that did not launch the job: as before
+    assert summary_lines(typed(doc))[-1] == "verdict: no rank reported"

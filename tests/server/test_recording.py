@@ -32,6 +32,7 @@ from ddpwatch.server.recording import (
     read_records,
 )
 from ddpwatch.server.replay import ReplayServer
+from ddpwatch.status.schema import JobEnd, UnsetType
 
 
 def sequence(changes: list[AlertChange] | list[dict[str, Any]]) -> list[tuple[str, str, list]]:
@@ -89,6 +90,32 @@ def test_unknown_record_kinds_are_skipped_by_consumers(tmp_path: Path) -> None:
     path = tmp_path / "future.ddpw"
     path.write_bytes(MAGIC + encode_record(7, 1.0, b"new") + encode_record(1, 2.0, b"f"))
     assert [(r.kind, r.data) for r in read_records(path)] == [(7, b"new"), ("frame", b"f")]
+
+
+def test_how_the_job_ended_is_recorded_and_replayed(tmp_path: Path) -> None:
+    """``ddpwatch run`` tells its server how the job ended (``job_end``): the recording keeps
+    it as a ``job`` record, so a replay's document, and the report read from it, say it; a
+    recording from before (no such record) replays without one."""
+    path = tmp_path / "run.ddpw"
+    why = "the script /x/train.py was not found: check its path"
+    told = JobEnd(at=1_800_000_000.0, exit_code=2, not_started=why)
+    live = Recording(path)
+    try:
+        live.server.end_job(told)
+        live.server.tick()
+        assert live.server.status().job_end == told
+    finally:
+        live.stop()
+    records = read_records(path)
+    (job,) = [r for r in records if r.kind == "job"]
+    assert json.loads(job.data)["not_started"] == why
+    assert replayed(path)[0].status().job_end == told
+    kinds = {"session": 0, "frame": 1, "tick": 2}
+    older = tmp_path / "older.ddpw"
+    older.write_bytes(
+        MAGIC + b"".join(encode_record(kinds[r.kind], r.t, r.data) for r in records if r != job)
+    )
+    assert isinstance(replayed(older)[0].status().job_end, UnsetType)
 
 
 def _recording_with_tail(path: Path, n: int) -> tuple[bytes, int]:

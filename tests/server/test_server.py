@@ -115,7 +115,8 @@ def test_status_query_and_cli(server: LiveServer, capsys) -> None:
     assert "node-a" in table and "3/3 ranks" in table
 
 
-def test_status_without_a_server_fails_in_one_line(capsys) -> None:
+def test_status_without_a_server_fails_in_one_line(capsys, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("DDPWATCH_RECORD_DIR", str(tmp_path))  # no run recorded: one line
     port = free_port_pair()
     started = time.monotonic()
     assert main(["status", "--port", str(port), "--timeout", "0.5"]) == 1

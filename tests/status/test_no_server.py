@@ -27,8 +27,9 @@ def refusal(port: int, timeout: str, curve: str = "") -> str:
 
 
 def test_status_names_the_query_port_and_how_to_start_serve(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
+    monkeypatch.setenv("DDPWATCH_RECORD_DIR", str(tmp_path))  # no ddpwatch run recorded here
     port = free_port_pair()
     assert main(["status", "--port", str(port), "--timeout", "0.3"]) == 1
     out, err = capsys.readouterr()
@@ -67,7 +68,7 @@ def test_top_and_web_refuse_with_the_same_line(command: list[str]) -> None:
 def test_with_a_server_key_the_line_asks_whether_it_is_the_right_one(tmp_path) -> None:
     _, _, public = generate_keys(tmp_path / "keys")
     port = free_port_pair()
-    key = {"DDPWATCH_SERVER_KEY": public}
+    key = {"DDPWATCH_SERVER_KEY": public, "DDPWATCH_RECORD_DIR": str(tmp_path / "runs")}
     hint = (
         " (with DDPWATCH_SERVER_KEY set: is it the key of a server started with "
         "--curve-secret-file?)"

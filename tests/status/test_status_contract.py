@@ -29,6 +29,7 @@ from ddpwatch.core.protocol import (
     Sample,
     encode,
 )
+from ddpwatch.core.vocabulary import JobStop
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.server.document import status_document
 from ddpwatch.server.recording import Recorder
@@ -36,7 +37,7 @@ from ddpwatch.server.relays import note_batch
 from ddpwatch.server.replay import ReplayServer
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
-from ddpwatch.status.schema import PageReply, StatusDocument, SummaryReply
+from ddpwatch.status.schema import JobEnd, PageReply, StatusDocument, SummaryReply
 
 HELD = Path(__file__).parent / "status_contract"
 WRITE = os.environ.get("DDPWATCH_WRITE_CONTRACT") == "1"
@@ -200,6 +201,22 @@ def _attempts(server: Server, clock: Clock) -> None:
     server.tick()
 
 
+def _stopped(server: Server, clock: Clock) -> None:
+    """``ddpwatch run``: two ranks train, the user presses Ctrl-C, the ranks end on the
+    SIGTERM torchrun passes on, and ``run`` says how the job ended (``job_end``)."""
+    state = server.state
+    for second in range(5):
+        for rank in range(2):
+            state.apply(_sample(rank, T0 + second, world_size=2, step=second), T0 + second + 0.1)
+        clock.now = T0 + second + 0.5
+        server.tick()
+    for rank in range(2):
+        state.apply(Event(v=1, rank=rank, t=T0, event="exit", signal="SIGTERM"), T0 + 5.2)
+    server.end_job(JobEnd(at=T0 + 5.5, exit_code=1, stopped_by=JobStop.CTRL_C, stopped_at=T0 + 5.1))
+    clock.now = T0 + 5.75
+    server.tick()
+
+
 def _empty(server: Server, clock: Clock) -> None:
     clock.now = T0 + 0.25
     server.tick()
@@ -209,6 +226,7 @@ SCENARIOS: dict[str, Callable[[Server, Clock], None]] = {
     "rich": _rich,
     "straggler": _straggler,
     "attempts": _attempts,
+    "stopped": _stopped,
     "empty": _empty,
 }
 
@@ -317,6 +335,9 @@ def test_the_held_documents_show_what_they_are_for() -> None:
     assert any(e.closed_by == "new_attempt" for e in attempts.history)
     replay = msgspec.json.decode((HELD / "replay.json").read_bytes(), type=StatusDocument)
     assert replay.replay
+    stopped = msgspec.json.decode((HELD / "stopped.json").read_bytes(), type=StatusDocument)
+    assert stopped.job_end and stopped.job_end.stopped_by == "ctrl_c"
+    assert all(not isinstance(held.job_end, JobEnd) for held in (rich, straggler, replay))
 
 
 def test_a_document_of_a_state_alone_has_no_refused() -> None:

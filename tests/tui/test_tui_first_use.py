@@ -23,9 +23,11 @@ from textual.widgets import Button, Static
 from tui_fixtures import FixtureSource, document, healthy, typed
 
 from ddpwatch.core.protocol import Sample, encode
+from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.jobs.launch import _with_dashboard
 from ddpwatch.server.recording import Recorder
 from ddpwatch.server.replay import ReplayServer
+from ddpwatch.server.service import Server
 from ddpwatch.status.schema import StatusDocument
 from ddpwatch.tui.app import DashboardApp
 from ddpwatch.tui.data.sources import (
@@ -128,7 +130,7 @@ def run_under_job(
     """Make ``_with_dashboard``'s dashboard a ``run_test`` one that plays ``steps``."""
     seen: dict[str, Any] = {}
 
-    def fake_run_dashboard(server: Any, source: Any, **kwargs: Any) -> int:
+    def fake_show_dashboard(source: Any, **kwargs: Any) -> None:
         async def drive() -> None:
             app = make_app(source)
             async with app.run_test(size=(100, 30)) as pilot:
@@ -137,10 +139,14 @@ def run_under_job(
             seen["exited"] = not app.is_running
 
         asyncio.run(drive())
-        return 0
 
-    monkeypatch.setattr("ddpwatch.tui.app.run_dashboard", fake_run_dashboard)
+    monkeypatch.setattr("ddpwatch.tui.app.show_dashboard", fake_show_dashboard)
     return seen
+
+
+def run_server() -> Server:
+    """The local server ``ddpwatch run --tui`` runs the dashboard and the job with."""
+    return Server("127.0.0.1", free_port_pair(), Thresholds())
 
 
 async def ask_to_quit(pilot: Pilot[Any]) -> QuitScreen:
@@ -167,10 +173,12 @@ def test_q_then_stop_terminates_the_job(
 
     seen = run_under_job(monkeypatch, steps)
     log = tmp_path / "job.log"
-    code = _with_dashboard(FakeServer(), job, str(log))  # type: ignore[arg-type]
+    code = _with_dashboard(run_server(), job, str(log))
     assert seen["exited"]
     assert job.returncode == -signal.SIGTERM and code == -signal.SIGTERM
-    assert f"the job's output is in {log}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"the job's output is in {log}" in err
+    assert "verdict: the job did not start: it was stopped by you from the dashboard" in err
 
 
 def test_q_then_detach_leaves_the_job_running(
@@ -186,7 +194,7 @@ def test_q_then_detach_leaves_the_job_running(
 
     seen = run_under_job(monkeypatch, steps)
     log = tmp_path / "job.log"
-    code = _with_dashboard(FakeServer(), job, str(log))  # type: ignore[arg-type]
+    code = _with_dashboard(run_server(), job, str(log))
     assert seen["exited"] and code == 0
     time.sleep(0.2)
     assert job.poll() is None  # still running after ddpwatch run returned

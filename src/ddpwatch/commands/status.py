@@ -137,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
             f"ddpwatch: {no_server(args.host, args.port, args.timeout, curve=curve)}",
             file=sys.stderr,
         )
+        recorded = _last_recorded()
+        if recorded is not None:
+            print(f"ddpwatch: {recorded}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(json.loads(reply), indent=2))  # as the server sent it, every key
@@ -147,6 +150,28 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_status(document))
     return 0
+
+
+def _last_recorded() -> str | None:
+    """Where the last ``ddpwatch run`` here left its story, once its server is gone: its
+    recording, and the command that reads it."""
+    import shlex
+    import time
+
+    from ddpwatch.jobs.launch import latest_recording
+    from ddpwatch.status.fmt import duration
+
+    path = latest_recording()
+    if path is None:
+        return None
+    try:
+        ago = duration(time.time() - path.stat().st_mtime)
+    except OSError:
+        return None
+    return (
+        f"the last ddpwatch run here ended {ago} ago (its server ended with it); what it "
+        f"said is in its recording: ddpwatch report {shlex.quote(str(path))}"
+    )
 
 
 def _document(reply: bytes, query: Query | None) -> StatusDocument | None:
@@ -221,11 +246,26 @@ def _alerts(alerts: list[AlertEntry]) -> list[str]:
 
 
 def format_status(document: StatusDocument) -> str:
-    """A plain-text table of the status document, for people."""
+    """A plain-text table of the status document, for people; once the job has ended, what
+    its run said (``_ended``)."""
     lines = _table(document.ranks)
     connected = sum(1 for r in document.ranks if r.state != RankState.NOT_CONNECTED)
     lines.append(f"\n{connected}/{_fmt(document.world_size)} ranks, {_messages(document.stats)}")
-    return "\n".join(lines + _alerts(document.alerts))
+    return "\n".join(lines + _alerts(document.alerts) + _ended(document))
+
+
+def _ended(document: StatusDocument) -> list[str]:
+    """Once the job has ended (every rank seen has, or the ``ddpwatch run`` that launched it
+    said so), the end-of-run summary: its alerts in order, with those that cleared, how each
+    rank ended and the verdict, as ``ddpwatch run`` printed it. ``serve`` serves on after the
+    job, and "no alerts" alone would drop what it said while the job ran."""
+    from ddpwatch.diagnosis.job_end import job_end_of
+    from ddpwatch.outputs.summary import summary_lines
+    from ddpwatch.tui.data.story import ranks_finished
+
+    if not ranks_finished(document) and job_end_of(document) is None:
+        return []
+    return ["", "the job has ended:", *("  " + line for line in summary_lines(document))]
 
 
 def format_page(document: PageReply) -> str:

@@ -10,6 +10,8 @@ its members in order.
 * ``AlertKind``: the kinds of alerts diagnosis may raise.
 * ``HistoryEvent``: what happened to an alert, in the status document's ``history``.
 * ``CollectiveSource``: which counter a collective's number comes from.
+* ``JobStop``: what stopped a job ``ddpwatch run`` launched (the status document's
+  ``job_end.stopped_by``).
 
 Importable anywhere (the server included): no torch, no third-party package. The agent and
 the integrations set only these phases (a user's ``ddpwatch.phase(name)`` may set any);
@@ -187,3 +189,13 @@ class CollectiveSource(Word):
 
     FR = "fr"  # the flight recorder's sequence, per process group (DDP's all-reduces too)
     PY = "py"  # the agent's count of Python-level torch.distributed calls
+
+
+@unique
+class JobStop(Word):
+    """What asked a job that ``ddpwatch run`` launched to stop (``job_end.stopped_by`` in
+    ``docs/status.md``): the verdict tells a stop the user asked for from a failure."""
+
+    DASHBOARD = "dashboard"  # "Stop the job" in ``run --tui``'s quit question
+    CTRL_C = "ctrl_c"  # Ctrl-C in the terminal of ``ddpwatch run``
+    SIGTERM = "sigterm"  # a SIGTERM to ``ddpwatch run`` (a scheduler, ``kill``)

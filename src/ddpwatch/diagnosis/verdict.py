@@ -4,7 +4,9 @@ read it, so they tell the same story.
 
 A pure function of the status document: its ``history`` (every alert episode in time order,
 ``diagnosis/history.py``), how each rank ended (``ranks``: ``state``, ``exit_code``,
-``ended_at``, ...) and the attempts its launcher restarted it after (``attempts``). It judges
+``ended_at``, ...), the attempts its launcher restarted it after (``attempts``) and what the
+``ddpwatch run`` that launched it knew of its end (``job_end``, ``job_end.py``): a job the user
+stopped is judged up to the stop, and a job that never started says why. It judges
 from the whole run, not from the last state: an alert that cleared still happened, a rank
 that exited 0 after its work finished (it did not fail), and the failure that ended the job
 is the first rank to fail, in time, that the live diagnosis named as a cause, not the first
@@ -20,6 +22,7 @@ from typing import Any
 
 from ddpwatch.core.protocol import ErrorInfo
 from ddpwatch.core.vocabulary import AlertKind, HistoryEvent, RankState, Severity
+from ddpwatch.diagnosis.job_end import Stop, not_started_of, stop_of
 from ddpwatch.diagnosis.knowledge import WAIT_NAMES, explain_error
 from ddpwatch.diagnosis.text import format_ranks
 from ddpwatch.status.fmt import duration, elapsed
@@ -216,7 +219,8 @@ class Outcome:
     """How one rank's process ended, in words, and whether that is a failure."""
 
     rank: int
-    word: str  # finished, crashed, exited, killed, stopped, silent, running, absent, held
+    word: str  # finished, crashed, exited, killed, stopped, silent, running, absent, held,
+    # interrupted (it ended, or ran on, after the user stopped the job: the stop's doing)
     failed: bool
     ended_at: float | None
     text: str  # "crashed with RuntimeError (boom)", "exited with code 3", ...
@@ -289,19 +293,28 @@ def judge(
     run_s: float | None,
     end_s: float,
     attempt: int = 1,
+    *,
+    stop: Stop | None = None,
+    not_started: str | None = None,
 ) -> Account:
-    """One attempt's verdict from its ranks' endings and its alert episodes."""
+    """One attempt's verdict from its ranks' endings and its alert episodes. ``stop``: the
+    user stopped the job (``job_end.py``): what ended and what was raised after it is the
+    stop's doing. ``not_started``: why the job never started, where no rank reported."""
     outcomes = {o.rank: o for o in map(outcome, ranks)}
+    if stop is not None:
+        found = [e for e in found if stop.at_s is None or e.raised_s < stop.at_s]
+        outcomes = {r: _under_stop(o, stop, found) for r, o in outcomes.items()}
     seen = [o for o in outcomes.values() if o.word != "absent"]
     held = held_up(found, end_s)
     if not seen:
-        return Account(attempt, "no rank reported", None, tuple(held), tuple(found))
+        text = f"the job did not start: {not_started}" if not_started else "no rank reported"
+        return Account(attempt, text, None, tuple(held), tuple(found))
     ending = _what_ended(outcomes, found)
     parts: list[str] = []
     if ending is not None:
-        parts.append(_ending_text(ending, outcomes, found, ranks))
+        parts.append(_ending_text(ending, outcomes, found, ranks, stop))
     else:
-        parts.append(_no_failure_text(seen, found))
+        parts.append(_no_failure_text(seen, found, stop))
     steps = {r.rank: _first_bad(r) for r in ranks}
     before = _other_problems(found, held, ending, run_s, end_s, steps)
     if before:
@@ -309,6 +322,19 @@ def judge(
     elif ending is None:
         parts.append("no problems seen")
     return Account(attempt, "; ".join(parts), ending, tuple(held), tuple(found))
+
+
+def _under_stop(o: Outcome, stop: Stop, found: Sequence[Episode]) -> Outcome:
+    """A rank's outcome once the user stopped the job: one that ended after the stop, or
+    never said it ended, was stopped by it (a ``KeyboardInterrupt``, a SIGTERM, a lost peer),
+    unless it had finished, or fell silent before the stop (its failure is its own)."""
+    if o.word in ("finished", "absent"):
+        return o
+    if o.ended_at is not None and o.ended_at < stop.at:
+        return o
+    if o.word == "silent" and o.rank in _named(found, frozenset({AlertKind.SILENT})):
+        return o
+    return Outcome(o.rank, "interrupted", False, o.ended_at, "was stopped with the job")
 
 
 def _what_ended(outcomes: dict[int, Outcome], found: Sequence[Episode]) -> Outcome | None:
@@ -421,6 +447,7 @@ def _ending_text(
     outcomes: dict[int, Outcome],
     found: Sequence[Episode],
     ranks: Sequence[RankEntry],
+    stop: Stop | None = None,
 ) -> str:
     step = next((r.step for r in ranks if r.rank == ending.rank), None)
     reasons = {  # what else the rank did, told beside its end (``_is_the_ending``)
@@ -445,6 +472,11 @@ def _ending_text(
         text += f"; {format_ranks(stopped)} {_were(stopped)} stopped because of it"
     if running:
         text += f"; {format_ranks(running)} {_were(running)} still waiting for it"
+    interrupted = [o.rank for o in others if o.word == "interrupted"]
+    if interrupted and stop is not None:
+        text += (
+            f"; {format_ranks(interrupted)} {_were(interrupted)} still running when {stop.clause}"
+        )
     finished = [o.rank for o in others if o.word == "finished"]
     if finished:
         text += f"; {format_ranks(finished)} had finished"
@@ -455,8 +487,14 @@ def _were(ranks: list[int]) -> str:
     return "was" if len(ranks) == 1 else "were"
 
 
-def _no_failure_text(seen: list[Outcome], found: Sequence[Episode]) -> str:
+def _no_failure_text(seen: list[Outcome], found: Sequence[Episode], stop: Stop | None) -> str:
     words = {o.word for o in seen}
+    if "interrupted" in words and stop is not None:
+        text = stop.passive
+        finished = [o.rank for o in seen if o.word == "finished"]
+        if finished:
+            text += f"; {format_ranks(finished)} had finished"
+        return text
     if words == {"finished"}:
         return "the job finished: every rank exited 0" if len(seen) > 1 else "the job finished"
     if "running" in words:
@@ -614,7 +652,17 @@ def read_run(document: StatusDocument) -> Run:
         ended = ended if math.isfinite(ended) else end_s
         accounts.append(judge(past.ranks, mine, run_s, ended, number))
     mine = [e for e in found if e.attempt == current] if pasts else found
-    accounts.append(judge(ranks, mine, run_s, end_s, current))
+    accounts.append(
+        judge(
+            ranks,
+            mine,
+            run_s,
+            end_s,
+            current,
+            stop=stop_of(document),
+            not_started=not_started_of(document),
+        )
+    )
     return Run(tuple(accounts), run_s, tuple(found))
 
 

@@ -29,10 +29,10 @@ from ddpwatch.agent.auto import AUTO_ENV
 from ddpwatch.core.port_holder import holder_of
 from ddpwatch.core.ports import pick_port
 from ddpwatch.core.protocol import DEFAULT_PORT
-from ddpwatch.core.vocabulary import HistoryEvent
+from ddpwatch.core.vocabulary import JobStop
 from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.diagnosis.history import AlertChange, describe
-from ddpwatch.jobs.emphasis import emphasize_for, mark_for
+from ddpwatch.jobs.emphasis import mark_for
+from ddpwatch.jobs.ending import ChangePrinter, Stops, job_end
 from ddpwatch.jobs.failure import not_started_reason, why_not_started
 from ddpwatch.jobs.output import StderrTee, tail_of_file
 from ddpwatch.jobs.stop import stop_job
@@ -90,7 +90,8 @@ def run_command(
         return _run_with_remote_server(command, addr, relay)
     port = pick_port(preferred_port)
     addr = f"127.0.0.1:{port}"
-    server = _local_server(port, chain(None if tui else _print_change, notify), record)
+    printer = None if tui else ChangePrinter(record)
+    server = _local_server(port, chain(printer, notify), record)
     if not tui:
         print(_banner(command, addr, True, preferred_port), file=sys.stderr)
     if tui:
@@ -100,7 +101,7 @@ def run_command(
         if job is None:
             return 127
         try:
-            return _with_dashboard(server, job, log_path, bell)
+            return _with_dashboard(server, job, log_path, bell, record)
         finally:
             if notify is not None:
                 notify.close()
@@ -110,46 +111,43 @@ def run_command(
     if job is None:
         tee.finish()
         return 127
-    stops: list[str] = []
-    lines: list[str] = []
+    stops = Stops(server.clock)
     try:
         with in_background(server, name="ddpwatch-collector"):
             try:
                 return _wait(job, stops)
             finally:
+                if printer is not None:
+                    printer.job_over()  # from here on its hints name the recording
                 lines = tee.finish()  # the launcher's last words, before the summary
                 _settle(server)
+                _tell_the_end(server, job.returncode, lines, stops)
                 server.tick()  # report what the job's last messages say
     finally:
-        why = _not_started(server, job.returncode, lines, stops)
-        _end_of_run(server, why, record, notify)
+        _end_of_run(server, record, notify)
 
 
-def _end_of_run(
-    server: Server, why: str | None, record: str | None, notify: Notifier | None
+def _tell_the_end(
+    server: Server, returncode: int | None, lines: Sequence[str], stops: Stops
 ) -> None:
+    """Tell the server how the job ended (``jobs/ending.py``): the next tick's document and
+    the recording carry it, so the summary and ``ddpwatch report`` say it alike."""
+    started = server.state.first_report is not None
+    server.end_job(job_end(returncode, started, lines, stops, server.clock()))
+
+
+def _end_of_run(server: Server, record: str | None, notify: Notifier | None) -> None:
     """The summary, then where the run was recorded (what reads it once this server is gone);
     the notifier closes last (its final alerts still go out, a few seconds at most)."""
-    print_summary(server.status(), sys.stderr, not_started=why)
-    if server.recorder is not None and record is not None:
+    recorded = record if server.recorder is not None else None
+    print_summary(server.status(), sys.stderr, recording=recorded)
+    if recorded is not None:
         print(
-            f"ddpwatch run: recorded in {record}: ddpwatch report {shlex.quote(record)}",
+            f"ddpwatch run: recorded in {recorded}: ddpwatch report {shlex.quote(recorded)}",
             file=sys.stderr,
         )
     if notify is not None:
         notify.close()
-
-
-def _not_started(
-    server: Server, returncode: int | None, lines: list[str], stops: list[str]
-) -> str | None:
-    """Why the job did not start, when it did not: the launcher failed (a non-zero code)
-    and no rank ever reported. A job that ended well without ranks is not called that."""
-    if not returncode or server.state.first_report is not None:
-        return None
-    if stops:
-        return f"it was stopped ({stops[0]}) before any rank reported"
-    return not_started_reason(lines, returncode, holder_of=holder_of)
 
 
 def _run_with_remote_server(command: Sequence[str], addr: str, relay: bool) -> int:
@@ -159,7 +157,7 @@ def _run_with_remote_server(command: Sequence[str], addr: str, relay: bool) -> i
     tee = StderrTee()
     job = _start(command, env, None, tee.child_fd)
     tee.started()
-    stops: list[str] = []
+    stops = Stops()
     try:
         code = 127 if job is None else _wait(job, stops)
     finally:
@@ -175,13 +173,13 @@ def _run_with_remote_server(command: Sequence[str], addr: str, relay: bool) -> i
 
 
 def _remote_not_started(
-    code: int, lines: list[str], stops: list[str], node_relay: Relay | None
+    code: int, lines: list[str], stops: Stops, node_relay: Relay | None
 ) -> str | None:
     """With ``--addr`` the summary is the server's; this node can tell when its launcher
     failed, and, through the relay it ran, whether any rank of this node reported. Without
     that relay (the node's own, or ``--no-relay``) it cannot: it says what the launcher's
     output says, not that the job did not start."""
-    if code == 0 or stops:
+    if code == 0 or stops.asked:
         return None
     if node_relay is not None:
         if node_relay.stats.received:
@@ -244,6 +242,17 @@ def prune_recordings(folder: str | os.PathLike[str], keep: int = RUNS_KEPT - 1) 
     return removed
 
 
+def latest_recording(folder: str | os.PathLike[str] | None = None) -> Path | None:
+    """The newest default recording in ``folder`` (``$DDPWATCH_RECORD_DIR`` or
+    ``./ddpwatch-runs``): what ``ddpwatch status`` points at once ``run``'s server is gone."""
+    where = Path(folder if folder is not None else os.environ.get(RECORD_DIR_ENV) or RUNS_DIR)
+    try:
+        found = [(p.stat().st_mtime, p) for p in where.glob("ddpwatch-*.ddpw")]
+    except OSError:
+        return None
+    return max(found)[1] if found else None
+
+
 def _local_server(port: int, on_change: Any, record: str | None) -> Server:
     """The collector here, recording to ``record`` when it can: a recording that cannot be
     written is announced and skipped, never a reason not to run the job."""
@@ -300,11 +309,6 @@ def _banner(command: Sequence[str], addr: str, local: bool, preferred_port: int)
     )
 
 
-def _print_change(change: AlertChange) -> None:
-    severity = None if change.event == HistoryEvent.CLEARED else change.alert.severity
-    print(emphasize_for(sys.stderr, describe(change), severity), file=sys.stderr, flush=True)
-
-
 def _start_relay(addr: str, env: dict[str, str]) -> Relay | None:
     """This node's relay to the server at ``addr``, on a thread, unless the node already has
     one (the job's ranks find that one) or ``$DDPWATCH_RELAY`` says otherwise. A relay that
@@ -325,25 +329,34 @@ def _start_relay(addr: str, env: dict[str, str]) -> Relay | None:
     return node_relay
 
 
-def _wait(job: subprocess.Popen[bytes], stops: list[str] | None = None) -> int:
-    """Wait for the job, passing SIGTERM on (Ctrl-C reaches it through the terminal).
-    ``stops`` gets what asked the job to stop ("Ctrl-C", "SIGTERM"), in order."""
-    said = stops if stops is not None else []
+def _wait(job: subprocess.Popen[bytes], stops: Stops | None = None) -> int:
+    """Wait for the job, passing SIGTERM on (Ctrl-C reaches it through the terminal: the
+    job decides when to end). ``stops`` gets what asked the job to stop (Ctrl-C, SIGTERM),
+    in order, dated as the signal came: ``Popen.wait`` lets a KeyboardInterrupt through only
+    0.25 s later, after the ranks it stopped had ended."""
+    said = stops if stops is not None else Stops()
 
     def terminate(*_: object) -> None:
-        said.append("SIGTERM")
+        said.ask(JobStop.SIGTERM)
         job.send_signal(signal.SIGTERM)
 
+    def interrupted(*_: object) -> None:
+        said.ask(JobStop.CTRL_C)
+
     previous = signal.signal(signal.SIGTERM, terminate)
+    previous_int = signal.getsignal(signal.SIGINT)
+    if previous_int != signal.SIG_IGN:  # ignored (a background job): no Ctrl-C comes
+        signal.signal(signal.SIGINT, interrupted)
     try:
         while True:
             try:
                 return job.wait()
-            except KeyboardInterrupt:
-                said.append("Ctrl-C")
+            except KeyboardInterrupt:  # one that came before the handler above
+                said.ask(JobStop.CTRL_C)
                 continue  # the job got the same Ctrl-C: let it decide when to end
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int or signal.default_int_handler)
 
 
 def _job_log() -> tuple[IO[bytes], str]:
@@ -352,28 +365,38 @@ def _job_log() -> tuple[IO[bytes], str]:
 
 
 def _with_dashboard(
-    server: Server, job: subprocess.Popen[bytes], log_path: str, bell: bool = True
+    server: Server,
+    job: subprocess.Popen[bytes],
+    log_path: str,
+    bell: bool = True,
+    record: str | None = None,
 ) -> int:
     """The dashboard owns the terminal; the job's output goes to a file, which ``o`` follows
     (each rank's own tail also reaches its detail pane through its agent). The header shows
-    whether the job still runs; quitting the dashboard stops it, unless the user detaches."""
-    from ddpwatch.tui.app import run_dashboard
+    whether the job still runs; quitting the dashboard stops it, unless the user detaches.
+    The server runs on until the job stopped that way has said how it ended: a job the user
+    stopped is told as stopped by them, not as one still running when the watch ended."""
+    from ddpwatch.tui.app import show_dashboard
     from ddpwatch.tui.data.sources import JobSource
     from ddpwatch.tui.screens.quit import detached_message
 
     source = JobSource(server, job, log_path)
-    ended = False
-    try:
-        run_dashboard(server, source, bell=bell)
-    finally:
-        ended = job.poll() is not None  # by itself, not stopped as the dashboard closed
-        if not source.detached:
-            stop_job(job)
+    stops = Stops(server.clock)
+    with in_background(server, name="ddpwatch-collector"):
+        try:
+            show_dashboard(source, bell=bell)
+        finally:
+            if not source.detached:
+                if job.poll() is None:  # "Stop the job": it did not end by itself
+                    stops.ask(JobStop.DASHBOARD)
+                stop_job(job)
+                _settle(server)
+                _tell_the_end(server, job.returncode, tail_of_file(log_path), stops)
+                server.tick()
     if source.detached:  # the job runs on, unwatched: say where it is and how to stop it
         print_summary(server.status(), sys.stderr)
         print(detached_message(job.pid, log_path), file=sys.stderr)
         return 0
     print(f"ddpwatch run: the job's output is in {log_path}", file=sys.stderr)
-    why = _not_started(server, job.returncode, tail_of_file(log_path), []) if ended else None
-    print_summary(server.status(), sys.stderr, not_started=why)
+    _end_of_run(server, record, None)
     return job.returncode if job.returncode is not None else 1

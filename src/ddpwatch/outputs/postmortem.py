@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+import msgspec
+
 from ddpwatch.core.protocol import ProtocolError, Sample, decode
 from ddpwatch.core.vocabulary import HistoryEvent, Severity
 from ddpwatch.diagnosis.verdict import Run, read_run
 from ddpwatch.outputs.summary import summary_lines
 from ddpwatch.server.recording import RecordingError, RecordingReader
-from ddpwatch.status.fmt import event_label, step_seconds
+from ddpwatch.status.fmt import event_label, hint_pointing_at, step_seconds
 from ddpwatch.status.schema import (
     UNSET,
     AlertEntry,
@@ -253,11 +255,12 @@ class RunReport:
         return list(chosen)[:limit]
 
     def hints(self) -> list[tuple[str, str]]:
-        """(kind, hint) of every raised alert, once each, in the order they first came up."""
+        """(kind, hint) of every raised alert, once each, in the order they first came up,
+        sending the reader to this report for a rank's stack, not to a server (``in_report``)."""
         seen: dict[tuple[str, str], None] = {}
         for entry in self.history:
             if entry.event != HistoryEvent.CLEARED and entry.alert.hint:
-                seen.setdefault((entry.alert.kind, entry.alert.hint), None)
+                seen.setdefault((entry.alert.kind, in_report(entry.alert.hint)), None)
         return list(seen)
 
     def notes(self) -> list[str]:
@@ -325,6 +328,16 @@ def load_run(
     )
 
 
+IN_REPORT = "this report's Culprits section"
+"""Where a report sends the reader for a rank's stack and traceback: it holds them itself,
+and the server a live hint named (``ddpwatch status --json``) is gone."""
+
+
+def in_report(hint: str) -> str:
+    """A live hint as a report writes it (``status.fmt.hint_pointing_at``)."""
+    return hint_pointing_at(hint, IN_REPORT)
+
+
 def _raised(history: Iterable[HistoryEntry]) -> Iterable[AlertEntry]:
     return (e.alert for e in history if e.event != HistoryEvent.CLEARED)
 
@@ -362,7 +375,9 @@ def _culprits(document: StatusDocument) -> list[Culprit]:
     stood (a cleared entry holds its final numbers; an active alert its current ones)."""
     latest: dict[tuple[str, tuple[int, ...]], AlertEntry] = {}
     for alert in [*(entry.alert for entry in document.history), *document.alerts]:
-        latest[(alert.kind, tuple(alert.ranks))] = alert
+        latest[(alert.kind, tuple(alert.ranks))] = msgspec.structs.replace(
+            alert, hint=in_report(alert.hint)
+        )
     order: dict[int, list[AlertEntry]] = {}
     for severity in ALERTING:
         for alert in latest.values():

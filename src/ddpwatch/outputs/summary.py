@@ -7,6 +7,7 @@ A pure function of the status document (with its ``history``), so ``ddpwatch run
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from ddpwatch.core.vocabulary import RankState
@@ -17,9 +18,10 @@ from ddpwatch.status.schema import RankEntry, StatusDocument
 ALERTS_LISTED = 20
 
 
-def summary_lines(document: StatusDocument, not_started: str | None = None) -> list[str]:
-    """The summary, one line per item, without a prefix. ``not_started``: why the launcher
-    ended before any rank reported (its own words, ``launch_failure``), when it did."""
+def summary_lines(document: StatusDocument, recording: str | None = None) -> list[str]:
+    """The summary, one line per item, without a prefix; a job that never started says why
+    in its verdict (``job_end``). ``recording``: where the run was recorded, named where the
+    summary sends the reader to it."""
     ranks = document.ranks
     run = read_run(document)
     lines = [_overview(document, ranks, run)]
@@ -35,7 +37,8 @@ def summary_lines(document: StatusDocument, not_started: str | None = None) -> l
             lines.append("  " + episode_line(episode, end_s))
         if len(run.episodes) > ALERTS_LISTED:
             more = len(run.episodes) - ALERTS_LISTED
-            lines.append(f"  and {more} more (all of them: ddpwatch report on the recording)")
+            where = shlex.quote(recording) if recording else "on the recording"
+            lines.append(f"  and {more} more (all of them: ddpwatch report {where})")
     else:
         lines.append("alerts: none")
     held = [h for account in run.accounts for h in account.held]
@@ -44,10 +47,7 @@ def summary_lines(document: StatusDocument, not_started: str | None = None) -> l
     ends = [(r.rank, _ending(r)) for r in ranks]
     if any(end for _, end in ends):
         lines.append("ranks: " + " · ".join(f"{rank} {end}" for rank, end in ends if end))
-    seen = any(r.state != RankState.NOT_CONNECTED for r in ranks)
-    if not_started is not None and not seen:
-        lines.append(f"verdict: the job did not start: {not_started}")
-    elif len(run.accounts) == 1:
+    if len(run.accounts) == 1:
         lines.append("verdict: " + run.text)
     else:
         total = len(run.accounts)
@@ -117,10 +117,10 @@ def _ending(rank: RankEntry) -> str:
 
 
 def print_summary(
-    document: StatusDocument, file: Any, prefix: str = "ddpwatch: ", not_started: str | None = None
+    document: StatusDocument, file: Any, prefix: str = "ddpwatch: ", recording: str | None = None
 ) -> None:
     """Write the summary under a rule line, each line prefixed like the alert stream."""
     print(f"{prefix}── summary " + "─" * 40, file=file)
-    for line in summary_lines(document, not_started):
+    for line in summary_lines(document, recording):
         print(prefix + line, file=file)
     file.flush()

@@ -16,6 +16,7 @@ from ddpwatch.server.relays import relay_entry
 from ddpwatch.server.state import PastAttempt, ServerState
 from ddpwatch.status.schema import (
     SCHEMA,
+    UNSET,
     CollectiveCounts,
     CollectiveWait,
     FinalCollective,
@@ -196,6 +197,7 @@ def document_around(
         relays=[relay_entry(relay, now) for relay in state.relays.values()],
         attempt=state.attempt,
         attempts=attempts or [],
+        job_end=UNSET if state.job_end is None else state.job_end,
     )
 
 

@@ -5,17 +5,20 @@ A recording is the 8 bytes ``DDPWREC1`` followed by records, all little-endian::
     u32 length   bytes in body
     u32 crc32    zlib.crc32 of body
     body:
-      u8  kind   0 session, 1 frame, 2 tick (others: skipped by readers)
+      u8  kind   0 session, 1 frame, 2 tick, 3 job (others: skipped by readers)
       f64 time   the server's clock, unix seconds
       payload    session: UTF-8 JSON object; frame: the accepted frame's bytes;
-                 tick: f64 heard_until (NaN: none), f64 listening_since (or empty)
+                 tick: f64 heard_until (NaN: none), f64 listening_since (or empty);
+                 job: UTF-8 JSON object, the status document's ``job_end``
 
 A ``session`` record starts each server run that wrote to the file (its thresholds
 and start time); ``frame`` records are the accepted messages with their receive
 time, in the order the server applied them; ``tick`` records are the times the
-server ran diagnosis. A reader stops at the first record that is not whole (the
-server died mid-write) and reports how many bytes it left unread; a writer that
-reopens such a file cuts that tail off before appending.
+server ran diagnosis; a ``job`` record says how the job ended, as the ``ddpwatch run`` that
+launched it saw it (who stopped it, why it never started: what no rank can report), so a
+replay and ``ddpwatch report`` tell it as the live summary did. A reader stops at the first
+record that is not whole (the server died mid-write) and reports how many bytes it left
+unread; a writer that reopens such a file cuts that tail off before appending.
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ log = logging.getLogger("ddpwatch.server")
 
 MAGIC = b"DDPWREC1"
 FORMAT_VERSION = 1
-KIND_SESSION, KIND_FRAME, KIND_TICK = 0, 1, 2
-_KIND_NAMES: dict[int, Literal["session", "frame", "tick"]] = {
+KIND_SESSION, KIND_FRAME, KIND_TICK, KIND_JOB = 0, 1, 2, 3
+RecordKind = Literal["session", "frame", "tick", "job"]
+_KIND_NAMES: dict[int, RecordKind] = {
     KIND_SESSION: "session",
     KIND_FRAME: "frame",
     KIND_TICK: "tick",
+    KIND_JOB: "job",
 }
 _HEAD = struct.Struct("<II")  # length, crc32
 _BODY = struct.Struct("<Bd")  # kind, time
@@ -59,9 +64,10 @@ class RecordingError(ValueError):
 
 @dataclass(frozen=True)
 class Record:
-    """One record: ``data`` is the frame for ``frame``, the JSON text for ``session``."""
+    """One record: ``data`` is the frame for ``frame``, the JSON text for ``session`` and
+    ``job``."""
 
-    kind: Literal["session", "frame", "tick"] | int
+    kind: RecordKind | int
     t: float
     data: bytes = b""
 
@@ -210,6 +216,12 @@ class Recorder:
         and unbroken since ``listening_since`` (``ServerState``)."""
         heard = math.nan if heard_until is None else heard_until
         self._write(encode_record(KIND_TICK, t, _TICK.pack(heard, listening_since)))
+
+    def job(self, t: float, job_end: bytes) -> None:
+        """How the job ended (``job_end``, JSON), as the ``ddpwatch run`` that launched it saw
+        it; handed to the OS at once: the run is about to end."""
+        self._write(encode_record(KIND_JOB, t, job_end))
+        self.flush(force=True)
 
     def _write(self, data: bytes) -> None:
         with self._lock:

@@ -30,7 +30,7 @@ from ddpwatch.server.engine import TICK_S, Engine, OnEngine
 from ddpwatch.server.ingest import frame_failed, kind_of
 from ddpwatch.server.recording import Record, RecordingReader
 from ddpwatch.server.state import ServerState
-from ddpwatch.status.schema import ReplayInfo, StatusDocument
+from ddpwatch.status.schema import JobEnd, ReplayInfo, StatusDocument
 
 log = logging.getLogger("ddpwatch")
 
@@ -199,6 +199,9 @@ class ReplayServer(OnEngine):
             self._end_session()
             self._begin_session(record)
             return
+        if record.kind == "job":
+            self._job_ended(record)
+            return
         if record.kind not in ("frame", "tick"):
             return  # a kind from a newer format
         self.clock.wait_until(record.t, self._stop)
@@ -232,6 +235,18 @@ class ReplayServer(OnEngine):
                 frame_failed(self.state, message.rank, kind_of(message), exc)
             self.clock.reach(record.t)
         self.messages += 1
+
+    def _job_ended(self, record: Record) -> None:
+        """How the job ended, as the live server was told (``Server.end_job``); a record
+        that does not decode is skipped, as a frame that does not is."""
+        try:
+            job_end = msgspec.json.decode(record.data, type=JobEnd)
+        except msgspec.DecodeError:
+            return
+        self.clock.wait_until(record.t, self._stop)
+        with self.lock:
+            self.state.job_end = job_end
+            self.clock.reach(record.t)
 
     def tick(self, now: float) -> list[AlertChange]:
         """Run diagnosis at virtual time ``now`` and report what changed."""

@@ -25,12 +25,14 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.history import AlertChange
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.engine import TICK_S, Engine, OnEngine
 from ddpwatch.server.state import ServerState
-from ddpwatch.status.schema import StatusDocument
+from ddpwatch.status.schema import JobEnd, StatusDocument
 
 if TYPE_CHECKING:
     from ddpwatch.core.security import ServerCurve
@@ -149,6 +151,15 @@ class Server(OnEngine):
             for change in changes:
                 self._on_change(change)
         return changes
+
+    def end_job(self, job_end: JobEnd) -> None:
+        """Say how the job ended, as the ``ddpwatch run`` that launched it saw it: in the
+        state (so every document from the next tick on), and in the recording, for replays
+        and ``ddpwatch report``."""
+        with self.lock:
+            self.state.job_end = job_end
+            if self.recorder is not None:
+                self.recorder.job(self.clock(), msgspec.json.encode(job_end))
 
     def status(self) -> StatusDocument:
         """The status document as of the last tick (``Engine.document``). Read-only."""

@@ -28,6 +28,7 @@ from ddpwatch.server.host_memory import settled
 from ddpwatch.server.records import CPU_STEP_S, LOG_LINES, RankRecord, note_beat
 from ddpwatch.server.relays import RelayRecord
 from ddpwatch.server.waits import WaitIndex
+from ddpwatch.status.schema import JobEnd
 
 MAX_WORLD = 1 << 20  # never iterate a bogus world size further than this
 MARKS_KEPT = 32
@@ -102,6 +103,9 @@ class ServerState:
     """When the current attempt's first process reported (None: the job's first attempt)."""
     past_attempts: list[PastAttempt] = field(default_factory=list)
     """The attempts before this one, oldest first, each with its ranks' last records."""
+    job_end: JobEnd | None = None
+    """How the job ended, as the ``ddpwatch run`` that launched it saw it (``Server.end_job``;
+    a replay, from the recording): who stopped it, why it never started."""
     waits: WaitIndex = field(default_factory=WaitIndex, repr=False, compare=False)
     _replaced: dict[int, RankRecord] = field(default_factory=dict, repr=False, compare=False)
     """Records a rank's new process replaced in this attempt: the attempt's if it ends."""

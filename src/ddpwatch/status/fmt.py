@@ -211,3 +211,10 @@ shows them in its detail pane and writes that in its place (``tui.alerts_panel``
 STACKS_IN_ANY_PORT = re.compile(r"ddpwatch status(?: --port \d+)? --json")
 """``STACKS_IN`` as the server writes it, with its port where it is not the default one
 (``server.engine.with_port``)."""
+
+
+def hint_pointing_at(hint: str, where: str) -> str:
+    """``hint`` sending the reader to ``where`` for a rank's stack and traceback instead of
+    the server (``STACKS_IN``): once ``ddpwatch run`` has ended no server is left to ask,
+    and a report holds them itself."""
+    return STACKS_IN_ANY_PORT.sub(lambda _: where, hint)

@@ -3,9 +3,9 @@ into them, the views decode into them and read typed attributes.
 
 The JSON is a contract, byte for byte: fields encode in the order declared here, a key the
 contract always writes is always written (``null`` when unknown), and the keys it writes only
-sometimes are ``UNSET`` (``Stats.refused``, ``StatusDocument.replay``, the replies' ``page``
-and ``summary``, a timeline entry's ``from``, ``duration_s`` and ``closed_by``) or, in alerts,
-omitted while None (``omit_defaults``).
+sometimes are ``UNSET`` (``Stats.refused``, ``StatusDocument.job_end`` and ``replay``, the
+replies' ``page`` and ``summary``, a timeline entry's ``from``, ``duration_s`` and
+``closed_by``) or, in alerts, omitted while None (``omit_defaults``).
 ``tests/status/test_status_contract.py`` holds the bytes.
 
 Decoding takes a document from an older server, which lacks keys added since: every always
@@ -33,6 +33,7 @@ __all__ = [
     "FinalCollective",
     "HistoryEntry",
     "HostRow",
+    "JobEnd",
     "PageInfo",
     "PageReply",
     "PastAttemptEntry",
@@ -218,6 +219,18 @@ class PastAttemptEntry(msgspec.Struct, gc=False):
     ranks: list[RankEntry] = []
 
 
+class JobEnd(msgspec.Struct, kw_only=True, gc=False):
+    """``job_end``: how the job ended, as the ``ddpwatch run`` that launched it saw it (what
+    no rank can say: who stopped it, why it never started). Only such a run writes it."""
+
+    at: float
+    exit_code: int | None = None
+    exit_signal: str | None = None
+    stopped_by: str | None = None
+    stopped_at: float | None = None
+    not_started: str | None = None
+
+
 class ReplayInfo(msgspec.Struct, gc=False):
     """``replay``: where a replay of a recording stands (``ddpwatch replay``'s documents)."""
 
@@ -229,7 +242,8 @@ class ReplayInfo(msgspec.Struct, gc=False):
 
 class StatusDocument(msgspec.Struct, kw_only=True, gc=False):
     """The whole document (``status``): every rank, sorted, ranks that never reported
-    included. ``replay`` only from a replay."""
+    included. ``job_end`` only once a job ``ddpwatch run`` launched has ended, ``replay``
+    only from a replay."""
 
     schema: int = SCHEMA
     server_time: float
@@ -242,6 +256,7 @@ class StatusDocument(msgspec.Struct, kw_only=True, gc=False):
     relays: list[RelayEntry] = []
     attempt: int = 1
     attempts: list[PastAttemptEntry] = []
+    job_end: JobEnd | UnsetType = UNSET
     replay: ReplayInfo | UnsetType = UNSET
 
 

@@ -1,7 +1,8 @@
 """The Textual app: wires the dashboard screen, the help screen and the global keys.
 
 ``run_dashboard(server)`` is ``ddpwatch serve``'s view (the server runs on a
-daemon thread in this process); ``run_client(host, port)`` is ``ddpwatch top``,
+daemon thread in this process); ``show_dashboard(source)`` the same over a server the caller
+runs (``ddpwatch run --tui``); ``run_client(host, port)`` is ``ddpwatch top``,
 a dashboard for a server elsewhere.
 """
 
@@ -160,9 +161,16 @@ def run_dashboard(
 ) -> int:
     """Run ``server`` on a daemon thread and the dashboard over it (``source``: a ``LocalSource``
     of it by default); stop the server on exit. ``bell``: ring on a new error (``--no-bell``)."""
-    with in_background(server), _QuietLogs():
-        DashboardApp(source or local_source(server), bell=bell).run()
+    with in_background(server):
+        show_dashboard(source or local_source(server), bell=bell)
     return 0
+
+
+def show_dashboard(source: StatusSource, *, bell: bool = True) -> None:
+    """The dashboard over ``source`` until the user quits, its server run by the caller
+    (``ddpwatch run --tui`` keeps it running while it stops the job, to hear how it ended)."""
+    with _QuietLogs():
+        DashboardApp(source, bell=bell).run()
 
 
 def run_client(
