@@ -356,9 +356,7 @@ async def test_a_hint_never_sends_people_to_a_stack_that_has_not_come() -> None:
         await settle(pilot)
         (straggler,) = alert_texts(pilot)
         assert "press enter" not in straggler
-        assert "see where rank 1 is (no stack or traceback from rank 1 yet): a rank-" in (
-            straggler
-        )
+        assert "see where rank 1 is (no stack or traceback from rank 1 yet): a rank-" in straggler
         await poll(pilot)  # its stack came
         (straggler,) = alert_texts(pilot)
         assert "(its stack in the detail pane: press enter on rank 1): a rank-dependent" in (
