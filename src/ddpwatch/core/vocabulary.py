@@ -10,6 +10,7 @@ its members in order.
 * ``AlertKind``: the kinds of alerts diagnosis may raise.
 * ``HistoryEvent``: what happened to an alert, in the status document's ``history``.
 * ``CollectiveSource``: which counter a collective's number comes from.
+* ``Rendezvous``: how torchrun's ranks found each other (``core/rendezvous.py``).
 
 Importable anywhere (the server included): no torch, no third-party package. The agent and
 the integrations set only these phases (a user's ``ddpwatch.phase(name)`` may set any);
@@ -187,3 +188,14 @@ class CollectiveSource(Word):
 
     FR = "fr"  # the flight recorder's sequence, per process group (DDP's all-reduces too)
     PY = "py"  # the agent's count of Python-level torch.distributed calls
+
+
+@unique
+class Rendezvous(Word):
+    """How torchrun's ranks found each other: what a fix for a rendezvous problem must name
+    (``core/rendezvous.py``). A backend torchrun knows beyond these travels as its own name."""
+
+    STATIC = "static"  # a TCP store at --master-addr:--master-port (29500 by default)
+    STANDALONE = "standalone"  # c10d on a free port of this node: --standalone, or one node
+    # without --master-port where torchrun does that (2.13 does: pytorch/pytorch#175699)
+    C10D = "c10d"  # c10d at --rdzv-endpoint, several nodes
