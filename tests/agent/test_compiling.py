@@ -60,7 +60,7 @@ def test_compiling_is_the_phase_during_a_compile_and_reverts_after(
         loss_of(torch.randn(2, 4)).backward()  # a first compile: no reason
         assert watcher.progress.phase == "eval" and watcher.progress.pinned == 1
     loss_of(torch.randn(3, 4)).backward()  # another batch size: dynamo compiles again
-    assert watcher.progress.phase == Phase.STARTED and watcher.progress.pinned == 0
+    assert watcher.progress.phase == Phase.BACKWARD and watcher.progress.pinned == 0
     assert watcher.progress.compile_reason is None
     assert not in_compile_stack(sys._getframe())
 
@@ -74,7 +74,7 @@ def test_compiling_is_the_phase_during_a_compile_and_reverts_after(
     def back_from_compiling(state: ServerState) -> bool:
         record = state.ranks.get(0)
         names = [name for name, _ in record.phases] if record else []
-        return Phase.COMPILING in names and names[-1] == Phase.STARTED
+        return Phase.COMPILING in names and names[-1] == Phase.BACKWARD
 
     server.wait_for(back_from_compiling)  # the phase events reached the server, in order
     names = [name for name, _ in server.state.ranks[0].phases]
@@ -92,10 +92,10 @@ def test_the_deferred_backward_compile_is_compiling_too() -> None:
     entered: list[str] = []
     enter = watcher._compile._enter_phase
     watcher._compile._enter_phase = lambda name: (entered.append(name), enter(name))
-    loss.backward()
-    assert entered == [Phase.COMPILING, Phase.STARTED]
+    loss.backward()  # the phase is backward's from its start (``BackwardLoss``)
+    assert entered == [Phase.COMPILING, Phase.BACKWARD]
     loss_of(torch.randn(2, 4)).backward()  # compiled: no compile, no phase
-    assert entered == [Phase.COMPILING, Phase.STARTED]
+    assert entered == [Phase.COMPILING, Phase.BACKWARD]
 
 
 @pytest.mark.usefixtures("rank_env", "fresh_dynamo")
@@ -130,7 +130,7 @@ def test_without_torchs_callbacks_the_stack_tells() -> None:
 
     torch.compile(lambda x: x * 2, backend=backend)(torch.ones(2))
     assert told == [Phase.COMPILING]
-    assert watcher._phase_now() == Phase.FORWARD  # idle, but not compiling
+    assert watcher._phase_now() == Phase.TRAIN  # idle, not compiling, no forward on its stack
 
 
 def test_clean_reason_keeps_torchs_words_on_one_line() -> None:
@@ -162,7 +162,7 @@ def test_a_model_attached_then_compiled_keeps_its_graph_whole_and_its_steps() ->
     assert dict(counters["graph_break"]) == {}
     assert watcher.progress.step == 4  # the optimizer hooks end the compiled steps
     model(torch.randn(4, 8))  # eager, the hooks run as before
-    assert watcher.progress.phase == Phase.BACKWARD
+    assert watcher.progress.phase == Phase.FORWARD  # until a backward starts
 
 
 def test_importing_dynamo_is_not_compiling() -> None:

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import textwrap
+from functools import partial
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -337,3 +339,48 @@ def test_accelerate_launch_is_named() -> None:
     ident = identity_from_env({**TORCHRUN, "ACCELERATE_MIXED_PRECISION": "no"})
     assert ident.launcher == "accelerate"
     assert (ident.rank, ident.local_rank, ident.world_size) == (5, 1, 8)
+
+
+def test_the_rendezvous_of_a_torchrun_rank_from_its_command_line_and_run_id() -> None:
+    from ddpwatch.agent.identity import torchrun_rendezvous
+
+    uuid = {"TORCHELASTIC_RUN_ID": "82c9f893-fae5-45cd-9193-abc9a7e179b9"}
+    torchrun = ["/venv/bin/python", "/venv/bin/torchrun", "--nproc-per-node=2"]
+    assert torchrun_rendezvous(uuid, [*torchrun, "train.py"]) == "standalone"
+    assert torchrun_rendezvous({"TORCHELASTIC_RUN_ID": "none"}, [*torchrun, "t.py"]) == "static"
+    assert torchrun_rendezvous(uuid, [*torchrun, "--standalone", "t.py"]) == "standalone"
+    assert torchrun_rendezvous(uuid, [*torchrun, "--master-port", "29501", "t.py"]) == "static"
+    c10d = [*torchrun, "--rdzv-backend=c10d", "--rdzv-endpoint=n0:29400", "--nnodes=2", "t.py"]
+    assert torchrun_rendezvous({"TORCHELASTIC_RUN_ID": "job7"}, c10d) == "c10d"
+    assert torchrun_rendezvous(uuid, ["python", "train.py"]) is None  # not torchrun's child
+
+
+def _new_exit(known: list[int], status: dict[str, Any]) -> int | None:
+    """The pid of a rank that exited with 0 and is none of ``known``."""
+    ranks = status["ranks"]
+    return next((r["pid"] for r in ranks if r["exit_code"] == 0 and r["pid"] not in known), None)
+
+
+@pytest.mark.e2e
+def test_a_torchrun_rank_tells_the_server_its_rendezvous(tmp_path: Any, live_server: Any) -> None:
+    """Real torchrun: --standalone, one node without a port, and --master-port."""
+    from conftest import free_port_pair
+
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import time, torch.distributed as d, ddpwatch\n"
+        "ddpwatch.attach(); d.init_process_group('gloo'); d.barrier(); time.sleep(1.5)\n"
+        "d.destroy_process_group()\n"
+    )
+    env = {**os.environ, "DDPWATCH_ADDR": f"127.0.0.1:{live_server.port}", "OMP_NUM_THREADS": "1"}
+    seen = []
+    for options in (["--standalone"], [], [f"--master-port={free_port_pair()}"]):
+        job = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", *options,
+             str(script)],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert job.returncode == 0, job.stderr[-2000:]
+        pid = live_server.wait_for(partial(_new_exit, [p for p, _ in seen]), timeout=20)
+        seen.append((pid, live_server.server.engine.state.ranks[0].rendezvous))
+    assert [rendezvous for _, rendezvous in seen] == ["standalone", "standalone", "static"]

@@ -57,6 +57,7 @@ IDENTITY: dict[str, Any] = {
     "device_count": 2,
     "pg_timeout_s": 1800.0,
     "restart_count": 1,
+    "rendezvous": "standalone",
     "simulated": True,
 }
 

@@ -20,7 +20,7 @@ from lockstep import (
     waiting_in,
 )
 
-from ddpwatch.core.protocol import Event, Hello, Sample
+from ddpwatch.core.protocol import ErrorInfo, Event, Hello, Sample
 from ddpwatch.diagnosis.rules import (
     diagnose,
     rule_cascade,
@@ -218,3 +218,36 @@ def test_clean_exit_with_others_stuck_in_a_collective_is_an_error() -> None:
 def test_clean_exits_that_are_fine(state: ServerState) -> None:
     assert rule_clean_exit(state, NOW, TH) == []
     assert diagnose(state, NOW, TH) == []
+
+
+GLOO_CONNECT = ErrorInfo(
+    type="RuntimeError",
+    message="Gloo connectFullMesh failed with [/__w/pytorch/pytorch/third_party/gloo/gloo/"
+    "transport/tcp/pair.cc:152] timed out connecting: SO_ERROR: Connection refused, "
+    "remote=[127.0.0.1]:39329",
+)
+
+
+@pytest.mark.parametrize(
+    ("rendezvous", "named", "absent"),
+    [
+        ("standalone", "c10d rendezvous on a free port of one node", "GLOO_SOCKET_IFNAME"),
+        ("static", "static rendezvous (--master-addr/--master-port)", "--standalone"),
+        (None, "the store torchrun keeps across attempts", "static rendezvous"),
+    ],
+)
+def test_a_rendezvous_fix_names_the_rendezvous_in_use(
+    rendezvous: str | None, named: str, absent: str
+) -> None:
+    """Issue #33: the gloo_connect fix blamed "a static rendezvous (--master-addr/--master-port)"
+    on a --standalone job; the rank's identity says which rendezvous its torchrun used."""
+    state = ServerState(started=0.0)
+    for r in range(2):
+        hello = Hello(v=1, rank=r, t=1.0, world_size=2, pid=50 + r, rendezvous=rendezvous)
+        state.apply(hello, 1.0)
+    state.apply(Event(v=1, rank=1, t=2.0, event="crash", error=GLOO_CONNECT), 2.0)
+    state.apply(Event(v=1, rank=1, t=2.1, event="exit", exit_code=1), 2.1)
+    (crashed,) = [a for a in diagnose(state, 3.0, TH) if a.kind == "crashed"]
+    assert named in crashed.hint
+    assert absent not in crashed.hint
+    assert "PrefixStore" in crashed.hint

@@ -363,11 +363,11 @@ def test_busy_master_port_fails_and_a_free_one_passes(
 def test_unset_master_port_checks_torchrun_default(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, live_server: LiveServer
 ) -> None:
-    """torchrun listens on 29500 when MASTER_PORT is unset, so that port is checked. This
-    machine's 29500 may be anyone's (the demo job takes it when free): whichever it is, the
-    line says it was checked as torchrun's default."""
+    """torchrun on several nodes listens on 29500 without --master-port, so that port is
+    checked. This machine's 29500 may be anyone's (the demo job takes it when free): whichever
+    it is, the line says it was checked as torchrun's default."""
     monkeypatch.setattr(gathering, "TORCHRUN_PORT", REAL_TORCHRUN_PORT)
-    code, lines = doctor(capsys, "--addr", addr(live_server))
+    code, lines = doctor(capsys, "--addr", addr(live_server), "--nnodes", "2")
     checked = "MASTER_PORT: 29500 (unset: torchrun's default) is "
     line = entry(lines, "MASTER_PORT")[0]
     assert line == f"✔ {checked}free on this host" or line.startswith(f"✖ {checked}in use")
@@ -380,11 +380,12 @@ def test_a_held_master_port_names_the_process_holding_it(
     live_server: LiveServer,
     http_server: tuple[subprocess.Popen[bytes], int],
 ) -> None:
-    """A leftover process on torchrun's default port (here the default is moved to a port a
-    real ``http.server`` holds: 29500 itself cannot be taken on a shared machine)."""
+    """A leftover process on torchrun's default port of a job on two nodes (here the default
+    is moved to a port a real ``http.server`` holds: 29500 itself cannot be taken on a shared
+    machine)."""
     process, port = http_server
     monkeypatch.setattr(gathering, "TORCHRUN_PORT", port)
-    code, lines = doctor(capsys, "--addr", addr(live_server))
+    code, lines = doctor(capsys, "--addr", addr(live_server), "--nnodes", "2")
     busy = entry(lines, "MASTER_PORT")
     program = os.path.basename(sys.executable)
     assert busy[0] == (
@@ -392,10 +393,10 @@ def test_a_held_master_port_names_the_process_holding_it(
         f"already in use): held by pid {process.pid} ({program} -m http.server {port} "
         "--bind 127.0.0.1)"
     )
-    spare = int(busy[1].split("MASTER_PORT=")[1].split(")")[0])
+    spare = int(busy[1].split("--master-port ")[1].split(";")[0])
     assert busy[1] == (
-        f"    fix: pick a free one (torchrun --master-port {spare}, or MASTER_PORT={spare}), "
-        f"or stop pid {process.pid} if it is left over from an earlier run"
+        f"    fix: pick a free one (torchrun --master-port {spare}; on one node --standalone "
+        f"picks one), or stop pid {process.pid} if it is left over from an earlier run"
     )
     assert code == 1
 
@@ -405,6 +406,49 @@ def test_a_held_master_port_names_the_process_holding_it(
         f"is in use on this host (Address already in use): held by pid {process.pid} "
         f"({program} -m http.server {port} --bind 127.0.0.1)"
     )
+    monkeypatch.delenv("MASTER_PORT")
+    code, lines = doctor(capsys, "--addr", addr(live_server), "--master-port", str(port))
+    assert entry(lines, "MASTER_PORT")[0].startswith(f"✖ MASTER_PORT: {port} (--master-port) is")
+    assert code == 1
+
+
+@pytest.mark.e2e
+def test_one_node_without_a_port_passes_as_torchrun_runs_with_29500_held(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    live_server: LiveServer,
+    tmp_path: Path,
+) -> None:
+    """Issue #33: with 29500 held, ``doctor --nproc-per-node 2`` failed "29500 (unset:
+    torchrun's default) is in use" while ``torchrun --nproc-per-node 2`` ran: on one node
+    without --master-port torch 2.13's torchrun picks a free port. Both for real, the port
+    held here (or by whoever holds it on this machine already)."""
+    monkeypatch.setattr(gathering, "TORCHRUN_PORT", REAL_TORCHRUN_PORT)
+    holder = socket.socket()
+    try:
+        holder.bind(("0.0.0.0", REAL_TORCHRUN_PORT))
+        holder.listen(1)
+    except OSError:
+        pass  # held already
+    try:
+        assert gathering.port_in_use(REAL_TORCHRUN_PORT) is not None
+        code, lines = doctor(capsys, "--addr", addr(live_server), "--nproc-per-node", "2")
+        assert entry(lines, "MASTER_PORT") == [
+            "✔ MASTER_PORT: torchrun picks a free port: one node and no --master-port, a c10d "
+            "rendezvous on localhost:0"
+        ]
+        script = tmp_path / "rendezvous.py"
+        script.write_text("import torch.distributed as d\nd.init_process_group('gloo')\nd.barrier()\n")
+        job = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        assert job.returncode == 0, job.stderr[-2000:]
+        code, lines = doctor(capsys, "--addr", addr(live_server), "--master-port", "29500")
+        assert entry(lines, "MASTER_PORT")[0].startswith("✖ MASTER_PORT: 29500 (--master-port) is")
+        assert code == 1  # where torchrun would fail: told
+    finally:
+        holder.close()
 
 
 def test_a_port_left_in_time_wait_is_free_as_for_tcpstore(

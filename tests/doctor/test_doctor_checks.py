@@ -55,6 +55,7 @@ def made(**changes: Any) -> Setup:
         master=Outcome(Lookup(("10.0.0.1",), local=True)),
         master_port_raw="29501",
         master_port=29501,
+        rendezvous=None,
         port_use=Outcome(PortUse(None)),
         server="tcp://node0:5599",
         server_source="--addr",
@@ -204,3 +205,41 @@ def test_ascii_marks() -> None:
         "    fix: mend it",
         "0 ok, 1 failed, 0 warnings, 0 skipped",
     ]
+
+
+def test_the_port_line_says_what_torchrun_will_do_with_it() -> None:
+    """Issue #33: ``doctor --nproc-per-node 2`` failed "29500 (unset: torchrun's default) is in
+    use" where torchrun (2.13) on one node without --master-port picks a free port."""
+    from ddpwatch.core.rendezvous import Plan
+
+    free = made(
+        master_port_raw=None,
+        master_port=None,
+        rendezvous=Plan("standalone", None, "one node and no --master-port"),
+        port_use=None,
+    )
+    assert check_master_port(free) == Check(
+        "MASTER_PORT",
+        "ok",
+        "torchrun picks a free port: one node and no --master-port, a c10d rendezvous on "
+        "localhost:0",
+    )
+    ignored = dataclasses.replace(free, master_port_raw="29500")
+    assert "(it ignores MASTER_PORT=29500: it sets it for its ranks)" in check_master_port(
+        ignored
+    ).what
+    held = Outcome(PortUse("Address already in use", None, spare=29502))
+    static = made(
+        master_port_raw=None,
+        master_port=29500,
+        rendezvous=Plan("static", 29500, "torchrun's default --master-port"),
+        port_use=held,
+    )
+    line = check_master_port(static)
+    assert line.status == "fail"
+    assert line.what.startswith("29500 (unset: torchrun's default) is in use on this host")
+    assert line.fix is not None and line.fix.startswith(
+        "pick a free one (torchrun --master-port 29502; on one node --standalone picks one)"
+    )
+    given = dataclasses.replace(static, rendezvous=Plan("static", 29500, "--master-port"))
+    assert check_master_port(given).what.startswith("29500 (--master-port) is in use")

@@ -81,7 +81,7 @@ def identity_key(**changed: Any) -> tuple[Any, ...]:
     return (
         ident["local_rank"], ident["world_size"], ident["local_world_size"], ident["node_rank"],
         ident["host"], ident["pid"], ident["launcher"], ident["job_id"], ident["backend"],
-        None, None, ident["device"], None, None, ident["device_uuid"], None, None, None, None,
+        None, None, ident["device"], None, None, ident["device_uuid"], None, None, None, None, None,
         False,
     )  # fmt: skip
 
@@ -170,6 +170,7 @@ def expected_after_life() -> dict[str, Any]:
         "device_count": None,
         "pg_timeout_s": None,
         "restart_count": None,
+        "rendezvous": None,
         "simulated": False,
         "attempt": 1,
         "relayed": False,

@@ -55,6 +55,7 @@ def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
         "device_count": 2,
         "pg_timeout_s": 600.0,
         "restart_count": 1,
+        "rendezvous": "standalone",
         "simulated": True,
     }
     measured: dict[str, Any] = {

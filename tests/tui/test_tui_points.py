@@ -345,6 +345,25 @@ async def test_hints_in_the_dashboard_name_the_key_not_a_shell_command() -> None
         assert screen.show_detail and screen.detail.rank == 3
 
 
+async def test_a_hint_never_sends_people_to_a_stack_that_has_not_come() -> None:
+    """Issue #33: the hint said "press enter on rank 0" while its detail pane said "no stack
+    captured" for the whole run. Until the culprit's stack comes, the hint says it has not;
+    once it has, the key to see it."""
+    before = straggling()
+    before["ranks"][1]["stack"] = None
+    source = FixtureSource([before, straggling(2)])
+    async with make_app(source).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        (straggler,) = alert_texts(pilot)
+        assert "press enter" not in straggler
+        assert "see where rank 1 is (no stack or traceback from rank 1 yet): a rank-" in straggler
+        await poll(pilot)  # its stack came
+        (straggler,) = alert_texts(pilot)
+        assert "(its stack in the detail pane: press enter on rank 1): a rank-dependent" in (
+            straggler
+        )
+
+
 def test_every_phrasing_of_the_servers_hints_is_rewritten() -> None:
     from ddpwatch.diagnosis.alerts import Alert
     from ddpwatch.server.engine import with_port
@@ -360,6 +379,16 @@ def test_every_phrasing_of_the_servers_hints_is_rewritten() -> None:
         "stacks (the detail pane: press enter on its row)"
     )
     assert dashboard_hint("lower the learning rate", [1]) == "lower the learning rate"
+    none = {7: False, 4: False}.get
+    assert dashboard_hint(f"look at rank 7's stack ({STACKS_IN}) or run py-spy", [7], none) == (
+        "look at rank 7's stack (no stack or traceback from rank 7 yet) or run py-spy"
+    )
+    assert dashboard_hint(f"the traceback ({STACKS_IN} shows it); the", [4], none) == (
+        "the traceback (no stack or traceback from rank 4 yet); the"
+    )
+    assert dashboard_hint(f"stacks ({STACKS_IN})", [9], none) == (  # not in the document
+        "stacks (the detail pane: press enter on rank 9)"
+    )
     moved = with_port(
         [Alert("stalled", "error", (5,), (), "m", f"rank 5's stack ({STACKS_IN})")], 6001
     )

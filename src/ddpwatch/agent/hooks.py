@@ -40,6 +40,10 @@ _OPTIMIZER: Final = Phase.OPTIMIZER
 _DATA: Final = Phase.DATA
 
 
+def _grad_always_on() -> bool:
+    return True
+
+
 def _not_compiling() -> bool:
     return False
 
@@ -60,15 +64,30 @@ def compiling_check() -> Callable[[], bool]:
     return is_compiling
 
 
+def grad_check() -> Callable[[], bool]:
+    """``torch.is_grad_enabled``, read at each forward: a forward without gradients (under
+    ``no_grad`` or ``inference_mode``) is an evaluation, never followed by a backward."""
+    torch = sys.modules.get("torch")
+    check = getattr(torch, "is_grad_enabled", None)
+    return check if callable(check) else _grad_always_on
+
+
 class ModelHooks:
     """Forward hooks on attached models, gradient checks on their parameters (and those of
-    every DDP model built, ``watch_gradients``) and a global optimizer step hook."""
+    every DDP model built, ``watch_gradients``) and a global optimizer step hook.
+
+    A forward without gradients, or of a model in ``eval()`` mode, is an evaluation (a
+    validation loop, often on one rank while the others wait): phase ``evaluation``, progress
+    but no step, and no training loss. Steps are counted from such forwards only in a job
+    that never ran a training forward (inference)."""
 
     def __init__(self, progress: Progress) -> None:
         self._progress = progress
         self._handles: list[Any] = []
         self._models: list[int] = []
         self._compiling: Callable[[], bool] = _not_compiling
+        self._grad_enabled: Callable[[], bool] = _grad_always_on
+        self._trained = False  # a training forward was seen: evaluations count no step
         self.on_optimizer: Callable[[], object] | None = None
 
     def add_model(self, model: Any) -> None:
@@ -76,6 +95,7 @@ class ModelHooks:
             return
         self._models.append(id(model))
         self._compiling = compiling_check()
+        self._grad_enabled = grad_check()
         self._handles.append(model.register_forward_pre_hook(self._before_forward))
         self._handles.append(model.register_forward_hook(self._after_forward))
         self.watch_gradients(model)
@@ -105,19 +125,30 @@ class ModelHooks:
         self._models.clear()
         self._progress.grads.forget()
 
+    def _evaluating(self, module: Any) -> bool:
+        return not self._grad_enabled() or not getattr(module, "training", True)
+
     def _before_forward(self, module: Any, args: Any) -> None:
         if self._compiling():
             return
         with contextlib.suppress(Exception):  # never let the agent break a forward pass
-            self._progress.forward_started()
+            if self._evaluating(module):
+                self._progress.evaluation_forward()
+            else:
+                self._trained = True
+                self._progress.forward_started()
 
     def _after_forward(self, module: Any, args: Any, output: Any) -> None:
         if self._compiling():
             return
         try:
             progress = self._progress
-            progress.auto_phase(_BACKWARD)
-            loss = find_loss(output)
+            if self._evaluating(module):
+                if self._trained or progress.step_mode not in (None, "forward"):
+                    return  # its output is no training loss, and it ends no step
+                loss = None  # inference: each forward is a step, with no loss
+            else:
+                loss = find_loss(output)  # its backward (``BackwardLoss``) sets the phase
             if progress.step_mode in (None, "forward"):
                 progress.end_step(loss, mode="forward")
             elif loss is not None:
@@ -162,6 +193,7 @@ class BackwardLoss:
 
     def _before_backward(self, tensor: Any, *args: Any, **kwargs: Any) -> None:
         progress = self._progress
+        progress.auto_phase(_BACKWARD)  # where backward starts, not where a forward ended
         if progress.step_mode == "explicit" or tensor.ndim != 0 or not tensor.is_floating_point():
             return
         scaled = self._scaled

@@ -21,9 +21,11 @@ import os
 import re
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from ddpwatch.core.rendezvous import is_generated_run_id, options_from, parse_torchrun, plan
 
 # Variables each launcher exports; verified against the launchers' sources (torch elastic,
 # deepspeed/launcher/launch.py, lightning's _SubprocessScriptLauncher, Open MPI's and Slurm's docs).
@@ -54,6 +56,7 @@ class RankIdentity:
     torch_version: str | None = None
     pg_timeout_s: float | None = None
     restart_count: int | None = None
+    rendezvous: str | None = None
 
     def as_fields(self) -> dict[str, Any]:
         """The ``protocol.Identity`` fields this covers, ready for ``Identity(rank=..., **fields)``.
@@ -75,6 +78,7 @@ class RankIdentity:
             "cuda_visible_devices": self.cuda_visible_devices,
             "pg_timeout_s": self.pg_timeout_s,
             "restart_count": self.restart_count,
+            "rendezvous": self.rendezvous,
         }
 
 
@@ -153,6 +157,7 @@ def _from_torch_vars(env: Mapping[str, str], ident: RankIdentity) -> None:
         ident.launcher = "accelerate"  # accelerate launch runs torch elastic with its settings
     elif any(name in env for name in TORCH_MARKERS):
         ident.launcher = "torchrun"
+        ident.rendezvous = torchrun_rendezvous(env)
     else:
         # RANK copied by hand (or by DeepSpeed's MPI discovery) from the real launcher's variables.
         ident.launcher = _launcher_below(env)
@@ -236,6 +241,30 @@ def _from_lightning(env: Mapping[str, str], ident: RankIdentity) -> None:
     # the processes per node, which only the process group knows (see refresh_from_torch).
     if ident.node_rank == 0 and ident.local_rank is not None:
         ident.rank = ident.local_rank
+
+
+def torchrun_rendezvous(env: Mapping[str, str], argv: Sequence[str] | None = None) -> str | None:
+    """How this rank's torchrun found its peers (``core/rendezvous.py``), from torchrun's
+    command line (``argv``, else the parent's, from /proc) and ``$PET_*``: on one node without
+    ``--master-port``, a run id torchrun made (a uuid) says it picked a free port (torch 2.13);
+    ``"none"``, its default, that it took the static 29500. None where it cannot be read."""
+    try:
+        values = parse_torchrun(_parent_argv() if argv is None else argv)
+        if values is None:
+            return None
+        generated = is_generated_run_id(env.get("TORCHELASTIC_RUN_ID"))
+        return str(plan(options_from(values, env), picks_free_port=generated).kind)
+    except Exception:
+        return None
+
+
+def _parent_argv() -> list[str]:
+    """The parent process's command line ([] where /proc cannot tell)."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
 
 
 def _job_id(env: Mapping[str, str]) -> str | None:

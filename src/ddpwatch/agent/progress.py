@@ -24,6 +24,7 @@ EMA_WEIGHT = 0.1
 MARKS_KEPT = 16  # 128 steps of marks between two heartbeats: enough for 4 ms steps
 DRAWN_KEPT = 8  # DataLoader iterators counted at once (training, evaluation, a new epoch's)
 _FORWARD: Final = Phase.FORWARD  # a global: an Enum member off its class is slower (hooks.py)
+_EVALUATION: Final = Phase.EVALUATION
 
 
 class Progress:
@@ -175,6 +176,13 @@ class Progress:
         the server's ``stalled`` rule reads it."""
         self.forwards += 1
         self.last_progress = time.perf_counter()
+
+    def evaluation_forward(self) -> None:
+        """A forward without gradients (``ModelHooks``): progress, and phase ``evaluation``;
+        no data wait (it is no step's input)."""
+        self.forwards += 1
+        self.last_progress = time.perf_counter()
+        self.auto_phase(_EVALUATION)
 
     def forward_started(self) -> None:
         """Count a forward pass (progress even without steps, as in evaluation) and

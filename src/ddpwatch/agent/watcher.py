@@ -25,6 +25,7 @@ from ddpwatch.agent.probes import device_info, memory_info, note_current_device
 from ddpwatch.agent.progress import Progress, SplitReader
 from ddpwatch.agent.publisher import Publisher
 from ddpwatch.agent.split import GradReady, InputTimer
+from ddpwatch.agent.where import HOOK_PHASES, LOOK_AFTER_S, stack_phase
 from ddpwatch.core.ports import resolve_endpoint
 from ddpwatch.core.protocol import (
     PROTOCOL_VERSION,
@@ -46,6 +47,7 @@ IDENTITY_EVERY = 10
 """Heartbeats carry the identity when it changed, after each new connection, and at least
 every this many beats (a safety net); the server keeps the last one it was told."""
 STACK_AFTER_S = 5.0  # half the server's default stall threshold
+MOVING_STACK_EVERY_S = 2.0  # a rank working without a step: its stack at most this often
 COMPILE_LOOK_AFTER_S = 1.0
 """Without torch's compile callbacks: how long a rank idles before its stack is read for a
 compilation (a cold compile takes seconds; a healthy step is not read at all)."""
@@ -93,6 +95,8 @@ class Watcher:
         self._main_thread = threading.main_thread().ident
         self._last_stack: str | None = None
         self._stack_step: int | None = None
+        self._step_seen_at = time.monotonic()  # when this thread saw the step change
+        self._stack_sent_at = 0.0
         self._exited = False
         self._pid = os.getpid()
         self._started = time.monotonic()
@@ -426,18 +430,26 @@ class Watcher:
         )
 
     def _phase_now(self) -> str:
-        """The phase to report: the training thread's, or ``compiling`` where torch has no
-        compile callbacks and the main thread, idle a while, is inside a compilation."""
-        phase = self.progress.phase
-        if (
-            self._compile.hooked
-            or phase == Phase.COMPILING
-            or "torch._dynamo" not in sys.modules
-            or self.progress.idle_for() < COMPILE_LOOK_AFTER_S
-        ):
+        """The phase to report: the training thread's; where the hooks set it and it is old,
+        what the main thread's stack shows (``agent/where.py``); ``compiling`` where torch has
+        no compile callbacks and the main thread, idle a while, is inside a compilation."""
+        progress = self.progress
+        phase = progress.phase
+        if phase == Phase.COMPILING:
+            return phase
+        idle = progress.idle_for()
+        compile_look = (
+            not self._compile.hooked
+            and "torch._dynamo" in sys.modules
+            and idle >= COMPILE_LOOK_AFTER_S
+        )
+        hook_look = not progress.pinned and phase in HOOK_PHASES and idle >= LOOK_AFTER_S
+        if not (compile_look or hook_look):
             return phase
         frame = sys._current_frames().get(self._main_thread) if self._main_thread else None
-        return Phase.COMPILING if in_compile_stack(frame) else phase
+        if compile_look and in_compile_stack(frame):
+            return Phase.COMPILING
+        return stack_phase(phase, frame) if hook_look else phase
 
     def _host_memory(self) -> hostmem.HostMemoryInfo:
         """/proc and the cgroup (a few reads, some cached); none when switched off."""
@@ -446,16 +458,25 @@ class Watcher:
         return hostmem.HostMemoryInfo()
 
     def _stack_if_stuck(self) -> str | None:
-        """The main thread's stack once idle for ``stack_after``; sent only when it changed."""
-        step = self.progress.step
+        """The main thread's stack once the rank has made no step for ``stack_after``: sent
+        when it changed, every beat while nothing moves (stuck), at most every
+        ``MOVING_STACK_EVERY_S`` while it works without a step (forwards of an evaluation on
+        one rank, its own loop: what its waiting peers' alert names it for)."""
+        progress = self.progress
+        step = progress.step
+        now = time.monotonic()
         if step != self._stack_step:
             self._stack_step, self._last_stack = step, None  # it moved: send again if it sticks
-        if self.progress.idle_for() < self.stack_after:
+            self._step_seen_at = now
+        if now - self._step_seen_at < self.stack_after:
+            return None  # a step came lately (seen here: within a beat of it)
+        moving = progress.idle_for() < self.stack_after
+        if moving and now - self._stack_sent_at < max(self.stack_after, MOVING_STACK_EVERY_S):
             return None
         stack = main_thread_stack(self._main_thread)
         if stack is None or stack == self._last_stack:
             return None
-        self._last_stack = stack
+        self._last_stack, self._stack_sent_at = stack, now
         return stack
 
     def _new_output(self) -> list[Event]:

@@ -23,6 +23,29 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="ranks per node, as given to torchrun (default: $LOCAL_WORLD_SIZE)",
     )
     doctor.add_argument(
+        "--nnodes",
+        default=None,
+        metavar="N",
+        help="nodes, as given to torchrun (default: $PET_NNODES, else 1): on one node torchrun "
+        "picks a free rendezvous port unless --master-port is given",
+    )
+    doctor.add_argument(
+        "--master-port",
+        "--master_port",
+        dest="master_port",
+        type=_positive_int,
+        default=None,
+        metavar="PORT",
+        help="the port given to torchrun (default: $PET_MASTER_PORT); $MASTER_PORT is checked "
+        "for a launch that reads it (mp.spawn, srun), torchrun never does",
+    )
+    doctor.add_argument(
+        "--standalone",
+        action="store_true",
+        default=None,
+        help="the job runs torchrun --standalone (a c10d rendezvous on a free port)",
+    )
+    doctor.add_argument(
         "--backend",
         choices=("nccl", "gloo"),
         default=None,

@@ -101,6 +101,7 @@ class Identity(Message):
     device_count: NonNegInt | None = None
     pg_timeout_s: float | None = None  # the default process group's collective timeout
     restart_count: NonNegInt | None = None  # the launcher's restarts so far (torchrun's)
+    rendezvous: str | None = None  # torchrun's: static, standalone, c10d (core/rendezvous.py)
     simulated: bool = False
 
 

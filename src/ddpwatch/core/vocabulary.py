@@ -12,6 +12,7 @@ its members in order.
 * ``CollectiveSource``: which counter a collective's number comes from.
 * ``JobStop``: what stopped a job ``ddpwatch run`` launched (the status document's
   ``job_end.stopped_by``).
+* ``Rendezvous``: how torchrun's ranks found each other (``core/rendezvous.py``).
 
 Importable anywhere (the server included): no torch, no third-party package. The agent and
 the integrations set only these phases (a user's ``ddpwatch.phase(name)`` may set any);
@@ -199,3 +200,14 @@ class JobStop(Word):
     DASHBOARD = "dashboard"  # "Stop the job" in ``run --tui``'s quit question
     CTRL_C = "ctrl_c"  # Ctrl-C in the terminal of ``ddpwatch run``
     SIGTERM = "sigterm"  # a SIGTERM to ``ddpwatch run`` (a scheduler, ``kill``)
+
+
+@unique
+class Rendezvous(Word):
+    """How torchrun's ranks found each other: what a fix for a rendezvous problem must name
+    (``core/rendezvous.py``). A backend torchrun knows beyond these travels as its own name."""
+
+    STATIC = "static"  # a TCP store at --master-addr:--master-port (29500 by default)
+    STANDALONE = "standalone"  # c10d on a free port of this node: --standalone, or one node
+    # without --master-port where torchrun does that (2.13 does: pytorch/pytorch#175699)
+    C10D = "c10d"  # c10d at --rdzv-endpoint, several nodes

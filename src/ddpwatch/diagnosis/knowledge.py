@@ -113,9 +113,9 @@ LOCAL_FIRST = (
         "connecting, as after a restart, or a firewall or the wrong network interface blocks "
         "it)",
         "check that every rank of this attempt started and reached init_process_group; right "
-        "after torchrun restarted the workers (--max-restarts) with a static rendezvous "
-        "(--master-addr/--master-port), the new attempt can read the address a stopped rank of "
-        "the last one left in the shared store (torch 2.13, with and without ddpwatch): give "
+        "after torchrun restarted the workers (--max-restarts), the new attempt can read the "
+        "address a stopped rank of the last one left in the store torchrun keeps across "
+        "attempts (torch 2.13, with and without ddpwatch): give "
         "init_process_group a store per attempt, store=dist.PrefixStore(f'attempt_{"
         "TORCHELASTIC_RESTART_COUNT}', store); on several hosts set GLOO_SOCKET_IFNAME to the "
         "interface they share and open the ports between them",
@@ -564,3 +564,30 @@ def clients_joined(error: ErrorInfo) -> tuple[int, int] | None:
             if match:
                 return int(match.group(joined)), int(match.group(expected))
     return None
+
+
+_RENDEZVOUS_IN_USE = {
+    "static": "a static rendezvous (--master-addr/--master-port)",
+    "standalone": "a c10d rendezvous on a free port of one node (--standalone, or torchrun's "
+    "default on one node)",
+    "c10d": "a c10d rendezvous (--rdzv-endpoint)",
+}
+_STORE_KEPT = "the store torchrun keeps across attempts"
+_SEVERAL_HOSTS = "; on several hosts set GLOO_SOCKET_IFNAME"
+
+
+def fitted_hint(signature: Signature, rendezvous: str | None) -> str:
+    """A rendezvous signature's fix, naming the rendezvous the rank's torchrun used (the
+    identity's ``rendezvous``; ``core/rendezvous.py``): its store, and no advice about other
+    hosts for a job on one node. Other signatures, or an unknown rendezvous: as written."""
+    hint = signature.hint
+    if signature.family != "rendezvous" or _STORE_KEPT not in hint:
+        return hint
+    named = _RENDEZVOUS_IN_USE.get(rendezvous or "")
+    if named is None:
+        return hint
+    hint = hint.replace(_STORE_KEPT, f"the store of {named}, kept across attempts")
+    if rendezvous == "standalone":
+        hint = hint.split(_SEVERAL_HOSTS, 1)[0]  # one node: no interface between hosts
+    return hint
+

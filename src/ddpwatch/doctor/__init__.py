@@ -23,6 +23,16 @@ from typing import IO
 from ddpwatch.doctor import checks, gather, report
 
 
+def torchrun_options(args: argparse.Namespace) -> dict[str, str | bool]:
+    """The torchrun options doctor was given, by ``TorchrunOptions``' names."""
+    given = {
+        "nnodes": getattr(args, "nnodes", None),
+        "master_port": getattr(args, "master_port", None),
+        "standalone": getattr(args, "standalone", None),
+    }
+    return {k: v if isinstance(v, bool) else str(v) for k, v in given.items() if v is not None}
+
+
 def doctor_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
     """``ddpwatch doctor``: print every check; 0 when none failed, else 1."""
     out = sys.stdout if stream is None else stream
@@ -36,6 +46,7 @@ def doctor_main(args: argparse.Namespace, stream: IO[str] | None = None) -> int:
             server_key=args.curve_server_key,
             client_key_file=args.curve_client_key_file,
             timeout=args.timeout,
+            torchrun=torchrun_options(args),
         )
     except Exception as exc:
         failed = f"{marks['fail']} doctor: cannot read this environment ({gather.describe(exc)})"

@@ -333,10 +333,21 @@ def _stop_holder(holder: Holder | None, port: int) -> str:
 
 
 def check_master_port(s: Setup) -> Check:
-    """``MASTER_PORT`` free on the master (a leftover job holding it: ``Address already in
-    use``), torchrun's default 29500 when it is unset, naming the process that holds it. Only
-    this host's ports can be tried, so another master's is left to it."""
-    raw, port = s.master_port_raw, s.master_port
+    """The port the rendezvous store listens on is free on the master (a leftover job holding
+    it: ``Address already in use``), naming the process that holds it: $MASTER_PORT for a
+    launch that reads it, else what torchrun will do with its options (its default 29500, the
+    ``--master-port`` given, or no port at all where it picks a free one: ``--standalone``,
+    or one node without ``--master-port``). Only this host's ports can be tried, so another
+    master's is left to it."""
+    raw, port, rendezvous = s.master_port_raw, s.master_port, s.rendezvous
+    if rendezvous is not None and port is None:
+        ignored = f" (it ignores MASTER_PORT={raw}: it sets it for its ranks)" if raw else ""
+        return Check(
+            "MASTER_PORT",
+            "ok",
+            f"torchrun picks a free port{ignored}: {rendezvous.why}, a c10d rendezvous on "
+            "localhost:0",
+        )
     if port is None:
         return Check(
             "MASTER_PORT",
@@ -344,7 +355,7 @@ def check_master_port(s: Setup) -> Check:
             f"{raw!r} is not a port number",
             "set MASTER_PORT to a free port between 1024 and 65535",
         )
-    named = f"{port} (unset: torchrun's default)" if raw is None else str(port)
+    named = _port_named(s, port)
     if s.port_use is None:  # not tried: the master is not this host
         try:
             s.master.get()
@@ -365,18 +376,34 @@ def check_master_port(s: Setup) -> Check:
         return Check("MASTER_PORT", "ok", f"{named} is free on this host")
     holder, spare = use.holder, use.spare
     held = f": held by {holder}" if holder is not None else ""
-    if spare is None:
-        instead = "pick a free one"
-    elif raw is None:
-        instead = f"pick a free one (torchrun --master-port {spare}, or MASTER_PORT={spare})"
-    else:
-        instead = f"pick a free one (MASTER_PORT={spare})"
     return Check(
         "MASTER_PORT",
         "fail",
         f"{named} is in use on this host ({use.error}){held}",
-        f"{instead}, or {_stop_holder(holder, port)}",
+        f"{_other_port(s, spare)}, or {_stop_holder(holder, port)}",
     )
+
+
+def _port_named(s: Setup, port: int) -> str:
+    """The port checked and whose it is: "29500 (unset: torchrun's default)"."""
+    rendezvous = s.rendezvous
+    if rendezvous is None:
+        return str(port)
+    if rendezvous.why == "torchrun's default --master-port":
+        return f"{port} (unset: torchrun's default)"
+    return f"{port} ({rendezvous.why})"
+
+
+def _other_port(s: Setup, spare: int | None) -> str:
+    """How to take another port, as the launch in use takes one."""
+    rendezvous = s.rendezvous
+    if spare is None:
+        return "pick a free one"
+    if rendezvous is None:
+        return f"pick a free one (MASTER_PORT={spare})"
+    if rendezvous.why == "--rdzv-endpoint":
+        return f"pick a free one (--rdzv-endpoint HOST:{spare})"
+    return f"pick a free one (torchrun --master-port {spare}; on one node --standalone picks one)"
 
 
 def check_curve(s: Setup) -> Check:

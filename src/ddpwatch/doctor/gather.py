@@ -23,6 +23,7 @@ from ddpwatch.agent.identity import identity_from_env
 from ddpwatch.agent.nvml import Nvml
 from ddpwatch.core.port_holder import Holder, find_holder
 from ddpwatch.core.ports import host_port, resolve_endpoint
+from ddpwatch.core.rendezvous import Plan, options_from, plan
 from ddpwatch.core.security import (
     CLIENT_KEY_FILE_ENV,
     SERVER_KEY_ENV,
@@ -33,7 +34,7 @@ from ddpwatch.core.security import (
 from ddpwatch.status.client import fetch_status
 from ddpwatch.status.schema import StatusDocument
 
-TORCHRUN_PORT = 29500  # torchrun's --master-port when MASTER_PORT is unset
+TORCHRUN_PORT = 29500  # torchrun's --master-port where it takes its default
 TORCHRUN_MASTER = "127.0.0.1"  # torchrun's --master-addr when MASTER_ADDR is unset
 NVIDIA_DEVICE = "/dev/nvidiactl"  # present wherever the NVIDIA driver is loaded (or passed in)
 
@@ -142,7 +143,9 @@ class Setup:
     master_addr: str  # $MASTER_ADDR, stripped; "" when unset
     master: Outcome[Lookup]  # the master's host ($MASTER_ADDR, else torchrun's) looked up
     master_port_raw: str | None  # $MASTER_PORT as set; None when unset
-    master_port: int | None  # the port torchrun's store takes; None: not a port number
+    master_port: int | None  # the port the store takes; None: not a port number, or torchrun's
+    # rendezvous picks a free one
+    rendezvous: Plan | None  # torchrun's, where it decides the port; None: $MASTER_PORT does
     port_use: Outcome[PortUse] | None  # None: not tried, the master is not this host
     server: str  # the agent's endpoint, tcp://host:port
     server_source: str
@@ -255,16 +258,48 @@ def default_backend(info: TorchInfo, gpus: int | None) -> tuple[str, str]:
     return ("nccl", "default: NVML sees GPUs") if gpus else ("gloo", "default: no GPU found")
 
 
-def master_port(env: Mapping[str, str]) -> tuple[str | None, int | None]:
-    """($MASTER_PORT as set, the port torchrun's store takes): torchrun's default when it is
-    unset; None for the port when it is not a port number."""
+def torchrun_picks_free_port() -> bool:
+    """Whether this torch's torchrun, on one node without ``--master-port``, lets the OS pick
+    the port (a c10d rendezvous on localhost:0, pytorch/pytorch#175699) instead of taking
+    29500: its ``--master-port`` then has no default. False without torch."""
+    try:
+        from torch.distributed.run import get_args_parser
+
+        parser = get_args_parser()
+    except Exception:
+        return False
+    for action in parser._actions:  # (with $PET_MASTER_PORT set its default is that: no
+        if action.dest == "master_port":  # matter, torchrun then takes that port anyway)
+            return action.default is None
+    return False
+
+
+def master_port(
+    env: Mapping[str, str],
+    torchrun: Mapping[str, str | bool] | None = None,
+    picks_free_port: Callable[[], bool] = torchrun_picks_free_port,
+) -> tuple[str | None, int | None, Plan | None]:
+    """($MASTER_PORT as set, the port the store takes, torchrun's plan where it decides).
+
+    A set $MASTER_PORT is what a launch that reads it binds (``mp.spawn``, ``srun``,
+    ``init_process_group``'s env://) unless torchrun was given a port or a rendezvous
+    (``torchrun``: the options doctor was given, or ``$PET_*``); torchrun itself never reads
+    it. Otherwise torchrun's own decision (``core/rendezvous.py``): its default port, or none
+    where it picks a free one. The port is None too where $MASTER_PORT is no port number."""
     raw = env.get("MASTER_PORT")
-    if raw is None:
-        port: int | None = TORCHRUN_PORT
-    else:
+    options = options_from(torchrun or {}, env)
+    named = (
+        options.standalone
+        or options.master_port is not None
+        or options.rdzv_endpoint
+        or options.rdzv_backend != "static"
+    )
+    if raw is not None and not named:
         text = raw.strip()
         port = int(text) if text.isascii() and text.isdigit() else None
-    return raw, port if port is not None and 0 < port < 65536 else None
+        return raw, port if port is not None and 0 < port < 65536 else None, None
+    torchrun_plan = plan(options, picks_free_port(), TORCHRUN_PORT)
+    return raw, torchrun_plan.port, torchrun_plan
 
 
 def server_endpoint(addr: str | None, env: Mapping[str, str]) -> tuple[str, str, bool]:
@@ -389,6 +424,7 @@ def gather(
     server_key: str | None = None,
     client_key_file: str | None = None,
     timeout: float = 2.0,
+    torchrun: Mapping[str, str | bool] | None = None,
 ) -> Setup:
     """Read torch, the GPUs, the settings, the master's host and port and the server once, for
     every check."""
@@ -404,7 +440,7 @@ def gather(
     nvml = probe_nvml()
     master_addr = env.get("MASTER_ADDR", "").strip()
     master = attempt(lambda: look_up(master_addr or TORCHRUN_MASTER))
-    port_raw, port = master_port(env)
+    port_raw, port, rendezvous = master_port(env, torchrun)
     port_use = try_port(port, master)
     server_host, server_port = host_port(endpoint)
     if server_port is not None and not 0 < server_port < 65535:
@@ -428,6 +464,7 @@ def gather(
         master=master,
         master_port_raw=port_raw,
         master_port=port,
+        rendezvous=rendezvous,
         port_use=port_use,
         server=endpoint,
         server_source=source,

@@ -91,6 +91,7 @@ class RankRecord:
     device_count: int | None = None
     pg_timeout_s: float | None = None
     restart_count: int | None = None
+    rendezvous: str | None = None
     simulated: bool = False
     attempt: int = 1
     """The launcher's attempt this process belongs to: ``restart_count + 1`` where the

@@ -8,6 +8,7 @@ from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.cascade import Cascade, Root
 from ddpwatch.diagnosis.facts.ranks import is_clean_exit, is_term_exit
+from ddpwatch.diagnosis.knowledge import fitted_hint
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import (
     collective_name,
@@ -49,7 +50,7 @@ def _root_alert(root: Root, cascade: Cascade | None, now: float, stepping: bool 
         ordinal_advice(first) if signature and signature.kind == AlertKind.DEVICE_ORDINAL else None
     )
     if known is None and signature is not None:
-        known = (signature.cause, signature.hint)
+        known = (signature.cause, fitted_hint(signature, first.rendezvous))
     if known is not None:
         message += f" — {known[0]}"
     message += after

@@ -357,9 +357,16 @@ class DashboardScreen(Screen[None]):
             empty=None if ranks or ended else self.no_ranks,
             past=cleared_alerts(document, everything=ended),
             banner=ended_banner(document) if ended else None,
+            has_stack=self.has_stack,
         )
         self._update_header()
         self._update_detail()
+
+    def has_stack(self, rank: int) -> bool | None:
+        """Whether ``rank``'s stack or traceback is in the document (what its detail pane
+        shows); None where the rank is not in it."""
+        row = self.rank_row(rank)
+        return None if row is None else bool(row.stack) or row.error is not None
 
     def _update_scope(self) -> None:
         """On a large job, have the source ask the server for the ranks, host or state the

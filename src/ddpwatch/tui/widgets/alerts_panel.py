@@ -7,7 +7,7 @@ culprit rank (or first waiting rank), which the screen selects in the table.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.console import Group
@@ -25,9 +25,17 @@ from ddpwatch.tui.widgets.header import SEVERITY_GLYPH, SEVERITY_STYLE
 
 _RANK_NAMED = re.compile(r"\brank (\d+)")
 _SHOWS_IT = " shows it"
+_ITS_STACK_IN = "its stack in "
 
 
-def dashboard_hint(hint: str, culprits: Sequence[int] = ()) -> str:
+HasStack = Callable[[int], "bool | None"]
+"""Whether a rank's stack or traceback is in the document: None where the rank is not in it
+(a large job's summary)."""
+
+
+def dashboard_hint(
+    hint: str, culprits: Sequence[int] = (), has_stack: HasStack | None = None
+) -> str:
     """``hint`` as the dashboard writes it: where the server sends people to a shell for a
     rank's stack or traceback (``diagnosis.text.STACKS_IN``, "ddpwatch status --json", with
     ``--port N`` where the server is not on the default one), the key
@@ -35,12 +43,18 @@ def dashboard_hint(hint: str, culprits: Sequence[int] = ()) -> str:
 
     "look at rank 3's stack (ddpwatch status --json) or …" becomes "look at rank 3's stack
     (the detail pane: press enter on rank 3) or …"; "(ddpwatch status --json shows it)"
-    becomes "(press enter on rank 3: the detail pane shows it)"."""
+    becomes "(press enter on rank 3: the detail pane shows it)". Where ``has_stack`` says the
+    rank has sent neither, the hint says so instead of sending people to an empty pane:
+    "look at rank 3's stack (no stack or traceback from rank 3 yet) or …"."""
     first, *rest = STACKS_IN_ANY_PORT.split(hint)
     text = first
     for after in rest:
         named = _RANK_NAMED.findall(text)
         rank = int(named[-1]) if named else (culprits[0] if culprits else None)
+        if rank is not None and has_stack is not None and has_stack(rank) is False:
+            text = text.removesuffix(_ITS_STACK_IN) + f"no stack or traceback from rank {rank} yet"
+            text += after.removeprefix(_SHOWS_IT)
+            continue
         key = "press enter on its row" if rank is None else f"press enter on rank {rank}"
         if after.startswith(_SHOWS_IT):
             text += f"{key}: the detail pane shows it{after[len(_SHOWS_IT) :]}"
@@ -60,7 +74,8 @@ def append_who(head: Text, alert: AlertEntry, waiting_limit: int = 8) -> None:
         head.append(f"  waiting {rank_ranges(waiting, limit=waiting_limit)}", style="dim")
 
 
-def alert_prompt(alert: AlertEntry) -> Group:
+def alert_prompt(alert: AlertEntry, hint: str | None = None) -> Group:
+    """An alert's option; ``hint``: its hint as the dashboard writes it (``dashboard_hint``)."""
     severity = alert.severity
     style = SEVERITY_STYLE.get(severity, "bold")
     head = Text.assemble((f"{SEVERITY_GLYPH.get(severity, '●')} {alert.kind}", style))
@@ -68,8 +83,8 @@ def alert_prompt(alert: AlertEntry) -> Group:
     body = Text(alert.message)
     if alert.hint:
         body.append("\n")
-        hint = dashboard_hint(alert.hint, alert.ranks)
-        body.append_text(Text.assemble(("→ ", "green"), (hint, "italic dim")))
+        shown = hint if hint is not None else dashboard_hint(alert.hint, alert.ranks)
+        body.append_text(Text.assemble(("→ ", "green"), (shown, "italic dim")))
     return Group(head, Padding(body, (0, 0, 0, 2)))
 
 
@@ -130,15 +145,19 @@ class AlertList(OptionList):
         *,
         past: list[HistoryEntry] | None = None,
         banner: str | None = None,
+        has_stack: HasStack | None = None,
     ) -> None:
         """Replace the options only when what they show changed; keep the highlight.
 
         ``empty``: the line to show instead of "every rank looks healthy" when there is no
         rank to be healthy (such as where ranks should report). ``past``: ``cleared`` history
-        entries to list after the open alerts. ``banner``: a first line (the job ended)."""
+        entries to list after the open alerts. ``banner``: a first line (the job ended).
+        ``has_stack``: whether a rank's stack is there to see (``dashboard_hint``)."""
         past = past or []
+        hints = [dashboard_hint(a.hint, a.ranks, has_stack) if a.hint else "" for a in alerts]
         signature = (
             *(alert_signature(a) for a in alerts),
+            *hints,
             empty,
             banner,
             *((e.elapsed_s, e.duration_s, alert_signature(e.alert)) for e in past),
@@ -155,7 +174,7 @@ class AlertList(OptionList):
             options.append(Option(Text(f"■ {banner}", style="bold"), disabled=True))
             targets.append(None)
         for i, alert in enumerate(alerts):
-            options.append(Option(alert_prompt(alert), id=f"alert-{i}"))
+            options.append(Option(alert_prompt(alert, hints[i]), id=f"alert-{i}"))
             targets.append(alert)
         if not alerts and empty is not None:
             options.append(Option(Text(empty, style="yellow"), disabled=True))

@@ -205,7 +205,8 @@ def stack_text(row: RankEntry) -> Text:
     if stack:
         return Text.assemble(("current stack:\n", "dim"), _code(stack.rstrip()))
     return Text(
-        "no stack captured (a rank sends its stack when it stalls or waits)", style="dim italic"
+        "no stack yet (a rank sends its stack once it has made no step for a few seconds)",
+        style="dim italic",
     )
 
 
