@@ -156,6 +156,20 @@ def test_nan_loss_waits_for_a_rank_that_has_not_reported_past_the_step() -> None
     assert (alert.ranks, alert.waiting) == ((1,), (0,))
 
 
+def test_a_rank_not_yet_heard_past_the_step_after_is_not_called_finite() -> None:
+    """Rank 1's gradients went bad at step 15; DDP puts them in every rank's step 16. Rank 0,
+    last heard at step 15, may be NaN already: "while rank 0 is finite" was said of it under
+    load, its NaN report a moment behind. Once it reports step 16 finite, it is."""
+    state = job(3, step=15)
+    state.ranks[1] = rank(1, 3, step=16, loss=math.nan, nan_step=16, grad_nan_step=15, nan_exact=True)
+    state.ranks[2] = rank(2, 3, step=16, loss=math.nan, nan_step=16, nan_exact=True)
+    alert = only(rule_nan_loss(state, NOW, TH), "nan_loss")
+    assert alert.ranks == (1,) and "finite" not in alert.message.split("(its loss was finite)")[1]
+    state.ranks[0] = rank(0, 3, step=16)
+    alert = only(rule_nan_loss(state, NOW, TH), "nan_loss")
+    assert alert.message.endswith("while rank 0 is finite")
+
+
 def test_nan_loss_names_the_rank_whose_own_gradients_went_bad_first() -> None:
     """A bad sample gives rank 2 infinite gradients from a finite loss at step 14; DDP's
     all-reduce spreads them, and every loss, rank 2's too, is NaN from step 15: by losses alone

@@ -137,8 +137,11 @@ def test_nan_gradient_names_the_rank_whose_own_gradients_went_bad() -> None:
     from step 16. By losses alone the three ranks tie; rank 1's own gradients name it."""
     result = assert_blames_only_the_culprit("nan-grad")
     first = score(result).first
-    assert first is not None and set(first.waiting) == {0, 2}, describe(result)
+    # the raise names the victims whose NaN has come in (under load, rank 0's heartbeat may
+    # come a moment later); their steps below show both followed
+    assert first is not None and first.waiting and set(first.waiting) <= {0, 2}, describe(result)
     assert "received them through DDP's all-reduce" in first.message, describe(result)
+    assert " is finite" not in first.message, describe(result)  # none is, from step 16
     steps = {r["rank"]: (r["nan_step"], r["grad_nan_step"]) for r in result.ranks}
     assert steps == {0: (16, 16), 1: (16, 15), 2: (16, 16)}, describe(result)
 

@@ -523,8 +523,16 @@ def _nan_alert(
     }
     word = values.pop() if len(values) == 1 else "not finite"
     named = {r.rank for r in first}
+    # finite on its own report of the step after the first bad one, which DDP's all-reduce
+    # reaches: a rank that has not reported it yet may be NaN already (seen under load:
+    # "while rank 0 is finite", rank 0 NaN from that step, its heartbeat not in yet)
     finite = [
-        r.rank for r in f.live if r.nan_step is None and r.loss is not None and r.rank not in named
+        r.rank
+        for r in f.live
+        if r.nan_step is None
+        and r.loss is not None
+        and r.rank not in named
+        and (r.step or 0) > since
     ]
     later = [r for r in bad if r.rank not in named]
     by_grads = [r for r in first if r.nan_step is None or r.nan_step > since]
