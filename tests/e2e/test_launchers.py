@@ -18,7 +18,8 @@ from conftest import SCRIPTS, LiveServer, as_json, ddpwatch_run, free_port_pair
 from slurm_cluster import SlurmCluster
 from slurm_cluster import missing as slurm_missing
 
-pytestmark = pytest.mark.launcher
+# a launcher's job takes 1-2 min alone, 2.5 min and more on a loaded machine (ddpwatch_run: 300 s)
+pytestmark = [pytest.mark.launcher, pytest.mark.timeout(360)]
 
 PYTHON = sys.executable
 REQUIRED = os.environ.get("CI_REQUIRE_LAUNCHERS") == "1"
