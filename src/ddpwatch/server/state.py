@@ -27,6 +27,7 @@ from ddpwatch.server.host_memory import note as note_host_memory
 from ddpwatch.server.host_memory import settled
 from ddpwatch.server.records import CPU_STEP_S, LOG_LINES, RankRecord, note_beat
 from ddpwatch.server.relays import RelayRecord
+from ddpwatch.server.step_times import StepTimes, beat_steps
 from ddpwatch.server.waits import WaitIndex
 from ddpwatch.status.schema import JobEnd
 
@@ -307,6 +308,7 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     if moved:
         record.last_progress = now
         record.last_step_at = now
+        _time_steps(record, step or 0, sample)
         if record.first_step_at is None:
             record.first_step, record.first_step_at = step, now
         if record.error is None and record.exit_time is None:  # not ``finished``
@@ -403,6 +405,16 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
         elif record.nan_step is None:
             # an agent that does not report nan_step: the heartbeat's step is only a bound
             record.nan_step = step if step is not None else (record.step or 0)
+
+
+def _time_steps(record: RankRecord, step: int, sample: Sample) -> None:
+    """A heartbeat that moved the step: its steps into the rank's median (``step_times``)."""
+    timed = beat_steps(record.stepped_sent, step, sample.t, sample.step_time_s)
+    if timed is not None:
+        if record.step_times is None:
+            record.step_times = StepTimes()
+        record.step_times.add(*timed)
+    record.stepped_sent = (step, sample.t)
 
 
 def _left_collective(before: Collective | None, now: Collective | None) -> bool:

@@ -1,0 +1,107 @@
+"""A rank's median step over its whole run, one step one vote.
+
+A heartbeat (2 Hz) ends any number of steps: 62 fast steps of 8 ms, or one slow step of
+0.4 s. A median over heartbeats (or over the last step each one reports) counts the slow
+step 62 times too often: a run whose 3,180 steps of 3,440 took 8 ms read "median step
+0.205 s" (#33). Here every heartbeat that moved the step adds its steps, each at the
+heartbeat's seconds per step (the sender's clock between two such heartbeats; the last
+step's own time where it ended one step), to a histogram of 1 % buckets, and a pointer walks
+to the median as they come: O(1) a heartbeat, nothing to sort when a document is built.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+
+RESOLUTION = 1.01
+"""Neighbouring buckets differ by 1 %: the median is known to ±0.5 %."""
+_LOG = math.log(RESOLUTION)
+SHORTEST_S = 1e-6  # a step "shorter" than this is timer noise, not a step
+
+
+def bucket(seconds: float) -> int:
+    """The histogram bucket of a step of ``seconds`` (> 0)."""
+    return round(math.log(seconds) / _LOG)
+
+
+def bucket_seconds(index: int) -> float:
+    """The step time a bucket stands for."""
+    return float(RESOLUTION**index)
+
+
+class StepTimes:
+    """Steps per bucket of step time, with the median bucket kept as they come."""
+
+    __slots__ = ("_at", "_below", "_counts", "_keys", "steps")
+
+    def __init__(self) -> None:
+        self._counts: dict[int, int] = {}
+        self._keys: list[int] = []  # the buckets that hold steps, ascending
+        self._at = 0  # the index in ``_keys`` of the median bucket
+        self._below = 0  # steps in buckets below it
+        self.steps = 0
+
+    def add(self, per_step_s: float, steps: int) -> None:
+        """``steps`` steps that took ``per_step_s`` each."""
+        if steps <= 0 or not per_step_s >= SHORTEST_S or not math.isfinite(per_step_s):
+            return
+        key = bucket(per_step_s)
+        keys = self._keys
+        if key not in self._counts:
+            i = bisect_left(keys, key)
+            keys.insert(i, key)
+            self._counts[key] = 0
+            if i <= self._at and len(keys) > 1:
+                self._at += 1  # the median bucket moved one place right in the list
+        self._counts[key] += steps
+        if key < keys[self._at]:
+            self._below += steps
+        self.steps += steps
+        self._walk()
+
+    def _walk(self) -> None:
+        """Move the pointer until its bucket holds the middle step: fewer than half below
+        it, at least half up to and through it (the lower median)."""
+        keys, counts, half = self._keys, self._counts, self.steps / 2
+        while self._below >= half and self._at > 0:
+            self._at -= 1
+            self._below -= counts[keys[self._at]]
+        while self._below + counts[keys[self._at]] < half:
+            self._below += counts[keys[self._at]]
+            self._at += 1
+
+    def __eq__(self, other: object) -> bool:
+        """The same steps in the same buckets (a relayed and a direct rank's compare)."""
+        if not isinstance(other, StepTimes):
+            return NotImplemented
+        return self._counts == other._counts
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StepTimes(steps={self.steps}, median_s={self.median_s})"
+
+    @property
+    def median_s(self) -> float | None:
+        """The median step in seconds; None before any step was timed."""
+        if not self.steps:
+            return None
+        return bucket_seconds(self._keys[self._at])
+
+
+def beat_steps(
+    previous: tuple[int, float] | None, step: int, sent: float, step_time_s: float | None
+) -> tuple[float, int] | None:
+    """(seconds per step, steps) of a heartbeat that moved a rank's step to ``step`` at its
+    sender's time ``sent``, since ``previous`` (the step and sender's time of the last one
+    that did); None where it cannot tell (the first step, a counter that went back)."""
+    if previous is None:
+        return None
+    steps = step - previous[0]
+    if steps <= 0:
+        return None
+    if steps == 1 and step_time_s is not None and math.isfinite(step_time_s):
+        return step_time_s, 1
+    span = sent - previous[1]
+    return (span / steps, steps) if span > 0 else None
