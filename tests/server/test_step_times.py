@@ -20,7 +20,7 @@ from ddpwatch.server.step_times import StepTimes, beat_steps
 T0 = 1_800_000_000.0
 
 
-def test_the_median_is_every_steps_median_within_half_a_percent() -> None:
+def test_the_median_is_every_steps_median_within_a_percent() -> None:
     rng = random.Random(7)
     for _ in range(200):
         found, steps = StepTimes(), []
@@ -30,7 +30,7 @@ def test_the_median_is_every_steps_median_within_half_a_percent() -> None:
             found.add(per_step, count)
             steps += [per_step] * count
         assert found.steps == len(steps)
-        assert found.median_s == pytest.approx(statistics.median_low(steps), rel=0.005)
+        assert found.median_s == pytest.approx(statistics.median_low(steps), rel=0.01)
 
 
 def test_nothing_timed_is_no_median_and_noise_is_no_step() -> None:
@@ -77,4 +77,4 @@ def test_a_run_of_fast_steps_and_a_slow_tail_has_the_fast_median() -> None:
     assert fast > step - fast  # most steps fast, most beats slow
     document = status_document(state, [], now, Thresholds())
     medians = [r.median_step_s for r in document.ranks]
-    assert medians == [pytest.approx(0.5 / 61, rel=0.006)] * 2
+    assert medians == [round(0.5 / 61, 6)] * 2  # one time each: exact (to the µs)

@@ -15,7 +15,8 @@ import math
 from bisect import bisect_left
 
 RESOLUTION = 1.01
-"""Neighbouring buckets differ by 1 %: the median is known to ±0.5 %."""
+"""Neighbouring buckets differ by 1 %: the median is known to ±1 % (the mean of the steps in
+its bucket: exact where the steps took one time)."""
 _LOG = math.log(RESOLUTION)
 SHORTEST_S = 1e-6  # a step "shorter" than this is timer noise, not a step
 
@@ -25,18 +26,14 @@ def bucket(seconds: float) -> int:
     return round(math.log(seconds) / _LOG)
 
 
-def bucket_seconds(index: int) -> float:
-    """The step time a bucket stands for."""
-    return float(RESOLUTION**index)
-
-
 class StepTimes:
     """Steps per bucket of step time, with the median bucket kept as they come."""
 
-    __slots__ = ("_at", "_below", "_counts", "_keys", "steps")
+    __slots__ = ("_at", "_below", "_counts", "_keys", "_sums", "steps")
 
     def __init__(self) -> None:
         self._counts: dict[int, int] = {}
+        self._sums: dict[int, float] = {}  # seconds per bucket: its steps' own mean
         self._keys: list[int] = []  # the buckets that hold steps, ascending
         self._at = 0  # the index in ``_keys`` of the median bucket
         self._below = 0  # steps in buckets below it
@@ -52,9 +49,11 @@ class StepTimes:
             i = bisect_left(keys, key)
             keys.insert(i, key)
             self._counts[key] = 0
+            self._sums[key] = 0.0
             if i <= self._at and len(keys) > 1:
                 self._at += 1  # the median bucket moved one place right in the list
         self._counts[key] += steps
+        self._sums[key] += per_step_s * steps
         if key < keys[self._at]:
             self._below += steps
         self.steps += steps
@@ -87,7 +86,8 @@ class StepTimes:
         """The median step in seconds; None before any step was timed."""
         if not self.steps:
             return None
-        return bucket_seconds(self._keys[self._at])
+        key = self._keys[self._at]
+        return self._sums[key] / self._counts[key]
 
 
 def beat_steps(
