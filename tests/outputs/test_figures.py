@@ -22,7 +22,7 @@ from conftest import Recording
 from ddpwatch.commands.status import format_status
 from ddpwatch.core.protocol import Event, Sample, encode
 from ddpwatch.diagnosis.alerts import Alert
-from ddpwatch.diagnosis.history import AlertTracker
+from ddpwatch.diagnosis.history import AlertTracker, describe
 from ddpwatch.outputs.postmortem import RunReport, load_run
 from ddpwatch.outputs.report_text import header_line, to_json, to_markdown
 from ddpwatch.outputs.summary import summary_lines, verdict
@@ -127,6 +127,27 @@ def test_the_reports_fix_is_the_one_the_alert_gave_live() -> None:
         assert ("slow_rank", DATA) in report.hints()
         assert ("slow_rank", GENERIC) not in report.hints()
         assert [e.hint for e in report.run.episodes if e.kind == "slow_rank"] == [DATA]
+
+
+def test_an_alert_was_up_as_long_in_the_summary_as_the_alert_stream_said() -> None:
+    """The live holds (a warning goes up after 0.5 s, anything comes down after 1 s unseen):
+    the stream said "cleared slow_rank (rank 2) after 15.6 s"; the summary said 16.6 s, the
+    clear hold counted in, and the time lost with it."""
+    tracker = AlertTracker()
+    changes = []
+    for i in range(80):
+        t = 10.0 + i * 0.25
+        changes += tracker.update([slow(DATA, 0.8)] if t < 26.0 else [], T0 + t, T0)
+    cleared = next(c for c in changes if c.event == "cleared")
+    after = describe(cleared).rsplit(" after ", 1)[1]
+    assert after == "15.5 s"
+    doc = {"server_time": T0 + 40.0, "job_started": T0, "world_size": 3,
+           "ranks": [rank(r) for r in range(3)], "history": tracker.entries()}  # fmt: skip
+    lines = summary_lines(typed(doc))
+    assert f"  +10.5 s [warning] slow_rank, cleared after {after}" in [
+        line.split(":")[0] for line in lines
+    ]
+    assert "for 15.5 s: they waited for it every step, 12.4 s in all" in lines[-1]
 
 
 def _sample(r: int, step: int, sent: float, step_time: float) -> bytes:

@@ -111,7 +111,10 @@ class _Open:
         if entry.event == HistoryEvent.ESCALATED:
             self.escalated_s = at
         elif entry.event == HistoryEvent.CLEARED:
-            self.cleared_s = at
+            # when it went away, not when the clear hold said so: "cleared after 15.6 s" in
+            # the alert stream is 15.6 s in the summary too
+            up = entry.duration_s
+            self.cleared_s = at if up is UNSET else min(at, self.raised_s + up)
             self.closed_by = entry.closed_by if entry.closed_by is not UNSET else None
         if alert.waited_s is not None:
             self.waited = (alert.waited_s, at)
