@@ -214,7 +214,8 @@ def expected_after_life() -> dict[str, Any]:
         # steps 2-5 one a beat, at their own 0.5 s; 6-8 in one beat the sender's clock
         # (t=0 throughout) cannot time
         "step_times": _step_times((0.5, 4)),
-        "stepped_sent": (8, 0.0),
+        "timed_step": 8,
+        "timed_sent": 0.0,
         "step_marks": [(0, 0), (8, 3)],
         "forwards": 7,
         "batch_marks": None,  # this life drew no batches from a DataLoader
@@ -333,7 +334,7 @@ def test_a_new_process_for_a_rank_starts_its_record_afresh() -> None:
             "last_step_at": 19.0,
             "first_step": 1,
             "first_step_at": 19.0,
-            "stepped_sent": (1, 0.0),
+            "timed_step": 1,
             "attempt": 2,
         }
     )

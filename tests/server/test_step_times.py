@@ -15,7 +15,7 @@ from ddpwatch.core.protocol import Sample
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.server.document import status_document
 from ddpwatch.server.state import ServerState
-from ddpwatch.server.step_times import StepTimes, beat_steps
+from ddpwatch.server.step_times import StepTimes
 
 T0 = 1_800_000_000.0
 
@@ -43,11 +43,25 @@ def test_nothing_timed_is_no_median_and_noise_is_no_step() -> None:
 
 
 def test_a_heartbeat_times_its_steps_by_the_senders_clock() -> None:
-    assert beat_steps(None, 5, 10.0, 0.1) is None  # the first step: nothing before it
-    assert beat_steps((5, 10.0), 6, 10.5, 0.3) == (0.3, 1)  # one step: its own time
-    assert beat_steps((5, 10.0), 65, 10.5, 0.01) == pytest.approx((0.5 / 60, 60))
-    assert beat_steps((5, 10.0), 5, 10.5, 0.1) is None  # no step ended
-    assert beat_steps((5, 10.0), 3, 10.5, 0.1) is None  # a counter that went back
+    """Steps 2-61 in one heartbeat, 0.5 s after the one before by the sender's clock (the
+    server's says 3 s: a relay held it): 60 steps of 8.3 ms. One step alone: its own time.
+    Nothing for the first step, a beat that moved nothing, a counter that went back."""
+    state = ServerState(started=T0)
+    for step, sent, now, own in ((1, 10.0, T0, 9.0), (61, 10.5, T0 + 3, 0.01),
+                                 (61, 11.0, T0 + 4, 0.01), (62, 11.2, T0 + 5, 0.3),
+                                 (40, 11.7, T0 + 6, 0.01)):  # fmt: skip
+        state.apply(_beat(0, step, sent, own), now)
+    times = state.ranks[0].step_times
+    assert times is not None and times.steps == 61
+    assert times.median_s == pytest.approx(0.5 / 60)
+    assert times == _times((0.5 / 60, 60), (0.3, 1))
+
+
+def _times(*timed: tuple[float, int]) -> StepTimes:
+    found = StepTimes()
+    for per_step, steps in timed:
+        found.add(per_step, steps)
+    return found
 
 
 def _beat(rank: int, step: int, sent: float, step_time: float) -> Sample:

@@ -129,8 +129,10 @@ class RankRecord:
     step_times: StepTimes | None = None
     """Every step it timed since its process started, one step one vote: its median step
     (``server/step_times.py``), what the summary, the report and ``status`` quote."""
-    stepped_sent: tuple[int, float] | None = None
-    """The step and the sender's clock of its last heartbeat that moved the step."""
+    timed_step: int | None = None
+    timed_sent: float = 0.0
+    """The step of its last heartbeat that moved the step, and the sender's clock then (two
+    plain fields, not a tuple: no object for the collector to track, beat after beat)."""
     step_marks: dict[int, int] = field(default_factory=dict)
     """Python-level collectives entered by the end of marked steps (every MARK_EVERY-th)."""
     forwards: int | None = None

@@ -27,7 +27,7 @@ from ddpwatch.server.host_memory import note as note_host_memory
 from ddpwatch.server.host_memory import settled
 from ddpwatch.server.records import CPU_STEP_S, LOG_LINES, RankRecord, note_beat
 from ddpwatch.server.relays import RelayRecord
-from ddpwatch.server.step_times import StepTimes, beat_steps
+from ddpwatch.server.step_times import StepTimes
 from ddpwatch.server.waits import WaitIndex
 from ddpwatch.status.schema import JobEnd
 
@@ -408,13 +408,24 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
 
 
 def _time_steps(record: RankRecord, step: int, sample: Sample) -> None:
-    """A heartbeat that moved the step: its steps into the rank's median (``step_times``)."""
-    timed = beat_steps(record.stepped_sent, step, sample.t, sample.step_time_s)
-    if timed is not None:
-        if record.step_times is None:
-            record.step_times = StepTimes()
-        record.step_times.add(*timed)
-    record.stepped_sent = (step, sample.t)
+    """A heartbeat that moved the step: its steps into the rank's median (``step_times``),
+    each at the heartbeat's seconds per step by the sender's clock since the last heartbeat
+    that moved it (one step: its own time). Nothing for the first step, nor for a counter
+    that went back. Inline, not through calls: every heartbeat of every rank passes here."""
+    last, sent = record.timed_step, sample.t
+    if last is not None and step > last:
+        steps = step - last
+        own = sample.step_time_s
+        if steps == 1 and own is not None:
+            per_step = own
+        else:
+            span = sent - record.timed_sent
+            per_step = span / steps if span > 0 else 0.0  # 0: not timed (``add`` skips it)
+        times = record.step_times
+        if times is None:
+            times = record.step_times = StepTimes()
+        times.add(per_step, steps)
+    record.timed_step, record.timed_sent = step, sent
 
 
 def _left_collective(before: Collective | None, now: Collective | None) -> bool:

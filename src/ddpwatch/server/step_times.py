@@ -17,13 +17,9 @@ from bisect import bisect_left
 RESOLUTION = 1.01
 """Neighbouring buckets differ by 1 %: the median is known to ±1 % (the mean of the steps in
 its bucket: exact where the steps took one time)."""
-_LOG = math.log(RESOLUTION)
+_PER_LOG = 1.0 / math.log(RESOLUTION)
+_log = math.log
 SHORTEST_S = 1e-6  # a step "shorter" than this is timer noise, not a step
-
-
-def bucket(seconds: float) -> int:
-    """The histogram bucket of a step of ``seconds`` (> 0)."""
-    return round(math.log(seconds) / _LOG)
 
 
 class StepTimes:
@@ -40,24 +36,34 @@ class StepTimes:
         self.steps = 0
 
     def add(self, per_step_s: float, steps: int) -> None:
-        """``steps`` steps that took ``per_step_s`` each."""
-        if steps <= 0 or not per_step_s >= SHORTEST_S or not math.isfinite(per_step_s):
-            return
-        key = bucket(per_step_s)
-        keys = self._keys
-        if key not in self._counts:
-            i = bisect_left(keys, key)
-            keys.insert(i, key)
-            self._counts[key] = 0
-            self._sums[key] = 0.0
-            if i <= self._at and len(keys) > 1:
-                self._at += 1  # the median bucket moved one place right in the list
-        self._counts[key] += steps
-        self._sums[key] += per_step_s * steps
-        if key < keys[self._at]:
-            self._below += steps
+        """``steps`` steps that took ``per_step_s`` each. Every heartbeat of every rank:
+        the common case (the median's own bucket again) touches two dicts and returns."""
+        if steps <= 0 or not SHORTEST_S <= per_step_s < math.inf:
+            return  # NaN fails the comparison too
+        key = round(_log(per_step_s) * _PER_LOG)
+        counts = self._counts
+        if key in counts:
+            counts[key] += steps
+            self._sums[key] += per_step_s * steps
+        else:
+            self._insert(key, per_step_s, steps)
         self.steps += steps
+        median = self._keys[self._at]
+        if key == median:
+            return  # more in the median's bucket: it stays the median
+        if key < median:
+            self._below += steps
         self._walk()
+
+    def _insert(self, key: int, per_step_s: float, steps: int) -> None:
+        """A bucket's first steps, at its place among the others."""
+        keys = self._keys
+        i = bisect_left(keys, key)
+        keys.insert(i, key)
+        self._counts[key] = steps
+        self._sums[key] = per_step_s * steps
+        if i <= self._at and len(keys) > 1:
+            self._at += 1  # the median bucket moved one place right in the list
 
     def _walk(self) -> None:
         """Move the pointer until its bucket holds the middle step: fewer than half below
@@ -88,20 +94,3 @@ class StepTimes:
             return None
         key = self._keys[self._at]
         return self._sums[key] / self._counts[key]
-
-
-def beat_steps(
-    previous: tuple[int, float] | None, step: int, sent: float, step_time_s: float | None
-) -> tuple[float, int] | None:
-    """(seconds per step, steps) of a heartbeat that moved a rank's step to ``step`` at its
-    sender's time ``sent``, since ``previous`` (the step and sender's time of the last one
-    that did); None where it cannot tell (the first step, a counter that went back)."""
-    if previous is None:
-        return None
-    steps = step - previous[0]
-    if steps <= 0:
-        return None
-    if steps == 1 and step_time_s is not None and math.isfinite(step_time_s):
-        return step_time_s, 1
-    span = sent - previous[1]
-    return (span / steps, steps) if span > 0 else None
