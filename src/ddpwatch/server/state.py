@@ -27,7 +27,7 @@ from ddpwatch.server.host_memory import note as note_host_memory
 from ddpwatch.server.host_memory import settled
 from ddpwatch.server.records import CPU_STEP_S, LOG_LINES, RankRecord, note_beat
 from ddpwatch.server.relays import RelayRecord
-from ddpwatch.server.step_times import StepTimes
+from ddpwatch.server.step_times import SHORTEST_S, StepTimes
 from ddpwatch.server.waits import WaitIndex
 from ddpwatch.status.schema import JobEnd
 
@@ -420,11 +420,13 @@ def _time_steps(record: RankRecord, step: int, sample: Sample) -> None:
             per_step = own
         else:
             span = sent - record.timed_sent
-            per_step = span / steps if span > 0 else 0.0  # 0: not timed (``add`` skips it)
+            per_step = span / steps if span > 0 else 0.0  # 0: not timed (skipped)
         times = record.step_times
-        if times is None:
+        if times is not None:
+            times.add(per_step, steps)
+        elif per_step >= SHORTEST_S:  # its first step timed: a median from here on
             times = record.step_times = StepTimes()
-        times.add(per_step, steps)
+            times.add(per_step, steps)
     record.timed_step, record.timed_sent = step, sent
 
 
