@@ -188,7 +188,7 @@ def test_a_recorded_runs_summary_status_and_report_agree_figure_for_figure(
     summary = summary_lines(document)
     overview = summary[0]
     assert "median step 0.008 s" in overview, summary
-    assert overview in status.splitlines(), status
+    assert overview in [line.strip() for line in status.splitlines()], status  # ended: indented
     report = load_run(path, *replay_to_end(path))
     assert report.summary[0] == overview
     ran = overview.split(",")[0]
