@@ -198,3 +198,12 @@ def test_a_recorded_runs_summary_status_and_report_agree_figure_for_figure(
     data = msgspec.json.decode(to_json(report))
     assert data["duration_s"] == pytest.approx(report.run.figures.run_s)
     assert data["median_step_time_s"] == 0.008
+
+
+def test_the_reports_json_has_the_summarys_time_lost() -> None:
+    doc = typed(newcomers_run())
+    data = msgspec.json.decode(to_json(RunReport("run.ddpw", doc, {}, [], [], None)))
+    assert [(x["rank"], x["seconds"], x["held_s"], x["slowed_s"]) for x in data["time_lost"]] == [
+        (2, 50.0, 0.0, 50.0),
+        (0, 10.0, 10.0, None),
+    ]
