@@ -100,6 +100,8 @@ MAY_IMPORT: dict[str, dict[str, str]] = {
         "status": "the status contract: what every output reads",
         "server.recording": "the recording reader, for the report",
         "diagnosis.verdict": "how a run ended: blame, judged beside the rules, read as a whole",
+        "diagnosis.figures": "the run's figures (duration, median steps, time lost), worked "
+        "out once for every output",
     },
     "status": {"core": "the protocol's ports and keys, rank ranges"},
     "tui": {

@@ -180,7 +180,9 @@ def test_a_rank_that_held_the_others_up_three_times_and_finished_is_not_a_failur
 
 def test_the_demo_ends_with_the_crash_that_ended_it_not_the_first_error() -> None:
     """The demo: a straggler (rank 1), a NaN (rank 2), a frozen rank 3 that came back, then
-    rank 3's crash, after which torchrun stopped the rest. The crash ended the job."""
+    rank 3's crash, after which torchrun stopped the rest. The crash ended the job. While
+    rank 3 was frozen, ranks 0-2 waited for it, as its silent alert said: that is time lost
+    (#33: the verdict said "rank 3 held ranks 0, 1 up", from a straggler alert alone)."""
     straggler = Alert("straggler", "warning", (1,), (0, 2, 3), "rank 1 …", "fix", waited_s=5.0)
     nan = Alert("nan_loss", "error", (2,), (), "rank 2's loss is nan", "fix")
     silent = Alert("silent", "error", (3,), (0, 1, 2), "rank 3 fell silent", "fix")
@@ -199,7 +201,8 @@ def test_the_demo_ends_with_the_crash_that_ended_it_not_the_first_error() -> Non
     assert verdict(typed(doc)) == (
         "rank 3 asked for a GPU index it does not have and crashed with RuntimeError (CUDA "
         "error: invalid device ordinal) at step 62, "
-        "which ended the job; ranks 0-2 were stopped because of it; before that: rank 1 held "
+        "which ended the job; ranks 0-2 were stopped because of it; before that: rank 3 held "
+        "ranks 0-2 up once, 6.0 s (10 % of a 1 min 3 s run); rank 1 held "
         "ranks 0, 2, 3 up once, 5.0 s (8 % of a 1 min 3 s run); rank 2 produced the first "
         "non-finite loss at step 32; rank 3 fell silent for 6.0 s and came back"
     )

@@ -40,6 +40,7 @@ from ddpwatch.core.protocol import (
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.records import RankRecord
 from ddpwatch.server.state import ServerState
+from ddpwatch.server.step_times import StepTimes
 
 NAN = float("nan")
 IDENT: dict[str, Any] = {
@@ -154,6 +155,13 @@ def one_rank_life() -> list[tuple[float, AnyMessage]]:
     ]
 
 
+def _step_times(*timed: tuple[float, int]) -> StepTimes:
+    found = StepTimes()
+    for per_step_s, steps in timed:
+        found.add(per_step_s, steps)
+    return found
+
+
 def expected_after_life() -> dict[str, Any]:
     """Rank 0's record after ``one_rank_life``, by hand."""
     return {
@@ -204,6 +212,11 @@ def expected_after_life() -> dict[str, Any]:
             *_beat(1.0, 0.1),
             *_beat(4.0, 0.1),
         ],
+        # steps 2-5 one a beat, at their own 0.5 s; 6-8 in one beat the sender's clock
+        # (t=0 throughout) cannot time
+        "step_times": _step_times((0.5, 4)),
+        "timed_step": 8,
+        "timed_sent": 0.0,
         "step_marks": [(0, 0), (8, 3)],
         "forwards": 7,
         "batch_marks": None,  # this life drew no batches from a DataLoader
@@ -322,6 +335,7 @@ def test_a_new_process_for_a_rank_starts_its_record_afresh() -> None:
             "last_step_at": 19.0,
             "first_step": 1,
             "first_step_at": 19.0,
+            "timed_step": 1,
             "attempt": 2,
         }
     )

@@ -444,7 +444,7 @@ def finished(tick: int = 30) -> dict[str, Any]:
 
 async def test_a_finished_job_says_so_with_its_verdict_and_its_alerts() -> None:
     """serve/top: every rank seen has finished, so the job has."""
-    from ddpwatch.outputs.summary import verdict
+    from ddpwatch.outputs.summary import summary_lines, verdict
 
     ended = finished(30)
     later = copy.deepcopy(ended)
@@ -457,7 +457,12 @@ async def test_a_finished_job_says_so_with_its_verdict_and_its_alerts() -> None:
         await poll(pilot)
         assert "job finished 12s ago" in header_text(pilot)
         texts = alert_texts(pilot)
-        assert texts[0] == (f"■ the job finished: 5 alerts in its run · verdict: {verdict(typed(later))}")
+        # how long it ran: the summary's own figure (#33: one set of figures everywhere)
+        ran = summary_lines(typed(later))[0].split(",")[0].removeprefix("ran ")
+        assert texts[0] == (
+            f"■ the job finished after {ran}: 5 alerts in its run · verdict: "
+            f"{verdict(typed(later))}"
+        )
         assert not any("every rank looks healthy" in t for t in texts)
         assert texts[1].startswith("✖ crashed rank 3")  # still open
         cleared = texts[2:]
@@ -486,7 +491,8 @@ async def test_a_job_that_ended_by_its_process_says_so_even_with_ranks_left() ->
         JobEnds.ended = True
         await poll(pilot)
         texts = alert_texts(pilot)
-        assert texts[0].startswith("■ the job finished: 1 alert in its run · verdict:")
+        assert texts[0].startswith("■ the job finished after ")
+        assert ": 1 alert in its run · verdict:" in texts[0]
         assert "job finished 0s ago" in header_text(pilot)
         JobEnds.ended = False  # restarted (an elastic job): the story is live again
         await poll(pilot)

@@ -246,12 +246,19 @@ def _alerts(alerts: list[AlertEntry]) -> list[str]:
 
 
 def format_status(document: StatusDocument) -> str:
-    """A plain-text table of the status document, for people; once the job has ended, what
-    its run said (``_ended``)."""
+    """A plain-text table of the status document, for people, and the run's figures as the
+    end-of-run summary words them (``outputs.summary.figures_lines``: the same duration,
+    median step and time lost, figure for figure); once the job has ended, what its run said
+    (``_ended``: the whole summary, those figures in it)."""
+    from ddpwatch.outputs.summary import figures_lines
+
     lines = _table(document.ranks)
     connected = sum(1 for r in document.ranks if r.state != RankState.NOT_CONNECTED)
     lines.append(f"\n{connected}/{_fmt(document.world_size)} ranks, {_messages(document.stats)}")
-    return "\n".join(lines + _alerts(document.alerts) + _ended(document))
+    ended = _ended(document)
+    if connected and not ended:
+        lines += figures_lines(document)
+    return "\n".join(lines + _alerts(document.alerts) + ended)
 
 
 def _ended(document: StatusDocument) -> list[str]:

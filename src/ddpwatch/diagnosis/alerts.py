@@ -34,6 +34,9 @@ class Alert:
     hint: str
     waited_s: float | None = None
     phase: str | None = None
+    lost_share: float | None = None
+    """``slow_rank``'s: the share of the ``waiting`` ranks' time they spend waiting for the
+    culprits (their wait per step over the step), which the time lost counts."""
     episode: int = field(default=0, compare=False)
     """Set by the tracker (``diagnosis/history.py``) on an alert on show: its episode, the
     id that stays while its numbers and culprits change; 0 for a rule's finding."""
@@ -58,6 +61,7 @@ class Alert:
             phase=self.phase,
             episode=self.episode or None,
             raised=None if self.raised_at is None else iso_time(self.raised_at),
+            lost_share=None if self.lost_share is None else round(self.lost_share, 4),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -16,21 +16,28 @@ alert raised (a NaN loss an hour earlier did not end it).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ddpwatch.core.protocol import ErrorInfo
-from ddpwatch.core.vocabulary import AlertKind, HistoryEvent, RankState, Severity
+from ddpwatch.core.vocabulary import AlertKind, RankState, Severity
+from ddpwatch.diagnosis.episodes import Episode as Episode  # the outputs read it here
+from ddpwatch.diagnosis.figures import (
+    HOLDING,
+    SLOWING,
+    Figures,
+    Lost,
+    figures,
+    lost_text,
+    time_lost,
+)
 from ddpwatch.diagnosis.job_end import Stop, not_started_of, stop_of
 from ddpwatch.diagnosis.knowledge import WAIT_NAMES, explain_error
 from ddpwatch.diagnosis.text import format_ranks
 from ddpwatch.status.fmt import duration, elapsed
 from ddpwatch.status.order import severity_level
 from ddpwatch.status.schema import (
-    UNSET,
-    AlertEntry,
-    HistoryEntry,
     RankEntry,
     RankError,
     StatusDocument,
@@ -42,173 +49,13 @@ CAUSES = ENDINGS | {AlertKind.COLLECTIVE_MISMATCH}
 """Error kinds whose culprit, once it failed, is the cause of the failures after it."""
 ABSENCES = frozenset({AlertKind.NOT_CONNECTED, AlertKind.STARTUP_HANG})
 """Error kinds about a rank that never came: the others' failures waiting for it are its."""
-HOLDING = frozenset({AlertKind.STRAGGLER, AlertKind.STALLED})
-"""Alert kinds whose culprit holds the ``waiting`` ranks up."""
-SLOWING = frozenset({AlertKind.SLOW_RANK})
-"""Warning kinds whose culprit the others waited for every step, the job running on."""
 _TERM_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
 
 
-@dataclass(frozen=True)
-class Episode:
-    """One alert from its raise to its clearing (or the end of what was seen): its own times,
-    in seconds of the job's elapsed time, and the alert as it last stood."""
-
-    kind: str
-    severity: str  # the most severe it reached
-    ranks: tuple[int, ...]
-    waiting: tuple[int, ...]  # every rank it ever said waited
-    message: str
-    raised_s: float
-    attempt: int = 1
-    first_severity: str | None = None  # what it was raised as, when it escalated since
-    first_kind: str | None = None  # a straggler that became ``stalled``: what it began as
-    escalated_s: float | None = None
-    cleared_s: float | None = None
-    closed_by: str | None = None  # ``history.NEW_ATTEMPT``: its attempt ended, it did not clear
-    waited_s: float | None = None  # how long ``waiting`` had waited at ``waited_at_s``
-    waited_at_s: float | None = None  # the last time an entry said (stragglers)
-    phase: str | None = None
-
-    def duration_s(self, end_s: float) -> float:
-        """How long it was up: to its clearing, else to ``end_s`` (the end of the run)."""
-        return max(0.0, self._end(end_s) - self.raised_s)
-
-    def wait_s(self, end_s: float) -> float:
-        """How long its ``waiting`` ranks waited: the last wait measured, carried on to its
-        clearing (else ``end_s``); without a measure, how long it was up."""
-        if self.waited_s is None or self.waited_at_s is None:
-            return self.duration_s(end_s)
-        return self.waited_s + max(0.0, self._end(end_s) - self.waited_at_s)
-
-    def _end(self, end_s: float) -> float:
-        return self.cleared_s if self.cleared_s is not None else end_s
-
-
-def episodes(history: Iterable[HistoryEntry]) -> list[Episode]:
-    """The timeline's entries paired into episodes, in raise order. An escalation continues
-    its episode (under its new kind), an update too (about other culprits); an entry whose
-    raise fell off the bounded timeline starts one from what it says."""
-    found: list[_Open] = []
-    open_by_key: dict[object, _Open] = {}
-    for entry in history:
-        alert = entry.alert
-        # an episode's number is its id (its culprits may change: ``updated``); a timeline
-        # without numbers pairs by kind and culprits
-        key: object = entry.episode or (alert.kind, tuple(alert.ranks))
-        event, at = entry.event, entry.elapsed_s
-        current = open_by_key.pop(key, None)
-        if event == HistoryEvent.ESCALATED and entry.previous is not UNSET and not entry.episode:
-            current = current or open_by_key.pop((entry.previous.kind, tuple(alert.ranks)), None)
-        if current is None:
-            up = entry.duration_s if entry.duration_s is not UNSET else 0.0
-            since = at - up if event == HistoryEvent.CLEARED else at
-            current = _Open(since, entry.attempt or 1, alert)
-            found.append(current)
-        current.take(entry, at)
-        if event != HistoryEvent.CLEARED:
-            open_by_key[key] = current
-    return [e.episode() for e in found]
-
-
-class _Open:
-    """An episode while its entries are read."""
-
-    def __init__(self, raised_s: float, attempt: int, first: AlertEntry) -> None:
-        self.raised_s, self.attempt = raised_s, attempt
-        self.alert = self.first = first
-        self.severity: str = Severity.INFO
-        self.waiting: set[int] = set()
-        self.escalated_s: float | None = None
-        self.cleared_s: float | None = None
-        self.closed_by: str | None = None
-        self.waited: tuple[float, float] | None = None  # the last wait measured, and when
-
-    def take(self, entry: HistoryEntry, at: float) -> None:
-        alert = self.alert = entry.alert
-        self.waiting.update(alert.waiting)
-        if severity_level(alert.severity) > severity_level(self.severity):
-            self.severity = alert.severity
-        if entry.event == HistoryEvent.ESCALATED:
-            self.escalated_s = at
-        elif entry.event == HistoryEvent.CLEARED:
-            self.cleared_s = at
-            self.closed_by = entry.closed_by if entry.closed_by is not UNSET else None
-        if alert.waited_s is not None:
-            self.waited = (alert.waited_s, at)
-
-    def episode(self) -> Episode:
-        alert, first = self.alert, self.first
-        waited, waited_at = self.waited if self.waited is not None else (None, None)
-        changed = self.escalated_s is not None
-        return Episode(
-            kind=alert.kind,
-            severity=self.severity,
-            ranks=tuple(alert.ranks),
-            waiting=tuple(sorted(self.waiting - set(alert.ranks))),
-            message=alert.message,
-            raised_s=self.raised_s,
-            attempt=self.attempt,
-            first_severity=first.severity if changed else None,
-            first_kind=first.kind if first.kind != alert.kind else None,
-            escalated_s=self.escalated_s,
-            cleared_s=self.cleared_s,
-            closed_by=self.closed_by,
-            waited_s=waited,
-            waited_at_s=waited_at,
-            phase=alert.phase or first.phase,
-        )
-
-
-@dataclass(frozen=True)
-class HeldUp:
-    """One culprit's account: how often and how long it held the others up."""
-
-    rank: int
-    waiting: tuple[int, ...]
-    times: int
-    seconds: float
-    phases: tuple[str, ...]
-    stopped: bool  # at least once it stopped making progress (``stalled``), not only slow
-
-
-def held_up(found: Sequence[Episode], end_s: float) -> list[HeldUp]:
-    """Per culprit, the episodes in which others waited on it, the waits added up (one
-    culprit per episode: a straggler alert naming several shares its wait among none)."""
-    by_rank: dict[int, list[Episode]] = {}
-    for e in found:
-        if e.kind in HOLDING and len(e.ranks) == 1 and e.waiting:
-            by_rank.setdefault(e.ranks[0], []).append(e)
-    accounts = []
-    for rank, held in sorted(by_rank.items()):
-        seconds = sum(e.wait_s(end_s) for e in held)
-        accounts.append(
-            HeldUp(
-                rank=rank,
-                waiting=tuple(sorted({r for e in held for r in e.waiting})),
-                times=len(held),
-                seconds=seconds,
-                phases=tuple(dict.fromkeys(e.phase for e in held if e.phase)),
-                stopped=any(AlertKind.STALLED in (e.kind, e.first_kind) for e in held),
-            )
-        )
-    return sorted(accounts, key=lambda a: (-a.seconds, a.rank))
-
-
-def held_up_text(account: HeldUp, run_s: float | None) -> str:
-    """One culprit's account in words: "rank 0 held ranks 1, 2 up 3 times, 1 min 25 s in all
-    (87 % of a 1 min 38 s run), in 'eval'"."""
-    times = "once" if account.times == 1 else f"{account.times} times"
-    text = f"rank {account.rank} held {format_ranks(account.waiting)} up {times}, "
-    text += f"{duration(account.seconds)}{' in all' if account.times > 1 else ''}"
-    if run_s:
-        share = min(100.0, 100.0 * account.seconds / run_s)
-        text += f" ({share:.0f} % of a {duration(run_s)} run)"
-    if account.phases:
-        text += ", in " + ", ".join(f"'{p}'" for p in account.phases)
-    if account.stopped:
-        text += "; it stopped making progress"
-    return text
+HeldUp = Lost
+"""One culprit's account of the time lost (``figures.Lost``: holds and slow steps)."""
+held_up = time_lost
+held_up_text = lost_text
 
 
 # ------------------------------------------------------------------------------ the verdict
@@ -275,7 +122,7 @@ class Account:
     def named(self) -> frozenset[int]:
         """Every rank the verdict blames for something: the one whose failure ended the job,
         the ones that held the others up, the culprits of its other errors."""
-        ranks = {a.rank for a in self.held}
+        ranks = {r for a in self.held for r in a.ranks}
         ranks.update(
             r
             for e in self.episodes
@@ -518,22 +365,19 @@ def _other_problems(
     end_s: float,
     nan_steps: dict[int, Any],
 ) -> list[str]:
-    """Everything else worth a line, in time order: who held the others up (added up per
-    culprit), then each other error episode, then who the others waited for every step
-    (``slow_rank``, added up per culprit), then how many other warnings."""
+    """Everything else worth a line: the time lost, per culprit, most first (who held the
+    others up, who they waited for every step: ``figures.time_lost``), then each other error
+    episode in time order, then how many other warnings."""
     problems = [held_up_text(account, run_s) for account in held]
-    holders = {a.rank for a in held}
+    holders = {a.rank for a in held if a.times}
     said: set[tuple[str, tuple[int, ...]]] = set()
     warnings: list[str] = []
-    slowed: dict[tuple[int, ...], tuple[float, set[int]]] = {}  # culprits: time up, waiting
     for e in found:
         if e.kind in HOLDING and len(e.ranks) == 1 and e.ranks[0] in holders:
             continue  # added up above
-        if ending is not None and _is_the_ending(e, ending, found):
-            continue
         if e.kind in SLOWING and e.severity != Severity.ERROR:
-            up, waiting = slowed.get(e.ranks, (0.0, set()))
-            slowed[e.ranks] = (up + e.duration_s(end_s), waiting | set(e.waiting))
+            continue  # added up above
+        if ending is not None and _is_the_ending(e, ending, found):
             continue
         if e.severity != Severity.ERROR:
             warnings.append(e.kind)
@@ -542,13 +386,6 @@ def _other_problems(
             continue
         said.add((e.kind, e.ranks))
         problems.append(_episode_text(e, end_s, nan_steps))
-    for ranks, (up, waiting) in slowed.items():
-        them = format_ranks(waiting) if waiting else "the others"
-        problems.append(
-            f"{format_ranks(ranks)} {_were(list(ranks))} slower than {them} for "
-            f"{duration(up)}: they waited for {'it' if len(ranks) == 1 else 'them'} every "
-            f"step ({AlertKind.SLOW_RANK})"
-        )
     if warnings:
         kinds = ", ".join(dict.fromkeys(warnings))
         problems.append(f"{len(warnings)} warning{'s' if len(warnings) > 1 else ''} ({kinds})")
@@ -624,6 +461,7 @@ class Run:
     accounts: tuple[Account, ...]
     run_s: float | None
     episodes: tuple[Episode, ...]
+    figures: Figures  # how long, the median steps, the time lost: what every output quotes
 
     @property
     def text(self) -> str:
@@ -636,12 +474,10 @@ class Run:
 
 def read_run(document: StatusDocument) -> Run:
     """Judge every attempt the document holds (the current one from ``ranks``)."""
-    found = episodes(document.history)
+    told = figures(document)
+    found, run_s, end_s = list(told.episodes), told.run_s, told.end_s
     started = math.nan if document.job_started is None else document.job_started
     ranks = document.ranks
-    end = _run_end(document)
-    run_s = end - started if math.isfinite(started) and math.isfinite(end) else None
-    end_s = run_s if run_s is not None else max((e.raised_s for e in found), default=0.0)
     pasts = document.attempts
     current = document.attempt or 1
     accounts = []
@@ -663,14 +499,4 @@ def read_run(document: StatusDocument) -> Run:
             not_started=not_started_of(document),
         )
     )
-    return Run(tuple(accounts), run_s, tuple(found))
-
-
-def _run_end(document: StatusDocument) -> float:
-    """When the run ended: its last rank's end where every rank seen has ended, else the
-    document's time (the watch ended with ranks still running)."""
-    seen = [r for r in document.ranks if r.state != RankState.NOT_CONNECTED]
-    ends = [r.ended_at for r in seen if r.ended_at is not None]
-    if seen and len(ends) == len(seen):
-        return max(ends)
-    return document.server_time
+    return Run(tuple(accounts), run_s, tuple(found), told)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -37,7 +36,6 @@ RAISING = (HistoryEvent.RAISED, HistoryEvent.ESCALATED)
 """The events that count as an alert raised (an update moves one to other ranks)."""
 SERIES_POINTS = 400  # per rank and metric: enough for a chart, small in JSON
 _COMPACT_AT = 8 * SERIES_POINTS  # series are thinned while read, so memory stays bounded
-STEP_TIMES_KEPT = 8192  # step times kept per rank for its median (halved evenly when full)
 METRICS = ("step", "step_time_s", "loss", "mem_allocated_bytes", "gpu_mem_used_bytes")
 ALERTING = (Severity.ERROR, Severity.WARNING)
 
@@ -85,14 +83,11 @@ class RankSeries:
 
     rank: int
     points: dict[str, list[Point]] = field(default_factory=lambda: {m: [] for m in METRICS})
-    step_times: list[float] = field(default_factory=list)
     samples: int = 0
     max_step: int | None = None
     peak_allocated_bytes: int | None = None
     peak_gpu_used_bytes: int | None = None
     _last_step: int | None = None
-    _stride: int = 1
-    _skipped: int = 0
 
     @property
     def peak_mem_bytes(self) -> int | None:
@@ -102,10 +97,6 @@ class RankSeries:
             if self.peak_allocated_bytes is not None
             else self.peak_gpu_used_bytes
         )
-
-    @property
-    def median_step_time_s(self) -> float | None:
-        return statistics.median(self.step_times) if self.step_times else None
 
     def take(self, elapsed: float, sample: Sample) -> None:
         """Fold one heartbeat in."""
@@ -117,7 +108,6 @@ class RankSeries:
             step_time, loss = sample.step_time_s, sample.loss
             if step_time is not None and math.isfinite(step_time):
                 self._add("step_time_s", elapsed, step_time)
-                self._keep_step_time(step_time)
             if loss is not None and math.isfinite(loss):
                 self._add("loss", elapsed, loss)
         allocated = max(
@@ -138,17 +128,6 @@ class RankSeries:
         if len(points) >= _COMPACT_AT:
             self.points[metric] = downsample(points, 4 * SERIES_POINTS)
 
-    def _keep_step_time(self, value: float) -> None:
-        """Every step's time, thinned evenly (every 2nd, 4th, ...) once there are too many."""
-        self._skipped += 1
-        if self._skipped < self._stride:
-            return
-        self._skipped = 0
-        self.step_times.append(value)
-        if len(self.step_times) >= STEP_TIMES_KEPT:
-            del self.step_times[1::2]
-            self._stride *= 2
-
     def finish(self) -> None:
         """Cut every series to ``SERIES_POINTS``."""
         self.points = {m: downsample(p) for m, p in self.points.items()}
@@ -162,7 +141,7 @@ class RankStats:
     host: str | None
     state: str | None
     steps: int | None
-    median_step_time_s: float | None
+    median_step_time_s: float | None  # the server's, every step one vote (``figures``)
     peak_mem_bytes: int | None
     alerts: tuple[str, ...]  # kinds of the raised alerts naming this rank, in order
 
@@ -205,8 +184,9 @@ class RunReport:
 
     @property
     def duration_s(self) -> float | None:
-        started = self.document.job_started
-        return None if started is None else max(0.0, self.document.server_time - started)
+        """How long the job ran: the summary's figure (``figures.run_end``), not how long
+        the recording went on after it."""
+        return self.run.figures.run_s
 
     @cached_property
     def run(self) -> Run:
@@ -227,9 +207,8 @@ class RunReport:
 
     @property
     def median_step_time_s(self) -> float | None:
-        """The median over every rank's steps."""
-        times = [t for s in self.series.values() for t in s.step_times]
-        return statistics.median(times) if times else None
+        """The job's median step: its ranks' medians' median, as the summary says it."""
+        return self.run.figures.median_step_s
 
     @property
     def slowest_step_time_s(self) -> float | None:
@@ -255,12 +234,15 @@ class RunReport:
         return list(chosen)[:limit]
 
     def hints(self) -> list[tuple[str, str]]:
-        """(kind, hint) of every raised alert, once each, in the order they first came up,
-        sending the reader to this report for a rank's stack, not to a server (``in_report``)."""
+        """(kind, hint) of every alert episode, once each, in the order they came up: each
+        fix as the live alert last gave it (``episodes``), the one the dashboard showed, not
+        the first guess it was raised with (#33: a slow rank's generic "compare its GPU"
+        where it said "give its DataLoader more workers" live); sending the reader to this
+        report for a rank's stack, not to a server (``in_report``)."""
         seen: dict[tuple[str, str], None] = {}
-        for entry in self.history:
-            if entry.event != HistoryEvent.CLEARED and entry.alert.hint:
-                seen.setdefault((entry.alert.kind, in_report(entry.alert.hint)), None)
+        for episode in self.run.episodes:
+            if episode.hint:
+                seen.setdefault((episode.kind, in_report(episode.hint)), None)
         return list(seen)
 
     def notes(self) -> list[str]:
@@ -350,6 +332,7 @@ def _rank_stats(document: StatusDocument, series: dict[int, RankSeries]) -> list
             kinds = named.setdefault(rank, [])
             if alert.kind not in kinds:
                 kinds.append(alert.kind)
+    medians = read_run(document).figures.medians
     stats = []
     for rank in sorted(set(entries) | set(series)):
         entry, seen = entries.get(rank), series.get(rank)
@@ -362,7 +345,7 @@ def _rank_stats(document: StatusDocument, series: dict[int, RankSeries]) -> list
                 host=None if entry is None else entry.host,
                 state=None if entry is None else entry.state,
                 steps=steps,
-                median_step_time_s=seen.median_step_time_s if seen is not None else None,
+                median_step_time_s=medians.get(rank),
                 peak_mem_bytes=seen.peak_mem_bytes if seen is not None else None,
                 alerts=tuple(named.get(rank, ())),
             )

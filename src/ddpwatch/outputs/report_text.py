@@ -403,7 +403,11 @@ def run_data(report: RunReport) -> dict[str, Any]:
         ],
         "hints": [{"kind": kind, "hint": hint} for kind, hint in report.hints()],
         "episodes": [asdict(e) for e in run.episodes],
-        "time_lost": [asdict(h) for a in run.accounts for h in a.held],
+        # the summary's own accounts (``figures``); ``rank`` and ``seconds`` as before
+        "time_lost": [
+            {**asdict(lost), "rank": lost.rank, "seconds": lost.seconds}
+            for lost in run.figures.lost
+        ],
         "attempts": [{"attempt": a.attempt, "verdict": a.text} for a in run.accounts],
         "series": series,
         "status": msgspec.to_builtins(report.document),

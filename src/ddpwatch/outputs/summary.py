@@ -11,7 +11,8 @@ import shlex
 from typing import Any
 
 from ddpwatch.core.vocabulary import RankState
-from ddpwatch.diagnosis.verdict import Episode, Run, held_up_text, read_run
+from ddpwatch.diagnosis.figures import Figures, lost_text, median_text
+from ddpwatch.diagnosis.verdict import Episode, Run, read_run
 from ddpwatch.status.fmt import NEW_ATTEMPT, duration, elapsed
 from ddpwatch.status.schema import RankEntry, StatusDocument
 
@@ -41,9 +42,9 @@ def summary_lines(document: StatusDocument, recording: str | None = None) -> lis
             lines.append(f"  and {more} more (all of them: ddpwatch report {where})")
     else:
         lines.append("alerts: none")
-    held = [h for account in run.accounts for h in account.held]
-    if held:
-        lines.append("time lost: " + "; ".join(held_up_text(h, run.run_s) for h in held))
+    lost = lost_line(run.figures)
+    if lost:
+        lines.append(lost)
     ends = [(r.rank, _ending(r)) for r in ranks]
     if any(end for _, end in ends):
         lines.append("ranks: " + " · ".join(f"{rank} {end}" for rank, end in ends if end))
@@ -60,6 +61,35 @@ def verdict(document: StatusDocument) -> str:
     was still running; then who held the others up and for how long, and the other errors
     (``diagnosis/verdict.py``)."""
     return read_run(document).text
+
+
+def run_seconds(document: StatusDocument) -> float | None:
+    """How long the run lasted (``figures``): what the summary's "ran ..." says."""
+    return read_run(document).figures.run_s
+
+
+def figures_lines(document: StatusDocument) -> list[str]:
+    """The run's figures as the summary words them (``diagnosis/figures.py``): how long it
+    ran, its ranks and steps, the median step; the time lost. ``ddpwatch status`` prints
+    them too, so the two agree figure for figure."""
+    run = read_run(document)
+    lost = lost_line(run.figures)
+    return [_overview(document, document.ranks, run), *([lost] if lost else [])]
+
+
+def lost_line(figures: Figures) -> str | None:
+    """"time lost: 1 min 4 s in all (52 % of a 2 min 9 s run): rank 3 held ...; rank 1 was
+    slower than ..." (the total where there are several culprits); None where nobody waited."""
+    if not figures.lost:
+        return None
+    accounts = "; ".join(lost_text(a, figures.run_s) for a in figures.lost)
+    if len(figures.lost) == 1:
+        return f"time lost: {accounts}"
+    total = f"{duration(figures.lost_s)} in all"
+    if figures.run_s:
+        share = min(100.0, 100.0 * figures.lost_s / figures.run_s)
+        total += f" ({share:.0f} % of a {duration(figures.run_s)} run)"
+    return f"time lost: {total}: {accounts}"
 
 
 def episode_line(episode: Episode, end_s: float) -> str:
@@ -96,6 +126,9 @@ def _overview(document: StatusDocument, ranks: list[RankEntry], run: Run) -> str
     if steps:
         low, high = min(steps), max(steps)
         parts.append(f"last step {high}" if low == high else f"last steps {low}-{high}")
+    medians = median_text(run.figures.medians)
+    if medians:
+        parts.append(medians)
     return ", ".join(parts)
 
 

@@ -115,6 +115,7 @@ def rank_entry(
         checkpoints=list(record.checkpoint_paths),
         attempt=record.attempt,
         ended_at=_ended_at(record),
+        median_step_s=_median_step(record),
     )
 
 
@@ -123,6 +124,12 @@ def _ended_at(record: RankRecord) -> float | None:
     it runs. The end-of-run verdict orders failures by it."""
     times = [t for t in (record.error_time, record.exit_time) if t is not None]
     return min(times) if times else None
+
+
+def _median_step(record: RankRecord) -> float | None:
+    """Its median step over every step it timed, one step one vote (``step_times``)."""
+    found = record.median_step_s()
+    return None if found is None else round(found, 6)
 
 
 def _host_growth(record: RankRecord) -> float | None:

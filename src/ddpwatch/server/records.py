@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from enum import IntEnum
 
 from ddpwatch.core.protocol import Collective, CollectiveCounts, ErrorInfo, Sample
+from ddpwatch.server.step_times import StepTimes
 
 LOG_LINES = 50
 BEATS = 16
@@ -126,6 +127,13 @@ class RankRecord:
     """The last ``BEATS`` heartbeats that ended steps and timed the rank's collective wait,
     ``BEAT_WIDTH`` floats each (``Beat``): where its steps go, which ``slow_rank`` reads as
     medians (one step is noisy, one stall is no slow rank)."""
+    step_times: StepTimes | None = None
+    """Every step it timed since its process started, one step one vote: its median step
+    (``server/step_times.py``), what the summary, the report and ``status`` quote."""
+    timed_step: int | None = None
+    timed_sent: float = 0.0
+    """The step of its last heartbeat that moved the step, and the sender's clock then (two
+    plain fields, not a tuple: no object for the collector to track, beat after beat)."""
     step_marks: dict[int, int] = field(default_factory=dict)
     """Python-level collectives entered by the end of marked steps (every MARK_EVERY-th)."""
     forwards: int | None = None
@@ -180,6 +188,10 @@ class RankRecord:
     checkpoint_paths: list[str] = field(default_factory=list)
     phases: list[tuple[str, float]] = field(default_factory=list)
     log_tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_LINES))
+
+    def median_step_s(self) -> float | None:
+        """Its median step over every step it timed (None before it timed one)."""
+        return None if self.step_times is None else self.step_times.median_s
 
     @property
     def finished(self) -> bool:

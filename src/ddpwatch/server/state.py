@@ -27,6 +27,7 @@ from ddpwatch.server.host_memory import note as note_host_memory
 from ddpwatch.server.host_memory import settled
 from ddpwatch.server.records import CPU_STEP_S, LOG_LINES, RankRecord, note_beat
 from ddpwatch.server.relays import RelayRecord
+from ddpwatch.server.step_times import SHORTEST_S, StepTimes
 from ddpwatch.server.waits import WaitIndex
 from ddpwatch.status.schema import JobEnd
 
@@ -307,6 +308,7 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     if moved:
         record.last_progress = now
         record.last_step_at = now
+        _time_steps(record, step or 0, sample)
         if record.first_step_at is None:
             record.first_step, record.first_step_at = step, now
         if record.error is None and record.exit_time is None:  # not ``finished``
@@ -403,6 +405,29 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
         elif record.nan_step is None:
             # an agent that does not report nan_step: the heartbeat's step is only a bound
             record.nan_step = step if step is not None else (record.step or 0)
+
+
+def _time_steps(record: RankRecord, step: int, sample: Sample) -> None:
+    """A heartbeat that moved the step: its steps into the rank's median (``step_times``),
+    each at the heartbeat's seconds per step by the sender's clock since the last heartbeat
+    that moved it (one step: its own time). Nothing for the first step, nor for a counter
+    that went back. Inline, not through calls: every heartbeat of every rank passes here."""
+    last, sent = record.timed_step, sample.t
+    if last is not None and step > last:
+        steps = step - last
+        own = sample.step_time_s
+        if steps == 1 and own is not None:
+            per_step = own
+        else:
+            span = sent - record.timed_sent
+            per_step = span / steps if span > 0 else 0.0  # 0: not timed (skipped)
+        times = record.step_times
+        if times is not None:
+            times.add(per_step, steps)
+        elif per_step >= SHORTEST_S:  # its first step timed: a median from here on
+            times = record.step_times = StepTimes()
+            times.add(per_step, steps)
+    record.timed_step, record.timed_sent = step, sent
 
 
 def _left_collective(before: Collective | None, now: Collective | None) -> bool:

@@ -143,11 +143,12 @@ class RankEntry(msgspec.Struct, kw_only=True, gc=False):
     checkpoints: list[str] | None = None
     attempt: int | None = None
     ended_at: float | None = None
+    median_step_s: float | None = None
 
 
 class AlertEntry(msgspec.Struct, omit_defaults=True, gc=False):
-    """One alert (docs/status.md, "An alert"); ``waited_s`` and ``phase`` only where told,
-    ``episode`` and ``raised`` on an alert the server has on show."""
+    """One alert (docs/status.md, "An alert"); ``waited_s``, ``phase`` and ``lost_share``
+    only where told, ``episode`` and ``raised`` on an alert the server has on show."""
 
     kind: str
     severity: str
@@ -158,6 +159,7 @@ class AlertEntry(msgspec.Struct, omit_defaults=True, gc=False):
     waited_s: float | None = None
     phase: str | None = None
     episode: int | None = None
+    lost_share: float | None = None
     raised: str | None = None
 
 

@@ -291,6 +291,7 @@ def rule_slow_rank(f: Facts) -> list[Alert]:
             [r.rank for r in others],
             message,
             hint,
+            lost_share=min(1.0, lost / step),
         )
     ]
 

@@ -65,6 +65,7 @@ def alert(
     *,
     waited_s: float | None = None,
     phase: str | None = None,
+    lost_share: float | None = None,
 ) -> Alert:
     """An alert with sorted culprits, and no culprit listed as waiting on itself."""
     culprits = tuple(sorted(set(ranks)))
@@ -79,4 +80,5 @@ def alert(
         hint=hint,
         waited_s=waited_s,
         phase=phase,
+        lost_share=lost_share,
     )

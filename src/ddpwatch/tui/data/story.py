@@ -83,4 +83,14 @@ def ended_banner(document: StatusDocument) -> str:
         return "the job ended before any rank reported: its own output says why"
     count = alerts_raised(document)
     alerts = f"{count} alert{'s' if count != 1 else ''}" if count else "no alerts"
-    return f"the job finished: {alerts} in its run · verdict: {verdict(document)}"
+    ran = "" if isinstance(document, SummaryReply) else _ran(document)
+    return f"the job finished{ran}: {alerts} in its run · verdict: {verdict(document)}"
+
+
+def _ran(document: StatusDocument) -> str:
+    """" after 2 min 9 s": how long the run lasted, the summary's figure (``figures``)."""
+    from ddpwatch.outputs.summary import run_seconds
+    from ddpwatch.status.fmt import duration
+
+    run_s = run_seconds(document)
+    return "" if run_s is None else f" after {duration(run_s)}"
