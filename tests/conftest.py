@@ -239,6 +239,30 @@ def ddpwatch_run(
     )  # fmt: skip
 
 
+def run_watched(
+    job: list[str], cwd: Path, env: dict[str, str], timeout: float
+) -> tuple[int, str]:
+    """``ddpwatch run -- JOB`` with its own collector, as a user types it, in ``cwd`` (where
+    it records by default): its exit code and stderr. A run that does not end within
+    ``timeout`` is stopped and fails the test."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpwatch", "run", "--", *job],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        cwd=cwd,
+    )
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_job(proc, grace=3.0)
+        _, err = proc.communicate()
+        raise AssertionError(f"ddpwatch run did not end in {timeout:.0f} s\n{err[-4000:]}") from None
+    return proc.returncode, err
+
+
 @pytest.fixture
 def live_server(port: int) -> Iterator[LiveServer]:
     server = LiveServer(port, Thresholds(stall_after=4.0))

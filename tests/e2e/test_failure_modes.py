@@ -13,12 +13,11 @@ ended, and the job's own tracebacks and torchrun's root cause.
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import BENCHMARKS
+from conftest import BENCHMARKS, run_watched
 
 sys.path.insert(0, str(BENCHMARKS))
 from diagnosis import (
@@ -32,7 +31,6 @@ from diagnosis import (
 )
 
 from ddpwatch.core.ports import free_port_pair
-from ddpwatch.demo.runner import stop_job
 
 # shorter than the benchmark: the same failure, fewer seconds of it
 SHORTER: dict[str, tuple[str, ...]] = {
@@ -349,22 +347,7 @@ def test_ddpwatch_run_prints_the_rank_that_exited(name: str, tmp_path: Path) -> 
     lines it prints on stderr must blame rank 1, and never rank 0 or 2 (which only lost it).
     Same reports as the exit tests above (Lightning #379, PyTorch #138322, PyTorch #41067)."""
     mode = MODES[name]
-    command = [sys.executable, "-m", "ddpwatch", "run", "--", *job_command(mode, free_port_pair())]
-    proc = subprocess.Popen(
-        command,
-        env=job_environment(None),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        cwd=tmp_path,  # where run records by default
-    )
-    try:
-        _, err = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        stop_job(proc, grace=3.0)
-        _, err = proc.communicate()
-        pytest.fail(f"ddpwatch run did not end in 90 s\n{err[-4000:]}")
+    _, err = run_watched(job_command(mode, free_port_pair()), tmp_path, job_environment(None), 90)
     lines = [m for m in map(ALERT.match, err.splitlines()) if m and m[1] != "info"]
     assert lines, f"ddpwatch run printed no alert\n{err[-4000:]}"
     _, kind, message = lines[0].groups()

@@ -17,38 +17,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import BENCHMARKS
+from conftest import BENCHMARKS, run_watched
 
 sys.path.insert(0, str(BENCHMARKS))
 from diagnosis import MODES, job_command, job_environment
 
 from ddpwatch.core.ports import free_port_pair
-from ddpwatch.demo.runner import stop_job
 
 PREFIX = "ddpwatch: "
 
 
 def test_a_slow_data_jobs_summary_and_report_agree_figure_for_figure(tmp_path: Path) -> None:
-    command = [
-        sys.executable, "-m", "ddpwatch", "run", "--",
-        *job_command(MODES["slow-input"], free_port_pair(), ("--no-metric", "--steps", "120")),
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        command,
-        env=job_environment(None),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        cwd=tmp_path,
-    )
-    try:
-        _, err = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        stop_job(proc, grace=3.0)
-        _, err = proc.communicate()
-        raise AssertionError(f"ddpwatch run did not end in 150 s\n{err[-4000:]}") from None
-    assert proc.returncode == 0, err[-4000:]
+    job = job_command(MODES["slow-input"], free_port_pair(), ("--no-metric", "--steps", "120"))
+    returncode, err = run_watched(job, tmp_path, job_environment(None), 150)
+    assert returncode == 0, err[-4000:]
     lines = err.splitlines()
     start = next(i for i, line in enumerate(lines) if "── summary" in line)
     summary = [line.removeprefix(PREFIX) for line in lines[start + 1 :] if line.startswith(PREFIX)]
