@@ -77,24 +77,16 @@ def test_the_report_of_a_job_that_never_started_says_why_as_the_run_did(tmp_path
 
 
 @pytest.mark.e2e
-def test_the_report_of_torchrun_on_a_held_port_names_the_port_and_its_holder() -> None:
-    port = free_port_pair()
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import socket, time; s = socket.socket(); "
-         f"s.bind(('127.0.0.1', {port})); s.listen(); print('held', flush=True); time.sleep(90)"],
-        stdout=subprocess.PIPE, text=True,
+def test_the_report_of_torchrun_on_a_held_port_names_the_port_and_its_holder(
+    http_server: tuple[subprocess.Popen[bytes], int],
+) -> None:
+    holder, port = http_server
+    done = subprocess.run(
+        [sys.executable, "-m", "ddpwatch", "run", "--",
+         *_torchrun(f"--master-port={port}", str(SCRIPTS / "progress_bar.py"))],
+        capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-        done = subprocess.run(
-            [sys.executable, "-m", "ddpwatch", "run", "--",
-             *_torchrun(f"--master-port={port}", str(SCRIPTS / "progress_bar.py"))],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        report = _report(_recording(done.stderr))
-    finally:
-        holder.kill()
-        holder.wait(10)
+    report = _report(_recording(done.stderr))
     said = _verdict(done.stderr)
     assert said.startswith(f"the job did not start: port {port} is already in use"), said
     assert f"pid {holder.pid}" in said
