@@ -17,7 +17,7 @@ import ddpwatch
 from ddpwatch.agent.collectives import ensure_flight_recorder
 from ddpwatch.agent.hooks import find_loss
 from ddpwatch.agent.progress import LossReader, Progress
-from ddpwatch.agent.publisher import QUEUE_LEN, Publisher
+from ddpwatch.agent.publisher import BEAT_TRIES, QUEUE_LEN, Publisher
 from ddpwatch.agent.watcher import Watcher, main_thread_stack
 from ddpwatch.core.ports import resolve_endpoint
 from ddpwatch.core.protocol import Event, Sample
@@ -340,20 +340,24 @@ def test_publisher_never_blocks_without_a_server() -> None:
     assert publisher.dropped > 0 and not publisher.alive
 
 
-def test_a_beat_never_overtakes_events_queued_while_it_was_computed(receiver) -> None:
+@pytest.mark.parametrize("read", ["started", "compiling"])
+def test_a_beat_computed_across_events_is_computed_again(receiver, read: str) -> None:
     """The training thread enters 'eval' then 'compiling' while the publisher computes a
-    beat that reads 'compiling': the events go first. Sent ahead, the beat put 'compiling'
-    before 'eval' in the rank's phases (seen under load: the compile test's phases began
-    'started', 'compiling', 'eval')."""
+    beat, which may have read the phase before them ('started') or after ('compiling'):
+    sent after the events, the first put the rank back (seen under load: the compile test's
+    phases 'eval', 'started', 'compiling'); sent before them, the second ran ahead ('started',
+    'compiling', 'eval'). The beat is computed again, and the server's phases are in order."""
     calls = 0
+    dropped: list[int] = []  # before the events
 
     def heartbeat() -> list[Sample]:
         nonlocal calls
         calls += 1
         if calls == 6:  # connected by then (a beat before is dropped, no server has it)
+            dropped.append(publisher.dropped)
             for phase in ("eval", "compiling"):  # as the training thread would, meanwhile
                 publisher.publish(Event(v=1, rank=0, t=time.time(), event="phase", phase=phase))
-        phase = "started" if calls < 6 else "compiling"
+        phase = "started" if calls < 6 else read if calls == 6 else "compiling"
         return [Sample(v=1, rank=0, t=time.time(), world_size=1, phase=phase)]
 
     publisher = Publisher(f"tcp://127.0.0.1:{receiver.collector.port}", 0.05, heartbeat)
@@ -362,9 +366,40 @@ def test_a_beat_never_overtakes_events_queued_while_it_was_computed(receiver) ->
         record = receiver.wait_for(
             lambda state: (r := state.ranks.get(0)) is not None and len(r.phases) >= 3 and r
         )
+        time.sleep(0.2)  # a beat that put the rank back would have come by now
         assert [name for name, _ in record.phases] == ["started", "eval", "compiling"]
+        assert dropped == [publisher.dropped]  # computed again, not dropped
     finally:
         publisher.stop()
+
+
+def test_a_beat_computed_across_events_every_time_is_not_sent(receiver) -> None:
+    """Events queued during every try: the beat is dropped (the next repeats it), its own
+    events are kept, and the beats after it go as before."""
+    calls = 0
+    dropped: list[int] = []  # before the events
+
+    def heartbeat() -> list[Sample | Event]:
+        nonlocal calls
+        calls += 1
+        if calls == 6:
+            dropped.append(publisher.dropped)
+        if 6 <= calls < 6 + BEAT_TRIES:
+            publisher.publish(Event(v=1, rank=0, t=time.time(), event="log", text=str(calls)))
+        stack = Event(v=1, rank=0, t=time.time(), event="log", text=f"beat {calls}")
+        return [stack, Sample(v=1, rank=0, t=time.time(), world_size=1, step=calls)]
+
+    publisher = Publisher(f"tcp://127.0.0.1:{receiver.collector.port}", 0.05, heartbeat)
+    publisher.start()
+    try:
+        record = receiver.wait_for(
+            lambda state: (r := state.ranks.get(0)) is not None and "beat 12" in r.log_tail and r
+        )
+    finally:
+        publisher.stop()
+    assert [publisher.dropped - 1] == dropped
+    tried = [f"beat {n}" for n in range(6, 6 + BEAT_TRIES)]  # each try's own event, kept
+    assert all(line in record.log_tail for line in tried)
 
 
 def test_progress_step_timing_and_data_wait() -> None:

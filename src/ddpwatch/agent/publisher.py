@@ -35,6 +35,8 @@ SEND_HWM = 1000
 LINGER_MS = 1000
 RECONNECT_MAX_MS = 500  # a restarted server has every rank back within a heartbeat or two
 FALLBACK_S = 1.0  # a relay not connected this long: send to the server directly
+BEAT_TRIES = 3
+"""A beat computed while an event was queued is computed again, this many times at most."""
 RELAY_PROBE_S = 10.0  # sending to the server directly: look for the node's relay this often
 """The ``relay_lost`` warning's hint says "within 10 s": keep them together."""
 _WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
@@ -66,6 +68,7 @@ class Publisher:
         self._stop = threading.Event()
         self._drained = threading.Condition()
         self._pending = 0
+        self._published = 0  # events queued so far: a beat computed across one is stale
         self._faulted = False
         self._socket: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
@@ -89,6 +92,7 @@ class Publisher:
                 self.dropped += 1  # the deque evicts the oldest message
             else:
                 self._pending += 1
+            self._published += 1
             self._queue.append(message)
         self._wake.set()
 
@@ -174,12 +178,10 @@ class Publisher:
             if now >= next_beat and not stopping:
                 # a beat never overtakes what is still queued (the hello, an event no server
                 # took yet): it is dropped, as one no server took would be, and the next
-                # repeats it. Events queued while it was computed go first: it may have read
-                # their phase (seen: a beat that said 'compiling' ahead of the 'eval' event
-                # before it, the server's phases then 'compiling', 'eval', 'compiling')
-                beat = self._safe_heartbeat()
+                # repeats it. One computed across an event is neither before nor after it
+                beat, in_order = self._beat_between_events()
                 self._drain()
-                behind = bool(self._queue)
+                behind = bool(self._queue) or not in_order
                 for message in beat:
                     if isinstance(message, Event):
                         self.publish(message)  # a log or stack event happens once: keep it
@@ -244,6 +246,25 @@ class Publisher:
                     self.dropped += 1
                 self._drained.notify_all()
             return
+
+    def _beat_between_events(self) -> tuple[list[AnyMessage], bool]:
+        """A beat no event was queued while it was computed, and True; else the last one
+        tried, and False. Such a beat may have read the phase an event set, or the one before
+        it: sent after the event, it could put the rank back (seen: 'eval' queued while the
+        beat read 'started', then 'compiling': the server's phases 'eval', 'started',
+        'compiling'); sent before, it could run ahead (a beat that read 'compiling' ahead of
+        the 'eval' before it). A discarded beat's events happen once: they are kept."""
+        before = self._published
+        beat = self._safe_heartbeat()
+        for _ in range(BEAT_TRIES - 1):
+            if self._published == before:
+                break
+            for message in beat:
+                if isinstance(message, Event):
+                    self.publish(message)
+            before = self._published
+            beat = self._safe_heartbeat()
+        return beat, self._published == before
 
     def _safe_heartbeat(self) -> list[AnyMessage]:
         try:
