@@ -202,3 +202,28 @@ async def test_the_cursor_stays_on_its_change_as_new_ones_arrive() -> None:
         assert table.row_count == 12
         assert table.cursor_row == 5  # two newer rows above it: still n = 6
         assert LONG.format(n=6) in " ".join(_panel(screen).split())
+
+
+async def test_the_timelines_hint_says_when_the_culprits_stack_has_not_come() -> None:
+    """Issue #33: as the alerts panel does, the timeline's hint says a rank has sent no stack
+    yet instead of sending people to an empty detail pane; once it has, the key to see it."""
+    from ddpwatch.status.fmt import STACKS_IN
+
+    hinted = Alert("straggler", "warning", (3,), (0, 1, 2), "rank 3 has not entered",
+                   f"look at rank 3's stack ({STACKS_IN})")  # fmt: skip
+    doc = copy.deepcopy(document(0))
+    doc["history"] = [_entry("raised", 12.0, hinted)]
+    doc["ranks"][3]["stack"] = doc["ranks"][3]["error"] = None
+    with_stack = copy.deepcopy(doc)
+    with_stack["ranks"][3]["stack"] = 'File "train.py", line 40, in step'
+    source = FixtureSource([doc, with_stack])
+    async with make_app(source).run_test(size=(120, 35)) as pilot:
+        await settle(pilot)
+        await pilot.press("t")
+        await pilot.pause()
+        screen, _ = _timeline(pilot)
+        assert "look at rank 3's stack (no stack or traceback from rank 3 yet)" in _panel(screen)
+        await poll(pilot)  # its stack came
+        screen.follow()
+        await pilot.pause()
+        assert "(the detail pane: press enter on rank 3)" in _panel(screen)

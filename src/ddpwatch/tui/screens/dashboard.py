@@ -41,7 +41,7 @@ from ddpwatch.tui.data.model import (
 from ddpwatch.tui.data.sources import StatusSource
 from ddpwatch.tui.data.sparklines import METRICS, History
 from ddpwatch.tui.data.story import cleared_alerts, ended_banner, ranks_finished
-from ddpwatch.tui.widgets.alerts_panel import AlertList
+from ddpwatch.tui.widgets.alerts_panel import AlertList, row_has_stack
 from ddpwatch.tui.widgets.columns import GROUP_COLUMNS, RANK_COLUMNS
 from ddpwatch.tui.widgets.detail import RankDetail
 from ddpwatch.tui.widgets.fmt import TIMES
@@ -366,7 +366,7 @@ class DashboardScreen(Screen[None]):
         """Whether ``rank``'s stack or traceback is in the document (what its detail pane
         shows); None where the rank is not in it."""
         row = self.rank_row(rank)
-        return None if row is None else bool(row.stack) or row.error is not None
+        return None if row is None else row_has_stack(row)
 
     def _update_scope(self) -> None:
         """On a large job, have the source ask the server for the ranks, host or state the

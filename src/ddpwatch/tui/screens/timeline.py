@@ -26,7 +26,7 @@ from textual.widgets.data_table import CellDoesNotExist
 from ddpwatch.core.ranges import rank_ranges
 from ddpwatch.status.fmt import elapsed, event_label, seconds
 from ddpwatch.status.schema import UNSET, HistoryEntry, StatusDocument
-from ddpwatch.tui.widgets.alerts_panel import append_who, dashboard_hint
+from ddpwatch.tui.widgets.alerts_panel import HasStack, append_who, dashboard_hint, stacks_in
 from ddpwatch.tui.widgets.header import SEVERITY_STYLE
 
 COLUMNS = ("time", "elapsed", "event", "severity", "kind", "ranks", "up", "message")
@@ -71,8 +71,9 @@ def fit(text: str, width: int) -> str:
     return set_cell_size(text, max(0, width - 1)) + "…"
 
 
-def entry_text(entry: HistoryEntry) -> Text:
-    """One change whole, for the panel under the list: what, when, the message and the hint."""
+def entry_text(entry: HistoryEntry, has_stack: HasStack | None = None) -> Text:
+    """One change whole, for the panel under the list: what, when, the message and the hint
+    (``has_stack``: whether a rank's stack is there to see, ``dashboard_hint``)."""
     alert = entry.alert
     severity = alert.severity
     head = Text.assemble(
@@ -88,9 +89,8 @@ def entry_text(entry: HistoryEntry) -> Text:
     text = Text("\n").join([head, Text(alert.message)])
     if alert.hint:
         text.append("\n")
-        text.append_text(
-            Text.assemble(("→ ", "green"), (dashboard_hint(alert.hint, alert.ranks), "italic dim"))
-        )
+        hint = dashboard_hint(alert.hint, alert.ranks, has_stack)
+        text.append_text(Text.assemble(("→ ", "green"), (hint, "italic dim")))
     return text
 
 
@@ -179,6 +179,8 @@ class TimelineScreen(ModalScreen[None]):
         width = self._message_width(rows)
         marker = (len(history), history[-1].time if history else None, width)
         if marker == self._shown and not force:
+            if table.row_count:  # a rank's stack may have come: the hint says so
+                self._show_entry(table.cursor_row)
             return
         self._shown = marker
         keys = _keys(history)
@@ -218,7 +220,8 @@ class TimelineScreen(ModalScreen[None]):
     def _show_entry(self, row: int) -> None:
         entry = self._entries.get(self._key_at(row) or "")
         panel = self.query_one("#timeline-message", Static)
-        panel.update(entry_text(entry) if entry is not None else "")
+        ranks = self.document.ranks if self.document is not None else []
+        panel.update(entry_text(entry, stacks_in(ranks)) if entry is not None else "")
         panel.display = entry is not None
 
     @on(DataTable.RowHighlighted, "#timeline-table")

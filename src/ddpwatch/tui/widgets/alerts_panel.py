@@ -20,7 +20,7 @@ from textual.widgets.option_list import Option
 
 from ddpwatch.core.ranges import rank_ranges
 from ddpwatch.status.fmt import STACKS_IN_ANY_PORT, elapsed, seconds
-from ddpwatch.status.schema import UNSET, AlertEntry, HistoryEntry
+from ddpwatch.status.schema import UNSET, AlertEntry, HistoryEntry, RankEntry
 from ddpwatch.tui.widgets.header import SEVERITY_GLYPH, SEVERITY_STYLE
 
 _RANK_NAMED = re.compile(r"\brank (\d+)")
@@ -31,6 +31,25 @@ _ITS_STACK_IN = "its stack in "
 HasStack = Callable[[int], "bool | None"]
 """Whether a rank's stack or traceback is in the document: None where the rank is not in it
 (a large job's summary)."""
+
+
+def stacks_in(ranks: Sequence[RankEntry]) -> HasStack:
+    """``HasStack`` over a document's ranks (found at their own index when the list is whole,
+    else searched)."""
+
+    def has_stack(rank: int) -> bool | None:
+        if 0 <= rank < len(ranks) and ranks[rank].rank == rank:
+            row: RankEntry | None = ranks[rank]
+        else:
+            row = next((r for r in ranks if r.rank == rank), None)
+        return None if row is None else row_has_stack(row)
+
+    return has_stack
+
+
+def row_has_stack(row: RankEntry) -> bool:
+    """Whether the detail pane has a stack or traceback to show for this rank."""
+    return bool(row.stack) or row.error is not None
 
 
 def dashboard_hint(
