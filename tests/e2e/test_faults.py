@@ -20,6 +20,8 @@ from conftest import ROOT, SCRIPTS, LiveServer, alert_of, as_json, free_port_pai
 from ddpwatch.demo.runner import descendants, stop_job
 from ddpwatch.diagnosis.alerts import Thresholds
 
+pytestmark = pytest.mark.xdist_group("faults")  # one worker: its module fixture
+
 JOB = SCRIPTS / "deterministic.py"
 
 

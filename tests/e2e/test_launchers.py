@@ -19,7 +19,11 @@ from slurm_cluster import SlurmCluster
 from slurm_cluster import missing as slurm_missing
 
 # a launcher's job takes 1-2 min alone, 2.5 min and more on a loaded machine (ddpwatch_run: 300 s)
-pytestmark = [pytest.mark.launcher, pytest.mark.timeout(360)]
+pytestmark = [
+    pytest.mark.launcher,
+    pytest.mark.timeout(360),
+    pytest.mark.xdist_group("launchers"),  # one test Slurm cluster, on one worker
+]
 
 PYTHON = sys.executable
 REQUIRED = os.environ.get("CI_REQUIRE_LAUNCHERS") == "1"

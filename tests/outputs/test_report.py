@@ -22,6 +22,8 @@ from ddpwatch.outputs.postmortem import SERIES_POINTS, TIMES, load_run
 from ddpwatch.server.recording import MAGIC, Recorder
 from ddpwatch.server.replay import replay_to_end
 
+pytestmark = pytest.mark.xdist_group("report")  # one worker: its module fixture
+
 RANKS, STEPS = 3, 20
 GIB, MIB = 1 << 30, 1 << 20
 TRACEBACK = (

@@ -34,6 +34,8 @@ from ddpwatch.server.collector import (
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
 
+pytestmark = pytest.mark.xdist_group("fuzz_live")  # one worker: its module fixture
+
 _enc = msgspec.msgpack.encode
 
 

@@ -39,6 +39,8 @@ from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
 from ddpwatch.status.schema import JobEnd, PageReply, StatusDocument, SummaryReply
 
+pytestmark = pytest.mark.xdist_group("status_contract")  # one worker: its module fixture
+
 HELD = Path(__file__).parent / "status_contract"
 WRITE = os.environ.get("DDPWATCH_WRITE_CONTRACT") == "1"
 T0 = 1_700_000_000.0

@@ -29,6 +29,8 @@ from ddpwatch.status.query import Query, QueryError
 from ddpwatch.status.schema import PageReply, StatusDocument, SummaryReply
 from ddpwatch.tui.data.model import index_alerts, is_flagged
 
+pytestmark = pytest.mark.xdist_group("status_query")  # one worker: its module fixture
+
 CONTRACT_KEYS = [
     "schema", "server_time", "world_size", "ranks", "alerts", "stats", "history", "job_started",
     "relays", "attempt", "attempts",
