@@ -70,6 +70,17 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{mark}: {needs}")
 
 
+WORKERS_MAX = 8
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker more than the cores, at most ``WORKERS_MAX``. The slow tests
+    mostly wait on their jobs (a fault's sleep, a threshold, a timeout): on CI's 2 cores a
+    third worker fills the time those waits leave idle (docs/performance.md, §10)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(WORKERS_MAX, (cores or 1) + 1)
+
+
 def _named_paths(config: pytest.Config) -> list[Path]:
     """The test files and folders named on the command line (``file::test`` names its file),
     less tests/ itself: a plain ``pytest`` names none."""

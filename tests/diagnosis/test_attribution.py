@@ -230,25 +230,34 @@ PEER_GONE = ErrorInfo(
 )
 
 
-@pytest.mark.parametrize("beat_inside", [False, True], ids=["crash-only", "beat-then-crash"])
+@pytest.mark.parametrize(
+    "beat_inside", [None, "checkpoint", "data"], ids=["crash-only", "beat-then-crash", "moved-on"]
+)
 def test_the_rank_waited_for_that_enters_after_the_timeouts_and_fails_keeps_the_blame(
-    beat_inside: bool,
+    beat_inside: str | None,
 ) -> None:
     """The same, where torchrun is slow to stop rank 0 (on a loaded machine it took 9 s):
     rank 0 ends its checkpoint, enters the barrier its peers timed out in, and fails there
     ("Connection closed by peer"). It entered after they gave up: still the one they waited
-    for, not a rank that crashed on its own and left ranks 1, 2 to blame."""
+    for, not a rank that crashed on its own and left ranks 1, 2 to blame. Where it said a
+    phase of its next step meanwhile ('data', seen under load), the alert still says where it
+    was when they gave up: the verdict had "kept ranks 1, 2 waiting in 'data'"."""
     place = in_barrier(46, 8.0)
     state = _checkpoint_timeout(place, 45)
     inside = Collective(op=place.op, seq=46, since_s=0.05, source=place.source, group=place.group)
-    if beat_inside:
-        feed(state, NOW + 4.9, beat(0, collective=inside, collectives=counts(46, 46), step=20))
+    if beat_inside is not None:
+        moved = beat(0, phase=beat_inside, collective=inside, collectives=counts(46, 46), step=20)
+        feed(state, NOW + 4.9, moved)
     crash = Event(v=1, rank=0, t=0.0, event="crash", error=PEER_GONE, collective=inside, step=20)
     feed(state, NOW + 5.0, crash)
     errors = [a for a in alerts_at(state, NOW + 5.5) if a.severity == "error"]
     assert [(a.kind, a.ranks, a.waiting) for a in errors] == [("straggler", (0,), (1, 2))], [
         a.message for a in errors
     ]
+    assert errors[0].phase == "checkpoint"
+    assert "waiting for rank 0, which had not entered it: in 'checkpoint' at step 20" in (
+        errors[0].message
+    )
 
 
 def test_a_timeout_in_a_subgroup_blames_the_member_that_had_not_entered_it() -> None:

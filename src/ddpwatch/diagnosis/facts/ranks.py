@@ -19,6 +19,17 @@ _TERM_CODES = frozenset({-15, -2, -1, 143, 130, 129})
 _STARTING = frozenset(STARTUP_PHASES) - {Phase.TRAIN}
 
 
+def phase_at(record: RankRecord, at: float) -> str | None:
+    """The phase the rank was in at ``at`` (server time), from the phases it entered
+    (``record.phases``, the last 32); its phase now where none is that old."""
+    then = None
+    for phase, since in record.phases:
+        if since > at:
+            break
+        then = phase
+    return then if then is not None else record.phase
+
+
 def silent_after(record: RankRecord, th: Thresholds, stepping: bool = False) -> float:
     """How long this rank may go unheard before it counts as silent.
 

@@ -7,7 +7,7 @@ from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.cascade import Cascade, Root
-from ddpwatch.diagnosis.facts.ranks import is_clean_exit, is_term_exit
+from ddpwatch.diagnosis.facts.ranks import is_clean_exit, is_term_exit, phase_at
 from ddpwatch.diagnosis.knowledge import fitted_hint
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import (
@@ -97,7 +97,10 @@ def _held_alert(root: Root, cascade: Cascade | None, waiting: list[int], now: fl
     limits = {r.pg_timeout_s for r in root.timed_out}
     limit = limits.pop() if len(limits) == 1 else None
     after = f" after {seconds(limit)}" if limit else ""
-    detail = where(first)
+    # where it was when they gave up, not where it went after (seen under load: it had left
+    # its checkpoint for the next batch before it failed, and the verdict said "in 'data'")
+    phase = phase_at(first, root.time)
+    detail = f"in '{phase}' {where(first, phase=False)}" if phase else where(first)
     if first.exit_time is not None:
         detail += "; it was stopped after them" if is_term_exit(first) else "; it ended after them"
     message = (
@@ -121,7 +124,7 @@ def _held_alert(root: Root, cascade: Cascade | None, waiting: list[int], now: fl
         message,
         hint,
         waited_s=limit,
-        phase=first.phase,
+        phase=phase,
     )
 
 
