@@ -48,7 +48,7 @@ WATCH_S = {
     "rank0-checkpoint": 14.0,
     "rank0-checkpoint-timeout": 14.0,
     "subgroup-cascade": 14.0,
-    "rank0-eval-epochs": 30.0,
+    "rank0-eval-epochs": 45.0,  # ends by itself in ~20 s; loaded, torchrun took past 30 s
     "dataloader-hang": 8.0,
     "skipped-batch": 8.0,
     "missing-rank": 22.0,
