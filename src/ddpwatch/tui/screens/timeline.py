@@ -138,6 +138,7 @@ class TimelineScreen(ModalScreen[None]):
         self.document = document
         self.interval = interval
         self._shown: tuple[Any, ...] | None = None
+        self._panel_text: Text | None = None
         self._entries: dict[str, HistoryEntry] = {}  # row key -> its history entry
 
     def compose(self) -> ComposeResult:
@@ -221,7 +222,10 @@ class TimelineScreen(ModalScreen[None]):
         entry = self._entries.get(self._key_at(row) or "")
         panel = self.query_one("#timeline-message", Static)
         ranks = self.document.ranks if self.document is not None else []
-        panel.update(entry_text(entry, stacks_in(ranks)) if entry is not None else "")
+        text = entry_text(entry, stacks_in(ranks)) if entry is not None else Text()
+        if text != self._panel_text:  # followed every poll: redrawn only when it changed
+            self._panel_text = text
+            panel.update(text)
         panel.display = entry is not None
 
     @on(DataTable.RowHighlighted, "#timeline-table")
