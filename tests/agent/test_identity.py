@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -18,11 +19,13 @@ from hypothesis import strategies as st
 from ddpwatch.agent.identity import (
     RankIdentity,
     identity_from_env,
+    init_method_of,
     is_rank_process,
     parse_tasks_per_node,
+    read_rendezvous_env,
     refresh_from_torch,
 )
-from ddpwatch.core.protocol import Identity, Sample, decode, encode
+from ddpwatch.core.protocol import Hello, Identity, Sample, decode, encode
 
 # Environments as the launchers write them (variable names checked against their sources).
 TORCHRUN = {
@@ -384,3 +387,53 @@ def test_a_torchrun_rank_tells_the_server_its_rendezvous(tmp_path: Any, live_ser
         pid = live_server.wait_for(partial(_new_exit, [p for p, _ in seen]), timeout=20)
         seen.append((pid, live_server.server.engine.state.ranks[0].rendezvous))
     assert [rendezvous for _, rendezvous in seen] == ["standalone", "standalone", "static"]
+
+
+# ----------------------------------------------------------------------- the launch configuration
+
+
+def test_the_rendezvous_environment_and_the_script_travel_with_the_identity(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('hello')\n")
+    monkeypatch.setattr(sys, "argv", [str(script), "--lr", "0.1"])
+    ident = identity_from_env(TORCHRUN)
+    assert (ident.master_addr, ident.master_port, ident.run_id) == ("10.0.0.1", "29500", "job-42")
+    assert ident.script == str(script)
+    assert ident.script_hash == hashlib.sha256(b"print('hello')\n").hexdigest()[:16]
+    assert ident.init_method is None  # known once the rank calls init_process_group
+    fields = Hello(v=1, rank=5, t=0.0, **ident.as_fields())
+    assert decode(encode(fields)).script_hash == ident.script_hash  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("argv0", ["-c", "", "/no/such/train.py"])
+def test_no_script_where_the_interpreter_runs_none(
+    argv0: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "argv", [argv0])
+    ident = identity_from_env({})
+    assert (ident.script, ident.script_hash) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        ({}, "env://"),
+        ({"init_method": "env://"}, "env://"),
+        ({"init_method": "tcp://10.0.0.1:23456?rank=3&world_size=8"}, "tcp://10.0.0.1:23456"),
+        ({"init_method": "file:///shared/rdzv"}, "file:///shared/rdzv"),
+        ({"store": object()}, "store"),
+    ],
+)
+def test_init_method_as_the_rank_called_it(arguments: dict[str, Any], expected: str) -> None:
+    assert init_method_of(arguments) == expected
+
+
+def test_a_port_the_script_sets_before_init_is_the_one_read() -> None:
+    """mp.spawn scripts set os.environ['MASTER_PORT'] in the child: env:// reads it then."""
+    ident = identity_from_env({"MASTER_PORT": "29500"})
+    read_rendezvous_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "12355"}, ident)
+    assert (ident.master_addr, ident.master_port) == ("127.0.0.1", "12355")
+    read_rendezvous_env({}, ident)  # unset later: what was read stays
+    assert ident.master_port == "12355"

@@ -59,6 +59,14 @@ IDENTITY: dict[str, Any] = {
     "restart_count": 1,
     "rendezvous": "standalone",
     "simulated": True,
+    "master_addr": "node-a",
+    "master_port": "29500",
+    "init_method": "env://",
+    "run_id": "job-17",
+    "script": "/home/ann/train.py",
+    "script_hash": "9f2c4e1a7b3d5f60",
+    "cuda_version": "12.8",
+    "nccl_version": "2.27.3",
 }
 
 FULL_HELLO = Hello(v=1, rank=3, t=1_700_000_000.0, **IDENTITY)

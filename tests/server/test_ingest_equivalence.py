@@ -76,6 +76,18 @@ def snapshot(record: RankRecord) -> dict[str, Any]:
     return {f.name: plain(getattr(record, f.name)) for f in fields(RankRecord)}
 
 
+LAUNCH_FIELDS = (
+    "master_addr",
+    "master_port",
+    "init_method",
+    "run_id",
+    "script",
+    "script_hash",
+    "cuda_version",
+    "nccl_version",
+)
+
+
 def identity_key(**changed: Any) -> tuple[Any, ...]:
     """The identity fields of ``IDENT`` (with ``changed``) in the protocol's order."""
     ident = {**IDENT, **changed}
@@ -83,7 +95,7 @@ def identity_key(**changed: Any) -> tuple[Any, ...]:
         ident["local_rank"], ident["world_size"], ident["local_world_size"], ident["node_rank"],
         ident["host"], ident["pid"], ident["launcher"], ident["job_id"], ident["backend"],
         None, None, ident["device"], None, None, ident["device_uuid"], None, None, None, None, None,
-        False,
+        False, *(None for _ in LAUNCH_FIELDS),
     )  # fmt: skip
 
 
@@ -180,6 +192,7 @@ def expected_after_life() -> dict[str, Any]:
         "restart_count": None,
         "rendezvous": None,
         "simulated": False,
+        **dict.fromkeys(LAUNCH_FIELDS),
         "attempt": 1,
         "relayed": False,
         "identity_key": identity_key(device="cuda:1"),

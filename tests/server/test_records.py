@@ -57,6 +57,14 @@ def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
         "restart_count": 1,
         "rendezvous": "standalone",
         "simulated": True,
+        "master_addr": "node-a",
+        "master_port": "29500",
+        "init_method": "env://",
+        "run_id": "j1",
+        "script": "/home/ann/train.py",
+        "script_hash": "9f2c4e1a7b3d5f60",
+        "cuda_version": "12.8",
+        "nccl_version": "2.27.3",
     }
     measured: dict[str, Any] = {
         "phase": "forward",

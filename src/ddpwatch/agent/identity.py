@@ -17,6 +17,8 @@ across launchers, because their numbers mean different things when launchers are
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import os
 import re
 import socket
@@ -57,6 +59,15 @@ class RankIdentity:
     pg_timeout_s: float | None = None
     restart_count: int | None = None
     rendezvous: str | None = None
+    # what the rendezvous and the build depend on: the server compares them across ranks
+    master_addr: str | None = None
+    master_port: str | None = None
+    init_method: str | None = None
+    run_id: str | None = None
+    script: str | None = None
+    script_hash: str | None = None
+    cuda_version: str | None = None
+    nccl_version: str | None = None
 
     def as_fields(self) -> dict[str, Any]:
         """The ``protocol.Identity`` fields this covers, ready for ``Identity(rank=..., **fields)``.
@@ -79,6 +90,14 @@ class RankIdentity:
             "pg_timeout_s": self.pg_timeout_s,
             "restart_count": self.restart_count,
             "rendezvous": self.rendezvous,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "init_method": self.init_method,
+            "run_id": self.run_id,
+            "script": self.script,
+            "script_hash": self.script_hash,
+            "cuda_version": self.cuda_version,
+            "nccl_version": self.nccl_version,
         }
 
 
@@ -289,6 +308,51 @@ def _torch_version() -> str | None:
         return None
 
 
+SCRIPT_HASH_MAX_BYTES = 8 << 20  # a script larger than this is hashed on its first 8 MiB
+
+
+@functools.lru_cache(maxsize=4)
+def script_of(argv0: str) -> tuple[str | None, str | None]:
+    """(absolute path, first 16 hex digits of its SHA-256) of the script ``argv0`` names, or
+    Nones where it is no file (``python -c``, an interactive session); once per process."""
+    try:
+        path = os.path.abspath(argv0)
+        if not argv0 or not os.path.isfile(path):
+            return None, None
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read(SCRIPT_HASH_MAX_BYTES)).hexdigest()[:16]
+        return path, digest
+    except Exception:
+        return None, None
+
+
+def _script(ident: RankIdentity) -> None:
+    argv = getattr(sys, "argv", None)
+    if argv and isinstance(argv[0], str):
+        ident.script, ident.script_hash = script_of(argv[0])
+
+
+def read_rendezvous_env(env: Mapping[str, str], ident: RankIdentity) -> None:
+    """$MASTER_ADDR and $MASTER_PORT as the rank sees them now (a script may set them itself
+    before ``init_process_group``), and torchrun's run id; never raises."""
+    try:
+        ident.master_addr = env.get("MASTER_ADDR") or ident.master_addr
+        ident.master_port = env.get("MASTER_PORT") or ident.master_port
+        ident.run_id = env.get("TORCHELASTIC_RUN_ID") or ident.run_id
+    except Exception:
+        pass
+
+
+def init_method_of(arguments: Mapping[str, Any]) -> str:
+    """How ``init_process_group`` called with ``arguments`` finds its peers: its
+    ``init_method`` (a URL, credentials cut), "store" for a store passed in, else torch's
+    default "env://" ($MASTER_ADDR:$MASTER_PORT)."""
+    method = arguments.get("init_method")
+    if isinstance(method, str) and method:
+        return method.split("?", 1)[0]  # tcp://host:port?rank=…&world_size=…: per rank
+    return "store" if arguments.get("store") is not None else "env://"
+
+
 def _host() -> str | None:
     try:
         return socket.gethostname() or None
@@ -306,7 +370,10 @@ def identity_from_env(
     ``torch_version=False`` skips torch's package metadata (the early hello's: tens of ms)."""
     version = _torch_version() if torch_version else None
     ident = RankIdentity(pid=os.getpid(), host=_host(), torch_version=version)
-    _from_env(os.environ if environ is None else environ, ident)
+    env = os.environ if environ is None else environ
+    _from_env(env, ident)
+    read_rendezvous_env(env, ident)
+    _script(ident)
     return ident
 
 
@@ -380,10 +447,30 @@ def refresh_from_torch(ident: RankIdentity) -> RankIdentity:
         version = getattr(torch, "__version__", None)
         if version is not None:
             changes["torch_version"] = str(version)
+        changes.update(_build_versions(torch, changes.get("backend")))
         changes["pg_timeout_s"] = _default_group_timeout(torch, dist)
         return dataclasses.replace(ident, **changes)
     except Exception:
         return ident
+
+
+def _build_versions(torch: Any, backend: str | None) -> dict[str, str]:
+    """CUDA's version torch was built with, and NCCL's for an nccl group (a library constant:
+    no CUDA call); ranks whose builds differ may hang or fail in their first collective."""
+    found: dict[str, str] = {}
+    try:
+        cuda = getattr(getattr(torch, "version", None), "cuda", None)
+        if cuda:
+            found["cuda_version"] = str(cuda)
+        if backend and "nccl" in backend:
+            version = torch.cuda.nccl.version()
+            if isinstance(version, tuple):
+                found["nccl_version"] = ".".join(str(part) for part in version)
+            elif version:
+                found["nccl_version"] = str(version)
+    except Exception:
+        pass
+    return found
 
 
 def _default_group_timeout(torch: Any, dist: Any) -> float | None:

@@ -18,7 +18,13 @@ from ddpwatch.agent.auto import after_import
 from ddpwatch.agent.collectives import CollectiveWrappers, FlightRecorder, ensure_flight_recorder
 from ddpwatch.agent.compiling import CompileWatch, in_compile_stack
 from ddpwatch.agent.hooks import BackwardLoss, ModelHooks, ProcessHooks
-from ddpwatch.agent.identity import RankIdentity, identity_from_env, refresh_from_torch
+from ddpwatch.agent.identity import (
+    RankIdentity,
+    identity_from_env,
+    init_method_of,
+    read_rendezvous_env,
+    refresh_from_torch,
+)
 from ddpwatch.agent.logtail import LogTail
 from ddpwatch.agent.patches import Patches
 from ddpwatch.agent.probes import device_info, memory_info, note_current_device
@@ -324,6 +330,11 @@ class Watcher:
             self.identity.rank = rank
         if isinstance(world_size, int) and world_size > 0:
             self.identity.world_size = world_size
+        self.identity.init_method = init_method_of(bound)
+        backend = bound.get("backend")
+        if isinstance(backend, str) and backend:
+            self.identity.backend = backend
+        read_rendezvous_env(os.environ, self.identity)  # what env:// reads, at this moment
 
     def _on_group_ready(self) -> None:
         try:

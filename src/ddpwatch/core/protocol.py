@@ -103,6 +103,15 @@ class Identity(Message):
     restart_count: NonNegInt | None = None  # the launcher's restarts so far (torchrun's)
     rendezvous: str | None = None  # torchrun's: static, standalone, c10d (core/rendezvous.py)
     simulated: bool = False
+    # what the rank's rendezvous and build depend on, compared across ranks (config_mismatch)
+    master_addr: str | None = None  # $MASTER_ADDR as the rank saw it
+    master_port: str | None = None  # $MASTER_PORT, as written (a typo is a value too)
+    init_method: str | None = None  # init_process_group's: "env://", "tcp://…", "file://…"
+    run_id: str | None = None  # $TORCHELASTIC_RUN_ID (torchrun's --rdzv-id)
+    script: str | None = None  # the script the interpreter runs (its absolute path)
+    script_hash: str | None = None  # the first 16 hex digits of its SHA-256
+    cuda_version: str | None = None  # torch.version.cuda
+    nccl_version: str | None = None  # the NCCL torch loaded (nccl ranks only)
 
 
 IDENTITY_FIELDS = tuple(n for n in Identity.__struct_fields__ if n not in ("v", "rank", "t"))

@@ -167,6 +167,7 @@ class AlertKind(Word):
     RELAY_LOST = "relay_lost"
     SERVER_BEHIND = "server_behind"
     HOST_MEMORY = "host_memory"
+    CONFIG_MISMATCH = "config_mismatch"
 
 
 ALERT_KINDS: Final[tuple[str, ...]] = tuple(AlertKind)

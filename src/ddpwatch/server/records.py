@@ -94,6 +94,14 @@ class RankRecord:
     restart_count: int | None = None
     rendezvous: str | None = None
     simulated: bool = False
+    master_addr: str | None = None
+    master_port: str | None = None
+    init_method: str | None = None
+    run_id: str | None = None
+    script: str | None = None
+    script_hash: str | None = None
+    cuda_version: str | None = None
+    nccl_version: str | None = None
     attempt: int = 1
     """The launcher's attempt this process belongs to: ``restart_count + 1`` where the
     launcher says, else one more than the rank's last process if that one had ended."""

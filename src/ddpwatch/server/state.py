@@ -8,6 +8,7 @@ never the sender's, so ranks on hosts with skewed clocks compare fairly.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from math import isfinite
 
@@ -129,7 +130,9 @@ class ServerState:
 
     @property
     def world_size(self) -> int | None:
-        """The largest world size any rank reported (ranks may start before they know it)."""
+        """The world size most ranks reported, the largest on a tie (ranks may start before
+        they know it; a rank whose WORLD_SIZE differs is ``config_mismatch``'s, and the ranks
+        it alone counts are not missing)."""
         return self._by_generation()[0]
 
     def missing_ranks(self) -> list[int]:
@@ -143,8 +146,8 @@ class ServerState:
         cached = self._derived
         if cached is not None and cached[0] == key:
             return cached[1], cached[2]
-        sizes = [r.world_size for r in self.ranks.values() if r.world_size]
-        size = max(sizes) if sizes else None
+        sizes = Counter(r.world_size for r in self.ranks.values() if r.world_size)
+        size = max(sizes, key=lambda s: (sizes[s], s)) if sizes else None
         missing = [r for r in range(min(size, MAX_WORLD)) if r not in self.ranks] if size else []
         self._derived = (key, size, missing)
         return size, missing

@@ -25,6 +25,7 @@ from ddpwatch.diagnosis.facts.census import (
     effective_stall_after,
     take_census,
 )
+from ddpwatch.diagnosis.facts.launch import RENDEZVOUS_HOLD_S, Difference, rendezvous_split
 from ddpwatch.diagnosis.facts.mismatch import MISMATCH_SETTLE_S, Mismatch, find_mismatch
 from ddpwatch.diagnosis.facts.ranks import is_silent
 from ddpwatch.diagnosis.facts.stragglers import Straggle, find_straggle
@@ -129,6 +130,11 @@ class Facts:
     @cached_property
     def mismatch(self) -> Mismatch | None:
         return find_mismatch(self.census, self.now, MISMATCH_SETTLE_S)
+
+    @cached_property
+    def rendezvous_split(self) -> list[Difference]:
+        """Rendezvous values the ranks disagree on while one is held there (``facts.launch``)."""
+        return rendezvous_split(self.state, self.now, RENDEZVOUS_HOLD_S)
 
     @cached_property
     def signatures(self) -> dict[int, Signature | None]:

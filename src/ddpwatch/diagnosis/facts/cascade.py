@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ddpwatch.core.protocol import ErrorInfo
-from ddpwatch.core.vocabulary import AlertKind
+from ddpwatch.core.vocabulary import AlertKind, Phase
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.facts.census import Census, missing_ranks
+from ddpwatch.diagnosis.facts.launch import Difference
 from ddpwatch.diagnosis.facts.mismatch import Mismatch
 from ddpwatch.diagnosis.facts.ranks import (
     WaitKey,
@@ -50,6 +51,8 @@ class Evidence(Protocol):
     def relay_silent(self) -> frozenset[int]: ...
     @property
     def mismatch(self) -> Mismatch | None: ...
+    @property
+    def rendezvous_split(self) -> list[Difference]: ...
 
 
 @dataclass
@@ -175,8 +178,15 @@ def _classify_ranks(facts: Evidence) -> _Buckets:
     buckets = _Buckets()
     mismatch = facts.mismatch  # a crash inside a mismatched collective is that mismatch's doing
     in_mismatch = {r.rank for r in mismatch.culprits + mismatch.others} if mismatch else set()
-    relay_silent = facts.relay_silent  # their relay's alert names them
     census = facts.census
+    # a rank that failed in a rendezvous whose ranks disagree on its values failed of that
+    # disagreement (its store timed out, or found nobody at its port): config_mismatch names
+    # the odd rank, never the ones that waited for it
+    if any(d.odd for d in facts.rendezvous_split):
+        in_mismatch |= {
+            r.rank for r in census.finished if r.phase == Phase.RENDEZVOUS and r.init_method
+        }
+    relay_silent = facts.relay_silent  # their relay's alert names them
     for record in census.finished:
         if record.error is not None:
             _classify_crash(facts, buckets, record, record.error, record.rank in in_mismatch)

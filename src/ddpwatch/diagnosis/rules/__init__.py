@@ -3,7 +3,8 @@ and the fix.
 
 ``diagnosis.facts`` holds the attribution model every family shares (who failed first, who
 has entered which collective, on what evidence); ``diagnosis.text`` the words. Each family
-module (cascade, collectives, progress, startup, devices, memory, relays, listening) imports
+module (cascade, collectives, progress, startup, launch_config, devices, memory, relays,
+listening) imports
 those two and the registry, never another family. A rule is a function of ``Facts`` declared
 with ``@rule(kinds...)``: the kinds it may raise are checked against the contract when the
 module is imported.
@@ -36,6 +37,7 @@ from ddpwatch.diagnosis.rules.devices import (
     rule_local_rank_mismatch,
     rule_uneven_memory,
 )
+from ddpwatch.diagnosis.rules.launch_config import rule_config_mismatch
 from ddpwatch.diagnosis.rules.listening import rule_server_behind
 from ddpwatch.diagnosis.rules.memory import rule_host_memory
 from ddpwatch.diagnosis.rules.progress import (
@@ -65,6 +67,7 @@ __all__ = [
     "rule_clean_exit",
     "rule_collective_desync",
     "rule_collective_mismatch",
+    "rule_config_mismatch",
     "rule_device_ordinal",
     "rule_duplicate_device",
     "rule_foreign_memory",
@@ -93,6 +96,7 @@ RULES: tuple[Rule, ...] = (
     rule_stalled,
     rule_startup_hang,
     rule_not_connected,
+    rule_config_mismatch,
     rule_duplicate_device,
     rule_device_ordinal,
     rule_local_rank_mismatch,

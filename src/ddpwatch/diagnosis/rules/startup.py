@@ -90,9 +90,9 @@ def rule_startup_hang(f: Facts) -> list[Alert]:
     if not starting:
         return []
     longest = max(_in_phase(r, now) for r in starting)
-    if longest <= th.startup_after:
-        return []
     earliest = min(_phase_index(r) for r in starting)
+    if longest <= th.startup_after or _config_tells(f, earliest):
+        return []
     behind = sorted((r for r in starting if _phase_index(r) == earliest), key=lambda r: r.rank)
     ahead = sorted(r.rank for r in live if _phase_index(r) > earliest)
     missing = missing_ranks(f.state)
@@ -128,6 +128,12 @@ def rule_startup_hang(f: Facts) -> list[Alert]:
         )
     hint = _PHASE_HINTS.get(phase, "look at the stacks of the ranks furthest behind")
     return [alert(AlertKind.STARTUP_HANG, severity, culprits, ahead, message, hint)]
+
+
+def _config_tells(f: Facts, earliest: int) -> bool:
+    """The ranks behind wait in a rendezvous whose ranks disagree on its values:
+    ``config_mismatch`` names the odd rank, never the ones still waiting for it."""
+    return STARTUP_PHASES[earliest] == Phase.RENDEZVOUS and any(d.odd for d in f.rendezvous_split)
 
 
 def _severity(longest: float, startup_after: float, working: bool) -> Severity:
