@@ -345,7 +345,7 @@ def read_rendezvous_env(env: Mapping[str, str], ident: RankIdentity) -> None:
 
 def init_method_of(arguments: Mapping[str, Any]) -> str:
     """How ``init_process_group`` called with ``arguments`` finds its peers: its
-    ``init_method`` (a URL, credentials cut), "store" for a store passed in, else torch's
+    ``init_method`` (a URL, its per-rank query string cut), "store" for a store passed in, else torch's
     default "env://" ($MASTER_ADDR:$MASTER_PORT)."""
     method = arguments.get("init_method")
     if isinstance(method, str) and method:
