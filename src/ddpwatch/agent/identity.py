@@ -345,8 +345,8 @@ def read_rendezvous_env(env: Mapping[str, str], ident: RankIdentity) -> None:
 
 def init_method_of(arguments: Mapping[str, Any]) -> str:
     """How ``init_process_group`` called with ``arguments`` finds its peers: its
-    ``init_method`` (a URL, its per-rank query string cut), "store" for a store passed in, else torch's
-    default "env://" ($MASTER_ADDR:$MASTER_PORT)."""
+    ``init_method`` (a URL, its per-rank query string cut), "store" for a store passed in,
+    else torch's default "env://" ($MASTER_ADDR:$MASTER_PORT)."""
     method = arguments.get("init_method")
     if isinstance(method, str) and method:
         return method.split("?", 1)[0]  # tcp://host:port?rank=…&world_size=…: per rank
