@@ -168,6 +168,7 @@ class AlertKind(Word):
     SERVER_BEHIND = "server_behind"
     HOST_MEMORY = "host_memory"
     CONFIG_MISMATCH = "config_mismatch"
+    DUPLICATE_RANK = "duplicate_rank"
 
 
 ALERT_KINDS: Final[tuple[str, ...]] = tuple(AlertKind)

@@ -24,6 +24,7 @@ from ddpwatch.core.protocol import (
     Sample,
 )
 from ddpwatch.core.vocabulary import EventKind, Phase
+from ddpwatch.server.claims import Claim, NewPid, RankClaims
 from ddpwatch.server.host_memory import note as note_host_memory
 from ddpwatch.server.host_memory import settled
 from ddpwatch.server.records import CPU_STEP_S, LOG_LINES, RankRecord, note_beat
@@ -109,6 +110,8 @@ class ServerState:
     """How the job ended, as the ``ddpwatch run`` that launched it saw it (``Server.end_job``;
     a replay, from the recording): who stopped it, why it never started."""
     waits: WaitIndex = field(default_factory=WaitIndex, repr=False, compare=False)
+    claims: RankClaims = field(default_factory=RankClaims, repr=False, compare=False)
+    """Ranks reported by two live processes at once (``server/claims.py``)."""
     _replaced: dict[int, RankRecord] = field(default_factory=dict, repr=False, compare=False)
     """Records a rank's new process replaced in this attempt: the attempt's if it ends."""
     """Which collective each unfinished rank is in, kept by ``apply`` (``server/waits.py``):
@@ -160,11 +163,11 @@ class ServerState:
         placed = record is not None  # ``waits`` has it where its last message put it
         pid = getattr(message, "pid", None)  # events have none
         if record is None or (pid is not None and record.pid is not None and pid != record.pid):
-            if record is None and pid is None and self._late_for_past_attempt(message, now):
-                return
-            # a new rank, or a restarted worker (its rank with a new pid): start afresh
-            record = self._new_record(rank, now, record)
-            placed = False
+            fresh = self._record_of_new_process(rank, record, pid, message, now)
+            if fresh is None:
+                return  # a late frame: of a past attempt, or of a process already replaced
+            placed = placed and fresh is record
+            record = fresh
         record.last_seen = now
         if isinstance(message, Identity):
             key = astuple(message)[_IDENTITY_SLICE]
@@ -194,6 +197,29 @@ class ServerState:
             record.attempt = max(record.attempt, message.restart_count + 1)
         if record.attempt > self.attempt:
             self._begin_attempt(record.attempt, now)
+
+    def _record_of_new_process(
+        self, rank: int, record: RankRecord | None, pid: int | None, message: AnyMessage, now: float
+    ) -> RankRecord | None:
+        """A new rank, or a restarted worker (its rank with a new pid): a fresh record; but
+        two live processes reporting one rank keep theirs, and a late frame of a process
+        already replaced gets none (``server/claims.py``), nor one of a past attempt."""
+        if record is None and pid is None and self._late_for_past_attempt(message, now):
+            return None
+        if (
+            record is not None
+            and pid is not None
+            and record.pid is not None
+            and (not record.finished or rank in self.claims.duplicates)  # their events mix
+        ):
+            old = Claim(record.pid, record.host, record.last_seen)
+            verdict = self.claims.changed(rank, old, pid, getattr(message, "host", None), now)
+            if verdict is NewPid.LATE:
+                return None
+            if verdict is NewPid.DUPLICATE:
+                self.generation += 1
+                return record
+        return self._new_record(rank, now, record)
 
     def _new_record(self, rank: int, now: float, previous: RankRecord | None) -> RankRecord:
         """A fresh record for a new rank or a rank's new process: a process that follows one

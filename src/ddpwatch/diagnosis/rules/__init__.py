@@ -37,7 +37,7 @@ from ddpwatch.diagnosis.rules.devices import (
     rule_local_rank_mismatch,
     rule_uneven_memory,
 )
-from ddpwatch.diagnosis.rules.launch_config import rule_config_mismatch
+from ddpwatch.diagnosis.rules.launch_config import rule_config_mismatch, rule_duplicate_rank
 from ddpwatch.diagnosis.rules.listening import rule_server_behind
 from ddpwatch.diagnosis.rules.memory import rule_host_memory
 from ddpwatch.diagnosis.rules.progress import (
@@ -70,6 +70,7 @@ __all__ = [
     "rule_config_mismatch",
     "rule_device_ordinal",
     "rule_duplicate_device",
+    "rule_duplicate_rank",
     "rule_foreign_memory",
     "rule_host_memory",
     "rule_local_rank_mismatch",
@@ -97,6 +98,7 @@ RULES: tuple[Rule, ...] = (
     rule_startup_hang,
     rule_not_connected,
     rule_config_mismatch,
+    rule_duplicate_rank,
     rule_duplicate_device,
     rule_device_ordinal,
     rule_local_rank_mismatch,

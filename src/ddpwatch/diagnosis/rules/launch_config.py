@@ -1,4 +1,5 @@
-"""Start-up configuration that differs between ranks: the odd rank named with both values.
+"""Start-up configuration that differs between ranks: the odd rank named with both values,
+and one rank reported by two live processes (``duplicate_rank``).
 
 Ranks started by hand (an ``srun`` line, a script per node) can disagree on what their
 rendezvous depends on: one rank's ``MASTER_PORT`` or ``WORLD_SIZE`` is another's, and every
@@ -102,4 +103,41 @@ _BUILD_HINT = (
     "run the same environment everywhere: one torch (and CUDA, NCCL) on every node, and the "
     "same copy of the script (a shared file system or one container image); mixed builds "
     "hang or fail in collectives"
+)
+
+
+CLAIM_FRESH_S = 15.0
+"""A process still claims its rank while it repeated its identity this recently (every 10th
+heartbeat: 5 s at the default interval)."""
+
+
+@rule(AlertKind.DUPLICATE_RANK, every="change")
+def rule_duplicate_rank(f: Facts) -> list[Alert]:
+    """Two or more live processes report the same rank (``server/claims.py``)."""
+    alerts = []
+    missing = f.state.missing_ranks()
+    for rank, claims in sorted(f.state.claims.duplicates.items()):
+        live = sorted(
+            (c for c in claims.values() if f.now - c.last_seen <= CLAIM_FRESH_S),
+            key=lambda c: c.pid,
+        )
+        if len(live) < 2:
+            continue
+        where = " and ".join(f"pid {c.pid}" + (f" on {c.host}" if c.host else "") for c in live[:4])
+        message = (
+            f"rank {rank} is reported by {len(live)} processes at once: {where}; they cannot "
+            "form one process group, and their reports mix"
+        )
+        if missing:
+            message += f" ({format_ranks(missing)} never connected: one of them was meant to be it)"
+        alerts.append(
+            alert(AlertKind.DUPLICATE_RANK, Severity.ERROR, [rank], [], message, _DUPLICATE_HINT)
+        )
+    return alerts
+
+
+_DUPLICATE_HINT = (
+    "give every process its own RANK: under srun take it from SLURM_PROCID (not SLURM_LOCALID, "
+    "which repeats on every node); two `torchrun --standalone` on two nodes are two jobs with "
+    "the same ranks (use --nnodes and one --rdzv-endpoint); or the job was started twice"
 )
