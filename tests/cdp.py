@@ -24,9 +24,15 @@ FLAGS = (
 
 
 def screenshot(
-    url: str, wait_s: float, debug_port: int, size: tuple[int, int] = (1400, 900)
+    url: str,
+    wait_s: float,
+    debug_port: int,
+    size: tuple[int, int] = (1400, 900),
+    until_bytes: int = 0,
 ) -> bytes:
-    """Open ``url``, wait ``wait_s`` seconds of real time, and return a PNG of the page."""
+    """Open ``url``, wait ``wait_s`` seconds of real time, and return a PNG of the page; with
+    ``until_bytes``, return as soon as a shot is larger than that (a page drawn, not a blank
+    one still loading on a busy machine), trying every second up to ``wait_s``."""
     assert BROWSER is not None
     profile = tempfile.mkdtemp(prefix="ddpwatch-chromium-")
     browser = subprocess.Popen(
@@ -35,7 +41,7 @@ def screenshot(
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        return asyncio.run(_capture(url, wait_s, _page_socket(debug_port)))
+        return asyncio.run(_capture(url, wait_s, _page_socket(debug_port), until_bytes))
     finally:
         browser.kill()
         browser.wait()
@@ -55,7 +61,7 @@ def _page_socket(port: int, timeout: float = 20.0) -> str:
             time.sleep(0.2)
 
 
-async def _capture(url: str, wait_s: float, socket_url: str) -> bytes:
+async def _capture(url: str, wait_s: float, socket_url: str, until_bytes: int) -> bytes:
     import aiohttp
 
     async with (
@@ -74,6 +80,10 @@ async def _capture(url: str, wait_s: float, socket_url: str) -> bytes:
                     return message.get("result", {})
 
         await call("Page.navigate", url=url)
-        await asyncio.sleep(wait_s)
-        shot = await call("Page.captureScreenshot", format="png")
-        return base64.b64decode(shot["data"])
+        deadline = time.monotonic() + wait_s
+        while True:
+            await asyncio.sleep(1.0 if until_bytes else wait_s)
+            shot = await call("Page.captureScreenshot", format="png")
+            png = base64.b64decode(shot["data"])
+            if len(png) > until_bytes or time.monotonic() >= deadline:
+                return png

@@ -43,7 +43,12 @@ def test_web_dashboard_renders_the_clusters_state(live_server: LiveServer, tmp_p
     try:
         live_server.wait_for(lambda s: len(s["ranks"]) == 16, timeout=10)
         time.sleep(1.5)  # the web server starts
-        png = screenshot(f"http://127.0.0.1:{web_port}/", wait_s=8.0, debug_port=free_port_pair())
+        png = screenshot(
+            f"http://127.0.0.1:{web_port}/",
+            wait_s=40.0,  # 8 s idle; a loaded CI machine drew a blank page at 8 s
+            debug_port=free_port_pair(),
+            until_bytes=60_000,
+        )
     finally:
         stop_job(web, grace=3.0)
         cluster.stop()

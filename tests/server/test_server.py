@@ -390,16 +390,19 @@ def test_serve_headless_prints_alert_lines_and_exits_on_sigterm() -> None:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )  # fmt: skip
     try:
-        time.sleep(1.0)
+        assert proc.stderr is not None and proc.stdout is not None
+        said = ""
+        while "listening" not in said:  # its port is bound: frames pushed now land
+            said = proc.stderr.readline()
+            assert said, "serve ended before it listened"
         push_frames(port, [sample(0, step=1), sample(1, step=1), sample(2, step=1)])
         line = proc.stdout.readline()  # all three go silent after 1 s
         change = json.loads(line)
         assert change["event"] == "raised" and change["alert"]["kind"] == "silent"
     finally:
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=10)
+        proc.communicate(timeout=10)
     assert proc.returncode == 0
-    assert "listening" in err
 
 
 def test_serve_reports_a_taken_port_in_one_line(server: LiveServer) -> None:
