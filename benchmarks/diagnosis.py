@@ -217,6 +217,23 @@ MODES: dict[str, Mode] = {
             nproc=2,
             watch_s=40.0,
         ),
+        # one rank sets its own MASTER_PORT before init_process_group: named while the others
+        # wait, never the ranks that time out waiting for it; rank 0 too (the store's host
+        # in a static rendezvous)
+        _mode(
+            "port-of-its-own",
+            {2},
+            {"config_mismatch"},
+            _GH + "pytorch/pytorch/issues/53395",
+            watch_s=45.0,
+        ),
+        _mode(
+            "port-of-its-own-rank0",
+            {0},
+            {"config_mismatch"},
+            _GH + "pytorch/pytorch/issues/76069",
+            watch_s=45.0,
+        ),
     )
 }
 

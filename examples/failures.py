@@ -138,6 +138,13 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     # PyTorch #52848: init_process_group hangs when the world size says more ranks than were
     # started (https://github.com/pytorch/pytorch/issues/52848)
     "missing-rank": (2, 0),
+    # PyTorch #53395 and #76069: each process picks a free port itself and sets MASTER_PORT
+    # just before init_process_group (or each node's launch line has its own), so one rank
+    # looks for the rendezvous where nobody listens and every rank hangs until the timeout
+    # (https://github.com/pytorch/pytorch/issues/53395,
+    # https://github.com/pytorch/pytorch/issues/76069)
+    "port-of-its-own": (2, 0),
+    "port-of-its-own-rank0": (0, 0),  # rank 0: the store's host in a static rendezvous
 }
 MODES = tuple(DEFAULTS)
 SLOW_BACKWARD_S = 0.2  # slow-backward: extra seconds of backward a step
@@ -216,7 +223,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--world-size", type=int, default=3, help="missing-rank: the wrong size")
     parser.add_argument(
-        "--init-timeout", type=float, default=30.0, help="missing-rank: rendezvous timeout (s)"
+        "--init-timeout",
+        type=float,
+        default=30.0,
+        help="missing-rank, port-of-its-own: rendezvous timeout (s)",
     )
     parser.add_argument("--leak-mib", type=int, default=1, help="host-leak: MiB kept a step")
     parser.add_argument(
@@ -256,6 +266,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def init(args: argparse.Namespace, me: int) -> None:
     if args.mode == "missing-rank":
         # the script's own config says 3 ranks where the launcher started 2: the rendezvous
@@ -268,6 +286,11 @@ def init(args: argparse.Namespace, me: int) -> None:
             world_size=args.world_size,
             timeout=timedelta(seconds=args.init_timeout),
         )
+    elif args.mode.startswith("port-of-its-own"):
+        if me == args.rank:
+            fault_line(args.rank)
+            os.environ["MASTER_PORT"] = str(_free_port())  # nobody listens there
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.init_timeout))
     elif args.mode.endswith("-timeout"):
         dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
     else:

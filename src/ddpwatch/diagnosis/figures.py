@@ -31,8 +31,9 @@ from ddpwatch.diagnosis.text import format_ranks
 from ddpwatch.status.fmt import duration, step_seconds
 from ddpwatch.status.schema import StatusDocument
 
-HOLDING = frozenset({AlertKind.STRAGGLER, AlertKind.STALLED})
-"""Alert kinds whose culprit holds the ``waiting`` ranks up."""
+HOLDING = frozenset({AlertKind.STRAGGLER, AlertKind.STALLED, AlertKind.CONFIG_MISMATCH})
+"""Alert kinds whose culprit holds the ``waiting`` ranks up (a rank whose rendezvous values
+differ holds the others in ``init_process_group``)."""
 SLOWING = frozenset({AlertKind.SLOW_RANK})
 """Warning kinds whose culprit the others waited for every step, the job running on."""
 
