@@ -425,3 +425,27 @@ def test_a_job_that_never_started_says_why_from_the_document() -> None:
     assert summary_lines(typed(doc))[-1] == f"verdict: the job did not start: {why}"
     del doc["job_end"]  # a server that did not launch the job: as before
     assert summary_lines(typed(doc))[-1] == "verdict: no rank reported"
+
+
+def test_a_rendezvous_timeout_ends_the_job_because_of_the_rank_with_its_own_port() -> None:
+    """PyTorch #53395: rank 2 set its own MASTER_PORT; ranks 0, 1 timed out in the
+    rendezvous store and torchrun stopped rank 2. Seen live: the verdict said rank 1, the
+    first to time out, ended the job (torchrun's "Root Cause" says rank 0)."""
+    tracker = AlertTracker(raise_hold_s=0.0, clear_hold_s=0.0)
+    mismatch = Alert(
+        "config_mismatch", "error", (2,), (0, 1), "rank 2 uses MASTER_PORT 41233; …", "fix"
+    )
+    for t in (3.0, 20.0, 31.0):
+        tracker.update([mismatch], T0 + t, T0)
+    store = {"type": "DistStoreError", "message": "wait timeout after 30000ms, keys: /x/2"}
+    ranks = [
+        rank(0, "crashed", error=store, step=None, ended_at=T0 + 30.5),
+        rank(1, "crashed", error=store, step=None, ended_at=T0 + 30.4),
+        rank(2, "stopped", exit_signal="SIGTERM", step=None, ended_at=T0 + 31.2),
+    ]
+    doc = {"server_time": T0 + 33, "job_started": T0, "world_size": 3, "ranks": ranks,
+           "history": tracker.entries()}  # fmt: skip
+    text = verdict(typed(doc))
+    assert text.startswith(
+        "rank 2 kept ranks 0, 1 waiting until they timed out, which ended the job"
+    ), text
