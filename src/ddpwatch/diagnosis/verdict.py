@@ -207,7 +207,7 @@ def _what_ended(outcomes: dict[int, Outcome], found: Sequence[Episode]) -> Outco
     failures = failed + early
     if not failures:
         return None
-    holder = _held_until_timeout(outcomes, failed, found)
+    holder = _held_until_timeout(outcomes, failed, found) or _mismatch_ended(outcomes, found)
     if holder is not None:
         return holder
     never = {o.rank for o in outcomes.values() if o.word == "absent"}
@@ -255,6 +255,32 @@ def _held_until_timeout(
         text = f"kept {names} waiting{where} until they timed out"
         return Outcome(rank, "held", True, when, text)
     return None
+
+
+def _mismatch_ended(outcomes: dict[int, Outcome], found: Sequence[Episode]) -> Outcome | None:
+    """A collective mismatch error named one rank, and every failure after it was a victim's:
+    a rank gloo aborted from C++ (SIGABRT: it reports nothing, it fell silent) or one that
+    lost its peers. The culprit itself was then stopped by the launcher, or failed only as a
+    victim: the mismatch ended the job, not the silent rank (Lightning #7773 with 4 ranks:
+    whether the odd rank's own socket broke before torchrun's SIGTERM is a race, and when it
+    did not, the verdict named its aborted neighbour, 1 run in 2)."""
+    named = {
+        e.ranks
+        for e in found
+        if e.kind == AlertKind.COLLECTIVE_MISMATCH and e.severity == Severity.ERROR and e.ranks
+    }
+    if len(named) != 1:
+        return None
+    (culprits,) = named
+    if len(culprits) != 1 or culprits[0] not in outcomes:
+        return None
+    own = outcomes[culprits[0]]
+    if own.failed and not own.waited:
+        return None  # a failure of its own: the general order tells it
+    victims = [o for o in outcomes.values() if o.failed and o.rank != own.rank]
+    if not victims or not all(o.word == "silent" or o.waited for o in victims):
+        return None
+    return Outcome(own.rank, "mismatched", True, own.ended_at, _DID[AlertKind.COLLECTIVE_MISMATCH])
 
 
 def _failed_after(own: Outcome, victims_ended: float | None) -> bool:
@@ -305,7 +331,9 @@ def _ending_text(
         and e.kind in _DID
         and e.kind not in ABSENCES
     }
-    text = f"rank {ending.rank} " + " and ".join([*reasons, ending.text])
+    text = f"rank {ending.rank} " + " and ".join(
+        [*(r for r in reasons if r != ending.text), ending.text]
+    )
     if step is not None:
         text += f" at step {step}"
     text += ", which ended the job"
