@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ddpwatch.core.protocol import Event, Sample
 from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.diagnosis.rules import diagnose
+from ddpwatch.diagnosis.rules import Diagnosis, diagnose
 from ddpwatch.server.state import ServerState
 
 TH = Thresholds()
@@ -76,3 +76,14 @@ def test_the_alert_ends_when_one_of_them_stops_reporting() -> None:
     for t in (15.0, 20.0, 25.0, 30.0):
         state.apply(identity(200, "node-b", int(t)), t)  # pid 100 is gone
     assert not [a for a in diagnose(state, 30.5, TH) if a.kind == "duplicate_rank"]
+
+
+def test_a_ticking_server_clears_it_once_a_claim_goes_stale() -> None:
+    """Nothing changes when one of them stops: the alert ends with time, tick by tick."""
+    state = ServerState(started=0.0)
+    both_report(state, until=10.0)
+    diagnosis = Diagnosis()
+    assert [a.kind for a in diagnosis(state, 10.5, TH)].count("duplicate_rank") == 1
+    state.ranks[1].last_seen = 40.0  # one process still reports, under its pid: no change
+    ticks = [diagnosis(state, 10.5 + 0.25 * i, TH) for i in range(1, 98)]  # not silent yet
+    assert not [a for a in ticks[-1] if a.kind == "duplicate_rank"]

@@ -50,10 +50,6 @@ class Difference:
     values: dict[str, tuple[int, ...]]  # value -> the ranks with it, most ranks first
     odd: tuple[int, ...]  # the ranks outside a strict majority; () where there is none
 
-    @property
-    def majority(self) -> str | None:
-        return next(iter(self.values)) if self.odd else None
-
 
 def differences(records: Sequence[RankRecord], keys: Sequence[tuple[str, str]]) -> list[Difference]:
     """The ``keys`` on which ``records`` (those that know the value) disagree."""

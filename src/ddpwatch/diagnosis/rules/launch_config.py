@@ -111,7 +111,7 @@ CLAIM_FRESH_S = 15.0
 heartbeat: 5 s at the default interval)."""
 
 
-@rule(AlertKind.DUPLICATE_RANK, every="change")
+@rule(AlertKind.DUPLICATE_RANK, every="slow")  # a claim goes stale with time, not with a change
 def rule_duplicate_rank(f: Facts) -> list[Alert]:
     """Two or more live processes report the same rank (``server/claims.py``)."""
     alerts = []
