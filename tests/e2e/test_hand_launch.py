@@ -57,17 +57,3 @@ def test_the_rank_with_a_port_of_its_own_is_named_while_the_others_wait(
 def test_a_hand_launch_with_one_configuration_says_nothing(live_server: LiveServer) -> None:
     assert hand_launch(live_server, "--steps", "30") == 0
     assert [c.alert.to_dict() for c in live_server.changes] == []
-
-
-def test_two_processes_launched_as_one_rank_are_named(live_server: LiveServer) -> None:
-    """An srun line that takes SLURM_LOCALID for RANK: two processes are rank 1, none rank 2.
-    Their reports mix on one record; the rank is named, and no restart is imagined."""
-    assert hand_launch(live_server, "--odd=2:RANK=1") != 0
-    raised = [c.alert for c in live_server.changes if c.event != "cleared"]
-    duplicate = [a for a in raised if a.kind == "duplicate_rank"]
-    assert duplicate, [a.to_dict() for a in raised]
-    assert (duplicate[0].severity, duplicate[0].ranks) == ("error", (1,))
-    assert "2 processes at once" in duplicate[0].message, duplicate[0].to_dict()
-    assert live_server.server.state.attempt == 1  # a flip of pids is no launcher restart
-    blamed = {r for a in raised for r in a.ranks}
-    assert blamed <= {1, 2}, [a.to_dict() for a in raised]  # rank 2: the one never started
