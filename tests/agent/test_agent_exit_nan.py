@@ -211,12 +211,12 @@ def test_exit_status_follows_python() -> None:
 
 
 def test_exit_wrappers_are_restored_by_detach(rank_env_port: int) -> None:
-    originals = (sys.exit, os._exit, type(exit).__call__, torch.Tensor.backward)
+    originals = (sys.exit, os._exit, type(exit).__call__, torch.autograd.backward)
     ddpwatch.attach(addr=f"127.0.0.1:{rank_env_port}")
     assert sys.exit is not originals[0] and os._exit is not originals[1]
-    assert torch.Tensor.backward is not originals[3]
+    assert torch.autograd.backward is not originals[3]
     ddpwatch.detach()
-    assert (sys.exit, os._exit, type(exit).__call__, torch.Tensor.backward) == originals
+    assert (sys.exit, os._exit, type(exit).__call__, torch.autograd.backward) == originals
 
 
 @pytest.fixture
@@ -362,7 +362,7 @@ def test_cuda_losses_are_read_only_once_their_copy_has_completed(monkeypatch) ->
 def test_backward_hands_over_the_loss_only_without_explicit_steps() -> None:
     progress = Progress()
     patches = Patches()
-    original = torch.Tensor.backward
+    original = torch.autograd.backward
     BackwardLoss(progress).install(patches, torch)
     try:
         weight = torch.ones(3, requires_grad=True)
@@ -383,7 +383,7 @@ def test_backward_hands_over_the_loss_only_without_explicit_steps() -> None:
         assert progress.loss.nan_step is None and progress.loss.value == 1.0
     finally:
         patches.restore()
-    assert torch.Tensor.backward is original
+    assert torch.autograd.backward is original
 
 
 def test_backward_is_only_a_fallback_for_the_loss_a_model_returned() -> None:

@@ -17,9 +17,9 @@ class Slotted:
 
 
 def draw(timer: InputTimer, iterator: object, n: int) -> None:
+    next_batch = timer.wrap(lambda _iterator: None)
     for _ in range(n):
-        with timer(iterator):
-            pass
+        next_batch(iterator)
 
 
 def _at_a_freed_address(timer: InputTimer) -> Iterator | None:
@@ -53,3 +53,22 @@ def test_each_iterator_keeps_its_number_and_slotted_ones_fall_back_to_their_addr
     assert iterator_key(a) == iterator_key(a) != iterator_key(b)
     slotted = Slotted()
     assert iterator_key(slotted) == -id(slotted)
+
+
+def test_the_end_of_an_epoch_counts_no_batch_and_its_wait_still_counts() -> None:
+    progress = Progress()
+    timer = InputTimer(progress)
+    iterator = Iterator()
+    draw(timer, iterator, 3)
+
+    def exhausted(_iterator: object) -> None:
+        raise StopIteration
+
+    try:
+        timer.wrap(exhausted)(iterator)
+    except StopIteration:
+        pass
+    else:
+        raise AssertionError("the wrapper swallowed StopIteration")
+    assert progress.drawn[progress.drawn_from] == 3  # the StopIteration is no batch
+    assert progress.input_seen and timer.faults == 0

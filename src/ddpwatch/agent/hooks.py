@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import builtins
-import contextlib
 import dis
 import logging
 import os
@@ -125,31 +124,33 @@ class ModelHooks:
         self._models.clear()
         self._progress.grads.forget()
 
-    def _evaluating(self, module: Any) -> bool:
-        return not self._grad_enabled() or not getattr(module, "training", True)
-
+    # the hooks run every step: few Python calls, no context managers (``contextlib.suppress``
+    # is three), the phase set inline rather than through ``Progress.auto_phase``
     def _before_forward(self, module: Any, args: Any) -> None:
         if self._compiling():
             return
-        with contextlib.suppress(Exception):  # never let the agent break a forward pass
-            if self._evaluating(module):
+        try:
+            if not self._grad_enabled() or not getattr(module, "training", True):
                 self._progress.evaluation_forward()
             else:
                 self._trained = True
                 self._progress.forward_started()
+        except Exception:  # never let the agent break a forward pass
+            pass
 
     def _after_forward(self, module: Any, args: Any, output: Any) -> None:
         if self._compiling():
             return
         try:
             progress = self._progress
-            if self._evaluating(module):
-                if self._trained or progress.step_mode not in (None, "forward"):
+            mode = progress.step_mode
+            if not self._grad_enabled() or not getattr(module, "training", True):
+                if self._trained or mode not in (None, "forward"):
                     return  # its output is no training loss, and it ends no step
                 loss = None  # inference: each forward is a step, with no loss
             else:
                 loss = find_loss(output)  # its backward (``BackwardLoss``) sets the phase
-            if progress.step_mode in (None, "forward"):
+            if mode is None or mode == "forward":
                 progress.end_step(loss, mode="forward")
             elif loss is not None:
                 progress.loss.submit(loss)
@@ -157,17 +158,25 @@ class ModelHooks:
             pass
 
     def _before_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        with contextlib.suppress(Exception):
+        try:
             if self.on_optimizer is not None:
                 self.on_optimizer()  # the end of a gradient wait no backward's end took
-            self._progress.auto_phase(_OPTIMIZER)
+            progress = self._progress
+            if not progress.pinned and progress.phase != _OPTIMIZER:
+                progress.set_phase(_OPTIMIZER)
+        except Exception:
+            pass
 
     def _after_optimizer(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
             progress = self._progress
-            progress.prefer_optimizer_steps()
-            progress.end_step(mode="optimizer")
-            progress.auto_phase(_DATA)
+            mode = progress.step_mode
+            if mode != "explicit":  # else ``ddpwatch.step()`` ends the steps: nothing to count
+                if mode == "forward":
+                    progress.prefer_optimizer_steps()
+                progress.end_step(mode="optimizer")
+            if not progress.pinned and progress.phase != _DATA:
+                progress.set_phase(_DATA)
         except Exception:
             pass
 
@@ -185,22 +194,60 @@ class BackwardLoss:
         self._progress = progress
         self._scaled: tuple[Any, Any] | None = None  # (weakref to scaled, unscaled detached)
 
-    def install(self, patches: Patches, torch: Any) -> None:
-        patches.wrap(torch.Tensor, "backward", before=self._before_backward)
+    def install(
+        self, patches: Patches, torch: Any, ended: Callable[[], object] | None = None
+    ) -> None:
+        """Wrap ``torch.autograd.backward`` (``Tensor.backward`` calls it): the phase and the
+        loss before it, ``ended()`` after it (``GradReady.backward_ended``: the step split).
+        One wrapper for both, written out: it runs every step."""
+        patches.replace(torch.autograd, "backward", lambda original: self._wrap(original, ended))
         scaler = getattr(getattr(torch, "amp", None), "GradScaler", None)
         if scaler is not None:
             patches.wrap(scaler, "scale", after=self._after_scale)
 
-    def _before_backward(self, tensor: Any, *args: Any, **kwargs: Any) -> None:
+    def _wrap(
+        self, original: Callable[..., Any], ended: Callable[[], object] | None
+    ) -> Callable[..., Any]:
+        before = self._before_backward
+        if ended is None:
+
+            def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    before(tensors)
+                except Exception:
+                    pass
+                return original(tensors, *args, **kwargs)
+
+            return backward
+
+        def backward_timed(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                before(tensors)
+            except Exception:
+                pass
+            result = original(tensors, *args, **kwargs)
+            ended()  # swallows its own faults
+            return result
+
+        return backward_timed
+
+    def _before_backward(self, tensors: Any) -> None:
+        """Backward starts: phase ``backward``, and a scalar it runs on is the loss (a sequence
+        of tensors is none: a reentrant checkpoint's backward, several heads at once)."""
         progress = self._progress
-        progress.auto_phase(_BACKWARD)  # where backward starts, not where a forward ended
-        if progress.step_mode == "explicit" or tensor.ndim != 0 or not tensor.is_floating_point():
+        if not progress.pinned and progress.phase != _BACKWARD:
+            progress.set_phase(_BACKWARD)  # where backward starts, not where a forward ended
+        if (
+            progress.step_mode == "explicit"
+            or getattr(tensors, "ndim", None) != 0
+            or not tensors.is_floating_point()
+        ):
             return
         scaled = self._scaled
-        if scaled is not None and scaled[0]() is tensor:
-            tensor = scaled[1]
+        if scaled is not None and scaled[0]() is tensors:
+            tensors = scaled[1]
             self._scaled = None
-        progress.loss.submit(tensor, fallback=True)
+        progress.loss.submit(tensors, fallback=True)
 
     def _after_scale(self, result: Any, scaler: Any, outputs: Any, *args: Any) -> None:
         if result is not outputs and getattr(outputs, "ndim", None) == 0:

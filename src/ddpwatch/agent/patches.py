@@ -33,34 +33,18 @@ class Patches:
         after: Callable[..., Any] | None = None,
         around: Callable[..., Any] | None = None,
     ) -> bool:
+        return self.replace(owner, name, lambda original: _wrapper(original, before, after, around))
+
+    def replace(
+        self, owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
+    ) -> bool:
+        """Replace ``owner.name`` by ``make(original)``, a wrapper written for a hot path
+        (it must call the original and swallow its own faults); undone by ``restore``."""
         original = getattr(owner, name, None)
         if original is None or not callable(original) or getattr(original, "__ddpwatch__", False):
             return False
         own = _own_attribute(owner, name)
-
-        @functools.wraps(original)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if before is not None:
-                with contextlib.suppress(Exception):
-                    before(*args, **kwargs)
-            context = None
-            if around is not None:
-                try:
-                    context = around(*args, **kwargs)
-                    context.__enter__()
-                except Exception:
-                    context = None
-            try:
-                result = original(*args, **kwargs)
-            finally:
-                if context is not None:
-                    with contextlib.suppress(Exception):
-                        context.__exit__(None, None, None)
-            if after is not None:
-                with contextlib.suppress(Exception):
-                    after(result, *args, **kwargs)
-            return result
-
+        wrapper = functools.wraps(original)(make(original))
         wrapper.__ddpwatch__ = True  # type: ignore[attr-defined]
         try:
             setattr(owner, name, wrapper)
@@ -87,3 +71,79 @@ def _own_attribute(owner: Any, name: str) -> Any:
         return vars(owner).get(name)
     except TypeError:
         return None
+
+
+def _wrapper(
+    original: Callable[..., Any],
+    before: Callable[..., Any] | None,
+    after: Callable[..., Any] | None,
+    around: Callable[..., Any] | None,
+) -> Callable[..., Any]:
+    """``original`` with its callbacks, each fault swallowed. A lone ``before`` or ``after``
+    gets a wrapper of its own: some run every step, and a ``contextlib.suppress`` costs three
+    Python calls."""
+    if before is not None and after is None and around is None:
+        return _with_before(original, before)
+    if after is not None and before is None and around is None:
+        return _with_after(original, after)
+    return _with_all(original, before, after, around)
+
+
+def _with_all(
+    original: Callable[..., Any],
+    before: Callable[..., Any] | None,
+    after: Callable[..., Any] | None,
+    around: Callable[..., Any] | None,
+) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            try:
+                before(*args, **kwargs)
+            except Exception:
+                pass
+        context = None
+        if around is not None:
+            try:
+                context = around(*args, **kwargs)
+                context.__enter__()
+            except Exception:
+                context = None
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            if context is not None:
+                try:
+                    context.__exit__(None, None, None)
+                except Exception:
+                    pass
+        if after is not None:
+            try:
+                after(result, *args, **kwargs)
+            except Exception:
+                pass
+        return result
+
+    return wrapper
+
+
+def _with_before(original: Callable[..., Any], before: Callable[..., Any]) -> Callable[..., Any]:
+    def call_before(*args: Any, **kwargs: Any) -> Any:
+        try:
+            before(*args, **kwargs)
+        except Exception:
+            pass
+        return original(*args, **kwargs)
+
+    return call_before
+
+
+def _with_after(original: Callable[..., Any], after: Callable[..., Any]) -> Callable[..., Any]:
+    def call_after(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        try:
+            after(result, *args, **kwargs)
+        except Exception:
+            pass
+        return result
+
+    return call_after

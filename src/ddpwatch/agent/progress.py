@@ -193,7 +193,9 @@ class Progress:
         if self.waiting_for_data and self.last_step_end is not None:
             self.data_wait_s = now - self.last_step_end
             self.waiting_for_data = False
-        self.auto_phase(_FORWARD)
+        if not self.pinned and self.phase != _FORWARD:  # ``auto_phase``, inline: every step
+            self.phase = _FORWARD
+            self.phase_changed = now
 
     def enter_collective(self, op: str, tensor: Any = None, counted: bool = True) -> None:
         """Enter a Python-level collective. ``tensor``: what this rank contributes (its shape

@@ -326,43 +326,60 @@ class GradReady:
 
 
 class InputTimer:
-    """Times a DataLoader iterator's ``__next__`` (the ``around`` of a ``Patches.wrap``): one
-    object serves every call; a DataLoader read inside another one counts once.
+    """Times a DataLoader iterator's ``__next__`` (``wrap`` makes the replacement): one object
+    serves every call; a DataLoader read inside another one counts once.
 
     ``timing``: the input wait (the step split); ``counting``: the batches drawn per iterator
-    (the batch marks). Either may be switched off alone (``agent/switches.py``)."""
+    (the batch marks). Either may be switched off alone (``agent/switches.py``). Runs once a
+    batch: one Python call of its own, no context manager."""
 
-    __slots__ = ("_counting", "_depth", "_iterator", "_progress", "_start", "_timing", "faults")
+    __slots__ = ("_counting", "_depth", "_progress", "_timing", "faults")
 
     def __init__(self, progress: Progress, timing: bool = True, counting: bool = True) -> None:
         self._progress = progress
         self._timing = timing
         self._counting = counting
         self._depth = 0
-        self._start = 0.0
-        self._iterator = 0
         self.faults = 0
 
-    def __call__(self, *args: Any, **kwargs: Any) -> InputTimer:
-        if self._depth == 0 and args:
-            self._iterator = iterator_key(args[0])  # the iterator whose ``__next__`` this is
-        return self
+    def wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``original`` (an iterator's ``__next__``), timed and counted: a batch that came
+        counts for its iterator; an exception (``StopIteration`` at an epoch's end) counts
+        none, and its time is input wait all the same."""
+        timer = self
+        progress = self._progress
+        clock = time.perf_counter
 
-    def __enter__(self) -> None:
-        self._depth += 1
-        if self._depth == 1 and self._timing:
-            self._start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self._depth -= 1
-            if self._depth == 0:
-                progress = self._progress
-                if self._timing:
-                    progress.input_time_step += time.perf_counter() - self._start
+        def timed_next(iterator: Any, *args: Any, **kwargs: Any) -> Any:
+            if timer._depth:
+                return original(iterator, *args, **kwargs)
+            timer._depth = 1
+            start = clock()
+            try:
+                batch = original(iterator, *args, **kwargs)
+            except BaseException:
+                timer._depth = 0
+                timer._waited(start)
+                raise
+            timer._depth = 0
+            try:
+                if timer._timing:
+                    progress.input_time_step += clock() - start
                     progress.input_seen = True
-                if exc[0] is None and self._counting:  # a batch came (no StopIteration)
-                    progress.note_draw(self._iterator)
+                if timer._counting:
+                    key = getattr(iterator, SERIAL_ATTR, None)
+                    progress.note_draw(iterator_key(iterator) if key is None else key)
+            except Exception:
+                timer.faults += 1
+            return batch
+
+        return timed_next
+
+    def _waited(self, start: float) -> None:
+        try:
+            if self._timing:
+                self._progress.input_time_step += time.perf_counter() - start
+                self._progress.input_seen = True
         except Exception:
             self.faults += 1
 

@@ -158,8 +158,10 @@ class Watcher:
     # training-thread API ---------------------------------------------------
     def step(self, loss: Any = None) -> None:
         """Mark the end of a training step; ``loss`` may be a tensor (read later, no sync)."""
-        with contextlib.suppress(Exception):
+        try:  # every step: no context manager
             self.progress.end_step(loss, mode="explicit")
+        except Exception:
+            pass
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -184,13 +186,17 @@ class Watcher:
 
     def submit_loss(self, loss: Any) -> None:
         """Hand over the loss of the step in progress without ending the step."""
-        with contextlib.suppress(Exception):
+        try:  # every step: no context manager
             self.progress.loss.submit(loss)
+        except Exception:
+            pass
 
     def note_forward(self) -> None:
         """Count an evaluation batch as progress (no step)."""
-        with contextlib.suppress(Exception):
+        try:  # every step: no context manager
             self.progress.note_forward()
+        except Exception:
+            pass
 
     def count_steps_explicitly(self) -> None:
         """From now on steps come from ``step()`` alone (for integrations)."""
@@ -255,9 +261,9 @@ class Watcher:
             torch.cuda, "set_device", before=self._before_set_device, after=self._after_set_device
         )
         patches.wrap(torch, "save", before=self._before_save)
-        self._backward_loss.install(patches, torch)  # zero-code loss: what backward() is run on
-        if self._split_on:  # the end of each backward (``Tensor.backward`` calls it)
-            patches.wrap(torch.autograd, "backward", after=self._grad_ready.backward_ended)
+        # zero-code loss: what backward() is run on; the end of each backward: the step split
+        ended = self._grad_ready.backward_ended if self._split_on else None
+        self._backward_loss.install(patches, torch, ended)
         if self._split_on or self.probes.on("batches"):  # DataLoaders: time, batches drawn
             after_import("torch.utils.data.dataloader", self._time_data_loaders)
         self._wrap_model_class(torch.nn.parallel, "DistributedDataParallel")
@@ -274,7 +280,7 @@ class Watcher:
         """Wrap every DataLoader iterator's ``__next__``: the rank's input wait, and the
         batches it drew (``InputTimer``)."""
         if not self._detached:
-            self.patches.wrap(dataloader._BaseDataLoaderIter, "__next__", around=self._input_timer)
+            self.patches.replace(dataloader._BaseDataLoaderIter, "__next__", self._input_timer.wrap)
 
     def _before_set_device(self, *args: Any, **kwargs: Any) -> None:
         self._phase_before_device = self.progress.phase
