@@ -134,6 +134,32 @@ def test_steps_loss_and_phase_reach_the_server(receiver: Receiver, rank_env) -> 
     receiver.wait_for(lambda s: s.ranks[0].phase == "train")
 
 
+def test_a_sample_never_pairs_a_step_with_an_earlier_steps_loss(
+    rank_env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The training thread may end steps while a heartbeat is built (the memory reads take
+    long enough under load): the sample's step is read before its loss, so it is never newer
+    than the loss (a loss is in the ring before its step is counted)."""
+    watcher = ddpwatch.attach(addr=f"127.0.0.1:{free_port_pair()}", interval=60.0)
+    assert watcher is not None
+    ddpwatch.step(torch.tensor(0.0))
+    read_memory = watcher._host_memory
+    steps = iter([range(1, 5)])
+
+    def steps_end_meanwhile():
+        for i in next(steps, ()):  # once: steps 2 to 5 end while the first sample is built
+            ddpwatch.step(torch.tensor(float(i)))
+        return read_memory()
+
+    monkeypatch.setattr(watcher, "_host_memory", steps_end_meanwhile)
+    with watcher._beat_lock:  # not beside the publisher's own first beat
+        first = watcher._sample()
+        second = watcher._sample()
+    assert first is not None and second is not None
+    assert (first.step, first.loss) == (1, 0.0)
+    assert (second.step, second.loss) == (5, 4.0)
+
+
 def test_steps_counted_from_optimizer_then_forward(receiver: Receiver, rank_env) -> None:
     model = torch.nn.Linear(3, 1)
     watcher = ddpwatch.attach(model, addr=f"127.0.0.1:{receiver.collector.port}")
