@@ -121,9 +121,13 @@ def test_steps_loss_and_phase_reach_the_server(receiver: Receiver, rank_env) -> 
 
     def eval_sample(state: ServerState):
         record = state.ranks.get(0)
-        # the phase event may come before the first heartbeat: wait for a heartbeat in "eval"
-        done = record and record.phase == "eval" and record.step == 5 and record.sample_seen
-        return record if done and record.loss is not None else None
+        # wait for a heartbeat in "eval": the phase event carries the step (5) but no loss,
+        # and the record keeps the loss of the last heartbeat, which may have come between
+        # steps 1 and 2 (seen under load: step 5 from the event beside step 1's loss 0.0).
+        # A heartbeat received after the phase change (a later receive) read the step again
+        done = record and record.phase == "eval" and record.step == 5
+        heard = done and record.sample_seen is not None and record.phase_since is not None
+        return record if heard and record.sample_seen > record.phase_since else None
 
     with ddpwatch.phase("eval"):
         record = receiver.wait_for(eval_sample)
