@@ -121,9 +121,13 @@ def test_steps_loss_and_phase_reach_the_server(receiver: Receiver, rank_env) -> 
 
     def eval_sample(state: ServerState):
         record = state.ranks.get(0)
-        # the phase event may come before the first heartbeat: wait for a heartbeat in "eval"
-        done = record and record.phase == "eval" and record.step == 5 and record.sample_seen
-        return record if done and record.loss is not None else None
+        # wait for a heartbeat in "eval": the phase event carries the step (5) but no loss,
+        # and the record keeps the loss of the last heartbeat, which may have come between
+        # steps 1 and 2 (seen under load: step 5 from the event beside step 1's loss 0.0).
+        # A heartbeat received after the phase change (a later receive) read the step again
+        done = record and record.phase == "eval" and record.step == 5
+        heard = done and record.sample_seen is not None and record.phase_since is not None
+        return record if heard and record.sample_seen > record.phase_since else None
 
     with ddpwatch.phase("eval"):
         record = receiver.wait_for(eval_sample)
@@ -132,6 +136,32 @@ def test_steps_loss_and_phase_reach_the_server(receiver: Receiver, rank_env) -> 
     assert record.host and record.pid == os.getpid() and record.device == "cpu"
     assert record.step_time_s is not None and record.avg_step_time_s is not None
     receiver.wait_for(lambda s: s.ranks[0].phase == "train")
+
+
+def test_a_sample_never_pairs_a_step_with_an_earlier_steps_loss(
+    rank_env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The training thread may end steps while a heartbeat is built (the memory reads take
+    long enough under load): the sample's step is read before its loss, so it is never newer
+    than the loss (a loss is in the ring before its step is counted)."""
+    watcher = ddpwatch.attach(addr=f"127.0.0.1:{free_port_pair()}", interval=60.0)
+    assert watcher is not None
+    ddpwatch.step(torch.tensor(0.0))
+    read_memory = watcher._host_memory
+    steps = iter([range(1, 5)])
+
+    def steps_end_meanwhile():
+        for i in next(steps, ()):  # once: steps 2 to 5 end while the first sample is built
+            ddpwatch.step(torch.tensor(float(i)))
+        return read_memory()
+
+    monkeypatch.setattr(watcher, "_host_memory", steps_end_meanwhile)
+    with watcher._beat_lock:  # not beside the publisher's own first beat
+        first = watcher._sample()
+        second = watcher._sample()
+    assert first is not None and second is not None
+    assert (first.step, first.loss) == (1, 0.0)
+    assert (second.step, second.loss) == (5, 4.0)
 
 
 def test_steps_counted_from_optimizer_then_forward(receiver: Receiver, rank_env) -> None:

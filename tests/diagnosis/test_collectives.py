@@ -16,12 +16,13 @@ from lockstep import (
     waiting_in,
 )
 
-from ddpwatch.core.protocol import ErrorInfo
+from ddpwatch.core.protocol import Collective, ErrorInfo
 from ddpwatch.diagnosis.rules import (
     diagnose,
     rule_collective_mismatch,
     rule_straggler,
 )
+from ddpwatch.server.records import RankRecord
 from ddpwatch.server.state import ServerState
 
 
@@ -207,3 +208,34 @@ def test_straggler_far_ahead_or_busy_without_stepping_is_still_named() -> None:
     busy.ranks[0] = rank(0, 2, step=500, **waiting_in("barrier", 9, 8.0))
     busy.ranks[1] = rank(1, 2, step=500, last_progress=NOW - 0.05, last_step_at=NOW - 9.0)
     assert only(rule_straggler(busy, NOW, TH), "straggler").ranks == (1,)
+
+
+def gathering(r: int, numel: int, known: bool = True) -> RankRecord:
+    """A rank of a 4-rank job in all_gather #30 with ``numel`` elements; not ``known``: gloo
+    aborted it from C++ before a heartbeat saw it there (silent, no call reported)."""
+    if not known:
+        return rank(r, last_seen=NOW - 5.0, last_progress=NOW - 5.0)
+    call = Collective(op="gloo:all_gather", seq=30, since_s=2.6, shape=[numel], dtype="float32")
+    return rank(r, collective=call, collective_seen=NOW - 0.4)
+
+
+@pytest.mark.parametrize("known", [(0, 1, 2, 3), (0, 1, 2), (0, 2, 3)])
+def test_all_gather_sizes_name_the_odd_rank_against_a_majority(known: tuple[int, ...]) -> None:
+    """Lightning #7773 with 4 ranks: rank 2 gathers 5 elements, the others 4."""
+    state = state_of(*(gathering(r, 5 if r == 2 else 4, r in known) for r in range(4)))
+    alert = only(rule_collective_mismatch(state, NOW, TH), "collective_mismatch")
+    assert alert.ranks == (2,)
+    assert alert.message.startswith("rank 2 called all_gather with 5 elements (float32)")
+
+
+def test_all_gather_sizes_with_two_calls_unknown_name_no_one() -> None:
+    """gloo aborted two ranks before they reported their calls (seen: ranks 1 and 3): one call
+    of each size is known, either may be the odd one, so no rank is named (a wrong culprit is
+    worse than none) and the alert says whose calls are missing."""
+    state = state_of(*(gathering(r, 5 if r == 2 else 4, r in (0, 2)) for r in range(4)))
+    alert = only(rule_collective_mismatch(state, NOW, TH), "collective_mismatch")
+    assert (alert.ranks, alert.severity) == ((), "error")
+    assert alert.message.startswith("the ranks made different calls at collective #30: ")
+    assert alert.message.endswith(
+        "ranks 1, 3's calls are not known, so which side is odd cannot be told"
+    )

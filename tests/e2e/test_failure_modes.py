@@ -158,8 +158,29 @@ def test_all_gather_with_another_size_names_the_odd_rank() -> None:
 
     The mode runs 4 ranks: the three calls still known show the odd one against a majority.
     With 3 ranks the two known calls tie and the alert names nobody, saying whose call is
-    missing (``test_attribution``): never an innocent rank."""
-    assert_blames_only_the_culprit("allgather-size")
+    missing (``test_attribution``): never an innocent rank. gloo at times aborts a second
+    rank before it reported its call (seen under load): two calls of four are known, they
+    tie, and naming nobody is right then (``test_collectives``); an innocent rank never is."""
+    mode = MODES["allgather-size"]
+    result = run("allgather-size")
+    scored = score(result, mode)
+    if scored.first is not None:  # a majority was known: it names rank 2, and only rank 2
+        assert_blames_only_the_culprit("allgather-size")
+        return
+    account = describe(result)
+    assert result.fault_at is not None, f"the fault never happened\n{account}"
+    tie = [
+        c
+        for c in result.scored()
+        if c.kind == "collective_mismatch"
+        and not c.ranks
+        and re.search(r"; ranks \d+, \d+'s calls are not known, so which side is odd", c.message)
+    ]
+    assert tie, f"no alert blamed anyone, and no tie of two known calls was seen\n{account}"
+    assert not scored.wrong, f"alerts named innocent ranks\n{account}"
+    assert set(result.verdict_named) <= mode.culprits, (
+        f"the verdict blames {result.verdict_named}\n{account}"
+    )
 
 
 def test_collective_on_rank_zero_only_names_rank_zero() -> None:

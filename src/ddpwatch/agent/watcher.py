@@ -416,6 +416,11 @@ class Watcher:
             else None
         )
         identity = {**self._identity_fields(), **device.as_fields()}
+        # the step before the loss: a step's loss is in the ring before its count moves
+        # (``end_step``), so a sample never pairs step N with a loss read on the host from
+        # an earlier step. Read the other way round, the training thread could end steps in
+        # between (the memory reads below take that long under load): step 5, step 1's loss
+        step = progress.step
         loss = progress.loss.poll()
         input_wait_s, compute_s, grad_wait_s = self._split.read()
         phase = self._phase_now()
@@ -429,7 +434,7 @@ class Watcher:
             phase=phase,
             cpu_s=time.process_time(),
             compile_reason=progress.compile_reason if phase == Phase.COMPILING else None,
-            step=progress.step,
+            step=step,
             loss=loss,
             nan_step=progress.loss.nan_step,
             grad_nan_step=progress.loss.grad_nan_step,
