@@ -53,7 +53,7 @@ def test_the_first_step_with_non_finite_own_gradients_is_exact() -> None:
 
 def test_after_learning_only_the_last_gradients_to_arrive_stay_checked() -> None:
     """A deep model's every parameter hooked cost a third of a 7 ms step: after its first
-    steps only the first layer's gradients (the last to arrive, and where a bad gradient
+    steps only a gradient of the first layer (the last to arrive, and where a bad gradient
     anywhere above flows) stay checked, and a bad step is still found."""
     progress = Progress()
     layers = [nn.Linear(8, 8) for _ in range(20)]
@@ -62,7 +62,7 @@ def test_after_learning_only_the_last_gradients_to_arrive_stay_checked() -> None
     for _ in range(LEARN_STEPS + 1):
         train_step(model, progress)
     kept = {id(p) for p in layers[0].parameters()}
-    assert set(progress.grads._handles) == kept
+    assert len(progress.grads._handles) == 1 and set(progress.grads._handles) <= kept
     train_step(model, progress, bad=True)
     progress.loss.poll()
     assert progress.loss.grad_nan_step == LEARN_STEPS + 2

@@ -9,11 +9,14 @@ before it is accumulated into ``.grad``, so before the reducer copies it into it
 hook sees its own gradient, ``.grad`` ends averaged). DDP's one communication-hook slot is
 left to the user.
 
-Only the gradients that arrive last are kept checked: a non-finite gradient anywhere flows
-down to every earlier layer's, and the first layers' arrive last. For its first
-``LEARN_STEPS`` steps every parameter is hooked and the order they arrive in is noted; then
-only the last ``KEPT`` of each of those steps stay hooked (about 5 µs a hooked parameter a
-step: every parameter of a 400-tensor model cost a third of a 7 ms step). A bad value born in
+Only the gradient that arrives last is kept checked: a non-finite gradient anywhere flows
+down to every earlier layer's, and the first layer's arrive last (its weight's and its bias's
+alike: a non-finite output gradient makes both non-finite). For its first ``LEARN_STEPS``
+steps every parameter is hooked and the order they arrive in is noted; then only the last
+``KEPT`` of each of those steps stay hooked (every parameter of a 400-tensor model cost a
+third of a 7 ms step; each kept one is a Python hook, a view and a sum every step: on a small
+model's 1.1 ms step, two kept ones were 0.08 M of the agent's 0.14 M instructions a step,
+counted by callgrind, ``docs/performance.md`` section 1). A bad value born in
 one late layer's weight gradient alone (an overflow in its product, what GradScaler skips) is
 not seen; the loss check still is.
 
@@ -46,7 +49,7 @@ SAMPLED = 1024
 dimension (then one of each)."""
 LEARN_STEPS = 4
 """Steps every parameter is checked in, to learn which gradients arrive last."""
-KEPT = 2
+KEPT = 1
 """Of each learning step's gradients, the last this many to arrive stay checked."""
 
 
@@ -108,7 +111,8 @@ class GradCheck:
                 return  # a tensor subclass: its sum might not be a plain local sum
             step = self._reader.step_in_progress()
             if step != self._step:
-                self.close()
+                if self._sums or self._arrived:
+                    self.close()
                 self._step = step
             if self._learning:
                 self._arrived.append(key)
@@ -176,10 +180,10 @@ def _sum_dtype(param: Any) -> Any:
 
 
 def _stacked_sum(torch: Any, sums: list[Any]) -> Any:
-    """One scalar, not finite when any of ``sums`` is not: added up when they are few (the
-    steady state: ``KEPT`` sums, one op instead of a stack and a sum), stacked otherwise."""
+    """One scalar, not finite when any of ``sums`` is not: two added (one op instead of a
+    stack and a sum), more stacked (gradient accumulation: one a backward)."""
     try:
-        if len(sums) <= KEPT:
+        if len(sums) <= 2:
             total = sums[0]
             for value in sums[1:]:
                 total = total + value
