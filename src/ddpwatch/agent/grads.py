@@ -44,9 +44,11 @@ from ddpwatch.agent.loss import LossReader
 
 ENV = "DDPWATCH_GRAD_CHECK"
 """``0`` turns the check off (no hooks)."""
-SAMPLED = 1024
+SAMPLED = 16384
 """Elements a gradient's check reads at most, unless it has more slices along its first
-dimension (then one of each)."""
+dimension (then one of each). Below it the whole gradient is summed: making the strided view
+is an op of its own, which costs more than summing 16k floats (callgrind, a 64x64 weight:
+``docs/performance.md`` section 1)."""
 LEARN_STEPS = 4
 """Steps every parameter is checked in, to learn which gradients arrive last."""
 KEPT = 1

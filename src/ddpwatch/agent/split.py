@@ -49,8 +49,9 @@ from ddpwatch.agent.progress import Progress
 
 LEARN_BACKWARDS = 8
 """Backwards with every parameter hooked, to learn which gradients are ready last."""
-KEEP_LAST = 2
-"""Per learning backward, how many of the last hooks to fire keep their hook."""
+KEEP_LAST = 1
+"""Per learning backward, how many of the last hooks to fire keep their hook: one; where the
+order varies between backwards, each backward's last one is kept (a Python hook a step each)."""
 PAIRS_KEPT = 64
 """Device marks (own gradients ready, backward returned) kept for the publisher: a heartbeat's
 backwards at 8 ms steps; past it the oldest are dropped (``GradReady.dropped``)."""
