@@ -236,6 +236,8 @@ def test_ranks_working_in_deepspeed_init_are_a_note_not_a_hang() -> None:
         "(working, not hung) while rank 2 has waited in 'backward' for 5.0 s"
     )
     assert note.hint.startswith("nothing to do while their CPU time grows: 'deepspeed_init'")
+    # nor a straggler's error: rank 2's all-reduce waits for their start-up, which works
+    assert not [a for a in alerts if a.severity in ("warning", "error") and a.ranks], alerts
 
 
 def test_ranks_whose_cpu_time_stopped_in_deepspeed_init_are_named() -> None:
@@ -249,6 +251,25 @@ def test_ranks_whose_cpu_time_stopped_in_deepspeed_init_are_named() -> None:
     assert alert.message == (
         "ranks 0, 1 are still in 'deepspeed_init' after 17.4 s while rank 2 waits in 'backward'"
     )
+
+
+def test_ranks_hung_in_deepspeed_init_are_still_stragglers() -> None:
+    """Their CPU time flat, the ranks rank 2 waits for in its all-reduce are named by
+    ``straggler`` as before, beside ``startup_hang``."""
+    flat = {"cpu_grew_at": NOW - 12.0}
+    state = state_of(initializing(0, 17.4, **flat), initializing(1, 17.2, **flat), through(2))
+    straggler = only(diagnose(state, NOW, LOADED), "straggler")
+    assert (straggler.severity, straggler.ranks, straggler.waiting) == ("error", (0, 1), (2,))
+
+
+def test_of_the_stragglers_only_the_hung_one_is_named() -> None:
+    """Rank 2 waits for ranks 0 and 1; rank 0's CPU time is flat, rank 1 still works: the
+    straggler alert names rank 0 alone, as ``startup_hang`` does."""
+    flat = {"cpu_grew_at": NOW - 12.0}
+    state = state_of(initializing(0, 17.4, **flat), initializing(1, 17.2), through(2))
+    straggler = only(diagnose(state, NOW, LOADED), "straggler")
+    assert (straggler.severity, straggler.ranks, straggler.waiting) == ("error", (0,), (2,))
+    assert straggler.message.startswith("rank 0 has not entered all_reduce #1"), straggler
 
 
 def test_an_idle_agents_own_cpu_time_is_no_work() -> None:

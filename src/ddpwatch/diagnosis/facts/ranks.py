@@ -127,6 +127,14 @@ def still_working(record: RankRecord, now: float) -> bool:
     return age is None or age <= CPU_GROWING_S
 
 
+def working_start(record: RankRecord, now: float) -> bool:
+    """Before its first step, in a start-up phase, and working (``still_working``): slow to
+    start, not hung. Ranks that wait for it wait for its start-up, which ``startup_hang``
+    tells (a note while it works), never a straggler's error."""
+    phase = record.phase or Phase.STARTED
+    return record.step is None and phase in _STARTING and still_working(record, now)
+
+
 def is_compiling(record: RankRecord) -> bool:
     """Inside ``torch.compile`` (dynamo, AOT autograd, inductor), as the agent hears from
     torch itself: working, however long a cold compile takes (minutes on a large model),
