@@ -347,3 +347,19 @@ def test_the_rate_of_cpu_time_from_heartbeats(per_beat: float, growing: bool) ->
         if beat >= 4:
             seen.add(cpu_growing(state.ranks[0], now))
     assert seen == {growing}
+
+
+def test_a_rank_that_stops_working_reads_as_stopped_within_three_seconds() -> None:
+    """Lightning's rank 1 asleep in ``setup`` (tests/integrations): 3.5 s into its sleep, the
+    rate of its last two marks was still high; the window since its last mark tells."""
+    state = ServerState(started=0.0)
+
+    def beat(now: float, cpu: float) -> bool:
+        state.apply(Sample(v=1, rank=1, t=0.0, pid=7, phase="setup", cpu_s=cpu), now)
+        return cpu_growing(state.ranks[1], now)
+
+    stopped = 10.0  # 10 s of work at 0.3 of a core, one beat every 0.5 s
+    assert [beat(i / 2, 2.0 + 0.15 * i) for i in range(21)][2:] == [True] * 19
+    cpu = 2.0 + 0.15 * 20
+    for i in range(1, 41):  # then asleep: the agent's own ~6 ms a second
+        assert beat(stopped + i / 2, cpu + 0.003 * i) == (i / 2 <= 2.5), i / 2

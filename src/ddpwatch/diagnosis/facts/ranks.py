@@ -18,13 +18,18 @@ _TERM_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
 _TERM_CODES = frozenset({-15, -2, -1, 143, 130, 129})
 _STARTING = frozenset(STARTUP_PHASES) - {Phase.TRAIN}
 
-CPU_GROWING_S = 5.0
-"""A rank whose CPU time grew (``RankRecord.cpu_grew_at``) within this long of its last
-heartbeat, at ``CPU_RATE`` or more, is working (``cpu_growing``)."""
 CPU_RATE = 0.05
 """CPU seconds a second, between a rank's last two marks (``RankRecord.cpu_rate``), that tell
 work: a rank importing or computing uses 0.3 or more on a loaded 2-core machine; the agent's
 own threads on a rank that sleeps or waits ~0.006 (measured), a mark every ~17 s."""
+CPU_GROWING_S = 2.5
+"""A rank whose CPU time grew (``RankRecord.cpu_grew_at``) within this long of its last
+heartbeat, at ``CPU_RATE`` or more, is working (``cpu_growing``): at ``CPU_RATE`` a mark
+comes every 2 s, and a beat later; a rank that stops (a sleep, a wait) reads as stopped
+this long after (5 s said "working" of a rank that had slept for 3.5 s)."""
+COLLECTIVE_WAIT_S = 5.0
+"""A rank inside one collective for longer than this is waiting in it, not working, however
+its CPU time grows (``still_working``)."""
 
 
 def phase_at(record: RankRecord, at: float) -> str | None:
@@ -119,12 +124,12 @@ def cpu_growing(record: RankRecord, now: float) -> bool:
 
 def still_working(record: RankRecord, now: float) -> bool:
     """A rank that works, slow but not hung: its CPU time grows, and it is neither waiting
-    for its peers in 'rendezvous' nor inside a collective for longer than ``CPU_GROWING_S``
-    (one it waits in: a rank spinning on a GPU sync burns CPU waiting)."""
+    for its peers in 'rendezvous' nor inside a collective for longer than
+    ``COLLECTIVE_WAIT_S`` (one it waits in: a rank spinning on a GPU sync burns CPU waiting)."""
     if (record.phase or Phase.STARTED) == Phase.RENDEZVOUS or not cpu_growing(record, now):
         return False
     age = record.collective_age(now)
-    return age is None or age <= CPU_GROWING_S
+    return age is None or age <= COLLECTIVE_WAIT_S
 
 
 def working_start(record: RankRecord, now: float) -> bool:
