@@ -5,6 +5,8 @@ The slice replays recordings of real healthy jobs of the corpus (``recordings/``
 runs taken with ``--record``, gzipped) through the server's engine in-process, under the
 tight thresholds: the same alerts the live server raised, in a second, without a job. The
 same slice for real, torchrun jobs, is ``test_false_alarms_quick`` in the smoke tests (e2e).
+``deepspeed-loaded`` is ``--jobs deepspeed --load`` (#32: a rank still working in
+'deepspeed_init' while the others wait in 'backward', an error before the fix).
 """
 
 from __future__ import annotations

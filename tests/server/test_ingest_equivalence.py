@@ -202,6 +202,7 @@ def expected_after_life() -> dict[str, Any]:
         "cpu_s": None,
         "cpu_grew_at": None,
         "cpu_mark_s": None,
+        "cpu_rate": None,
         "step": 8,
         "loss": 1.0,
         "step_time_s": 0.5,

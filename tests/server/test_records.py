@@ -134,3 +134,6 @@ def test_the_record_notes_when_the_ranks_cpu_time_last_grew() -> None:
         state.apply(Sample(v=1, rank=0, t=0.0, pid=7, phase="starting", cpu_s=cpu), now)
     record = state.ranks[0]
     assert (record.cpu_s, record.cpu_grew_at) == (0.37, 2.0)  # 0.1 s of CPU from 0.20 on
+    assert record.cpu_rate == pytest.approx(0.15)  # 0.15 s of CPU from 1.0 to 2.0
+    state.apply(Sample(v=1, rank=0, t=0.0, pid=7, phase="starting", cpu_s=0.05), 9.5)
+    assert (record.cpu_mark_s, record.cpu_grew_at, record.cpu_rate) == (0.05, 9.5, None)

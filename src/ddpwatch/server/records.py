@@ -54,7 +54,8 @@ def note_beat(beats: array[float] | None, values: tuple[float, ...]) -> array[fl
 
 CPU_STEP_S = 0.1
 """CPU seconds a rank must use for its CPU time to count as growing (``cpu_grew_at``): the
-agent's own thread uses a few milliseconds a second, a rank that imports or computes ~1 s."""
+agent's own threads use a few milliseconds a second (~6 ms measured on an attached rank that
+sleeps: a step every ~17 s), a rank that imports or computes ~1 s (0.3 s on a loaded machine)."""
 
 STORED_FIELDS = tuple(name for name in Sample.__struct_fields__ if name not in ("v", "t"))
 """Every field of a ``Hello`` or a ``Sample`` the server keeps on the rank's record (all but
@@ -116,6 +117,9 @@ class RankRecord:
     cpu_grew_at: float | None = None
     """When its CPU time last grew by ``CPU_STEP_S`` (server time): a rank working, not hung."""
     cpu_mark_s: float | None = None  # its CPU time at ``cpu_grew_at``
+    cpu_rate: float | None = None
+    """CPU seconds a second between its last two marks (None until it has two): a rank that
+    works uses 0.1 or more, even on a loaded machine; an idle agent's own threads ~0.006."""
     compile_reason: str | None = None  # while ``phase`` is ``compiling``: why (a recompile)
     step: int | None = None
     loss: float | None = None

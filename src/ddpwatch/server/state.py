@@ -311,13 +311,16 @@ def _set_phase(record: RankRecord, phase: str | None, now: float) -> None:
 
 
 def _note_cpu(record: RankRecord, cpu_s: float, now: float) -> None:
-    """Keep the rank's CPU time, and when it last grew by ``CPU_STEP_S``: the agent's own
-    thread costs far less between two marks, so growth is the rank's own work."""
+    """Keep the rank's CPU time, when it last grew by ``CPU_STEP_S``, and how fast it grew
+    since the mark before: the agent's own threads cost far less, so a rate is the rank's own
+    work. A process's first CPU time (or a new process's, lower) starts afresh."""
     record.cpu_s = cpu_s
-    mark = record.cpu_mark_s
-    if mark is None or cpu_s - mark >= CPU_STEP_S or cpu_s < mark:
-        record.cpu_mark_s = cpu_s
-        record.cpu_grew_at = now
+    mark, at = record.cpu_mark_s, record.cpu_grew_at
+    if mark is None or at is None or cpu_s < mark:
+        record.cpu_mark_s, record.cpu_grew_at, record.cpu_rate = cpu_s, now, None
+    elif cpu_s - mark >= CPU_STEP_S and now > at:
+        record.cpu_rate = (cpu_s - mark) / (now - at)
+        record.cpu_mark_s, record.cpu_grew_at = cpu_s, now
 
 
 def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # noqa: C901, PLR0912, PLR0915 -- hot path: every heartbeat of every rank, kept flat

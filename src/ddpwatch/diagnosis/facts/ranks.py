@@ -18,6 +18,19 @@ _TERM_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
 _TERM_CODES = frozenset({-15, -2, -1, 143, 130, 129})
 _STARTING = frozenset(STARTUP_PHASES) - {Phase.TRAIN}
 
+CPU_RATE = 0.05
+"""CPU seconds a second, between a rank's last two marks (``RankRecord.cpu_rate``), that tell
+work: a rank importing or computing uses 0.3 or more on a loaded 2-core machine; the agent's
+own threads on a rank that sleeps or waits ~0.006 (measured), a mark every ~17 s."""
+CPU_GROWING_S = 2.5
+"""A rank whose CPU time grew (``RankRecord.cpu_grew_at``) within this long of its last
+heartbeat, at ``CPU_RATE`` or more, is working (``cpu_growing``): at ``CPU_RATE`` a mark
+comes every 2 s, and a beat later; a rank that stops (a sleep, a wait) reads as stopped
+this long after (5 s said "working" of a rank that had slept for 3.5 s)."""
+COLLECTIVE_WAIT_S = 5.0
+"""A rank inside one collective for longer than this is waiting in it, not working, however
+its CPU time grows (``still_working``)."""
+
 
 def phase_at(record: RankRecord, at: float) -> str | None:
     """The phase the rank was in at ``at`` (server time), from the phases it entered
@@ -94,6 +107,37 @@ def is_busy(record: RankRecord, now: float, th: Thresholds) -> bool:
     (one big kernel, a GPU sync) looks stuck too: that is the conservative side."""
     moved = record.stack_moved_at
     return moved is not None and moved > record.last_progress and now - moved <= th.silent
+
+
+def cpu_growing(record: RankRecord, now: float) -> bool:
+    """The rank works: its CPU time grew at ``CPU_RATE`` or more between its last two marks,
+    and its last heartbeat came within ``CPU_GROWING_S`` of the last mark. One mark is not
+    enough: the agent's own threads reach one every ~17 s on a rank that sleeps or waits.
+    Judged as of its last heartbeat: a rank that went quiet is the silent rule's to name, not
+    a hang on stale evidence."""
+    rate, grew = record.cpu_rate, record.cpu_grew_at
+    if rate is None or grew is None or rate < CPU_RATE:
+        return False
+    seen = record.sample_seen
+    return (now if seen is None else seen) - grew <= CPU_GROWING_S
+
+
+def still_working(record: RankRecord, now: float) -> bool:
+    """A rank that works, slow but not hung: its CPU time grows, and it is neither waiting
+    for its peers in 'rendezvous' nor inside a collective for longer than
+    ``COLLECTIVE_WAIT_S`` (one it waits in: a rank spinning on a GPU sync burns CPU waiting)."""
+    if (record.phase or Phase.STARTED) == Phase.RENDEZVOUS or not cpu_growing(record, now):
+        return False
+    age = record.collective_age(now)
+    return age is None or age <= COLLECTIVE_WAIT_S
+
+
+def working_start(record: RankRecord, now: float) -> bool:
+    """Before its first step, in a start-up phase, and working (``still_working``): slow to
+    start, not hung. Ranks that wait for it wait for its start-up, which ``startup_hang``
+    tells (a note while it works), never a straggler's error."""
+    phase = record.phase or Phase.STARTED
+    return record.step is None and phase in _STARTING and still_working(record, now)
 
 
 def is_compiling(record: RankRecord) -> bool:

@@ -10,7 +10,7 @@ from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.census import world_complete
 from ddpwatch.diagnosis.facts.mismatch import Mismatch, odd_at_mark
-from ddpwatch.diagnosis.facts.ranks import is_busy, is_compiling, normal_op
+from ddpwatch.diagnosis.facts.ranks import is_busy, is_compiling, normal_op, working_start
 from ddpwatch.diagnosis.facts.stragglers import Straggle
 from ddpwatch.diagnosis.knowledge import named_ranks
 from ddpwatch.diagnosis.rules.registry import alert, rule
@@ -28,13 +28,18 @@ from ddpwatch.status.fmt import STACKS_IN, seconds, wait
 
 @rule(AlertKind.STRAGGLER, AlertKind.STALLED)
 def rule_straggler(f: Facts) -> list[Alert]:
-    """Ranks wait in a collective that a live rank has not entered: name that rank."""
+    """Ranks wait in a collective that a live rank has not entered: name that rank; never one
+    still working through its start-up (``working_start``): slow, not hung, which
+    ``startup_hang`` tells as a note (#32: a rank still in 'deepspeed_init' on a loaded
+    machine while the others wait in backward's all-reduce)."""
     found = f.straggle
     if found is None or f.cascade.roots:
         return []
     if not found.culprits:
         return _all_waiting(f, found)
-    culprits = found.culprits
+    culprits = [r for r in found.culprits if not working_start(r, f.now)]
+    if not culprits:
+        return []
     waiting = found.waiting_ranks()
     name = collective_name(found.op, found.seq)
     first = culprits[0]

@@ -9,6 +9,7 @@ from ddpwatch.core.vocabulary import STARTUP_PHASES, AlertKind, Phase, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.census import missing_ranks, world_complete
+from ddpwatch.diagnosis.facts.ranks import cpu_growing, still_working
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import format_ranks, record_location, verb
 from ddpwatch.server.records import RankRecord
@@ -23,8 +24,11 @@ def _phase_index(record: RankRecord) -> int:
     return max(index, len(STARTUP_PHASES) - 1) if record.step is not None else index
 
 
-CPU_GROWING_S = 5.0
-"""A rank whose CPU time grew within this long (``RankRecord.cpu_grew_at``) is working."""
+WORKING_WARN_S = 120.0
+"""A rank that works (its CPU time grows) in a start-up phase is a note (``info``), a warning
+only past twice ``--startup-after`` and this long at least: twice the default 60 s. Under it,
+whatever the threshold, slow is not wrong: on a loaded machine DeepSpeed's initialize alone
+takes 20 s, Lightning's imports as long."""
 _BEFORE_INIT = (Phase.STARTING, Phase.STARTED)
 
 
@@ -35,9 +39,8 @@ def _in_phase(record: RankRecord, now: float) -> float:
 def still_starting(record: RankRecord, now: float) -> bool:
     """A rank before ``init_process_group`` whose CPU time grows: importing or preparing, slow
     on a loaded machine but working, not hung (the early hello's 'starting', or 'started')."""
-    grew = record.cpu_grew_at
     phase = record.phase or Phase.STARTED
-    return phase in _BEFORE_INIT and grew is not None and now - grew <= CPU_GROWING_S
+    return phase in _BEFORE_INIT and cpu_growing(record, now)
 
 
 _PHASE_HINTS: dict[str, str] = {
@@ -80,8 +83,9 @@ def rule_startup_hang(f: Facts) -> list[Alert]:
 
     Only ranks in a startup phase count as starting: a rank in 'train' or in a phase
     of its own ('forward', 'eval') is past startup even before its first step. Ranks that
-    are behind but working (``still_starting``) are a note, not a hang; a phase every rank of
-    the job is in names no culprit: none holds the others.
+    are behind but working (``still_working``: their CPU time grows) are a note, not a hang,
+    and never named beside one that is; a phase every rank of the job is in names no
+    culprit: none holds the others.
     """
     now, th = f.now, f.th
     live = f.live
@@ -96,27 +100,45 @@ def rule_startup_hang(f: Facts) -> list[Alert]:
     behind = sorted((r for r in starting if _phase_index(r) == earliest), key=lambda r: r.rank)
     ahead = sorted(r.rank for r in live if _phase_index(r) > earliest)
     missing = missing_ranks(f.state)
-    working = all(still_starting(r, now) for r in behind)
     if missing and not ahead:
         phase = behind[0].phase or Phase.STARTED
         return [_waiting_for_missing(missing, [r.rank for r in behind], phase, longest)]
-    if missing and working:  # the ranks behind are on their way: the missing ones are not
-        phase, note = _ahead_phase(live, earliest), _starting_note(behind, now)
+    if missing and all(still_starting(r, now) for r in behind):
+        # the ranks behind are on their way: the missing ones are not
+        phase, note = _ahead_phase(live, earliest), _working_note(behind, now)
         return [_waiting_for_missing(missing, ahead, phase, longest, note)]
+    # with ranks missing, ranks past init_process_group are judged as they always were
+    busy = [] if missing else [r for r in behind if still_working(r, now)]
+    hung = [r for r in behind if r not in busy]
     if not ahead and min(_in_phase(r, now) for r in behind) <= th.startup_after:
         return []  # the last rank has just joined the others: the phase is about to end
-    severity = _severity(longest, th.startup_after, working)
+    severity = _severity(longest, th.startup_after, not hung)
     if not ahead and len(behind) == len(live) and world_complete(f.state, live):
         return [_job_wide(behind, now, severity)]
-    if working:
-        return [_still_starting(behind, f, earliest, longest, severity)]
-    first = behind[0]
+    if not hung:
+        return [_still_working(behind, f, earliest, severity)]
+    return [_hung(hung, busy, missing, f, earliest, severity)]
+
+
+def _hung(
+    hung: list[RankRecord],
+    busy: list[RankRecord],
+    missing: list[int],
+    f: Facts,
+    earliest: int,
+    severity: Severity,
+) -> Alert:
+    """The ranks behind that do not work (their CPU time stopped, or they wait), named with
+    the missing ones; those behind beside them that still work are a note, never named."""
+    now, live = f.now, f.live
+    ahead = sorted(r.rank for r in live if _phase_index(r) > earliest)
+    first = hung[0]
     phase = first.phase or Phase.STARTED
-    culprits = sorted({r.rank for r in behind} | set(missing))
-    own = max(_in_phase(r, now) for r in behind)
+    culprits = sorted({r.rank for r in hung} | set(missing))
+    own = max(_in_phase(r, now) for r in hung)
     loc = record_location(first)
     message = (
-        f"{format_ranks(r.rank for r in behind)} {verb(len(behind), 'is', 'are')} still in "
+        f"{format_ranks(r.rank for r in hung)} {verb(len(hung), 'is', 'are')} still in "
         f"'{phase}' after {seconds(own)}" + (f" ({loc})" if loc else "")
     )
     if missing:
@@ -126,8 +148,10 @@ def rule_startup_hang(f: Facts) -> list[Alert]:
             f" while {format_ranks(ahead)} {verb(len(ahead), 'waits', 'wait')} in "
             f"'{_ahead_phase(live, earliest)}'"
         )
+    if busy:
+        message += f"; {_working_note(busy, now)} (working, not hung)"
     hint = _PHASE_HINTS.get(phase, "look at the stacks of the ranks furthest behind")
-    return [alert(AlertKind.STARTUP_HANG, severity, culprits, ahead, message, hint)]
+    return alert(AlertKind.STARTUP_HANG, severity, culprits, ahead, message, hint)
 
 
 def _config_tells(f: Facts, earliest: int) -> bool:
@@ -137,11 +161,12 @@ def _config_tells(f: Facts, earliest: int) -> bool:
 
 
 def _severity(longest: float, startup_after: float, working: bool) -> Severity:
-    """Warning past ``startup_after``, error past twice that; a step lower for ranks that are
-    still working (their CPU time grows): a note, then a warning, never an error."""
+    """Warning past ``startup_after``, error past twice that; for ranks that are still
+    working (their CPU time grows) a note, a warning only past ``WORKING_WARN_S`` as well,
+    never an error."""
     late = longest > 2 * startup_after
     if working:
-        return Severity.WARNING if late else Severity.INFO
+        return Severity.WARNING if late and longest > WORKING_WARN_S else Severity.INFO
     return Severity.ERROR if late else Severity.WARNING
 
 
@@ -151,31 +176,47 @@ def _ahead_phase(live: list[RankRecord], earliest: int) -> str:
     return phases.most_common(1)[0][0]
 
 
-def _starting_note(behind: list[RankRecord], now: float) -> str:
-    """'ranks 1, 2 are still starting after 5.9 s, their CPU time growing'."""
+def _working_note(behind: list[RankRecord], now: float) -> str:
+    """'ranks 1, 2 are still starting after 5.9 s, their CPU time growing', or past
+    init_process_group 'rank 0 is still in 'deepspeed_init' after 17.4 s, its CPU time
+    growing'."""
     own = max(_in_phase(r, now) for r in behind)
+    phase = behind[0].phase or Phase.STARTED
+    where = "starting" if phase in _BEFORE_INIT else f"in '{phase}'"
     return (
         f"{format_ranks(r.rank for r in behind)} {verb(len(behind), 'is', 'are')} still "
-        f"starting after {seconds(own)}, {verb(len(behind), 'its', 'their')} CPU time growing"
+        f"{where} after {seconds(own)}, {verb(len(behind), 'its', 'their')} CPU time growing"
     )
 
 
-def _still_starting(
-    behind: list[RankRecord], f: Facts, earliest: int, longest: float, severity: Severity
-) -> Alert:
-    """Ranks behind that are still starting and working: say so, and for how long, without
-    calling them hung (on a loaded machine a rank's imports alone take seconds)."""
+def _still_working(behind: list[RankRecord], f: Facts, earliest: int, severity: Severity) -> Alert:
+    """Ranks behind that are still working: say so, and for how long, and who waits for them,
+    without calling them hung (on a loaded machine a rank's imports alone take seconds,
+    DeepSpeed's initialize tens of seconds)."""
     ahead = [r for r in f.live if _phase_index(r) > earliest]
-    waited = max((_in_phase(r, f.now) for r in ahead if r.step is None), default=longest)
-    message = (
-        f"{_starting_note(behind, f.now)} (importing or preparing, not hung) while "
-        f"{format_ranks(r.rank for r in ahead)} {verb(len(ahead), 'has', 'have')} waited in "
-        f"'{_ahead_phase(f.live, earliest)}' for {seconds(waited)}"
+    phase = behind[0].phase or Phase.STARTED
+    starting = phase in _BEFORE_INIT
+    message = _working_note(behind, f.now) + (
+        " (importing or preparing, not hung)" if starting else " (working, not hung)"
     )
+    if ahead:  # how long those before their first step have waited (a step ends no wait)
+        waits = [_in_phase(r, f.now) for r in ahead if r.step is None]
+        message += (
+            f" while {format_ranks(r.rank for r in ahead)} {verb(len(ahead), 'has', 'have')} "
+            f"waited in '{_ahead_phase(f.live, earliest)}'"
+            + (f" for {seconds(max(waits))}" if waits else "")
+        )
+    doing = (
+        "a slow start (imports of torch or Lightning, data preparation)"
+        if starting
+        else f"'{phase}' is slow on {verb(len(behind), 'it', 'them')} (a large model or "
+        "checkpoint, a cold cache)"
+    )
+    stacks = verb(len(behind), "its stack", "their stacks")
     hint = (
-        "nothing to do while their CPU time grows: a slow start (imports of torch or "
-        "Lightning, data preparation), stretched on a loaded machine; if it lasts, look at "
-        "their stacks (py-spy dump --pid) and at what else runs on the node"
+        f"nothing to do while {verb(len(behind), 'its', 'their')} CPU time grows: {doing}, "
+        f"stretched on a loaded machine; if it lasts, look at {stacks} (py-spy dump --pid) "
+        "and at what else runs on the node"
     )
     culprits, waiting = [r.rank for r in behind], [r.rank for r in ahead]
     return alert(AlertKind.STARTUP_HANG, severity, culprits, waiting, message, hint)
