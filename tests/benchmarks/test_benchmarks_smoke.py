@@ -16,7 +16,6 @@ from conftest import BENCHMARKS, ROOT
 pytestmark = pytest.mark.e2e
 
 
-
 def start_benchmark(script: str, *args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
@@ -62,6 +61,18 @@ def test_agent_overhead_tiny() -> None:
     assert "RATIO ddpwatch/bare tiny" in out
     assert "RATIO A/A ddpwatch job/bare tiny" in out
     assert "peer TraceML: skipped" in out
+
+
+def test_agent_instructions_tiny() -> None:
+    proc = start_benchmark(
+        "agent_instructions.py", "--arms", "bare,ddpwatch", "--steps", "10", "--size", "tiny"
+    )
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, (stdout + stderr)[-4000:]
+    if stdout.startswith("agent_instructions: skipped:"):
+        pytest.skip(stdout.strip())  # no valgrind here: the script says so and counts nothing
+    assert "RATIO agent_instructions tiny ddpwatch/bare" in stdout, (stdout + stderr)[-4000:]
+    assert "training-thread instructions a step" in stdout
 
 
 def test_hot_path_tiny() -> None:
