@@ -185,8 +185,13 @@ def test_paused_rank_is_silent_then_recovers_and_the_alert_clears(
     assert job.poll() is None
     server = LiveServer(port, Thresholds())
     try:
+        # a server started after the job hears each rank's identity (its pid) at the rank's next
+        # identity beat, up to 10 beats after its first one: wait for it too
         server.wait_for(
-            lambda s: len(s["ranks"]) == 2 and all((r["step"] or 0) > 5 for r in s["ranks"]), 60
+            lambda s: (
+                len(s["ranks"]) == 2 and all((r["step"] or 0) > 5 and r["pid"] for r in s["ranks"])
+            ),
+            60,
         )
         rank_pids = {r["rank"]: r["pid"] for r in as_json(server.server.status())["ranks"]}
         os.kill(rank_pids[1], signal.SIGSTOP)
