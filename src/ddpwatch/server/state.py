@@ -475,10 +475,20 @@ def _entered_more(before: CollectiveCounts | None, now: CollectiveCounts | None)
     return now.py != before.py or (now.fr != before.fr and now.fr is not None)
 
 
+_LAST_WORDS = frozenset({EventKind.CRASH, EventKind.EXIT})
+
+
 def _apply_event(record: RankRecord, event: Event, now: float) -> None:
     kind = event.event
-    if event.step is not None and (record.step is None or event.step > record.step):
-        record.step = event.step  # an exit or crash carries the last step the rank reached
+    if (
+        kind in _LAST_WORDS
+        and event.step is not None
+        and (record.step is None or event.step > record.step)
+    ):
+        # an exit or crash carries the last step the rank reached. Any other event's step is
+        # context: taken as the record's, it paired a newer step with the last heartbeat's
+        # loss ("step 5, loss 0.0" of step 1) and hid the next heartbeat's progress
+        record.step = event.step
     if event.phase:
         _set_phase(record, event.phase, now)
     if kind == EventKind.STACK:
