@@ -28,10 +28,11 @@ import pytest
 import zmq
 
 from ddpwatch.core.ports import free_port_pair
-from ddpwatch.core.protocol import AnyMessage, Sample
+from ddpwatch.core.protocol import AnyMessage, Sample, decode
 from ddpwatch.demo.runner import stop_job
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.history import AlertChange
+from ddpwatch.server.recording import read_records
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
 
@@ -179,19 +180,55 @@ def poll_status(server: Any, predicate: Callable[[dict[str, Any]], Any], timeout
     raise AssertionError(f"timed out after {timeout} s; last status:\n{server.status()}")
 
 
+def heartbeat_trace(path: Path, last: int = 60) -> str:
+    """The last ``last`` heartbeats a server recorded, one line each: when it read them, the
+    rank, its step and phase, the collective it said it was in and its collective counts."""
+    lines = []
+    records = [r for r in read_records(path) if r.kind == "frame"]
+    start = records[0].t if records else 0.0
+    for record in records:
+        try:
+            message = decode(record.data)
+        except Exception:
+            continue
+        if not isinstance(message, Sample):
+            continue
+        c = message.collective
+        inside = (
+            f"{c.op} {c.source}:{c.group}#{c.seq} since {c.since_s:.2f}" if c is not None else "-"
+        )
+        counts = message.collectives
+        told = f"py={counts.py} fr={counts.fr}" if counts is not None else "-"
+        lines.append(
+            f"+{record.t - start:7.2f} sent {message.t - start:7.2f} rank {message.rank} "
+            f"step {message.step} {message.phase} in {inside} counts {told}"
+        )
+    return "last heartbeats heard:\n" + "\n".join(lines[-last:])
+
+
 class LiveServer:
     """A real ``Server`` on a background thread, recording every alert change."""
 
-    def __init__(self, port: int, thresholds: Thresholds) -> None:
+    def __init__(self, port: int, thresholds: Thresholds, record: Path | None = None) -> None:
         self.port = port
+        self.record = record
         self.changes: list[AlertChange] = []
-        self.server = Server("127.0.0.1", port, thresholds, on_change=self.changes.append)
+        self.server = Server(
+            "127.0.0.1", port, thresholds, on_change=self.changes.append, record=record
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
 
     def wait_for(self, predicate: Callable[[dict[str, Any]], Any], timeout: float) -> Any:
-        """Poll the status document until ``predicate`` returns something truthy."""
-        return poll_status(self.server, predicate, timeout)
+        """Poll the status document until ``predicate`` returns something truthy; a timeout's
+        error ends with the last heartbeats heard (what each rank said it was in): a race
+        that shows 1 run in 20 on a loaded machine is read from the CI log, not rerun."""
+        try:
+            return poll_status(self.server, predicate, timeout)
+        except AssertionError as failed:
+            if self.record is None:
+                raise
+            raise AssertionError(f"{failed}\n{heartbeat_trace(self.record)}") from None
 
     def raised(self, kind: str) -> list[dict[str, Any]]:
         return [
@@ -250,9 +287,7 @@ def ddpwatch_run(
     )  # fmt: skip
 
 
-def run_watched(
-    job: list[str], cwd: Path, env: dict[str, str], timeout: float
-) -> tuple[int, str]:
+def run_watched(job: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str]:
     """``ddpwatch run -- JOB`` with its own collector, as a user types it, in ``cwd`` (where
     it records by default): its exit code and stderr. A run that does not end within
     ``timeout`` is stopped and fails the test."""
@@ -270,13 +305,15 @@ def run_watched(
     except subprocess.TimeoutExpired:
         stop_job(proc, grace=3.0)
         _, err = proc.communicate()
-        raise AssertionError(f"ddpwatch run did not end in {timeout:.0f} s\n{err[-4000:]}") from None
+        raise AssertionError(
+            f"ddpwatch run did not end in {timeout:.0f} s\n{err[-4000:]}"
+        ) from None
     return proc.returncode, err
 
 
 @pytest.fixture
-def live_server(port: int) -> Iterator[LiveServer]:
-    server = LiveServer(port, Thresholds(stall_after=4.0))
+def live_server(port: int, tmp_path: Path) -> Iterator[LiveServer]:
+    server = LiveServer(port, Thresholds(stall_after=4.0), record=tmp_path / "live.ddpw")
     yield server
     server.stop()
 
