@@ -54,6 +54,28 @@ CONTRIBUTED = {
 }
 """Where each wrapped function takes the tensor this rank contributes (position, keyword):
 its shape and dtype tell a size mismatch between ranks."""
+REDUCE_OP_AT = {
+    "all_reduce": 1,
+    "reduce": 2,
+    "reduce_scatter": 2,
+    "reduce_scatter_tensor": 2,
+}
+"""Where each wrapped function takes its reduce op (position; keyword ``op``), as torch 2.13
+declares them; absent, torch's default: ``SUM``."""
+ROOT_AT = {
+    "broadcast": (1, "src"),
+    "broadcast_object_list": (1, "src"),
+    "scatter": (2, "src"),
+    "scatter_object_list": (2, "src"),
+    "reduce": (1, "dst"),
+    "gather": (2, "dst"),
+    "gather_object": (2, "dst"),
+}
+"""Where each wrapped function takes its root, the rank it sends from or gathers to (position,
+keyword; else ``group_<keyword>``, the root's rank in the group): every rank must pass the
+same one. Under gloo a broadcast whose ``src`` differs on one rank completes with no error
+(DESIGN.md's facts), and NCCL's reduce with a ``dst`` that differs on one rank finishes too,
+with later work hanging (pytorch/pytorch#39706)."""
 FR_ENV = "TORCH_FR_BUFFER_SIZE"
 FR_DEFAULT_SIZE = "2000"
 FR_ON_BY_DEFAULT = (2, 13)  # torch releases from this one keep 2000 entries without the variable
@@ -93,15 +115,29 @@ class CollectiveWrappers:
         progress = self._progress
         world = self._world_group
         index, keyword = CONTRIBUTED.get(name, (-1, ""))
+        op_at = REDUCE_OP_AT.get(name, -1)
+        root_at, root_keyword = ROOT_AT.get(name, (-1, ""))
+        in_group = f"group_{root_keyword}"
 
         # Its name and its one call line appear in every traceback through a collective, so
         # both say what it is: torch has no hook run on entering a Python-level collective
-        # (process-group completion hooks run after it, and only under NCCL).
+        # (process-group completion hooks run after it, and only under NCCL). The arguments
+        # are only read here (an index or a dict look-up each); the publisher names them.
         @functools.wraps(torch_collective)
         def ddpwatch_passthrough(*args: Any, **kwargs: Any) -> Any:
             group = kwargs.get("group")
-            tensor = args[index] if 0 <= index < len(args) else kwargs.get(keyword)
-            with _Recorded(progress, name, tensor, group is None or group is world()):
+            given = len(args)
+            tensor = args[index] if 0 <= index < given else kwargs.get(keyword)
+            reduce_op = None
+            if op_at >= 0:
+                reduce_op = args[op_at] if op_at < given else kwargs.get("op")
+            root = None
+            if root_at >= 0:
+                root = args[root_at] if root_at < given else kwargs.get(root_keyword)
+                if root is None:
+                    root = kwargs.get(in_group)
+            counted = group is None or group is world()
+            with _Recorded(progress, name, tensor, counted, reduce_op, root):
                 return torch_collective(*args, **kwargs)  # ddpwatch only records the call
 
         ddpwatch_passthrough.__ddpwatch__ = True  # type: ignore[attr-defined]
@@ -112,13 +148,24 @@ class _Recorded:
     """Enters one collective in ``Progress`` and leaves it, keeping whether it failed (a plain
     class: no generator frame of its own, and cheap on every collective)."""
 
-    __slots__ = ("_counted", "_op", "_progress", "_tensor")
+    __slots__ = ("_counted", "_op", "_progress", "_reduce_op", "_root", "_tensor")
 
-    def __init__(self, progress: Progress, op: str, tensor: Any, counted: bool) -> None:
+    def __init__(
+        self,
+        progress: Progress,
+        op: str,
+        tensor: Any,
+        counted: bool,
+        reduce_op: Any = None,
+        root: Any = None,
+    ) -> None:
         self._progress, self._op, self._tensor, self._counted = progress, op, tensor, counted
+        self._reduce_op, self._root = reduce_op, root
 
     def __enter__(self) -> None:
-        self._progress.enter_collective(self._op, self._tensor, self._counted)
+        self._progress.enter_collective(
+            self._op, self._tensor, self._counted, self._reduce_op, self._root
+        )
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
         self._progress.exit_collective(failed=kind is not None)
@@ -200,9 +247,7 @@ class FlightRecorder:
         group, seq = pending
         since = max(0.0, time.time() - created) if created else 0.0
         name = op if group == "0" else f"{op}[pg {group}]"
-        found = Collective(
-            op=name, seq=seq, since_s=since, source=CollectiveSource.FR, group=group
-        )
+        found = Collective(op=name, seq=seq, since_s=since, source=CollectiveSource.FR, group=group)
         return found, enqueued
 
     def _describe(self, key: tuple[str, int]) -> tuple[tuple[str, int], str, float]:

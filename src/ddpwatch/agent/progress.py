@@ -22,6 +22,11 @@ from ddpwatch.core.vocabulary import CollectiveSource, Phase
 
 EMA_WEIGHT = 0.1
 MARKS_KEPT = 16  # 128 steps of marks between two heartbeats: enough for 4 ms steps
+WINDOW_CALLS = 256
+"""Calls kept per window between two marks (``Progress.calls``): every rank keeps the same
+first ones, so their digests still compare; more only count (``collective_seq``)."""
+REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"})
+"""The wrapped collectives that take a reduce op: ``SUM`` where none is given."""
 DRAWN_KEPT = 8  # DataLoader iterators counted at once (training, evaluation, a new epoch's)
 _FORWARD: Final = Phase.FORWARD  # a global: an Enum member off its class is slower (hooks.py)
 _EVALUATION: Final = Phase.EVALUATION
@@ -50,7 +55,19 @@ class Progress:
         self.collective_depth = 0
         self.collective_counted = True
         self.collective_tensor: Any = None
+        self.collective_reduce_op: Any = None  # as the call gave it (a ``ReduceOp``)
+        self.collective_root: Any = None  # its src or dst, as given
         self.marks: deque[tuple[int, int]] = deque(maxlen=MARKS_KEPT)
+        self.calls: list[tuple[str, Any, Any, Any, Any]] = []
+        """This window's default-group calls so far, the first ``WINDOW_CALLS``: (op, dtype,
+        element count, reduce op, root) as given, read by the publisher once the window is
+        closed (``windows``)."""
+        self.window_start = 0  # ``collective_seq`` when the window opened
+        self.windows: deque[tuple[int, int, list[tuple[str, Any, Any, Any, Any]]]] = deque(
+            maxlen=MARKS_KEPT
+        )
+        """(step, the count the window started at, its calls) for each mark in ``marks``: what
+        the ranks called between two marks, which every rank should have called alike."""
         self.drawn: dict[int, int] = {}  # batches drawn, per DataLoader iterator (by id)
         self.drawn_from: int | None = None  # the iterator of the last batch drawn
         self.batch_marks: deque[tuple[int, int]] = deque(maxlen=MARKS_KEPT)
@@ -122,6 +139,9 @@ class Progress:
         if self.step % MARK_EVERY == 0 and self.step_mode != "forward":
             # forward passes are no step count to compare ranks by (evaluation on one rank)
             self.marks.append((self.step, self.collective_seq))  # one append: atomic
+            self.windows.append((self.step, self.window_start, self.calls))
+            self.calls = []  # a new list: the publisher reads the old one, no longer written
+            self.window_start = self.collective_seq
             source = self.drawn_from
             if source is not None:  # the training loader: its batch came last before the step
                 self.batch_marks.append((self.step, self.drawn.get(source, 0)))
@@ -197,17 +217,36 @@ class Progress:
             self.phase = _FORWARD
             self.phase_changed = now
 
-    def enter_collective(self, op: str, tensor: Any = None, counted: bool = True) -> None:
+    def enter_collective(
+        self,
+        op: str,
+        tensor: Any = None,
+        counted: bool = True,
+        reduce_op: Any = None,
+        root: Any = None,
+    ) -> None:
         """Enter a Python-level collective. ``tensor``: what this rank contributes (its shape
         and dtype are read later, off the training thread); ``counted``: it runs on the
-        default group, so its number compares across ranks."""
+        default group, so its number compares across ranks; ``reduce_op``, ``root``: its
+        reduce op and src/dst as the call gave them (named off the training thread).
+
+        A counted call is also kept in this window's ``calls``, its dtype and element count
+        read now (the tensor is not kept past the call): one tuple and one append."""
         self.collective_depth += 1
         if self.collective_depth == 1:
             if counted:
-                self.collective_seq += 1
+                seq = self.collective_seq = self.collective_seq + 1
+                if seq - self.window_start <= WINDOW_CALLS:
+                    try:
+                        call = (op, tensor.dtype, tensor.numel(), reduce_op, root)
+                    except Exception:  # no tensor (barrier, *_object): no dtype or size
+                        call = (op, None, None, reduce_op, root)
+                    self.calls.append(call)
             self.collective_counted = counted
             self.collective_op = op
             self.collective_tensor = tensor
+            self.collective_reduce_op = reduce_op
+            self.collective_root = root
             self.collective_start = time.perf_counter()
 
     def exit_collective(self, failed: bool = False) -> None:
@@ -218,6 +257,8 @@ class Progress:
             self.collective_time_step += time.perf_counter() - self.collective_start
             self.collective_op = None
             self.collective_tensor = None
+            self.collective_reduce_op = None
+            self.collective_root = None
 
     # publisher thread ------------------------------------------------------
     def in_flight(self) -> Collective | None:
@@ -226,6 +267,7 @@ class Progress:
         if op is None:
             return None
         shape, dtype = _describe(self.collective_tensor)
+        reduce_op, root = self.collective_reduce_op, self.collective_root
         return Collective(
             op=op,
             seq=self.collective_seq if self.collective_counted else None,
@@ -233,6 +275,8 @@ class Progress:
             source=CollectiveSource.PY,
             shape=shape,
             dtype=dtype,
+            reduce_op=reduce_op_name(op, reduce_op),
+            root=root_number(root),
         )
 
     def idle_for(self) -> float:
@@ -278,6 +322,28 @@ class SplitReader:
             self.grad_wait_s = grads if timed else None
             self.compute_s = max(0.0, step - inputs - grads - waits) if timed else None
         return self.input_wait_s, self.compute_s, self.grad_wait_s
+
+
+def reduce_op_name(op: str, reduce_op: Any) -> str | None:
+    """The reduce op a call gave, as torch names it in lower case (``sum``, ``avg``,
+    ``premul_sum``): ``sum`` for a reducing collective that gave none (torch's default, so
+    that ``op=SUM`` and no ``op`` compare alike), None for one that takes no reduce op."""
+    if reduce_op is None:
+        return "sum" if op in REDUCING else None
+    name = getattr(reduce_op, "name", None)  # a ``RedOpType``: ReduceOp.SUM, ReduceOp.MAX
+    if name is None:  # a ``ReduceOp`` made for one call (premul_sum): its type is ``op``
+        name = getattr(getattr(reduce_op, "op", None), "name", None)
+    return str(name).lower() if name is not None else str(reduce_op)[:40]
+
+
+def root_number(root: Any) -> int | None:
+    """A call's src or dst as an int (the rank given), None when it gave none or not one."""
+    if root is None:
+        return None
+    try:
+        return int(root)
+    except (TypeError, ValueError):
+        return None
 
 
 def _describe(tensor: Any) -> tuple[list[int] | None, str | None]:

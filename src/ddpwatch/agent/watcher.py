@@ -15,6 +15,7 @@ from typing import Any
 
 from ddpwatch.agent import early, hostmem, registry, switches
 from ddpwatch.agent.auto import after_import
+from ddpwatch.agent.calls import CallDigests
 from ddpwatch.agent.collectives import CollectiveWrappers, FlightRecorder, ensure_flight_recorder
 from ddpwatch.agent.compiling import CompileWatch, in_compile_stack
 from ddpwatch.agent.hooks import BackwardLoss, ModelHooks, ProcessHooks
@@ -87,6 +88,7 @@ class Watcher:
             self.progress, timing=self._split_on, counting=self.probes.on("batches")
         )
         self._split = SplitReader(self.progress, device_waits=self._grad_ready.collect)
+        self._calls = CallDigests(self.progress)
         self._process_hooks = ProcessHooks(
             self._report_crash, self._report_exit, mark=lambda: self.progress.step
         )
@@ -408,13 +410,16 @@ class Watcher:
         collective, enqueued = recorder.read() if recorder is not None else (None, None)
         if collective is None:
             collective = progress.in_flight()
-        counts = (
-            CollectiveCounts(
-                py=progress.collective_seq, fr=enqueued, marks=list(progress.marks) or None
+        counts = None
+        if self._dist_ready:
+            digests, window = self._calls.read()
+            counts = CollectiveCounts(
+                py=progress.collective_seq,
+                fr=enqueued,
+                marks=list(progress.marks) or None,
+                digests=digests,
+                window=window,
             )
-            if self._dist_ready
-            else None
-        )
         identity = {**self._identity_fields(), **device.as_fields()}
         # the step before the loss: a step's loss is in the ring before its count moves
         # (``end_step``), so a sample never pairs step N with a loss read on the host from

@@ -46,6 +46,28 @@ class Collective(msgspec.Struct, omit_defaults=True, gc=False):
     group: str | None = None  # flight-recorder process-group name; None: the default group
     shape: list[int] | None = None  # the tensor this rank contributes (its first one)
     dtype: str | None = None
+    reduce_op: str | None = None  # "sum", "max", "avg", ...: collectives that reduce
+    root: int | None = None  # the src or dst rank of a broadcast, reduce, gather or scatter
+
+
+class CallSeen(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One way a rank called a Python-level collective in a window between two marks, and
+    the number of its first such call: ``[seq, op, dtype, numel, reduce_op, root]``."""
+
+    seq: NonNegInt
+    op: str
+    dtype: str | None = None
+    numel: NonNegInt | None = None  # None where sizes may differ by rank (all_gather)
+    reduce_op: str | None = None
+    root: int | None = None
+
+
+class CallWindow(msgspec.Struct, omit_defaults=True, gc=False):
+    """The distinct calls a rank made between the mark before ``step`` and ``step``'s
+    (``CollectiveCounts.digests`` tells that ranks differ there; this, how)."""
+
+    step: NonNegInt
+    calls: list[CallSeen] = []
 
 
 class CollectiveCounts(msgspec.Struct, omit_defaults=True, gc=False):
@@ -57,6 +79,12 @@ class CollectiveCounts(msgspec.Struct, omit_defaults=True, gc=False):
     marks: list[tuple[NonNegInt, NonNegInt]] | None = None
     """(step, py) at the end of recent steps that are multiples of ``MARK_EVERY``: every rank
     marks the same steps, so ranks that call different numbers of collectives show it."""
+    digests: list[tuple[NonNegInt, NonNegInt]] | None = None
+    """(step, digest) at the same marks: a 32-bit digest of the Python-level default-group
+    calls since the mark before (op, dtype, element count, reduce op, root, in order), so
+    ranks that make the same number of calls with other arguments show it too."""
+    window: CallWindow | None = None
+    """The distinct calls of the latest window: what differs, where digests do."""
 
 
 MARK_EVERY = 8

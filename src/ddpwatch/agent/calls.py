@@ -1,0 +1,95 @@
+"""What each rank's Python-level collectives were called with, window by window.
+
+The training thread keeps, between two marks (every ``MARK_EVERY``-th step), each default-group
+call as it was given: op, dtype, element count, reduce op and root (``Progress.calls``: one
+tuple and one append per collective). This module, on the publisher thread, turns each closed
+window into a digest that compares across ranks, and the latest window's distinct calls into
+words the server can quote. Ranks that call the same number of collectives with another root
+or dtype differ here and nowhere else while the backend runs on: gloo completes a broadcast
+whose ``src`` differs on one rank (DESIGN.md's facts), NCCL an all_reduce whose dtype differs
+(pytorch/pytorch#150248) or a reduce whose ``dst`` does (pytorch/pytorch#39706).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+from ddpwatch.agent.progress import MARKS_KEPT, Progress, reduce_op_name, root_number
+from ddpwatch.core.protocol import CallSeen, CallWindow
+
+WINDOW_KINDS = 8
+"""Distinct calls described for the latest window: most loops make a handful a step."""
+UNSIZED = frozenset({"all_gather", "all_to_all", "all_to_all_single"})
+"""Collectives whose ranks may pass tensors of different sizes (torch allows uneven all_gather
+and split sizes): their element count is left out of digests and descriptions."""
+
+Call = tuple[str, str | None, int | None, str | None, int | None]
+"""A call as it compares across ranks: op, dtype name, element count, reduce op, root."""
+
+
+class CallDigests:
+    """Reads ``Progress.windows`` from the publisher thread: each closed window's digest
+    (worked out once: a window is never written again once closed) and the latest one's
+    distinct calls."""
+
+    def __init__(self, progress: Progress) -> None:
+        self._progress = progress
+        self._done: dict[tuple[int, int], tuple[int, CallWindow]] = {}
+        """By (step, start count): each closed window's digest and description."""
+        self._dtypes: dict[Any, str | None] = {}
+
+    def read(self) -> tuple[list[tuple[int, int]] | None, CallWindow | None]:
+        """(step, digest) for the windows still kept, and the latest window's calls; (None,
+        None) while the rank made no Python-level collective on the default group."""
+        progress = self._progress
+        if not progress.collective_seq:
+            return None, None  # nothing to compare (DDP's own all-reduce runs in C++)
+        windows = list(progress.windows)
+        if not windows:
+            return None, None
+        done = self._done
+        digests = []
+        for step, start, calls in windows:
+            found = done.get((step, start))
+            if found is None:
+                found = done[step, start] = self._digest(step, start, calls)
+            digests.append((step, found[0]))
+        if len(done) > MARKS_KEPT:
+            kept = {(step, start) for step, start, _ in windows}
+            for key in [key for key in done if key not in kept]:
+                del done[key]
+        step, start, _ = windows[-1]
+        latest = done[step, start][1]
+        return digests, latest if latest.calls else None
+
+    def _digest(self, step: int, start: int, raw: list[Any]) -> tuple[int, CallWindow]:
+        """One window: a CRC-32 over its start count and its calls in order (stable across
+        processes, unlike ``hash``), and its first ``WINDOW_KINDS`` distinct calls."""
+        digest = zlib.crc32(str(start).encode())
+        seen: dict[Call, int] = {}
+        for index, (op, dtype, numel, reduce_op, root) in enumerate(raw):
+            call: Call = (
+                op,
+                self._dtype(dtype),
+                None if op in UNSIZED or numel is None else int(numel),
+                reduce_op_name(op, reduce_op),
+                root_number(root),
+            )
+            digest = zlib.crc32(repr(call).encode(), digest)
+            if call not in seen and len(seen) < WINDOW_KINDS:
+                seen[call] = start + index + 1
+        described = [
+            CallSeen(seq=seq, op=op, dtype=dtype, numel=numel, reduce_op=reduce_op, root=root)
+            for (op, dtype, numel, reduce_op, root), seq in seen.items()
+        ]
+        return digest, CallWindow(step=step, calls=described)
+
+    def _dtype(self, dtype: Any) -> str | None:
+        """``float32`` for ``torch.float32``, once per dtype."""
+        if dtype is None:
+            return None
+        name = self._dtypes.get(dtype)
+        if name is None:
+            name = self._dtypes[dtype] = str(dtype).removeprefix("torch.")
+        return name
