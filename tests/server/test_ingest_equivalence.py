@@ -29,6 +29,8 @@ from conftest import AppliedState, free_port_pair, push_frames
 from ddpwatch.core.protocol import (
     AnyMessage,
     Batch,
+    CallSeen,
+    CallWindow,
     Collective,
     CollectiveCounts,
     ErrorInfo,
@@ -232,6 +234,8 @@ def expected_after_life() -> dict[str, Any]:
         "timed_step": 8,
         "timed_sent": 0.0,
         "step_marks": [(0, 0), (8, 3)],
+        "call_digests": [],  # this life sent no call digests
+        "call_windows": [],
         "forwards": 7,
         "batch_marks": None,  # this life drew no batches from a DataLoader
         "drawn_marks": [],
@@ -753,3 +757,26 @@ def test_a_server_far_behind_sheds_only_what_coalescing_would_not_apply(
     for rank in coalesced.ranks:
         assert snapshot(shed.ranks[rank]) == snapshot(coalesced.ranks[rank]), rank
     assert shed.generation == coalesced.generation
+
+
+def test_call_digests_and_windows_are_kept_like_the_marks() -> None:
+    """``collectives.digests`` fold into the record like ``marks``; ``collectives.window``
+    keeps the latest 4 windows' calls, by step (``rule_collective_arguments`` reads both)."""
+    state = ServerState(started=0.0)
+    call = CallSeen(seq=9, op="broadcast", dtype="float32", numel=4, root=0)
+    for n in range(6):
+        step = 8 * (n + 1)
+        counts = CollectiveCounts(
+            py=step,
+            marks=[(step, step)],
+            digests=[(step - 8, n), (step, n + 1)] if n else [(step, n + 1)],
+            window=CallWindow(step=step, calls=[call]),
+        )
+        state.apply(beat(step=step, collectives=counts), float(n + 1))
+        repeated = state.ranks[0].collectives
+        state.apply(beat(step=step, collectives=counts), float(n + 1.5))  # the same again
+        assert state.ranks[0].collectives is not None
+        assert state.ranks[0].collectives.window is repeated.window  # type: ignore[union-attr]
+    record = state.ranks[0]
+    assert record.call_digests == {8 * (k + 1): k + 1 for k in range(6)}
+    assert record.call_windows == {step: [call] for step in (24, 32, 40, 48)}

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
 
-from ddpwatch.core.protocol import Collective, CollectiveCounts, ErrorInfo, Sample
+from ddpwatch.core.protocol import CallSeen, Collective, CollectiveCounts, ErrorInfo, Sample
 from ddpwatch.server.step_times import StepTimes
 
 LOG_LINES = 50
@@ -148,6 +148,12 @@ class RankRecord:
     plain fields, not a tuple: no object for the collector to track, beat after beat)."""
     step_marks: dict[int, int] = field(default_factory=dict)
     """Python-level collectives entered by the end of marked steps (every MARK_EVERY-th)."""
+    call_digests: dict[int, int] = field(default_factory=dict)
+    """The digest of its Python-level calls in the window that ends at each marked step
+    (``collectives.digests``, kept like ``step_marks``)."""
+    call_windows: dict[int, list[CallSeen]] = field(default_factory=dict)
+    """The distinct calls of its latest few windows, by the step that ends each
+    (``collectives.window``): what the server quotes where digests differ."""
     forwards: int | None = None
     batch_marks: list[tuple[int, int]] | None = None
     drawn_marks: dict[int, int] = field(default_factory=dict)

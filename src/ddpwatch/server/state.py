@@ -35,6 +35,7 @@ from ddpwatch.status.schema import JobEnd
 
 MAX_WORLD = 1 << 20  # never iterate a bogus world size further than this
 MARKS_KEPT = 32
+WINDOWS_KEPT = 4  # a rank's latest windows of calls (``RankRecord.call_windows``)
 
 _IDENTITY_SLICE = slice(
     Identity.__struct_fields__.index(IDENTITY_FIELDS[0]),
@@ -426,6 +427,8 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
                 counts = replace(counts, marks=before.marks)
             else:
                 _keep_marks(record.step_marks, marks)
+        if counts.digests is not None or counts.window is not None:
+            counts = _keep_calls(record, before, counts)
     record.collectives = counts
     record.grad_nan_step = sample.grad_nan_step
     nan_step = sample.nan_step
@@ -525,6 +528,28 @@ def _keep_marks(kept: dict[int, int], marks: list[tuple[int, int]]) -> None:
     kept.update(marks)
     while len(kept) > MARKS_KEPT:
         del kept[min(kept)]
+
+
+def _keep_calls(
+    record: RankRecord, before: CollectiveCounts | None, counts: CollectiveCounts
+) -> CollectiveCounts:
+    """Fold a heartbeat's call digests and latest window into the record's (as the step marks:
+    what repeats the last heartbeat's is not stored again)."""
+    digests, window = counts.digests, counts.window
+    if digests:
+        if before is not None and before.digests == digests:
+            counts = replace(counts, digests=before.digests)
+        else:
+            _keep_marks(record.call_digests, digests)
+    if window is not None:
+        if before is not None and before.window == window:
+            counts = replace(counts, window=before.window)
+        else:
+            windows = record.call_windows
+            windows[window.step] = window.calls
+            while len(windows) > WINDOWS_KEPT:
+                del windows[min(windows)]
+    return counts
 
 
 def _stop_timing(record: RankRecord, collective: Collective | None) -> None:

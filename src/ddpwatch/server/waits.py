@@ -20,8 +20,9 @@ Place = tuple[str | None, str | None, int | None, str | None]
 """A collective as a rank reports it: source, group, seq, and the op when there is no seq:
 the raw fields ``diagnosis.facts.ranks.wait_key`` reads (two places may still be one
 collective there, spelled two ways)."""
-Call = tuple[str, tuple[int, ...] | None, str | None]
-"""How a rank called its collective: op, shape, dtype. Ranks in one collective should agree."""
+Call = tuple[str, tuple[int, ...] | None, str | None, str | None, int | None]
+"""How a rank called its collective: op, shape, dtype, reduce op, root. Ranks in one collective
+should agree."""
 
 
 def place_of(c: Collective) -> Place:
@@ -31,7 +32,7 @@ def place_of(c: Collective) -> Place:
 
 def call_of(c: Collective) -> Call:
     shape = c.shape
-    return (c.op, None if shape is None else tuple(shape), c.dtype)
+    return (c.op, None if shape is None else tuple(shape), c.dtype, c.reduce_op, c.root)
 
 
 def _same_call(a: Collective, b: Collective) -> bool:
@@ -43,6 +44,8 @@ def _same_call(a: Collective, b: Collective) -> bool:
         and a.group == b.group
         and a.shape == b.shape
         and a.dtype == b.dtype
+        and a.reduce_op == b.reduce_op
+        and a.root == b.root
     )
 
 
@@ -120,7 +123,7 @@ class WaitGroup:
     def ops(self) -> Counter[str]:
         """How many members called each op."""
         ops: Counter[str] = Counter()
-        for (op, _, _), n in self.calls().items():
+        for (op, *_), n in self.calls().items():
             ops[op] += n
         return ops
 

@@ -1,5 +1,6 @@
-"""Mismatch: ranks that made different calls at the same collective number (another op, size
-or dtype), and ranks whose count at a marked step differs from the majority's (a desync)."""
+"""Mismatch: ranks that made different calls at the same collective number (another op, size,
+dtype, reduce op or root), and ranks whose count at a marked step differs from the majority's
+(a desync)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ddpwatch.core.protocol import Collective
+from ddpwatch.core.protocol import CallSeen, Collective
 from ddpwatch.diagnosis.facts.census import Census
 from ddpwatch.diagnosis.facts.ranks import WaitKey, normal_op, wait_key
 from ddpwatch.server.records import RankRecord
@@ -62,6 +63,78 @@ def _latest_common_mark(marks: list[dict[int, int]]) -> int | None:
     return max(common) if common else None
 
 
+@dataclass(frozen=True)
+class OddCalls:
+    """Ranks whose calls between two marks differ from a strict majority's, with as many
+    calls (``odd_calls``): another root, reduce op, dtype or size, where the backend ran on."""
+
+    step: int  # the mark that ends the window
+    since: int | None  # the mark before it, where the first odd rank marked one
+    majority: list[RankRecord]
+    odd: list[RankRecord]  # by rank
+    theirs: CallSeen | None  # the first odd rank's first call the majority did not make
+    usual: CallSeen | None  # the majority's call at that number (else one of that op)
+
+
+def odd_calls(live: list[RankRecord]) -> OddCalls | None:
+    """At the latest step every live rank has a call digest for, the ranks whose digest
+    differs from a strict majority's; None unless 3 or more live ranks all have one, their
+    counts at that step agree (a count that differs is ``odd_at_mark``'s: a collective one
+    rank calls and the others do not), and one side is a clear majority."""
+    marked = [r for r in live if r.call_digests]
+    if len(marked) < 3 or len(marked) < len(live):
+        return None
+    step = _latest_common_mark([r.call_digests for r in marked])
+    if step is None:
+        return None
+    counts = {r.step_marks.get(step) for r in marked}
+    if len(counts) != 1 or None in counts:
+        return None
+    by_digest: dict[int, list[RankRecord]] = defaultdict(list)
+    for r in marked:
+        by_digest[r.call_digests[step]].append(r)
+    if len(by_digest) < 2:
+        return None
+    ranked = sorted(by_digest.values(), key=lambda group: (-len(group), min(r.rank for r in group)))
+    majority, second = ranked[0], ranked[1]
+    if len(majority) <= len(second) or len(majority) * 2 <= len(marked):
+        return None  # no clear majority: which side is odd cannot be told
+    odd = sorted((r for group in ranked[1:] for r in group), key=lambda r: r.rank)
+    first = odd[0]
+    before = [s for s in first.step_marks if s < step]
+    theirs, usual = _first_difference(first, majority, step)
+    return OddCalls(step, max(before) if before else None, majority, odd, theirs, usual)
+
+
+def _first_difference(
+    odd: RankRecord, majority: list[RankRecord], step: int
+) -> tuple[CallSeen | None, CallSeen | None]:
+    """The odd rank's first call (by number) that a majority rank did not make in a window
+    both described and whose digests differ (``step``'s first, else the latest such), and the
+    majority's call at that number, else one of the same op; (None, None) when no window
+    tells (the same calls in another order, or described in no common window)."""
+    windows = odd.call_windows
+    for when in sorted(windows, key=lambda s: (s != step, -s)):
+        digest = odd.call_digests.get(when)
+        for other in majority:
+            usual_calls = other.call_windows.get(when)
+            if usual_calls is None or other.call_digests.get(when) == digest:
+                continue
+            known = {_call_key(c) for c in usual_calls}
+            for call in sorted(windows[when], key=lambda c: c.seq):
+                if _call_key(call) not in known:
+                    same_seq = [c for c in usual_calls if c.seq == call.seq]
+                    same_op = [c for c in usual_calls if c.op == call.op]
+                    usual = same_seq or same_op
+                    return call, usual[0] if usual else None
+            break  # the same calls in another order: another window may tell
+    return None, None
+
+
+def _call_key(c: CallSeen) -> tuple[object, ...]:
+    return (c.op, c.dtype, c.numel, c.reduce_op, c.root)
+
+
 _SIZE_FREE_OPS = frozenset({"alltoall", "alltoallsingle", "send", "recv"})
 """Ops whose ranks may legitimately pass tensors of different sizes (split sizes)."""
 
@@ -76,13 +149,36 @@ class Mismatch:
     others: list[RankRecord]
 
 
-def call_text(c: Collective) -> str:
-    """How a rank called a collective: "all_gather with 5 elements (float32)"."""
-    text = c.op.split("[", 1)[0].rsplit(":", 1)[-1]
-    if c.shape is not None:
-        numel = math.prod(c.shape)
+def call_text(c: Collective, reduce_op: bool = True, root: bool = True) -> str:
+    """How a rank called a collective: "all_gather with 5 elements (float32)", "broadcast
+    src=1 with 4 elements (float32)", "all_reduce op=max with 1 element (float32)"; its reduce
+    op and root only where asked (where they differ between ranks)."""
+    numel = math.prod(c.shape) if c.shape is not None else None
+    return call_words(
+        c.op, numel, c.dtype, c.reduce_op if reduce_op else None, c.root if root else None
+    )
+
+
+_FROM_DST = frozenset({"reduce", "gather", "gatherobject"})
+"""Ops whose root is the rank they reduce or gather to (``dst``); the others' is ``src``."""
+
+
+def call_words(
+    op: str,
+    numel: int | None = None,
+    dtype: str | None = None,
+    reduce_op: str | None = None,
+    root: int | None = None,
+) -> str:
+    """A call in words, from its parts (``call_text``; a window's ``CallSeen``)."""
+    text = op.split("[", 1)[0].rsplit(":", 1)[-1]
+    if reduce_op is not None:
+        text += f" op={reduce_op}"
+    if root is not None:
+        text += f" {'dst' if normal_op(op) in _FROM_DST else 'src'}={root}"
+    if numel is not None:
         text += f" with {numel} {'element' if numel == 1 else 'elements'}"
-    return text + (f" ({c.dtype})" if c.dtype else "")
+    return text + (f" ({dtype})" if dtype else "")
 
 
 def find_mismatch(census: Census, now: float, settle: float) -> Mismatch | None:
@@ -122,11 +218,21 @@ def _mismatch_in(key: WaitKey, members: list[tuple[RankRecord, Collective]]) -> 
     )
     calls: dict[tuple[object, ...], list[RankRecord]] = defaultdict(list)
     texts: dict[tuple[object, ...], str] = {}
+    ops = len({c.reduce_op for _, c in members}) > 1  # quoted only where they differ
+    roots = len({c.root for _, c in members}) > 1
     for r, c in members:
         numel = math.prod(c.shape) if sized and c.shape is not None else None
-        signature = (normal_op(c.op), numel, c.dtype if sized else None)
+        signature = (normal_op(c.op), numel, c.dtype if sized else None, c.reduce_op, c.root)
         calls[signature].append(r)
-        texts.setdefault(signature, call_text(c) if sized else c.op)
+        if sized:
+            text = call_text(c, ops, roots)
+        elif ops or roots:  # no sizes to quote, but a reduce op or root that differs
+            text = call_words(
+                c.op, reduce_op=c.reduce_op if ops else None, root=c.root if roots else None
+            )
+        else:
+            text = c.op
+        texts.setdefault(signature, text)
     if len(calls) < 2:
         return None
     ranked = sorted(calls.items(), key=lambda item: (-len(item[1]), min(r.rank for r in item[1])))

@@ -26,6 +26,7 @@ from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.census import Pace
 from ddpwatch.diagnosis.rules.cascade import rule_cascade, rule_clean_exit
 from ddpwatch.diagnosis.rules.collectives import (
+    rule_collective_arguments,
     rule_collective_desync,
     rule_collective_mismatch,
     rule_straggler,
@@ -65,6 +66,7 @@ __all__ = [
     "rule_cascade",
     "rule_checkpoint_conflict",
     "rule_clean_exit",
+    "rule_collective_arguments",
     "rule_collective_desync",
     "rule_collective_mismatch",
     "rule_config_mismatch",
@@ -94,6 +96,7 @@ RULES: tuple[Rule, ...] = (
     rule_straggler,
     rule_collective_mismatch,
     rule_collective_desync,
+    rule_collective_arguments,
     rule_stalled,
     rule_startup_hang,
     rule_not_connected,

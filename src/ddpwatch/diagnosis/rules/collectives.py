@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ddpwatch.core.protocol import CallSeen
 from ddpwatch.core.vocabulary import AlertKind, CollectiveSource, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.census import world_complete
-from ddpwatch.diagnosis.facts.mismatch import Mismatch, odd_at_mark
+from ddpwatch.diagnosis.facts.mismatch import Mismatch, OddCalls, call_words, odd_at_mark, odd_calls
 from ddpwatch.diagnosis.facts.ranks import is_busy, is_compiling, normal_op, working_start
 from ddpwatch.diagnosis.facts.stragglers import Straggle
 from ddpwatch.diagnosis.knowledge import named_ranks
@@ -218,6 +219,80 @@ def rule_collective_desync(f: Facts) -> list[Alert]:
             hint,
         )
     ]
+
+
+@rule(AlertKind.COLLECTIVE_MISMATCH, every="slow")
+def rule_collective_arguments(f: Facts) -> list[Alert]:
+    """Ranks that called as many collectives as the others between two marks, but with other
+    arguments: another root (src/dst), reduce op, dtype or size, when nothing else shows it.
+
+    The backend may run on: gloo completes a broadcast whose ``src`` differs on one rank
+    (DESIGN.md's facts), NCCL a reduce whose ``dst`` differs (pytorch/pytorch#39706) or an
+    all_reduce whose dtype differs, with wrong values (pytorch/pytorch#150248); no rank ever
+    blocks, so no collective in flight shows it. Every rank digests its Python-level calls
+    between two marks (``collectives.digests``); a rank whose digest differs from a strict
+    majority's, with the same count, is named. Counts that differ are
+    ``rule_collective_desync``'s, a mismatch in flight ``rule_collective_mismatch``'s.
+    """
+    if f.mismatch is not None or _mismatch_from_crashes(f):
+        return []  # the mismatch says more
+    live = f.live
+    found = odd_calls(live)
+    if found is None or odd_at_mark(live, lambda r: r.step_marks) is not None:
+        return []
+    odd, majority = found.odd, found.majority
+    odd_text = format_ranks(r.rank for r in odd)
+    usual_text = format_ranks(r.rank for r in majority)
+    span = (
+        f"between steps {found.since} and {found.step}"
+        if found.since is not None
+        else f"up to step {found.step}"
+    )
+    message = f"{odd_text}'s collectives {span} differ from {usual_text}'s"
+    message += _how_calls_differ(found, usual_text)
+    message += (
+        ", with as many calls: the backend ran on with no error, so the ranks' data no longer "
+        "pairs up as the script means"
+    )
+    first = odd[0].rank
+    hint = (
+        "every rank must call each collective with the same root (src/dst), reduce op, dtype "
+        "and size: look for a src or dst computed from the rank (src=rank, a rank-local "
+        "variable), a dtype that depends on the rank's data (torch.tensor() of Python or "
+        f"NumPy numbers: give it dtype=), or a size that does; see what rank {first} passes"
+    )
+    return [
+        alert(
+            AlertKind.COLLECTIVE_MISMATCH,
+            Severity.ERROR,
+            [r.rank for r in odd],
+            [r.rank for r in majority],
+            message,
+            hint,
+        )
+    ]
+
+
+def _how_calls_differ(found: OddCalls, usual_text: str) -> str:
+    """ ": rank 2 called broadcast src=1 with 4 elements (float32) at collective #17 where
+    ranks 0, 1 called broadcast src=0 with 4 elements (float32)", or nothing when no window
+    tells."""
+    theirs, usual = found.theirs, found.usual
+    if theirs is None:
+        return ""
+    ops = usual is None or usual.reduce_op != theirs.reduce_op  # the default's "sum" only then
+    text = (
+        f": rank {found.odd[0].rank} called {_seen_words(theirs, ops)} at collective #{theirs.seq}"
+    )
+    if usual is None:
+        return text + f", a call {usual_text} made nowhere in that window"
+    return text + f" where {usual_text} called {_seen_words(usual, ops)}"
+
+
+def _seen_words(call: CallSeen, reduce_op: bool) -> str:
+    return call_words(
+        call.op, call.numel, call.dtype, call.reduce_op if reduce_op else None, call.root
+    )
 
 
 def _mismatch_alert(f: Facts, found: Mismatch) -> Alert:
