@@ -237,10 +237,13 @@ class Progress:
             if counted:
                 seq = self.collective_seq = self.collective_seq + 1
                 if seq - self.window_start <= WINDOW_CALLS:
-                    try:
-                        call = (op, tensor.dtype, tensor.numel(), reduce_op, root)
-                    except Exception:  # no tensor (barrier, *_object): no dtype or size
+                    if tensor is None:  # barrier, *_object: no dtype or size
                         call = (op, None, None, reduce_op, root)
+                    else:
+                        try:
+                            call = (op, tensor.dtype, tensor.numel(), reduce_op, root)
+                        except Exception:  # not a tensor (raising costs: only here)
+                            call = (op, None, None, reduce_op, root)
                     self.calls.append(call)
             self.collective_counted = counted
             self.collective_op = op
