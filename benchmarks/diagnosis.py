@@ -179,6 +179,13 @@ MODES: dict[str, Mode] = {
             _GH + "pytorch/pytorch/issues/44353",
         ),
         _mode(
+            "broadcast-src",
+            {2},
+            {"collective_mismatch"},  # same count, another root: its calls' digest differs
+            _GH + "pytorch/pytorch/issues/39706",
+        ),
+        _mode("healthy-broadcast", set(), set(), "", watch_s=60.0),
+        _mode(
             "accumulate-uneven",
             {1},
             {"step_skew"},  # its batches per step differ; nothing else does

@@ -111,6 +111,16 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     # PyTorch #44353: catching an OOM on one rank and skipping the batch desyncs the
     # collectives (https://github.com/pytorch/pytorch/issues/44353)
     "skipped-batch": (1, 20),
+    # PyTorch #39706 and #150248: a collective whose arguments differ on one rank, where the
+    # backend runs on (https://github.com/pytorch/pytorch/issues/39706: a reduce whose dst
+    # differs finishes under NCCL; https://github.com/pytorch/pytorch/issues/150248: an
+    # all_reduce whose dtype differs gives wrong values under NCCL); here every step broadcasts
+    # rank 0's decision (a flag, as early stopping does) and, from ``--at`` on, the faulty rank
+    # passes src=1 where the others pass src=0: gloo completes it, nothing fails, and the
+    # ranks no longer act on the same decision
+    "broadcast-src": (2, 20),
+    # healthy: the same broadcast with src=1 on every rank (a root other than 0 is no fault)
+    "healthy-broadcast": (1, 0),
     # FunASR PR #3472: DDP's no_sync() and gradient accumulation out of line, rank-local
     # accumulated gradients (https://github.com/modelscope/FunASR/pull/3472); here the faulty
     # rank accumulates 2 micro-batches a step (the first under no_sync) where the others take
@@ -149,6 +159,7 @@ DEFAULTS: dict[str, tuple[int, int]] = {
 MODES = tuple(DEFAULTS)
 SLOW_BACKWARD_S = 0.2  # slow-backward: extra seconds of backward a step
 SLOW_INPUT_S = 0.16  # slow-input: extra seconds of input a batch
+FAULTY_SRC = 1  # broadcast-src: the root the faulty rank names
 
 
 def fault_line(rank: int) -> None:
@@ -369,6 +380,8 @@ def train(args: argparse.Namespace) -> int:
             metric = loss.detach().clone()
             if not args.no_metric and mode != "healthy-join":  # join shadows DDP's only
                 dist.all_reduce(metric)  # the logged loss, averaged over ranks, as logs do
+            if mode in ("broadcast-src", "healthy-broadcast"):
+                broadcast_decision(args, me, faulty, step, metric)
             if not accumulating:
                 optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -394,6 +407,20 @@ def train(args: argparse.Namespace) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def broadcast_decision(
+    args: argparse.Namespace, me: int, faulty: bool, step: int, metric: torch.Tensor
+) -> None:
+    """Every step, every rank takes one rank's decision (whether to stop, as early stopping
+    shares it): ``broadcast-src``'s faulty rank names another root from ``--at`` on."""
+    src = 1 if args.mode == "healthy-broadcast" else 0
+    if faulty and args.mode == "broadcast-src" and step >= args.at:
+        if step == args.at:
+            fault_line(me)
+        src = FAULTY_SRC
+    decision = (metric > 1e9).float()  # "stop now?": 0 or 1
+    dist.broadcast(decision, src=src)
 
 
 def keep_for_logging(

@@ -278,6 +278,25 @@ def test_a_skipped_batch_with_ddps_all_reduce_alone_is_named_before_anything_fai
     assert scored.latency is not None and scored.latency < 3.0, describe(result)
 
 
+def test_a_broadcast_from_another_src_on_one_rank_is_named_while_gloo_runs_on() -> None:
+    """PyTorch #39706's family (https://github.com/pytorch/pytorch/issues/39706): a collective
+    whose root differs on one rank finishes and the job runs on. Here every step broadcasts a
+    decision; from step 20 rank 2 passes another src than ranks 0 and 1. Nothing fails, no
+    rank blocks, the counts agree: its calls' digest between two marks names it."""
+    result = assert_blames_only_the_culprit("broadcast-src")
+    scored = score(result, MODES["broadcast-src"])
+    assert scored.first is not None, describe(result)
+    assert "broadcast src=" in scored.first.message, describe(result)
+
+
+def test_a_broadcast_from_src_1_on_every_rank_raises_no_alert() -> None:
+    """The healthy twin: the same broadcast with src=1 on every rank."""
+    result = run("healthy-broadcast")
+    account = describe(result)
+    assert result.returncode == 0, account
+    assert not [c for c in result.changes if c.ranks], account
+
+
 def test_uneven_gradient_accumulation_under_no_sync_names_the_rank() -> None:
     """FunASR PR #3472's family: one rank accumulates 2 micro-batches a step (the first under
     no_sync) where the others take 1; steps and all-reduces still pair up."""
