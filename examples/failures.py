@@ -111,13 +111,18 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     # PyTorch #44353: catching an OOM on one rank and skipping the batch desyncs the
     # collectives (https://github.com/pytorch/pytorch/issues/44353)
     "skipped-batch": (1, 20),
-    # PyTorch #39706 and #150248: a collective whose arguments differ on one rank, where the
-    # backend runs on (https://github.com/pytorch/pytorch/issues/39706: a reduce whose dst
-    # differs finishes under NCCL; https://github.com/pytorch/pytorch/issues/150248: an
-    # all_reduce whose dtype differs gives wrong values under NCCL); here every step broadcasts
-    # rank 0's decision (a flag, as early stopping does) and, from ``--at`` on, the faulty rank
-    # passes src=1 where the others pass src=0: gloo completes it, nothing fails, and the
-    # ranks no longer act on the same decision
+    # PyTorch #39708: an unsupported reduce op became SUM under NCCL with no error, labelled
+    # "correctness (silent)" (https://github.com/pytorch/pytorch/issues/39708): ranks that
+    # reduce with different ops get mixed values; here, from ``--at`` on, the faulty rank
+    # all-reduces its logged metric with MAX where the others sum it: gloo completes it,
+    # nothing fails, nobody waits, and the ranks log different numbers
+    "reduce-op": (2, 20),
+    # PyTorch #39706: a collective's root that differs on one rank (a reduce's dst there:
+    # https://github.com/pytorch/pytorch/issues/39706); here every step broadcasts rank 0's
+    # decision (a flag, as early stopping shares it) and, from ``--at`` on, the faulty rank
+    # passes src=rank, itself: under gloo (torch 2.13) rank 0 and it hang in the broadcast,
+    # each sending to a rank that does not receive, while rank 1, which rank 0 reached, goes
+    # on to the next all-reduce and waits there
     "broadcast-src": (2, 20),
     # healthy: the same broadcast with src=1 on every rank (a root other than 0 is no fault)
     "healthy-broadcast": (1, 0),
@@ -159,7 +164,6 @@ DEFAULTS: dict[str, tuple[int, int]] = {
 MODES = tuple(DEFAULTS)
 SLOW_BACKWARD_S = 0.2  # slow-backward: extra seconds of backward a step
 SLOW_INPUT_S = 0.16  # slow-input: extra seconds of input a batch
-FAULTY_SRC = 1  # broadcast-src: the root the faulty rank names
 
 
 def fault_line(rank: int) -> None:
@@ -379,7 +383,7 @@ def train(args: argparse.Namespace) -> int:
                 loss = loss * float("nan")
             metric = loss.detach().clone()
             if not args.no_metric and mode != "healthy-join":  # join shadows DDP's only
-                dist.all_reduce(metric)  # the logged loss, averaged over ranks, as logs do
+                all_reduce_metric(args, faulty, step, metric)
             if mode in ("broadcast-src", "healthy-broadcast"):
                 broadcast_decision(args, me, faulty, step, metric)
             if not accumulating:
@@ -409,6 +413,19 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def all_reduce_metric(
+    args: argparse.Namespace, faulty: bool, step: int, metric: torch.Tensor
+) -> None:
+    """The logged loss, summed over ranks, as logs do; ``reduce-op``'s faulty rank takes the
+    maximum instead from ``--at`` on."""
+    if faulty and args.mode == "reduce-op" and step >= args.at:
+        if step == args.at:
+            fault_line(dist.get_rank())
+        dist.all_reduce(metric, op=dist.ReduceOp.MAX)
+    else:
+        dist.all_reduce(metric)
+
+
 def broadcast_decision(
     args: argparse.Namespace, me: int, faulty: bool, step: int, metric: torch.Tensor
 ) -> None:
@@ -418,7 +435,7 @@ def broadcast_decision(
     if faulty and args.mode == "broadcast-src" and step >= args.at:
         if step == args.at:
             fault_line(me)
-        src = FAULTY_SRC
+        src = me  # a root computed from the rank: the classic slip
     decision = (metric > 1e9).float()  # "stop now?": 0 or 1
     dist.broadcast(decision, src=src)
 

@@ -1,7 +1,7 @@
 """A collective's arguments as the agent records them: the reduce op and root (src/dst) of the
 call in flight, and each window's calls between two marks, as a digest that compares across
-ranks and the distinct calls that say how (``agent/calls.py``). Public reports: a broadcast
-whose ``src`` differs on one rank completes under gloo (DESIGN.md's facts), a reduce whose
+ranks and the distinct calls that say how (``agent/calls.py``). Public reports: an
+all_reduce whose reduce op differs on one rank completes under gloo (measured), a reduce whose
 ``dst`` differs completes under NCCL and later work hangs (pytorch/pytorch#39706), an
 all_reduce whose dtype differs on one rank gives wrong values under NCCL
 (pytorch/pytorch#150248)."""
@@ -202,3 +202,57 @@ def test_a_window_keeps_its_first_calls_only() -> None:
     progress.enter_collective("barrier")
     progress.exit_collective()
     assert len(progress.calls) == 1  # the next window keeps its own
+
+
+def test_each_call_is_read_back_by_its_number_across_a_mark(wrapped: Progress) -> None:
+    """``CallDigests.call``: the call a rank made at a number, what ``Collective.before``
+    carries (a rank past a collective the others hang in says how it called it)."""
+    progress = wrapped
+    reader = CallDigests(progress)
+    assert reader.call(1) is None  # nothing called yet
+
+    def step() -> None:
+        dist.all_reduce(torch.ones(4), op=dist.ReduceOp.MAX)
+        dist.broadcast(torch.ones(2, 3), src=0)
+
+    steps(progress, MARK_EVERY, step)  # one window closed: calls 1-16; none in the new one
+    assert reader.call(16) == CallSeen(seq=16, op="broadcast", dtype="float32", numel=6, root=0)
+    step()  # calls 17, 18 in the open window
+    assert reader.call(17) == CallSeen(
+        seq=17, op="all_reduce", dtype="float32", numel=4, reduce_op="max"
+    )
+    assert reader.call(15) is not None and reader.call(15).op == "all_reduce"  # type: ignore[union-attr]
+    assert reader.call(19) is None and reader.call(0) is None  # not made; no such number
+
+
+def test_the_collective_in_flight_with_its_arguments_and_the_call_before() -> None:
+    """The watcher's collective in flight: the flight recorder's (gloo and NCCL record every
+    collective) with the Python-level call's root, reduce op, shape and dtype where the rank
+    is inside one of the same op, and ``before``: the call numbered one less; the last call
+    made when only the recorder sees one (DDP's all-reduce)."""
+    from ddpwatch.agent.watcher import Watcher
+    from ddpwatch.core.protocol import Collective
+
+    watcher = Watcher(addr=f"127.0.0.1:{free_port_pair()}")  # not started: no heartbeats
+    progress = watcher.progress
+    for n in range(3):
+        progress.enter_collective("broadcast", torch.ones(2), root=n)
+        progress.exit_collective()
+    third = CallSeen(seq=3, op="broadcast", dtype="float32", numel=2, root=2)
+    ddp = watcher._in_flight(Collective(op="allreduce", seq=40, source="fr", group="0"))
+    assert ddp is not None and ddp.before == third and ddp.root is None  # the last one made
+    assert watcher._in_flight(None) is None
+    progress.enter_collective("broadcast", torch.ones(5), root=1)
+    python = watcher._in_flight(None)
+    assert python is not None and (python.seq, python.root, python.before) == (4, 1, third)
+    recorded = watcher._in_flight(Collective(op="broadcast", seq=41, source="fr", group="0"))
+    assert recorded is not None and (recorded.source, recorded.seq, recorded.py_seq) == (
+        "fr",
+        41,
+        4,
+    )
+    assert (recorded.root, recorded.shape, recorded.dtype) == (1, [5], "float32")
+    assert recorded.before == third
+    other = watcher._in_flight(Collective(op="allreduce", seq=41, source="fr", group="0"))
+    assert other is not None and other.root is None and other.before is None  # unsure: which?
+    progress.exit_collective()

@@ -1,7 +1,8 @@
 """Collective arguments compared across ranks (#34): the reduce op and root of a collective in
 flight, and each window's calls between two marks where the backend ran on and no rank
-blocked. Public reports: a broadcast whose ``src`` differs on one rank completes under gloo
-(DESIGN.md's facts); NCCL's reduce with a ``dst`` that differs finishes, later work hangs
+blocked, and ranks that passed a collective the others hang in. Public reports: an all_reduce
+whose reduce op differs on one rank completes under gloo (measured), a broadcast whose ``src``
+differs hangs; NCCL's reduce with a ``dst`` that differs finishes, later work hangs
 (pytorch/pytorch#39706); an all_reduce whose dtype differs on one rank gives wrong values under
 NCCL (pytorch/pytorch#150248) or hangs (pytorch/pytorch#150433)."""
 
@@ -43,7 +44,7 @@ def marked(r: int, world: int, digest: int, calls: list[CallSeen], **changes: An
 
 
 def broadcast_job(world: int = 3, odd: tuple[int, ...] = (2,)) -> ServerState:
-    """Ranks broadcast from src 0, the ``odd`` ones from src 1 (gloo runs on)."""
+    """Ranks broadcast from src 0, the ``odd`` ones from src 1, and the backend ran on."""
     return state_of(
         *(
             marked(
@@ -165,7 +166,8 @@ def test_the_latest_mark_all_ranks_digested_is_compared() -> None:
 
 
 def blocked_in(r: int, op: str = "broadcast", **fields: Any) -> RankRecord:
-    call = Collective(op=op, seq=12, since_s=2.6, shape=[4], dtype="float32", **fields)
+    fields.setdefault("seq", 12)
+    call = Collective(op=op, since_s=2.6, shape=[4], dtype="float32", **fields)
     return rank(r, collective=call, collective_seen=NOW - 0.4)
 
 
@@ -187,3 +189,77 @@ def test_a_root_or_reduce_op_that_differs_in_flight_is_a_mismatch() -> None:
     # the same root everywhere: not quoted, no alert
     state = state_of(*(blocked_in(r, root=1) for r in range(3)))
     assert rule_collective_mismatch(state, NOW, TH) == []
+
+
+def test_a_tie_in_flight_is_broken_by_the_ranks_that_got_past_it() -> None:
+    """A gloo broadcast whose src differs on rank 2 (src=rank): the root, rank 0, and rank 2
+    hang in it, each sending to a rank that does not receive; rank 1, which rank 0 reached,
+    goes on into DDP's all-reduce (the flight recorder's) and says how it called the broadcast
+    (``before``): 2 against 1, rank 2 is named."""
+
+    def hung(r: int, root: int) -> RankRecord:
+        return blocked_in(r, source="py", root=root)
+
+    passed = Collective(
+        op="all_reduce", seq=90, since_s=2.6, source="fr", group="0",
+        before=CallSeen(seq=12, op="broadcast", dtype="float32", numel=4, root=0),
+    )  # fmt: skip
+    state = state_of(hung(0, 0), rank(1, collective=passed, collective_seen=NOW - 0.4), hung(2, 2))
+    alert = only(rule_collective_mismatch(state, NOW, TH), "collective_mismatch")
+    assert (alert.ranks, alert.waiting) == ((2,), (0, 1))
+    assert alert.message == (
+        "rank 2 called broadcast src=2 with 4 elements (float32) at collective #12 where "
+        "ranks 0, 1 called broadcast src=0 with 4 elements (float32)"
+    )
+    # the same where the hung ranks report the flight recorder's number (gloo records every
+    # collective): the agent gives the Python-level number too, which ``before`` compares with
+    state = state_of(
+        *(
+            blocked_in(r, source="fr", group="0", seq=64, py_seq=12, root=root)
+            for r, root in ((0, 0), (2, 2))
+        ),
+        rank(1, collective=passed, collective_seen=NOW - 0.4),
+    )
+    alert = only(rule_collective_mismatch(state, NOW, TH), "collective_mismatch")
+    assert alert.ranks == (2,) and "at collective #64 where ranks 0, 1 called" in alert.message
+    # rank 1's last call was another one: it says nothing about #12, and the tie names nobody
+    elsewhere = Collective(
+        op="all_reduce", seq=90, since_s=2.6, source="fr", group="0",
+        before=CallSeen(seq=11, op="broadcast", dtype="float32", numel=4, root=0),
+    )  # fmt: skip
+    state = state_of(
+        hung(0, 0), rank(1, collective=elsewhere, collective_seen=NOW - 0.4), hung(2, 2)
+    )
+    alert = only(rule_collective_mismatch(state, NOW, TH), "collective_mismatch")
+    assert alert.ranks == () and "which side is odd cannot be told" in alert.message
+    # ranks that agree in flight are not compared with those past it (a healthy job's ranks
+    # pass from one collective to the next all the time)
+    odd_past = Collective(
+        op="all_reduce", seq=90, since_s=2.6, source="fr", group="0",
+        before=CallSeen(seq=12, op="broadcast", dtype="float32", numel=4, root=2),
+    )  # fmt: skip
+    state = state_of(
+        hung(0, 0), rank(1, collective=odd_past, collective_seen=NOW - 0.4), hung(2, 0)
+    )
+    assert rule_collective_mismatch(state, NOW, TH) == []
+
+
+def test_the_votes_of_ranks_past_it_hold_once_every_rank_is_dead() -> None:
+    """Stopped from outside, each rank reports the collective it died in: the two hung in
+    the broadcast their Python-level call, rank 1 none (DDP's all-reduce runs in C++); its
+    last heartbeat's collective, kept with its ``before``, still breaks the tie."""
+
+    def died(r: int, final: Collective) -> RankRecord:
+        return rank(r, exit_time=NOW - 2.0, exit_signal="SIGTERM", final_collective=final)
+
+    hung = [
+        Collective(op="broadcast", seq=40, source="py", shape=[1], dtype="float32", root=root)
+        for root in (0, 2)
+    ]
+    ddp = Collective(
+        op="allreduce", seq=65, source="fr", group="0",
+        before=CallSeen(seq=40, op="broadcast", dtype="float32", numel=1, root=0),
+    )  # fmt: skip
+    state = state_of(died(0, hung[0]), died(1, ddp), died(2, hung[1]))
+    alert = only(rule_collective_mismatch(state, NOW, TH), "collective_mismatch")
+    assert alert.ranks == (2,) and "where ranks 0, 1 called broadcast src=0" in alert.message

@@ -278,15 +278,28 @@ def test_a_skipped_batch_with_ddps_all_reduce_alone_is_named_before_anything_fai
     assert scored.latency is not None and scored.latency < 3.0, describe(result)
 
 
-def test_a_broadcast_from_another_src_on_one_rank_is_named_while_gloo_runs_on() -> None:
-    """PyTorch #39706's family (https://github.com/pytorch/pytorch/issues/39706): a collective
-    whose root differs on one rank finishes and the job runs on. Here every step broadcasts a
-    decision; from step 20 rank 2 passes another src than ranks 0 and 1. Nothing fails, no
-    rank blocks, the counts agree: its calls' digest between two marks names it."""
+def test_an_all_reduce_with_another_reduce_op_on_one_rank_is_named_while_gloo_runs_on() -> None:
+    """PyTorch #39708's family (https://github.com/pytorch/pytorch/issues/39708: a reduce op
+    that silently became SUM): from step 20 rank 2 all-reduces its logged metric with MAX
+    where ranks 0 and 1 sum it. gloo completes it, nothing fails, no rank blocks, the counts
+    agree: its calls' digest between two marks names it, with the call that differs."""
+    result = assert_blames_only_the_culprit("reduce-op")
+    scored = score(result, MODES["reduce-op"])
+    assert scored.first is not None, describe(result)
+    assert "rank 2 called all_reduce op=max" in scored.first.message, describe(result)
+    assert "ranks 0, 1 called all_reduce op=sum" in scored.first.message, describe(result)
+
+
+def test_a_broadcast_from_its_own_rank_on_one_rank_is_named_while_the_others_hang() -> None:
+    """PyTorch #39706's family (https://github.com/pytorch/pytorch/issues/39706: a root that
+    differs on one rank): from step 20 rank 2 broadcasts with src=rank. Under gloo rank 0 and
+    rank 2 hang in the broadcast, one against one; rank 1, which rank 0 reached, waits in
+    DDP's all-reduce and says how it called the broadcast: rank 2 is named, live."""
     result = assert_blames_only_the_culprit("broadcast-src")
     scored = score(result, MODES["broadcast-src"])
     assert scored.first is not None, describe(result)
-    assert "broadcast src=" in scored.first.message, describe(result)
+    assert "rank 2 called broadcast src=2" in scored.first.message, describe(result)
+    assert "where ranks 0, 1 called broadcast src=0" in scored.first.message, describe(result)
 
 
 def test_a_broadcast_from_src_1_on_every_rank_raises_no_alert() -> None:

@@ -279,7 +279,7 @@ def test_a_victims_error_is_not_the_cause_the_rank_an_error_named_is() -> None:
     doc = {"server_time": T0 + 9, "job_started": T0, "world_size": 4, "ranks": ranks,
            "history": tracker.entries()}  # fmt: skip
     assert verdict(typed(doc)) == (
-        "rank 2 made a collective call the others did not and was killed by SIGABRT at step 20, "
+        "rank 2 made collective calls that did not match the others' and was killed by SIGABRT at step 20, "
         "which ended the job; ranks 0, 3 failed because of it; rank 1 was stopped because of it"
     )
 
@@ -465,7 +465,7 @@ def test_a_mismatch_whose_neighbour_gloo_aborted_is_what_ended_the_job() -> None
     ranks.append(rank(3, "silent", step=15))
     text = verdict(typed(document(ranks, [tie], [odd, tie], [odd], [odd])))
     assert text.startswith(
-        "rank 2 made a collective call the others did not at step 20, which ended the job; "
+        "rank 2 made collective calls that did not match the others' at step 20, which ended the job; "
         "rank 3 failed because of it; ranks 0, 1 were stopped because of it"
     ), text
     # its own socket broke first (the other half of the race, a peer's error): the same rank
@@ -475,5 +475,5 @@ def test_a_mismatch_whose_neighbour_gloo_aborted_is_what_ended_the_job() -> None
     }
     crashed = [*ranks[:2], rank(2, "crashed", error=reset, step=20, ended_at=T0 + 12.3), ranks[3]]
     text = verdict(typed(document(crashed, [tie], [odd, tie], [odd], [odd])))
-    assert text.startswith("rank 2 made a collective call the others did not"), text
+    assert text.startswith("rank 2 made collective calls that did not match the others'"), text
     assert "rank 3 failed because of it" in text, text

@@ -5,9 +5,12 @@ call as it was given: op, dtype, element count, reduce op and root (``Progress.c
 tuple and one append per collective). This module, on the publisher thread, turns each closed
 window into a digest that compares across ranks, and the latest window's distinct calls into
 words the server can quote. Ranks that call the same number of collectives with another root
-or dtype differ here and nowhere else while the backend runs on: gloo completes a broadcast
-whose ``src`` differs on one rank (DESIGN.md's facts), NCCL an all_reduce whose dtype differs
-(pytorch/pytorch#150248) or a reduce whose ``dst`` does (pytorch/pytorch#39706).
+or dtype differ here and nowhere else while the backend runs on: gloo completes an all_reduce
+whose reduce op differs on one rank (measured: mixed values, no error), NCCL an all_reduce whose
+dtype differs (pytorch/pytorch#150248) or a reduce whose ``dst`` does (pytorch/pytorch#39706).
+A broadcast whose ``src`` differs hangs under gloo (torch 2.13, measured): a rank's last call
+before the collective it is in (``Collective.before``, from ``call``) lets the ranks that got
+past it say how they called it.
 """
 
 from __future__ import annotations
@@ -63,19 +66,46 @@ class CallDigests:
         latest = done[step, start][1]
         return digests, latest if latest.calls else None
 
+    def call(self, seq: int) -> CallSeen | None:
+        """The default-group call numbered ``seq``, if still kept: in this window's calls,
+        else the window before's; None past ``WINDOW_CALLS`` or further back. A call, once
+        made, never changes; each list is read with the count it started at, as one."""
+        if seq < 1:
+            return None
+        progress = self._progress
+        found = None
+        start, calls = progress.window  # the list and its start, swapped as one at a mark
+        if start < seq <= start + len(calls):
+            found = calls[seq - start - 1]
+        else:
+            windows = progress.windows
+            if windows:
+                _, start, calls = windows[-1]
+                if start < seq <= start + len(calls):
+                    found = calls[seq - start - 1]
+        if found is None:
+            return None
+        op, dtype, numel, reduce_op, root = self._call(found)
+        return CallSeen(seq=seq, op=op, dtype=dtype, numel=numel, reduce_op=reduce_op, root=root)
+
+    def _call(self, raw: tuple[Any, ...]) -> Call:
+        """A call as kept on the training thread, in the terms that compare across ranks."""
+        op, dtype, numel, reduce_op, root = raw
+        return (
+            op,
+            self._dtype(dtype),
+            None if op in UNSIZED or numel is None else int(numel),
+            reduce_op_name(op, reduce_op),
+            root_number(root),
+        )
+
     def _digest(self, step: int, start: int, raw: list[Any]) -> tuple[int, CallWindow]:
         """One window: a CRC-32 over its start count and its calls in order (stable across
         processes, unlike ``hash``), and its first ``WINDOW_KINDS`` distinct calls."""
         digest = zlib.crc32(str(start).encode())
         seen: dict[Call, int] = {}
-        for index, (op, dtype, numel, reduce_op, root) in enumerate(raw):
-            call: Call = (
-                op,
-                self._dtype(dtype),
-                None if op in UNSIZED or numel is None else int(numel),
-                reduce_op_name(op, reduce_op),
-                root_number(root),
-            )
+        for index, kept in enumerate(raw):
+            call = self._call(kept)
             digest = zlib.crc32(repr(call).encode(), digest)
             if call not in seen and len(seen) < WINDOW_KINDS:
                 seen[call] = start + index + 1

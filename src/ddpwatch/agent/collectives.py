@@ -73,9 +73,10 @@ ROOT_AT = {
 }
 """Where each wrapped function takes its root, the rank it sends from or gathers to (position,
 keyword; else ``group_<keyword>``, the root's rank in the group): every rank must pass the
-same one. Under gloo a broadcast whose ``src`` differs on one rank completes with no error
-(DESIGN.md's facts), and NCCL's reduce with a ``dst`` that differs on one rank finishes too,
-with later work hanging (pytorch/pytorch#39706)."""
+same one. Under gloo (torch 2.13, measured) a broadcast whose ``src`` differs on one rank
+hangs the ranks it leaves without a partner, while those the true root reached go on; NCCL's
+reduce with a ``dst`` that differs on one rank finishes, with later work hanging
+(pytorch/pytorch#39706)."""
 FR_ENV = "TORCH_FR_BUFFER_SIZE"
 FR_DEFAULT_SIZE = "2000"
 FR_ON_BY_DEFAULT = (2, 13)  # torch releases from this one keep 2000 entries without the variable

@@ -63,6 +63,8 @@ class Progress:
         element count, reduce op, root) as given, read by the publisher once the window is
         closed (``windows``)."""
         self.window_start = 0  # ``collective_seq`` when the window opened
+        self.window: tuple[int, list[tuple[str, Any, Any, Any, Any]]] = (0, self.calls)
+        """(``window_start``, ``calls``) as one, for the publisher: set in one assignment."""
         self.windows: deque[tuple[int, int, list[tuple[str, Any, Any, Any, Any]]]] = deque(
             maxlen=MARKS_KEPT
         )
@@ -142,6 +144,7 @@ class Progress:
             self.windows.append((self.step, self.window_start, self.calls))
             self.calls = []  # a new list: the publisher reads the old one, no longer written
             self.window_start = self.collective_seq
+            self.window = (self.window_start, self.calls)
             source = self.drawn_from
             if source is not None:  # the training loader: its batch came last before the step
                 self.batch_marks.append((self.step, self.drawn.get(source, 0)))

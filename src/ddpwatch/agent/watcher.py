@@ -396,6 +396,26 @@ class Watcher:
             )
         return messages
 
+    def _in_flight(self, recorded: Collective | None) -> Collective | None:
+        """The collective this rank is in: the flight recorder's (its number counts DDP's own
+        all-reduces), with the Python-level call's arguments where the rank is inside one of
+        the same op (the recorder keeps no root or reduce op); else the Python-level one.
+        Either way with ``before``, the last Python-level call made before it."""
+        python = self.progress.in_flight()
+        if recorded is None:
+            if python is not None and python.seq is not None:
+                python.before = self._calls.call(python.seq - 1)
+            return python
+        if python is None:
+            recorded.before = self._calls.call(self.progress.collective_seq)
+        elif _same_op(recorded.op, python.op):
+            recorded.shape, recorded.dtype = python.shape, python.dtype
+            recorded.reduce_op, recorded.root = python.reduce_op, python.root
+            if python.seq is not None:
+                recorded.py_seq = python.seq
+                recorded.before = self._calls.call(python.seq - 1)
+        return recorded
+
     def _sample(self) -> Sample | None:
         """The rank's measurements now; None while it does not know which rank it is."""
         if not self._dist_ready and self._dist is not None and self._dist.is_initialized():
@@ -408,8 +428,7 @@ class Watcher:
         device = device_info()
         recorder = self._flight_recorder
         collective, enqueued = recorder.read() if recorder is not None else (None, None)
-        if collective is None:
-            collective = progress.in_flight()
+        collective = self._in_flight(collective)
         counts = None
         if self._dist_ready:
             digests, window = self._calls.read()
@@ -586,3 +605,9 @@ def main_thread_stack(thread_id: int | None) -> str | None:
     if frame is None:
         return None
     return "".join(traceback.format_stack(frame))
+
+
+def _same_op(recorded: str, python: str) -> bool:
+    """The flight recorder's name of a collective and the wrapped function's are one op:
+    "allreduce" and "all_reduce", "broadcast[pg 1]" and "broadcast"."""
+    return recorded.split("[", 1)[0].replace("_", "") == python.replace("_", "")

@@ -30,6 +30,19 @@ RankCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
 # them (what that scan cost at scale: docs/performance.md, section 7).
 
 
+class CallSeen(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One way a rank called a Python-level collective, and its number: in a window between two
+    marks, the first such call; as a ``Collective.before``, the call just before the one in
+    flight. ``[seq, op, dtype, numel, reduce_op, root]``."""
+
+    seq: NonNegInt
+    op: str
+    dtype: str | None = None
+    numel: NonNegInt | None = None  # None where sizes may differ by rank (all_gather)
+    reduce_op: str | None = None
+    root: int | None = None
+
+
 class Collective(msgspec.Struct, omit_defaults=True, gc=False):
     """A collective a rank is in: blocked in it right now (samples) or failed in (crash events).
 
@@ -48,18 +61,13 @@ class Collective(msgspec.Struct, omit_defaults=True, gc=False):
     dtype: str | None = None
     reduce_op: str | None = None  # "sum", "max", "avg", ...: collectives that reduce
     root: int | None = None  # the src or dst rank of a broadcast, reduce, gather or scatter
-
-
-class CallSeen(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One way a rank called a Python-level collective in a window between two marks, and
-    the number of its first such call: ``[seq, op, dtype, numel, reduce_op, root]``."""
-
-    seq: NonNegInt
-    op: str
-    dtype: str | None = None
-    numel: NonNegInt | None = None  # None where sizes may differ by rank (all_gather)
-    reduce_op: str | None = None
-    root: int | None = None
+    py_seq: int | None = None
+    """A flight recorder's collective that is a Python-level call too: that call's number in
+    the agent's own count (``source`` "py"'s), which ``before`` compares with."""
+    before: CallSeen | None = None
+    """The last Python-level default-group call this rank made before this collective (for a
+    Python-level one, number ``seq - 1``), so that ranks that got past a collective the others
+    hang in still say how they called it."""
 
 
 class CallWindow(msgspec.Struct, omit_defaults=True, gc=False):

@@ -467,7 +467,7 @@ def _episode_text(e: Episode, end_s: float, nan_steps: dict[int, tuple[int | Non
 
 
 _DID: dict[str, str] = {
-    AlertKind.COLLECTIVE_MISMATCH: "made a collective call the others did not",
+    AlertKind.COLLECTIVE_MISMATCH: "made collective calls that did not match the others'",
     AlertKind.NOT_CONNECTED: "never reported",
     AlertKind.STARTUP_HANG: "hung while starting",
     AlertKind.DUPLICATE_DEVICE: "shared one GPU",

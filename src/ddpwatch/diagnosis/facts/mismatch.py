@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ddpwatch.core.protocol import CallSeen, Collective
+from ddpwatch.core.vocabulary import CollectiveSource
 from ddpwatch.diagnosis.facts.census import Census
 from ddpwatch.diagnosis.facts.ranks import WaitKey, normal_op, wait_key
 from ddpwatch.server.records import RankRecord
@@ -201,8 +202,39 @@ def find_mismatch(census: Census, now: float, settle: float) -> Mismatch | None:
         settled = [m for m in members if _settled(*m, now, settle)] + died
         found = _mismatch_in(key, sorted(settled, key=lambda m: m[0].rank)) if settled else None
         if found is not None:
+            counted = {r.rank for r, _ in settled} | {r.rank for r in waiting}
+            passed = _passed(census, key, counted)
+            if passed:  # the ranks already past it say how they called it: more votes
+                every = sorted(settled + passed, key=lambda m: m[0].rank)
+                found = _mismatch_in(key, every) or found
             return found
     return None
+
+
+def _passed(census: Census, key: WaitKey, counted: set[int]) -> list[tuple[RankRecord, Collective]]:
+    """The ranks not ``counted`` in ``key`` whose last Python-level call before the collective
+    they are in (or died in) was ``key`` (their ``before``), as if they were in it: a gloo
+    broadcast whose ``src`` differs on one rank holds that rank and the root, while the ranks
+    the root reached go on to the next call (DDP's all-reduce, the next broadcast), so the two
+    that hang are a tie these votes break. Asked only where the calls in it already differ:
+    ranks pass from one collective to the next all the time."""
+    seq = _python_number(key, census.waits.get(key))
+    if seq is None:
+        return []
+    elsewhere = [(r, r.collective) for group in census.waits.values() for r in group.records()]
+    elsewhere += [(r, r.final_collective) for r in census.finished]
+    passed = []
+    for r, c in elsewhere:
+        before = c.before if c is not None else None
+        if before is None or before.seq != seq or r.rank in counted:
+            continue
+        numel = before.numel
+        passed.append((r, Collective(
+            op=before.op, seq=seq, source=CollectiveSource.PY, dtype=before.dtype,
+            shape=None if numel is None else [numel], reduce_op=before.reduce_op,
+            root=before.root,
+        )))  # fmt: skip
+    return passed
 
 
 def _settled(record: RankRecord, c: Collective, now: float, settle: float) -> bool:
@@ -218,11 +250,17 @@ def _mismatch_in(key: WaitKey, members: list[tuple[RankRecord, Collective]]) -> 
     )
     calls: dict[tuple[object, ...], list[RankRecord]] = defaultdict(list)
     texts: dict[tuple[object, ...], str] = {}
-    ops = len({c.reduce_op for _, c in members}) > 1  # quoted only where they differ
-    roots = len({c.root for _, c in members}) > 1
+    ops = _differ([c.reduce_op for _, c in members])  # compared and quoted only then
+    roots = _differ([c.root for _, c in members])
     for r, c in members:
         numel = math.prod(c.shape) if sized and c.shape is not None else None
-        signature = (normal_op(c.op), numel, c.dtype if sized else None, c.reduce_op, c.root)
+        signature = (
+            normal_op(c.op),
+            numel,
+            c.dtype if sized else None,
+            c.reduce_op if ops else None,
+            c.root if roots else None,
+        )
         calls[signature].append(r)
         if sized:
             text = call_text(c, ops, roots)
@@ -245,6 +283,24 @@ def _mismatch_in(key: WaitKey, members: list[tuple[RankRecord, Collective]]) -> 
         others = list(majority)
     described = [(texts[signature], group) for signature, group in ranked]
     return Mismatch(key, described, culprits, others)
+
+
+def _python_number(key: WaitKey, group: WaitGroup | None) -> int | None:
+    """The agent's own number of collective ``key``: its seq for a Python-level one; for the
+    flight recorder's, the number its members give (``py_seq``) when they all give one."""
+    source, _, seq = key if len(key) == 3 else (None, None, None)
+    if source == CollectiveSource.PY:
+        return seq if isinstance(seq, int) else None
+    if group is None:
+        return None
+    numbers = {r.collective.py_seq if r.collective else None for r in group.records()}
+    return numbers.pop() if len(numbers) == 1 else None
+
+
+def _differ(values: list[object]) -> bool:
+    """Every member said (a rank in an unwrapped call, seen only by the flight recorder, says
+    nothing: unknown is not another value), and not all alike."""
+    return None not in values and len(set(values)) > 1
 
 
 def _all_alike(group: WaitGroup | None, died: list[tuple[RankRecord, Collective]]) -> bool:

@@ -226,13 +226,14 @@ def rule_collective_arguments(f: Facts) -> list[Alert]:
     """Ranks that called as many collectives as the others between two marks, but with other
     arguments: another root (src/dst), reduce op, dtype or size, when nothing else shows it.
 
-    The backend may run on: gloo completes a broadcast whose ``src`` differs on one rank
-    (DESIGN.md's facts), NCCL a reduce whose ``dst`` differs (pytorch/pytorch#39706) or an
-    all_reduce whose dtype differs, with wrong values (pytorch/pytorch#150248); no rank ever
-    blocks, so no collective in flight shows it. Every rank digests its Python-level calls
-    between two marks (``collectives.digests``); a rank whose digest differs from a strict
-    majority's, with the same count, is named. Counts that differ are
-    ``rule_collective_desync``'s, a mismatch in flight ``rule_collective_mismatch``'s.
+    The backend may run on: gloo completes an all_reduce whose reduce op differs on one rank
+    (mixed values, measured on torch 2.13), NCCL a reduce whose ``dst`` differs
+    (pytorch/pytorch#39706) or an all_reduce whose dtype differs, with wrong values
+    (pytorch/pytorch#150248); no rank ever blocks, so no collective in flight shows it.
+    Every rank digests its Python-level calls between two marks (``collectives.digests``); a
+    rank whose digest differs from a strict majority's, with the same count, is named. Counts
+    that differ are ``rule_collective_desync``'s, a mismatch in flight
+    ``rule_collective_mismatch``'s.
     """
     if f.mismatch is not None or _mismatch_from_crashes(f):
         return []  # the mismatch says more
