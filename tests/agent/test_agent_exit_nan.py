@@ -4,6 +4,7 @@ whose loss was not finite: real processes against a real server, and the loss bu
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -49,7 +50,13 @@ def run_rank(
         "DDPWATCH_ADDR": f"127.0.0.1:{server.port}",
     }
     return subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        # SIGINT as a terminal gives it: a suite started from `pytest &` hands it ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 

@@ -109,6 +109,13 @@ def test_how_the_launcher_ended_in_job_end() -> None:
 # ------------------------------------------------------------------ stopped by you
 
 
+def _as_in_a_terminal() -> None:
+    """Ctrl-C as a terminal's foreground job takes it: a suite started in the background by a
+    shell without job control (``tests &``) hands its children SIGINT ignored, and a Python
+    that starts with SIGINT ignored keeps it so (no KeyboardInterrupt ever comes)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.e2e
 def test_ctrl_c_of_ddpwatch_run_is_a_stop_by_you_in_the_summary_and_the_report() -> None:
     """Ctrl-C reaches the terminal's foreground group, ``ddpwatch run``, torchrun and the
@@ -118,6 +125,7 @@ def test_ctrl_c_of_ddpwatch_run_is_a_stop_by_you_in_the_summary_and_the_report()
         [sys.executable, "-m", "ddpwatch", "run", "--",
          *_torchrun(f"--master-port={free_port_pair()}", str(SCRIPTS / "trains_until_stopped.py"))],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=_as_in_a_terminal,
     )  # fmt: skip
     try:
         assert job.stdout is not None and job.stdout.readline() == "training\n"
