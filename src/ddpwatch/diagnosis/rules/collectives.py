@@ -328,10 +328,11 @@ def _mismatch_alert(f: Facts, found: Mismatch) -> Alert:
     if failed:
         message += f"; {format_ranks(failed)} failed because of it"
     hint = (
-        "every rank must call the same collectives in the same order with the same shapes and "
-        "dtypes: look for a dist.* call that only some ranks make (under `if rank == 0`, in "
-        "logging or metrics code) or a size that depends on the rank's data (pad it, or "
-        "all_gather the sizes first); TORCH_DISTRIBUTED_DEBUG=DETAIL checks every call"
+        "every rank must call the same collectives in the same order with the same shapes, "
+        "dtypes, reduce op and root: look for a dist.* call that only some ranks make (under "
+        "`if rank == 0`, in logging or metrics code), a size that depends on the rank's data "
+        "(pad it, or all_gather the sizes first) or a src/dst computed from the rank "
+        "(src=rank); TORCH_DISTRIBUTED_DEBUG=DETAIL checks every call"
     )
     return alert(AlertKind.COLLECTIVE_MISMATCH, Severity.ERROR, culprits, affected, message, hint)
 
