@@ -228,7 +228,11 @@ class LiveServer:
         except AssertionError as failed:
             if self.record is None:
                 raise
-            raise AssertionError(f"{failed}\n{heartbeat_trace(self.record)}") from None
+            raise AssertionError(f"{failed}\n{self.trace()}") from None
+
+    def trace(self) -> str:
+        """The last heartbeats heard (``heartbeat_trace``), for a failed assertion's message."""
+        return heartbeat_trace(self.record) if self.record is not None else "(not recorded)"
 
     def raised(self, kind: str) -> list[dict[str, Any]]:
         return [
