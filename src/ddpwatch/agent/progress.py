@@ -60,8 +60,9 @@ class Progress:
         self.marks: deque[tuple[int, int]] = deque(maxlen=MARKS_KEPT)
         self.calls: list[tuple[str, Any, Any, Any, Any]] = []
         """This window's default-group calls so far, the first ``WINDOW_CALLS``: (op, dtype,
-        element count, reduce op, root) as given, read by the publisher once the window is
-        closed (``windows``)."""
+        element count, reduce op, root) as given: digested by the publisher once the window is
+        closed (``windows``); a single call is read back earlier, by its number, through
+        ``window`` (``CallDigests.call``: a call, once made, never changes)."""
         self.window_start = 0  # ``collective_seq`` when the window opened
         self.window: tuple[int, list[tuple[str, Any, Any, Any, Any]]] = (0, self.calls)
         """(``window_start``, ``calls``) as one, for the publisher: set in one assignment."""
