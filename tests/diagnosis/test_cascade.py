@@ -70,6 +70,29 @@ def test_killed_rank_is_the_silent_root() -> None:
     assert "py-spy dump --pid 4242" in alerts[0].hint
 
 
+def test_ranks_silent_together_are_named_only_once_the_tie_has_lasted() -> None:
+    """Rank 1 killed; rank 0 heard 0.25 s after it, its crash report ("Connection reset by
+    peer") late on a loaded machine: nothing tells them apart yet, so neither is named
+    until a tie window has passed; the late report then makes rank 0 a victim."""
+
+    def tied(now: float, rank0_crashed: bool) -> ServerState:
+        state = job(3, step=7)
+        state.ranks[1] = rank(1, 3, step=7, last_seen=NOW - 3.05)
+        if rank0_crashed:
+            state.ranks[0] = rank(0, 3, step=7, error=PEER, error_time=NOW - 2.8)
+        else:
+            state.ranks[0] = rank(0, 3, step=7, last_seen=NOW - 2.8)
+        state.ranks[2] = rank(2, 3, step=7, error=PEER, error_time=NOW - 2.75)
+        return state
+
+    assert diagnose(tied(NOW, rank0_crashed=False), NOW, TH) == []
+    alerts = diagnose(tied(NOW, rank0_crashed=True), NOW, TH)
+    assert [(a.kind, a.ranks, a.waiting) for a in alerts] == [("silent", (1,), (0, 2))]
+    later = NOW + 2 * TH.interval + 0.5
+    alerts = diagnose(tied(later, rank0_crashed=False), later, TH)
+    assert [(a.kind, a.ranks) for a in alerts] == [("silent", (0, 1))]
+
+
 def test_silent_rank_makes_its_waiting_peers_victims() -> None:
     state = job(3)
     state.ranks[1] = rank(1, 3, last_seen=NOW - 8.0)  # SIGSTOPped or hung holding the GIL

@@ -83,6 +83,9 @@ class Cascade:
     """Ranks of the world that never connected: the ones a rendezvous timeout waited for."""
     together: list[RankRecord] = field(default_factory=list)
     """Every rank fell silent at once with no failure: the job or the path to us is gone."""
+    held: list[RankRecord] = field(default_factory=list)
+    """Ranks that fell silent together, not yet told apart (``_first_to_die``): no culprit
+    is named while a late report may still separate them."""
 
 
 def _crash_key(error: ErrorInfo, signature: Signature | None) -> tuple[str, str]:
@@ -152,6 +155,7 @@ def find_cascade(facts: Evidence) -> Cascade:
         buckets.mismatched,
         missing,
         together,
+        buckets.held,
     )
 
 
@@ -170,6 +174,7 @@ class _Buckets:
     clean: list[RankRecord] = field(default_factory=list)
     mismatched: list[RankRecord] = field(default_factory=list)
     blocked: list[int] = field(default_factory=list)
+    held: list[RankRecord] = field(default_factory=list)
 
 
 def _classify_ranks(facts: Evidence) -> _Buckets:
@@ -299,17 +304,27 @@ def _first_to_die(facts: Evidence, buckets: _Buckets, early: list[RankRecord]) -
     from C++ the moment its peer vanished, 0.2 s apart, the victim's heartbeat the older).
     Where some of them showed the OOM killer coming (``oom_note``: memory growing steadily
     or near a limit) and the others did not, those are the ones that died first; the others
-    died of it."""
+    died of it.
+
+    A tie nothing separates is named only once it has lasted a tie window past the silent
+    threshold: a victim's own report (its crash, "Connection reset by peer") can reach us
+    that late from a loaded machine, and then it was never silent (seen under load: a killed
+    rank named with the peer whose crash report came after the alert). Until then none of
+    them is named, and the peers' failures name no culprit either (``Cascade.held``)."""
     if len(early) < 2:
         return early
     seen = [r.last_seen for r in early]
-    if max(seen) - min(seen) > 2 * facts.th.interval + 0.5:
+    window = 2 * facts.th.interval + 0.5
+    if max(seen) - min(seen) > window:
         return early
     dying = [r for r in early if oom_note(r)]
-    if not dying or len(dying) == len(early):
-        return early
-    buckets.stopped.extend(r for r in early if r not in dying)
-    return dying
+    if dying and len(dying) < len(early):
+        buckets.stopped.extend(r for r in early if r not in dying)
+        return dying
+    if facts.now - max(seen) < facts.th.silent + window:
+        buckets.held.extend(early)  # the newest-silent rank's own report may still come
+        return []
+    return early
 
 
 def _pick_roots(facts: Evidence, buckets: _Buckets) -> list[Root]:

@@ -187,8 +187,9 @@ def _no_root_alerts(cascade: Cascade, now: float, th: Thresholds) -> list[Alert]
     """
     events = [(r.error_time or r.last_seen, r.rank, r) for r in cascade.symptoms]
     stops = [(r.exit_time or r.last_seen, r.rank, r) for r in cascade.stopped]
-    if (not events and not stops) or cascade.mismatched or cascade.missing:
-        return []  # nothing failed, or a mismatch or a missing rank (their rules tell it)
+    if (not events and not stops) or cascade.mismatched or cascade.missing or cascade.held:
+        return []  # nothing failed, a mismatch or a missing rank (their rules tell it), or
+        # silent ranks not yet told apart (one of them is the culprit)
     if now - min(t for t, _, _ in events + stops) <= th.silent:
         return []
     affected = sorted({r.rank for _, _, r in events + stops} | set(cascade.blocked))
