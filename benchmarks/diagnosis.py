@@ -40,13 +40,14 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -430,6 +431,7 @@ def _rank_summary(rank: dict[str, Any]) -> dict[str, Any]:
         "exit_code",
         "exit_signal",
         "nan_step",
+        "nan_exact",
         "grad_nan_step",
     )
     summary = {key: rank.get(key) for key in keys}
@@ -527,7 +529,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--relay", action="store_true", help="ranks report through a per-node relay"
     )
+    parser.add_argument(
+        "--nproc", type=int, help="ranks per job instead of each mode's own (a variation)"
+    )
+    parser.add_argument(
+        "--extra",
+        default="",
+        help="flags for every job's script, e.g. '--pg-timeout 6' (a timeout instead of a hang)",
+    )
     args = parser.parse_args(argv)
+    extra = tuple(shlex.split(args.extra))
     names = [n.strip() for n in args.modes.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODES]
     if unknown:
@@ -537,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
         f"diagnosis: {len(names)} modes x {args.reps} runs, real torchrun jobs (gloo, CPU), "
         f"stall_after {THRESHOLDS.stall_after} s, heartbeat {THRESHOLDS.interval} s"
         + (", ranks through a per-node relay" if args.relay else "")
+        + (f", {args.nproc} ranks" if args.nproc else "")
+        + (f", script flags {args.extra!r}" if extra else "")
     )
     header = (
         f"  {'mode':<22} {'runs':>4} {'right':>6} {'wrong':>6} {'latency':>9} {'alerts':>7} "
@@ -549,8 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     examples: list[str] = []
     misses: list[str] = []
     for name in names:
-        mode = MODES[name]
-        results = [run_mode(mode, relay=args.relay) for _ in range(args.reps)]
+        mode = MODES[name] if not args.nproc else replace(MODES[name], nproc=args.nproc)
+        results = [run_mode(mode, relay=args.relay, extra=extra) for _ in range(args.reps)]
         scores = [score(r, mode) for r in results]
         mode_right = sum(s.right for s in scores)
         mode_verdicts = sum(s.verdict_right for s in scores)

@@ -19,7 +19,8 @@ A correct monitor names no rank on any of them. Per job and setting the table sh
 * rc: the job's exit code (a healthy job that failed is no measurement: ``!`` marks it).
 
 Then ``RATIO false_alarms ...``. Exit status 0 always: the benchmark reports, a test judges.
-``--quick``: three short jobs, tight thresholds, idle (the e2e test's slice).
+``--quick``: two short jobs (a checkpoint on every rank, ranks that finish apart), tight
+thresholds, idle (the e2e test's slice).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ THRESHOLDS = {
     "default": Thresholds(),
 }
 FLAP_S = 5.0  # raised again this soon after its clearing: one problem shown twice
-QUICK_JOBS = ("rank0-log", "checkpoint", "finish-apart")
+QUICK_JOBS = ("checkpoint", "finish-apart")
 QUICK_ARGS = ("--steps", "80")
 
 
@@ -244,7 +245,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--load", action="store_true", help="also run beside a CPU hog")
     parser.add_argument("--thresholds", default="tight,default", help="tight, default or both")
-    parser.add_argument("--quick", action="store_true", help="3 short jobs, tight, idle")
+    parser.add_argument("--quick", action="store_true", help="2 short jobs, tight, idle")
     parser.add_argument("--show", action="store_true", help="print every alert change")
     parser.add_argument("--record", metavar="DIR", help="keep each run's recording here")
     parser.add_argument("--json", metavar="FILE", help="write every run's results here")

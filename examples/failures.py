@@ -248,7 +248,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--oom-mib", type=int, default=1024, help="host-leak: SIGKILL once this much is kept"
     )
     parser.add_argument(
-        "--pg-timeout", type=float, default=8.0, help="*-timeout: the process group's timeout (s)"
+        "--pg-timeout",
+        type=float,
+        help="the process group's timeout (s): *-timeout modes 8 s; any other mode given it "
+        "times out instead of hanging",
     )
     parser.add_argument(
         "--no-barrier", action="store_true", help="rank0-checkpoint*: no barrier after it"
@@ -306,8 +309,9 @@ def init(args: argparse.Namespace, me: int) -> None:
             fault_line(args.rank)
             os.environ["MASTER_PORT"] = str(_free_port())  # nobody listens there
         dist.init_process_group("gloo", timeout=timedelta(seconds=args.init_timeout))
-    elif args.mode.endswith("-timeout"):
-        dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+    elif args.mode.endswith("-timeout") or args.pg_timeout is not None:
+        timeout = args.pg_timeout if args.pg_timeout is not None else 8.0
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     else:
         dist.init_process_group("gloo")
 

@@ -33,6 +33,7 @@ from ddpwatch.demo.runner import stop_job
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.history import AlertChange
 from ddpwatch.server.recording import read_records
+from ddpwatch.server.replay import ReplayServer
 from ddpwatch.server.service import Server
 from ddpwatch.server.state import ServerState
 
@@ -233,6 +234,17 @@ class LiveServer:
     def trace(self) -> str:
         """The last heartbeats heard (``heartbeat_trace``), for a failed assertion's message."""
         return heartbeat_trace(self.record) if self.record is not None else "(not recorded)"
+
+    def assert_replay_agrees(self) -> None:
+        """Stop the server and replay its recording: the same messages, in the same order,
+        and the same alert changes, field for field (``serve --record`` then ``replay``)."""
+        assert self.record is not None, "a LiveServer made without record="
+        self.stop()
+        changes: list[AlertChange] = []
+        replay = ReplayServer(self.record, speed=None, on_change=changes.append)
+        replay.run()
+        assert replay.messages == self.server.state.received
+        assert [c.to_dict() for c in changes] == [c.to_dict() for c in self.changes]
 
     def raised(self, kind: str) -> list[dict[str, Any]]:
         return [

@@ -128,13 +128,16 @@ def test_alert_latency_tiny() -> None:
 
 
 def test_diagnosis_tiny() -> None:
-    out = run_benchmark("diagnosis.py", "--reps", "1", "--modes", "raise")
-    assert "RATIO diagnosis right_culprit=" in out
-    assert "raise" in out
+    """The benchmark end to end on one mode, which is also that mode's test: Lightning #8130,
+    one DDP process raises and the others hang or die of it
+    (https://github.com/Lightning-AI/pytorch-lightning/issues/8130): rank 1 is named first,
+    with an allowed kind, no alert names another rank, and the verdict blames it."""
+    out = run_benchmark("diagnosis.py", "--reps", "1", "--modes", "raise", "--show")
+    assert "RATIO diagnosis right_culprit=1/1 wrong_blames=0 right_verdict=1/1 " in out, out
 
 
 def test_false_alarms_quick() -> None:
-    """The real-job slice of the healthy corpus: three short jobs, tight thresholds, idle;
+    """The real-job slice of the healthy corpus: two short jobs, tight thresholds, idle;
     a correct monitor names no rank (the default tests replay recordings of the same)."""
     out = run_benchmark("false_alarms.py", "--quick", timeout=300)
     assert "RATIO false_alarms total=0 " in out, out

@@ -586,7 +586,8 @@ DEEPSPEED_JOB = textwrap.dedent(
     import torch
 
     watcher = ddpwatch.attach()
-    mode = sys.argv[1]
+    # both ways in one job: rank 0 attaches its engine itself, rank 1 leaves it to the hook
+    mode = "explicit" if os.environ["RANK"] == "0" else "auto"
     if mode == "auto":  # what Watcher.start is to do: hook deepspeed.initialize
         from ddpwatch.integrations import install
         install(watcher)
@@ -621,6 +622,7 @@ DEEPSPEED_JOB = textwrap.dedent(
         time.sleep(0.05)
     time.sleep(1.0)
     report = {
+        "mode": mode,
         "phases": PHASES,
         "global_steps": engine.global_steps,
         "step": watcher.progress.step,
@@ -635,10 +637,11 @@ DEEPSPEED_JOB = textwrap.dedent(
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("mode", ["explicit", "auto"])
 def test_deepspeed_engine_on_cpu_reports_steps_loss_and_phases(
-    mode: str, live_server: LiveServer, tmp_path: Path
+    live_server: LiveServer, tmp_path: Path
 ) -> None:
+    """Rank 0 attaches its engine (``ddpwatch.attach(engine)``), rank 1 leaves it to the hook
+    on ``deepspeed.initialize`` (what the zero-code agent installs): one job, both ways."""
     pytest.importorskip("deepspeed")
     script = tmp_path / "ds_job.py"
     script.write_text(DEEPSPEED_JOB)
@@ -653,7 +656,6 @@ def test_deepspeed_engine_on_cpu_reports_steps_loss_and_phases(
         "--master-addr=127.0.0.1",
         f"--master-port={env['MASTER_PORT']}",
         str(script),
-        mode,
     ]
     proc = start(cmd, env, tmp_path)
     out = finish(proc, 150)
@@ -665,7 +667,8 @@ def test_deepspeed_engine_on_cpu_reports_steps_loss_and_phases(
         assert report["step"] == 12, report  # optimizer steps, not the 24 micro-batches
         assert report["loss"] == pytest.approx(report["last_loss"], rel=1e-5)
         assert report["forwards"] == 24
-        if mode == "auto":
+        assert report["mode"] == ("explicit" if rank == 0 else "auto")
+        if report["mode"] == "auto":
             assert in_order(
                 report["phases"], ["rendezvous", "setup", "deepspeed_init", "zero_partition"]
             ), report["phases"]
