@@ -122,7 +122,7 @@ def test_queue_horizon_tiny() -> None:
 
 
 def test_alert_latency_tiny() -> None:
-    out = run_benchmark("alert_latency.py", "--reps", "1")
+    out = run_benchmark("alert_latency.py", "--reps", "1", "--ranks", "2")
     for kind in ("stalled", "silent", "straggler"):
         assert f"RATIO {kind} latency beyond threshold" in out
 
