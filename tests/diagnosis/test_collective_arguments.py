@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from lockstep import NOW, TH, only, rank, state_of
 
-from ddpwatch.core.protocol import CallSeen, Collective
+from ddpwatch.core.protocol import CallSeen, Collective, ErrorInfo
 from ddpwatch.diagnosis.facts.mismatch import odd_calls
 from ddpwatch.diagnosis.rules import (
     diagnose,
@@ -263,3 +263,38 @@ def test_the_votes_of_ranks_past_it_hold_once_every_rank_is_dead() -> None:
     state = state_of(died(0, hung[0]), died(1, ddp), died(2, hung[1]))
     alert = only(rule_collective_mismatch(state, NOW, TH), "collective_mismatch")
     assert alert.ranks == (2,) and "where ranks 0, 1 called broadcast src=0" in alert.message
+
+
+def test_a_broadcast_that_timed_out_keeps_the_blame_on_the_odd_src() -> None:
+    """The same broadcast under a process-group timeout (``broadcast-src --pg-timeout 6``,
+    measured): ranks 0 and 2 time out in it ("send"), rank 1 in DDP's next all-reduce
+    ("recv"), and every rank is dead. Their finals are the flight recorder's numbers with the
+    Python call's (``py_seq``), and rank 1's timeout waited for the two held in the broadcast:
+    rank 2 stays named, rank 1 is never a crash of its own (seen: "crashed ranks=[1]")."""
+    gloo = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:{}] "
+
+    def timed_out(r: int, final: Collective, what: str, line: int) -> RankRecord:
+        error = ErrorInfo(
+            type="RuntimeError",
+            message=gloo.format(line) + f"Timed out waiting 6000ms for {what} operation to complete",
+        )
+        return rank(r, 3, error=error, error_time=NOW - 2.0, exit_time=NOW - 1.5, exit_code=1,
+                    final_collective=final)  # fmt: skip
+
+    hung = [
+        Collective(op="broadcast", seq=64, source="fr", group="0", py_seq=40, shape=[1],
+                   dtype="float32", root=root)
+        for root in (0, 2)
+    ]  # fmt: skip
+    ddp = Collective(
+        op="allreduce", seq=65, source="fr", group="0",
+        before=CallSeen(seq=40, op="broadcast", dtype="float32", numel=1, root=0),
+    )  # fmt: skip
+    state = state_of(
+        timed_out(0, hung[0], "send", 129),
+        timed_out(1, ddp, "recv", 78),
+        timed_out(2, hung[1], "send", 129),
+    )
+    alerts = diagnose(state, NOW, TH)
+    assert [(a.kind, a.ranks) for a in alerts if a.ranks] == [("collective_mismatch", (2,))]
+    assert "where ranks 0, 1 called broadcast src=0" in alerts[0].message

@@ -329,15 +329,17 @@ def _first_to_die(facts: Evidence, buckets: _Buckets, early: list[RankRecord]) -
 
 def _pick_roots(facts: Evidence, buckets: _Buckets) -> list[Root]:
     """The roots, earliest first: the failures of their own, the timeouts then being
-    symptoms; only when there are none (and no rank is missing), the ranks the timeouts
-    waited for (``_held_up_by``), else the timeouts themselves."""
+    symptoms (of them, or of a collective mismatch); only when there are none (and no rank
+    is missing), the ranks the timeouts waited for (``_held_up_by``), else the timeouts
+    themselves."""
     timeouts = list(buckets.timeouts.values())
     held = None
     if not buckets.primary and not missing_ranks(facts.state) and timeouts:
         held = _held_up_by(facts, timeouts)
-    if buckets.primary or missing_ranks(facts.state) or held is not None:
-        # a timeout waited for someone: the rank that failed, one that never came, or one
-        # that had not entered the collective (saving, evaluating alone)
+    if buckets.primary or buckets.mismatched or missing_ranks(facts.state) or held is not None:
+        # a timeout waited for someone: the rank that failed, one that never came, one that
+        # had not entered the collective (saving, evaluating alone), or ranks held in a
+        # mismatched collective (a broadcast whose src differs: the mismatch rule names them)
         for root in timeouts:
             buckets.symptoms.extend(root.records)
         roots = list(buckets.primary.values()) + ([held] if held is not None else [])

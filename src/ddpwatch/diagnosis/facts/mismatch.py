@@ -203,7 +203,7 @@ def find_mismatch(census: Census, now: float, settle: float) -> Mismatch | None:
         found = _mismatch_in(key, sorted(settled, key=lambda m: m[0].rank)) if settled else None
         if found is not None:
             counted = {r.rank for r, _ in settled} | {r.rank for r in waiting}
-            passed = _passed(census, key, counted)
+            passed = _passed(census, key, counted, died)
             if passed:  # the ranks already past it say how they called it: more votes
                 every = sorted(settled + passed, key=lambda m: m[0].rank)
                 found = _mismatch_in(key, every) or found
@@ -211,14 +211,16 @@ def find_mismatch(census: Census, now: float, settle: float) -> Mismatch | None:
     return None
 
 
-def _passed(census: Census, key: WaitKey, counted: set[int]) -> list[tuple[RankRecord, Collective]]:
+def _passed(
+    census: Census, key: WaitKey, counted: set[int], died: list[tuple[RankRecord, Collective]]
+) -> list[tuple[RankRecord, Collective]]:
     """The ranks not ``counted`` in ``key`` whose last Python-level call before the collective
     they are in (or died in) was ``key`` (their ``before``), as if they were in it: a gloo
     broadcast whose ``src`` differs on one rank holds that rank and the root, while the ranks
     the root reached go on to the next call (DDP's all-reduce, the next broadcast), so the two
     that hang are a tie these votes break. Asked only where the calls in it already differ:
     ranks pass from one collective to the next all the time."""
-    seq = _python_number(key, census.waits.get(key))
+    seq = _python_number(key, census.waits.get(key), died)
     if seq is None:
         return []
     elsewhere = [(r, r.collective) for group in census.waits.values() for r in group.records()]
@@ -285,15 +287,17 @@ def _mismatch_in(key: WaitKey, members: list[tuple[RankRecord, Collective]]) -> 
     return Mismatch(key, described, culprits, others)
 
 
-def _python_number(key: WaitKey, group: WaitGroup | None) -> int | None:
+def _python_number(
+    key: WaitKey, group: WaitGroup | None, died: list[tuple[RankRecord, Collective]]
+) -> int | None:
     """The agent's own number of collective ``key``: its seq for a Python-level one; for the
-    flight recorder's, the number its members give (``py_seq``) when they all give one."""
+    flight recorder's, the number its members give (``py_seq``), those still in it and those
+    that died in it (a timeout: every rank may be dead by then), when they all give one."""
     source, _, seq = key if len(key) == 3 else (None, None, None)
     if source == CollectiveSource.PY:
         return seq if isinstance(seq, int) else None
-    if group is None:
-        return None
-    numbers = {r.collective.py_seq if r.collective else None for r in group.records()}
+    members = [r.collective for r in group.records()] if group is not None else []
+    numbers = {c.py_seq if c else None for c in members + [c for _, c in died]}
     return numbers.pop() if len(numbers) == 1 else None
 
 
