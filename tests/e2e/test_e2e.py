@@ -125,21 +125,6 @@ def test_killed_rank_is_silent_culprit(port: int, jobs, tmp_path: Path) -> None:
         server.stop()
 
 
-def test_server_started_after_the_ranks_rebuilds_state(port: int, jobs) -> None:
-    job = jobs("faults.py", 2, ["--steps", "400", "--step-time", "0.05"], port)
-    time.sleep(12)  # the ranks are training with nobody listening
-    server = LiveServer(port, Thresholds())
-    try:
-        server.wait_for(all_ranks_stepping(2), timeout=60)  # imports: seconds more when loaded
-        status = as_json(server.server.status())
-        assert {r["rank"] for r in status["ranks"]} == {0, 1}
-        assert all(r["host"] and r["pid"] and r["world_size"] == 2 for r in status["ranks"])
-        assert status["alerts"] == []
-    finally:
-        server.stop()
-        job.kill()
-
-
 def test_startup_hang_names_the_rank_that_never_reached_rendezvous(port: int, jobs) -> None:
     server = LiveServer(port, Thresholds(startup_after=3.0))
     try:

@@ -100,6 +100,8 @@ def endless_job() -> Iterator[tuple[subprocess.Popen[str], int]]:
 def test_server_killed_and_restarted_mid_run(
     endless_job: tuple[subprocess.Popen[str], int],
 ) -> None:
+    """Both servers start after the ranks (the job trains with nobody listening first): each
+    rebuilds the whole picture from the heartbeats alone."""
     job, port = endless_job
     assert job.poll() is None
     first = serve(port)
@@ -129,6 +131,11 @@ def test_server_killed_and_restarted_mid_run(
                 time.sleep(0.1)
             # the whole picture is back within a few heartbeats (0.5 s each) of the server answering
             assert time.monotonic() - answering < 3.0
+            # and a server that joins a job mid-run cries no wolf: no rank "never connected"
+            # or "silent" for the seconds before it listened
+            document = status(port)
+            assert all(r["pid"] and (r["step"] or 0) >= 3 for r in document["ranks"]), document
+            assert document["alerts"] == [], document["alerts"]
         finally:
             stop_job(second, grace=2)
     finally:
