@@ -376,7 +376,7 @@ def _held_up_by(facts: Evidence, timeouts: list[Root]) -> Root | None:
             or (
                 r.error is None
                 and entered(r, place) is False
-                and not (r.collective is not None and r.exit_time is None)
+                and not _blocked_elsewhere(r, place)
             )
         )
     ]
@@ -384,6 +384,26 @@ def _held_up_by(facts: Evidence, timeouts: list[Root]) -> Root | None:
         return None
     held.sort(key=lambda r: r.rank)
     return Root(AlertKind.STRAGGLER, [r.rank for r in held], gave_up, held, timed_out=waited)
+
+
+def _blocked_elsewhere(record: RankRecord, place: WaitKey) -> bool:
+    """The live rank is in another collective, which holds it: not one that comes before
+    ``place`` in the same counter, which the ranks in ``place`` have passed (gloo's flight
+    recorder shows a collective in flight a while after the rank left it: seen under load,
+    rank 0 saving alone "inside all_reduce #45" while the others timed out in #46)."""
+    c = record.collective
+    if c is None or record.exit_time is not None:
+        return False
+    mine = wait_key(c)
+    behind = (
+        len(mine) == 3
+        and len(place) == 3
+        and mine[:2] == place[:2]
+        and isinstance(mine[2], int)
+        and isinstance(place[2], int)
+        and mine[2] < place[2]
+    )
+    return not behind
 
 
 def _entered_after(record: RankRecord, place: WaitKey, gave_up: float) -> bool:
