@@ -207,6 +207,14 @@ def heartbeat_trace(path: Path, last: int = 60) -> str:
     return "last heartbeats heard:\n" + "\n".join(lines[-last:])
 
 
+def replayed(path: Path, **kwargs: Any) -> tuple[ReplayServer, list[AlertChange]]:
+    """Replay a recording as fast as it goes: the server, and the alert changes it made."""
+    changes: list[AlertChange] = []
+    replay = ReplayServer(path, speed=None, on_change=changes.append, **kwargs)
+    replay.run()
+    return replay, changes
+
+
 class LiveServer:
     """A real ``Server`` on a background thread, recording every alert change."""
 
@@ -240,9 +248,7 @@ class LiveServer:
         and the same alert changes, field for field (``serve --record`` then ``replay``)."""
         assert self.record is not None, "a LiveServer made without record="
         self.stop()
-        changes: list[AlertChange] = []
-        replay = ReplayServer(self.record, speed=None, on_change=changes.append)
-        replay.run()
+        replay, changes = replayed(self.record)
         assert replay.messages == self.server.state.received
         assert [c.to_dict() for c in changes] == [c.to_dict() for c in self.changes]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Recording, free_port_pair
+from conftest import ROOT, Recording, free_port_pair, replayed
 
 from ddpwatch.cli import main
 from ddpwatch.commands.replay import parse_speed
@@ -42,13 +42,6 @@ def sequence(changes: list[AlertChange] | list[dict[str, Any]]) -> list[tuple[st
         data = change.to_dict() if isinstance(change, AlertChange) else change
         out.append((data["event"], data["alert"]["kind"], list(data["alert"]["ranks"])))
     return out
-
-
-def replayed(path: Path, **kwargs: Any) -> tuple[ReplayServer, list[AlertChange]]:
-    changes: list[AlertChange] = []
-    replay = ReplayServer(path, speed=None, on_change=changes.append, **kwargs)
-    replay.run()
-    return replay, changes
 
 
 def sample(rank: int, step: int, **fields: Any) -> bytes:
