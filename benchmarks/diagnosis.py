@@ -223,6 +223,17 @@ MODES: dict[str, Mode] = {
             _GH + "pytorch/pytorch/issues/13246",
             watch_s=90.0,
         ),
+        # point-to-point: the rank that did not make its half of a send/recv is named, never
+        # the rank blocked in it; the others wait in DDP's all-reduce, which the blocked rank
+        # must enter (a deadlock)
+        _mode(
+            "p2p-skip-send",
+            {0},
+            {"send_recv_deadlock"},
+            _GH + "tdrussell/diffusion-pipe/issues/409",
+        ),
+        _mode("p2p-batch-skip", {0}, {"send_recv_deadlock"}, _GH + "pytorch/PiPPy/issues/969"),
+        _mode("healthy-p2p", set(), set(), "", watch_s=60.0),
         _mode(
             "missing-rank",
             {2},

@@ -152,6 +152,17 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     "host-leak": (1, 20),
     # PyTorch #52848: init_process_group hangs when the world size says more ranks than were
     # started (https://github.com/pytorch/pytorch/issues/52848)
+    # diffusion-pipe#409: the first stage sends the targets to the last with dist.send and
+    # one step it does not (a branch on its own data); the receiver waits in dist.recv while
+    # the others go on to DDP's all-reduce, which it must enter
+    # (https://github.com/tdrussell/diffusion-pipe/issues/409)
+    "p2p-skip-send": (0, 20),
+    # PiPPy #969: ranks exchange by batch_isend_irecv in a ring, and one rank does not post
+    # its half; its neighbours' requests never complete while it waits in the all-reduce
+    # (https://github.com/pytorch/PiPPy/issues/969)
+    "p2p-batch-skip": (0, 20),
+    # healthy: both hand-offs, matched on every step
+    "healthy-p2p": (1, 0),
     "missing-rank": (2, 0),
     # PyTorch #53395 and #76069: each process picks a free port itself and sets MASTER_PORT
     # just before init_process_group (or each node's launch line has its own), so one rank
@@ -390,6 +401,8 @@ def train(args: argparse.Namespace) -> int:
                 all_reduce_metric(args, faulty, step, metric)
             if mode in ("broadcast-src", "healthy-broadcast"):
                 broadcast_decision(args, me, faulty, step, metric)
+            if mode in ("p2p-skip-send", "p2p-batch-skip", "healthy-p2p"):
+                hand_off(args, me, faulty and step == args.at, metric)
             if not accumulating:
                 optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -415,6 +428,30 @@ def train(args: argparse.Namespace) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def hand_off(args: argparse.Namespace, me: int, skip: bool, metric: torch.Tensor) -> None:
+    """A pipeline's hand-off each step: rank 0 sends its targets to rank 1 with ``dist.send``
+    (``p2p-skip-send``), or every rank passes its metric on round a ring with
+    ``batch_isend_irecv`` (``p2p-batch-skip``); ``healthy-p2p`` does both. ``skip``: this rank
+    does not make its half this step."""
+    mode = args.mode
+    if skip:
+        fault_line(me)
+    if mode in ("p2p-skip-send", "healthy-p2p") and me in (0, 1):
+        if me == 0 and not skip:
+            dist.send(metric.clone(), dst=1)
+        elif me == 1:
+            dist.recv(torch.empty_like(metric), src=0)
+    if mode in ("p2p-batch-skip", "healthy-p2p") and not skip:
+        world = dist.get_world_size()
+        got = torch.empty_like(metric)
+        ops = [
+            dist.P2POp(dist.isend, metric.clone(), (me + 1) % world),
+            dist.P2POp(dist.irecv, got, (me - 1) % world),
+        ]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
 
 
 def all_reduce_metric(

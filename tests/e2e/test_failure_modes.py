@@ -35,6 +35,7 @@ from ddpwatch.core.ports import free_port_pair
 # shorter than the benchmark: the same failure, fewer seconds of it
 SHORTER: dict[str, tuple[str, ...]] = {
     "healthy": ("--steps", "40"),
+    "healthy-p2p": ("--steps", "60"),
     "barrier-sleep": ("--sleep", "8"),
     "rank0-checkpoint": ("--sleep", "8"),
     "rank0-checkpoint-timeout": ("--sleep", "10", "--pg-timeout", "5"),
@@ -278,6 +279,40 @@ def test_a_broadcast_from_its_own_rank_on_one_rank_is_named_while_the_others_han
 def test_a_broadcast_from_src_1_on_every_rank_raises_no_alert() -> None:
     """The healthy twin: the same broadcast with src=1 on every rank."""
     result = run("healthy-broadcast")
+    account = describe(result)
+    assert result.returncode == 0, account
+    assert not [c for c in result.changes if c.ranks], account
+
+
+def test_a_send_not_made_names_the_sender_not_the_rank_blocked_in_recv() -> None:
+    """diffusion-pipe #409's family (https://github.com/tdrussell/diffusion-pipe/issues/409:
+    targets handed from the first stage to the last with dist.send/recv deadlock): each step
+    rank 0 sends to rank 1; at step 20 it does not, and goes on with rank 2 into DDP's
+    all-reduce, which rank 1, blocked in its recv, must enter. Rank 0 is named, live; rank 1,
+    the rank that has not entered the all-reduce, is a victim."""
+    result = assert_blames_only_the_culprit("p2p-skip-send")
+    scored = score(result, MODES["p2p-skip-send"])
+    assert scored.first is not None, describe(result)
+    assert "rank 1 waits in recv from rank 0" in scored.first.message, describe(result)
+    assert "a send rank 0 did not make" in scored.first.message, describe(result)
+    assert set(scored.first.waiting) == {1, 2}, describe(result)
+
+
+def test_a_batch_isend_irecv_half_not_posted_names_the_rank_that_did_not_post_it() -> None:
+    """PiPPy #969's family (https://github.com/pytorch/PiPPy/issues/969: a batch_isend_irecv
+    whose peer posts its half later hangs): the ranks pass a tensor round a ring every step;
+    at step 20 rank 0 posts nothing, so rank 1's receive and rank 2's send never complete
+    while rank 0 waits in DDP's all-reduce."""
+    result = assert_blames_only_the_culprit("p2p-batch-skip")
+    scored = score(result, MODES["p2p-batch-skip"])
+    assert scored.first is not None, describe(result)
+    assert "which rank" in scored.first.message and "rank 0 did not make" in scored.first.message
+    assert set(scored.first.waiting) == {1, 2}, describe(result)
+
+
+def test_a_pipeline_hand_off_matched_every_step_raises_no_alert() -> None:
+    """The healthy twin: the same send/recv and ring exchange, matched on every step."""
+    result = run("healthy-p2p")
     account = describe(result)
     assert result.returncode == 0, account
     assert not [c for c in result.changes if c.ranks], account

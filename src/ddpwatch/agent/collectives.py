@@ -77,6 +77,11 @@ same one. Under gloo (torch 2.13, measured) a broadcast whose ``src`` differs on
 hangs the ranks it leaves without a partner, while those the true root reached go on; NCCL's
 reduce with a ``dst`` that differs on one rank finishes, with later work hanging
 (pytorch/pytorch#39706)."""
+PEER_AT = {"send": (1, "dst"), "recv": (1, "src")}
+"""Where the blocking point-to-point ops take their peer (position, keyword; else
+``group_<keyword>``, its rank in the group) and, at position 3 or keyword ``tag``, their tag.
+``isend``/``irecv`` are not replaced: ``P2POp`` checks its op *is* torch's own function, so a
+wrapper would break every ``batch_isend_irecv`` built from it; that call is wrapped instead."""
 FR_ENV = "TORCH_FR_BUFFER_SIZE"
 FR_DEFAULT_SIZE = "2000"
 FR_ON_BY_DEFAULT = (2, 13)  # torch releases from this one keep 2000 entries without the variable
@@ -99,12 +104,18 @@ class CollectiveWrappers:
 
     def install(self, dist: Any) -> None:
         self._dist = dist
-        for name in WRAPPED:
+        for name in (*WRAPPED, *PEER_AT, "batch_isend_irecv"):
             original = getattr(dist, name, None)
             if original is None or getattr(original, "__ddpwatch__", False):
                 continue
             self._originals[name] = original
-            setattr(dist, name, self._wrap(name, original))
+            if name in PEER_AT:
+                wrapper = self._wrap_p2p(name, original)
+            elif name == "batch_isend_irecv":
+                wrapper = self._wrap_batch(original)
+            else:
+                wrapper = self._wrap(name, original)
+            setattr(dist, name, wrapper)
 
     def restore(self, dist: Any) -> None:
         for name, original in self._originals.items():
@@ -140,6 +151,75 @@ class CollectiveWrappers:
             counted = group is None or group is world()
             with _Recorded(progress, name, tensor, counted, reduce_op, root):
                 return torch_collective(*args, **kwargs)  # ddpwatch only records the call
+
+        ddpwatch_passthrough.__ddpwatch__ = True  # type: ignore[attr-defined]
+        return ddpwatch_passthrough
+
+    def _wrap_p2p(self, name: str, torch_p2p: Callable[..., Any]) -> Callable[..., Any]:
+        """A blocking ``send`` or ``recv``: in flight with its peer and tag while it runs, not
+        counted (point-to-point calls are no collective every rank makes)."""
+        progress = self._progress
+        at, keyword = PEER_AT[name]
+        in_group = f"group_{keyword}"
+        dist = self._dist
+        world = self._world_group
+
+        def global_rank(group: Any, group_peer: Any) -> Any:
+            """A peer given by its rank in ``group``, as the job's rank (None: unknown)."""
+            try:
+                return None if group_peer is None else dist.get_global_rank(group, group_peer)
+            except Exception:
+                return None
+
+        @functools.wraps(torch_p2p)
+        def ddpwatch_passthrough(*args: Any, **kwargs: Any) -> Any:
+            given = len(args)
+            peer = args[at] if at < given else kwargs.get(keyword)
+            group = args[2] if given > 2 else kwargs.get("group")
+            if peer is None and group is not None:
+                peer = global_rank(group, kwargs.get(in_group))
+            tag = args[3] if given > 3 else kwargs.get("tag", 0)
+            progress.enter_p2p(name, peer, tag, None if group is world() else group)
+            failed = True
+            try:
+                done = torch_p2p(*args, **kwargs)  # ddpwatch only records the call
+                failed = False
+                return done
+            finally:
+                progress.exit_collective(failed=failed)
+
+        ddpwatch_passthrough.__ddpwatch__ = True  # type: ignore[attr-defined]
+        return ddpwatch_passthrough
+
+    def _wrap_batch(self, torch_batch: Callable[..., Any]) -> Callable[..., Any]:
+        """``batch_isend_irecv``: its ops, each with its peer, tag and the request it returned,
+        so the publisher can tell one still pending (``Progress.p2p_batch``). The requests
+        are held weakly: the tensors they keep are the user's to free."""
+        progress = self._progress
+        isend = getattr(self._dist, "isend", None)
+
+        world = self._world_group
+
+        @functools.wraps(torch_batch)
+        def ddpwatch_passthrough(p2p_op_list: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                group = p2p_op_list[0].group
+                group = None if group is world() else group
+                progress.count_p2p(group, len(p2p_op_list))
+            except Exception:  # not a list of P2POp: torch says so, not ddpwatch
+                pass
+            works = torch_batch(p2p_op_list, *args, **kwargs)  # ddpwatch only records the call
+            try:
+                progress.note_p2p_batch(
+                    [
+                        ("isend" if op.op is isend else "irecv", op.peer, op.tag)
+                        for op in p2p_op_list
+                    ],
+                    works,
+                )
+            except Exception:  # not a list of P2POp as torch 2.13 builds them: not recorded
+                pass
+            return works
 
         ddpwatch_passthrough.__ddpwatch__ = True  # type: ignore[attr-defined]
         return ddpwatch_passthrough
@@ -226,13 +306,22 @@ class FlightRecorder:
         except (ImportError, AttributeError):
             log.debug("ddpwatch: flight recorder not available in this torch")
 
-    def read(self) -> tuple[Collective | None, dict[str, int] | None]:
+    def read(
+        self, p2p: dict[str, int] | None = None
+    ) -> tuple[Collective | None, dict[str, int] | None]:
         """One status read per heartbeat: the oldest collective still pending since the last
-        heartbeat (else None), and the last enqueued sequence number of every group."""
+        heartbeat (else None), and the last enqueued sequence number of every group.
+
+        ``p2p``: the point-to-point ops this rank posted per group, where the backend counts
+        them in the group's sequence (gloo, measured: 3 sends and 2 all-reduces read 5, the
+        recorder's entries numbering the all-reduces 1 and 2): taken off, so that a rank that
+        sends and one that does not number the same collective alike."""
         if self._dump is None:
             return None, None
         try:
             pg_status = json.loads(self._dump(False, True)).get("pg_status") or {}
+            if p2p:
+                pg_status = without_p2p(pg_status, p2p)
             enqueued = enqueued_counts(pg_status, member_groups())
             pending = first_pending(pg_status)
             if pending is None or pending != self._pending:
@@ -262,6 +351,25 @@ class FlightRecorder:
                 name = str(entry.get("profiling_name", "collective")).split(":", 1)[-1]
                 return key, name, (entry.get("time_created_ns") or 0) / 1e9
         return key, "collective", 0.0
+
+
+def without_p2p(pg_status: dict[str, Any], p2p: dict[str, int]) -> dict[str, Any]:
+    """``pg_status`` with ``p2p[group]`` point-to-point ops taken off each group's enqueued
+    and completed counts (never below -1, "none yet"). A send or receive still pending makes
+    the completed count one short: the Python-level op in flight says where the rank is."""
+    fixed = dict(pg_status)
+    for group, ops in p2p.items():
+        status = pg_status.get(group)
+        if not ops or not isinstance(status, dict):
+            continue
+        adjusted = dict(status)
+        for key in ("last_enqueued_collective", "last_completed_collective"):
+            try:
+                adjusted[key] = max(-1, int(status.get(key, -1)) - ops)
+            except (TypeError, ValueError):
+                continue
+        fixed[group] = adjusted
+    return fixed
 
 
 def first_pending(pg_status: dict[str, Any]) -> tuple[str, int] | None:
@@ -302,3 +410,15 @@ def member_groups() -> list[str]:
         return [str(name) for name in distributed_c10d._world.pg_names.values()]
     except Exception:  # private: any change in torch turns this off
         return []
+
+
+def pg_name(group: Any) -> str | None:
+    """The flight recorder's name for a process group object (the default group's is "0");
+    None when torch's private registry does not know it."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        name = distributed_c10d._world.pg_names.get(group)
+        return None if name is None else str(name)
+    except Exception:  # private: any change in torch turns this off
+        return None

@@ -27,6 +27,9 @@ WINDOW_CALLS = 256
 first ones, so their digests still compare; more only count (``collective_seq``)."""
 REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"})
 """The wrapped collectives that take a reduce op: ``SUM`` where none is given."""
+P2P_PENDING_S = 1.0
+"""How old a ``batch_isend_irecv`` request must be, not completed, before the rank counts as
+waiting in it (a pipeline stage's receive completes within its peer's micro-batch)."""
 DRAWN_KEPT = 8  # DataLoader iterators counted at once (training, evaluation, a new epoch's)
 _FORWARD: Final = Phase.FORWARD  # a global: an Enum member off its class is slower (hooks.py)
 _EVALUATION: Final = Phase.EVALUATION
@@ -34,6 +37,11 @@ _EVALUATION: Final = Phase.EVALUATION
 
 class Progress:
     """Step, loss, phase and collective timing of one rank."""
+
+    collective_peer: tuple[Any, Any] | None = None  # a blocking send/recv's (peer, tag)
+    p2p_batch: tuple[float, list[tuple[str, Any, Any]], list[Any]] | None = None
+    """The last ``batch_isend_irecv``: when, its ops (op, peer, tag) and weak references to the
+    requests it returned, which the publisher asks whether they completed."""
 
     def __init__(self) -> None:
         now = time.perf_counter()
@@ -57,6 +65,9 @@ class Progress:
         self.collective_tensor: Any = None
         self.collective_reduce_op: Any = None  # as the call gave it (a ``ReduceOp``)
         self.collective_root: Any = None  # its src or dst, as given
+        self.p2p_ops: dict[Any, int] = {}
+        """Point-to-point ops posted so far, by process group (None: the default group): gloo's
+        flight recorder counts them with the group's collectives (``p2p_counts``)."""
         self.marks: deque[tuple[int, int]] = deque(maxlen=MARKS_KEPT)
         self.calls: list[tuple[str, Any, Any, Any, Any]] = []
         """This window's default-group calls so far, the first ``WINDOW_CALLS``: (op, dtype,
@@ -256,6 +267,31 @@ class Progress:
             self.collective_root = root
             self.collective_start = time.perf_counter()
 
+    def count_p2p(self, group: Any, ops: int = 1) -> None:
+        """``ops`` point-to-point ops are about to be posted on ``group``: counted before torch
+        enqueues them, so that a count read meanwhile errs towards "not entered yet"."""
+        counts = self.p2p_ops
+        try:
+            counts[group] = counts.get(group, 0) + ops
+        except TypeError:  # a group that is no ProcessGroup (unhashable): not counted
+            pass
+
+    def enter_p2p(self, op: str, peer: Any, tag: Any, group: Any = None) -> None:
+        """Enter a blocking point-to-point op (``send``, ``recv``): in flight with its peer and
+        tag, not counted among the collectives (no collective every rank makes)."""
+        self.count_p2p(group)
+        self.collective_depth += 1
+        if self.collective_depth == 1:
+            self.collective_counted = False
+            self.collective_op = op
+            self.collective_peer = (peer, tag)
+            self.collective_start = time.perf_counter()
+
+    def note_p2p_batch(self, ops: list[tuple[str, Any, Any]], works: Any) -> None:
+        """A ``batch_isend_irecv`` posted ``ops`` and returned ``works`` (its requests)."""
+        refs = [weakref.ref(work) for work in works] if works else []
+        self.p2p_batch = (time.perf_counter(), ops, refs)
+
     def exit_collective(self, failed: bool = False) -> None:
         if failed and self.collective_depth == 1 and self.failed_collective is None:
             self.failed_collective = self.in_flight()
@@ -266,13 +302,23 @@ class Progress:
             self.collective_tensor = None
             self.collective_reduce_op = None
             self.collective_root = None
+            self.collective_peer = None
 
     # publisher thread ------------------------------------------------------
     def in_flight(self) -> Collective | None:
         """The Python-level collective the training thread is inside, if any."""
         op = self.collective_op
         if op is None:
-            return None
+            return self._pending_p2p()
+        peer = self.collective_peer
+        if peer is not None:
+            return Collective(
+                op=op,
+                since_s=time.perf_counter() - self.collective_start,
+                source=CollectiveSource.PY,
+                peer=rank_number(peer[0]),
+                tag=rank_number(peer[1], lowest=-(2**31)),
+            )
         shape, dtype = _describe(self.collective_tensor)
         reduce_op, root = self.collective_reduce_op, self.collective_root
         return Collective(
@@ -285,6 +331,44 @@ class Progress:
             reduce_op=reduce_op_name(op, reduce_op),
             root=root_number(root),
         )
+
+    def p2p_counts(self, name_of: Callable[[Any], str | None]) -> dict[str, int]:
+        """Point-to-point ops posted so far per process group, by the flight recorder's name
+        for the group (``name_of``; None: a group it does not name, left out)."""
+        counts: dict[str, int] = {}
+        for group, ops in list(self.p2p_ops.items()):  # one C-level copy: the GIL holds it
+            name = "0" if group is None else name_of(group)
+            if name is not None:
+                counts[name] = counts.get(name, 0) + ops
+        return counts
+
+    def _pending_p2p(self) -> Collective | None:
+        """The first op of the last ``batch_isend_irecv`` whose request has not completed,
+        once ``P2P_PENDING_S`` old, while the training thread has not moved since it posted
+        them: waiting for it (a rank that posts a receive and computes meanwhile has
+        moved on: a forward or a phase since)."""
+        batch = self.p2p_batch
+        if batch is None:
+            return None
+        posted, ops, refs = batch
+        age = time.perf_counter() - posted
+        if not refs or age < P2P_PENDING_S or max(self.last_progress, self.phase_changed) > posted:
+            return None
+        for at, (op, peer, tag) in enumerate(ops):
+            work = refs[at if len(refs) == len(ops) else 0]()
+            try:
+                if work is None or work.is_completed():
+                    continue  # freed (waited for and dropped) or done
+            except Exception:
+                continue
+            return Collective(
+                op=op,
+                since_s=age,
+                source=CollectiveSource.PY,
+                peer=rank_number(peer),
+                tag=rank_number(tag, lowest=-(2**31)),
+            )
+        return None
 
     def idle_for(self) -> float:
         """Seconds since the rank last moved: a step ended or its phase changed."""
@@ -351,6 +435,17 @@ def root_number(root: Any) -> int | None:
         return int(root)
     except (TypeError, ValueError):
         return None
+
+
+def rank_number(value: Any, lowest: int = 0) -> int | None:
+    """A peer rank or a tag as an int on the wire, None where it is none or out of range."""
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        return None
+    return number if lowest <= number < 2**31 else None
 
 
 def _describe(tensor: Any) -> tuple[list[int] | None, str | None]:

@@ -16,7 +16,12 @@ from typing import Any
 from ddpwatch.agent import early, hostmem, registry, switches
 from ddpwatch.agent.auto import after_import
 from ddpwatch.agent.calls import CallDigests
-from ddpwatch.agent.collectives import CollectiveWrappers, FlightRecorder, ensure_flight_recorder
+from ddpwatch.agent.collectives import (
+    CollectiveWrappers,
+    FlightRecorder,
+    ensure_flight_recorder,
+    pg_name,
+)
 from ddpwatch.agent.compiling import CompileWatch, in_compile_stack
 from ddpwatch.agent.hooks import BackwardLoss, ModelHooks, ProcessHooks
 from ddpwatch.agent.identity import (
@@ -396,12 +401,22 @@ class Watcher:
             )
         return messages
 
+    def _p2p_counted(self) -> dict[str, int] | None:
+        """The sends and receives this rank posted per group, where its backend numbers them
+        with the group's collectives (gloo, measured; NCCL keeps them apart: none)."""
+        backend = self.identity.backend or ""
+        if not self.progress.p2p_ops or "gloo" not in backend or "nccl" in backend:
+            return None
+        return self.progress.p2p_counts(pg_name)
+
     def _in_flight(self, recorded: Collective | None) -> Collective | None:
         """The collective this rank is in: the flight recorder's (its number counts DDP's own
         all-reduces), with the Python-level call's arguments where the rank is inside one of
         the same op (the recorder keeps no root or reduce op); else the Python-level one.
         Either way with ``before``, the last Python-level call made before it."""
         python = self.progress.in_flight()
+        if python is not None and python.peer is not None:
+            return python  # blocked in a send or a receive now, whatever the recorder holds
         if recorded is None:
             if python is not None and python.seq is not None:
                 python.before = self._calls.call(python.seq - 1)
@@ -427,7 +442,7 @@ class Watcher:
             progress.set_phase(Phase.TRAIN)
         device = device_info()
         recorder = self._flight_recorder
-        collective, enqueued = recorder.read() if recorder is not None else (None, None)
+        collective, enqueued = recorder.read(self._p2p_counted()) if recorder else (None, None)
         collective = self._in_flight(collective)
         counts = None
         if self._dist_ready:

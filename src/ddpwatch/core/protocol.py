@@ -68,6 +68,11 @@ class Collective(msgspec.Struct, omit_defaults=True, gc=False):
     """The last Python-level default-group call this rank made before this collective (for a
     Python-level one, number ``seq - 1``), so that ranks that got past a collective the others
     hang in still say how they called it."""
+    peer: NonNegInt | None = None
+    """A point-to-point op (``send``, ``recv``, and the ``isend``/``irecv`` of a
+    ``batch_isend_irecv``): the global rank it sends to or receives from; None for a
+    collective, or a ``recv`` from any source."""
+    tag: int | None = None  # a point-to-point op's tag, which its peer's must match
 
 
 class CallWindow(msgspec.Struct, omit_defaults=True, gc=False):

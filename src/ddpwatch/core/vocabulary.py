@@ -169,6 +169,7 @@ class AlertKind(Word):
     HOST_MEMORY = "host_memory"
     CONFIG_MISMATCH = "config_mismatch"
     DUPLICATE_RANK = "duplicate_rank"
+    SEND_RECV_DEADLOCK = "send_recv_deadlock"
 
 
 ALERT_KINDS: Final[tuple[str, ...]] = tuple(AlertKind)

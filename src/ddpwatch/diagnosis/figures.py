@@ -31,9 +31,17 @@ from ddpwatch.diagnosis.text import format_ranks
 from ddpwatch.status.fmt import duration, step_seconds
 from ddpwatch.status.schema import StatusDocument
 
-HOLDING = frozenset({AlertKind.STRAGGLER, AlertKind.STALLED, AlertKind.CONFIG_MISMATCH})
+HOLDING = frozenset(
+    {
+        AlertKind.STRAGGLER,
+        AlertKind.STALLED,
+        AlertKind.CONFIG_MISMATCH,
+        AlertKind.SEND_RECV_DEADLOCK,
+    }
+)
 """Alert kinds whose culprit holds the ``waiting`` ranks up (a rank whose rendezvous values
-differ holds the others in ``init_process_group``)."""
+differ holds the others in ``init_process_group``; one whose send is missing, the rank blocked
+in its receive and every rank in the collective that one must enter)."""
 SLOWING = frozenset({AlertKind.SLOW_RANK})
 """Warning kinds whose culprit the others waited for every step, the job running on."""
 

@@ -28,7 +28,7 @@ from ddpwatch.diagnosis.facts.census import (
 from ddpwatch.diagnosis.facts.launch import RENDEZVOUS_HOLD_S, Difference, rendezvous_split
 from ddpwatch.diagnosis.facts.mismatch import MISMATCH_SETTLE_S, Mismatch, find_mismatch
 from ddpwatch.diagnosis.facts.ranks import is_silent
-from ddpwatch.diagnosis.facts.stragglers import Straggle, find_straggle
+from ddpwatch.diagnosis.facts.stragglers import P2PHold, Straggle, find_p2p_holds, find_straggle
 from ddpwatch.diagnosis.knowledge import Signature, explain_error
 from ddpwatch.server.records import RankRecord
 from ddpwatch.server.relays import LostRelay, lost_relays
@@ -148,6 +148,13 @@ class Facts:
     @cached_property
     def straggle(self) -> Straggle | None:
         return find_straggle(self.census, self.now, self.collective_limit, self.th.interval)
+
+    @cached_property
+    def p2p_holds(self) -> list[P2PHold]:
+        """Ranks blocked in sends or receives outside the straggle, and whom they wait for."""
+        if not self.census.p2p:
+            return []
+        return find_p2p_holds(self.census, self.straggle, self.now, self.collective_limit)
 
     def memo(self, key: str, compute: Callable[[], T]) -> T:
         """Work one rule family shares between its rules, done once per ``diagnose`` call."""

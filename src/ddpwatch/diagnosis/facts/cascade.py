@@ -17,6 +17,7 @@ from ddpwatch.diagnosis.facts.ranks import (
     WaitKey,
     entered,
     is_clean_exit,
+    is_p2p,
     is_term_exit,
     wait_key,
 )
@@ -66,7 +67,8 @@ class Root:
     signature: Signature | None = None
     named: bool = False  # ``ranks`` come from the error text; ``records`` only reported it
     timed_out: list[RankRecord] = field(default_factory=list)
-    """A ``straggler`` root: the ranks whose collective timed out waiting for it."""
+    """A ``straggler`` or ``send_recv_deadlock`` root: the ranks whose collective (or send or
+    receive) timed out waiting for it."""
 
 
 @dataclass
@@ -211,6 +213,7 @@ def _classify_ranks(facts: Evidence) -> _Buckets:
     buckets.blocked.extend(
         rank for group in census.waits.values() for rank in group.members if rank not in quiet
     )
+    buckets.blocked.extend(r.rank for r in census.p2p)
     return buckets
 
 
@@ -357,6 +360,9 @@ def _held_up_by(facts: Evidence, timeouts: list[Root]) -> Root | None:
     shows it had not entered it. A rank itself blocked in another collective, or crashed,
     is not one (it waits for someone else, or is a root of its own)."""
     waited = [r for root in timeouts for r in root.records]
+    by_peer = _held_by_peer(facts, waited)
+    if by_peer is not None:
+        return by_peer
     places = {wait_key(c) for r in waited if (c := r.final_collective) is not None}
     if len(places) != 1 or any(r.final_collective is None for r in waited):
         return None
@@ -384,6 +390,37 @@ def _held_up_by(facts: Evidence, timeouts: list[Root]) -> Root | None:
         return None
     held.sort(key=lambda r: r.rank)
     return Root(AlertKind.STRAGGLER, [r.rank for r in held], gave_up, held, timed_out=waited)
+
+
+def _held_by_peer(facts: Evidence, waited: list[RankRecord]) -> Root | None:
+    """The peer that ranks timed out in a send or receive waited for (a pipeline stage that
+    skipped its send: diffusion-pipe #409): named on its own evidence, heard after their wait
+    began; in a collective (or timed out in one itself), the others' timeouts there waited
+    for the rank blocked in the receive, so they are its victims too: ``SEND_RECV_DEADLOCK``; in
+    none, it is the stage they waited for: ``STRAGGLER``. Ranks that wait for each other, or
+    for several peers, are not one rank's doing: None."""
+    blocked = [
+        r
+        for r in waited
+        if (c := r.final_collective) is not None and is_p2p(c) and c.peer is not None
+    ]
+    peers = {c.peer for r in blocked if (c := r.final_collective) is not None}
+    if not blocked or len(peers) != 1:
+        return None
+    (rank,) = peers
+    if rank is None:
+        return None
+    peer = next((r for r in facts.records if r.rank == rank), None)
+    if peer is None or peer in blocked:
+        return None
+    began = min((r.error_time or r.last_seen) - (r.pg_timeout_s or 0.0) for r in blocked)
+    if peer.last_seen <= began:
+        return None
+    c = peer.final_collective if peer.error is not None else peer.collective
+    kind = AlertKind.SEND_RECV_DEADLOCK if c is not None and not is_p2p(c) else AlertKind.STRAGGLER
+    victims = [r for r in waited if r.rank != rank]
+    gave_up = min(r.error_time or r.last_seen for r in blocked)
+    return Root(kind, [rank], gave_up, [peer], timed_out=victims)
 
 
 def _blocked_elsewhere(record: RankRecord, place: WaitKey) -> bool:

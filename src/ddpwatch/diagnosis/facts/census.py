@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.diagnosis.facts.ranks import WaitKey, key_of_place
+from ddpwatch.diagnosis.facts.ranks import WaitKey, is_p2p_place, key_of_place
 from ddpwatch.server.records import RankRecord
 from ddpwatch.server.state import ServerState
 from ddpwatch.server.waits import WaitGroup, WaitIndex, merged
@@ -73,12 +73,27 @@ class Census:
     """Unfinished ranks (live or quiet) by the collective they are in (``wait_key``)."""
     idle: list[RankRecord] = field(default_factory=list)
     """Live ranks in no collective."""
+    p2p: list[RankRecord] = field(default_factory=list)
+    """Live ranks blocked in a point-to-point op (``send``, ``recv``, a batch's ``isend`` or
+    ``irecv``): kept out of ``waits``, since only the one peer each names can release it."""
     quiet_ranks: frozenset[int] = frozenset()
+    _by_rank: dict[int, RankRecord] | None = None
+
+    def live_rank(self, rank: int | None) -> RankRecord | None:
+        """The live record of ``rank``, None when it is not live (finished, quiet, unknown);
+        the index is built on the first call only (ticks without point-to-point make none)."""
+        if rank is None:
+            return None
+        if self._by_rank is None:
+            self._by_rank = {r.rank: r for r in self.live}
+        return self._by_rank.get(rank)
 
     def live_outside(self, group: WaitGroup) -> list[RankRecord]:
-        """Live ranks not in ``group``: in no collective, or in another one."""
+        """Live ranks not in ``group``: in no collective, in another one, or in a
+        point-to-point op."""
         quiet = self.quiet_ranks
         outside = list(self.idle)
+        outside.extend(self.p2p)
         for other in self.waits.values():
             if other is not group:
                 outside.extend(r for r in other.members.values() if r.rank not in quiet)
@@ -111,7 +126,11 @@ def take_census(
     census.idle = [r for r in index.idle.values() if r.rank not in quiet_ranks]
     by_key: dict[WaitKey, list[WaitGroup]] = {}
     for place, group in index.groups.items():  # ``wait_key`` once per group, not per rank
+        if is_p2p_place(place):
+            census.p2p.extend(r for r in group.members.values() if r.rank not in quiet_ranks)
+            continue
         by_key.setdefault(key_of_place(*place), []).append(group)
+    census.p2p.sort(key=lambda r: r.rank)
     census.waits = {
         key: groups[0] if len(groups) == 1 else merged(groups) for key, groups in by_key.items()
     }

@@ -170,6 +170,18 @@ def normal_op(op: str) -> str:
 
 
 WaitKey = tuple[object, ...]
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
+"""Point-to-point ops (``normal_op``'s spelling): one peer releases a rank blocked in one."""
+
+
+def is_p2p(c: Collective) -> bool:
+    """A point-to-point op, not a collective: a send or a receive, numbered by no counter."""
+    return c.seq is None and normal_op(c.op) in P2P_OPS
+
+
+def is_p2p_place(place: tuple[str | None, str | None, int | None, str | None]) -> bool:
+    """``is_p2p`` of a ``server.waits`` place (source, group, seq, op)."""
+    return place[2] is None and normal_op(place[3] or "") in P2P_OPS
 
 
 def wait_key(c: Collective) -> WaitKey:

@@ -12,8 +12,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ddpwatch.core.protocol import Collective
 from ddpwatch.diagnosis.facts.census import Census, median_step_time
-from ddpwatch.diagnosis.facts.ranks import WaitKey, entered, wait_key
+from ddpwatch.diagnosis.facts.ranks import WaitKey, entered, is_p2p, normal_op, wait_key
 from ddpwatch.diagnosis.text import collective_name
 from ddpwatch.server.records import BEAT_WIDTH, Beat, RankRecord
 from ddpwatch.server.waits import WaitGroup
@@ -28,6 +29,20 @@ class Hop:
     ranks: tuple[int, ...]
     name: str
     blockers: tuple[int, ...]
+    p2p: bool = False  # a send or receive: ``name`` says its peer ("recv from rank 0")
+
+
+@dataclass(frozen=True)
+class Deadlock:
+    """A wait that closes on itself through a point-to-point op: ``waiter`` is blocked in
+    ``call`` (a send or a receive) for ``peer``, which is itself blocked in ``peer_in``
+    (a collective ``waiter`` must enter, or ``peer``'s own send or receive, waiting back).
+    Through a collective, ``peer`` holds everyone: the send (or receive) it did not make."""
+
+    waiter: RankRecord
+    call: Collective
+    peer: RankRecord
+    peer_in: Collective
 
 
 @dataclass
@@ -43,7 +58,11 @@ class Straggle:
     group: WaitGroup | None = None
     """Where ``waiting`` comes from: all of it, unless some of its ranks went silent."""
     via: list[Hop] = field(default_factory=list)
-    """The victims between ``waiting`` and ``culprits``, blocked in other groups' collectives."""
+    """The victims between ``waiting`` and ``culprits``, blocked in other groups' collectives
+    or in a send or receive that waits for them."""
+    deadlock: Deadlock | None = None
+    """The culprit waits in this collective too, for a rank blocked in a send or receive
+    that it alone can complete: the job is deadlocked, not late."""
 
     def ops(self) -> Counter[str]:
         """How many waiting ranks called each op."""
@@ -83,12 +102,15 @@ def find_straggle(census: Census, now: float, limit: float, interval: float) -> 
     if legacy:
         culprits += _legacy_culprits(legacy, waiting, key, seq, now, interval, census.live)
     culprits.sort(key=lambda r: r.rank)
-    culprits, via = _follow_waits(census, culprits, now)
+    culprits, via, deadlock = follow_waits(census, culprits, now)
     if culprits:
         via += _also_waiting(census, group, culprits, via, now)
+    if deadlock is not None:
+        named = {r.rank for r in culprits}
+        waiting = [r for r in waiting if r.rank not in named]  # it waits, but holds them all
     timeouts = [r.pg_timeout_s for r in waiting if r.pg_timeout_s]
     left = min(timeouts) - age if timeouts else None
-    return Straggle(op, seq, age, waiting, culprits, left, group, via)
+    return Straggle(op, seq, age, waiting, culprits, left, group, via, deadlock)
 
 
 def _not_entered(
@@ -118,18 +140,23 @@ def _not_entered(
     return found
 
 
-def _follow_waits(
+def follow_waits(
     census: Census, culprits: list[RankRecord], now: float
-) -> tuple[list[RankRecord], list[Hop]]:
+) -> tuple[list[RankRecord], list[Hop], Deadlock | None]:
     """One waits-for graph across process groups: a culprit that is itself blocked in
     another collective (a subgroup's, a mesh dimension's) is a victim; the culprits are the
-    ranks at the end of the chains, in no collective. A chain that ends nowhere (no member
-    of that group is known to be missing, or a cycle) keeps the culprits as they were."""
+    ranks at the end of the chains, in no collective. A rank blocked in a send or receive
+    waits for its one peer; a peer that waits in a collective which a rank on the chain has
+    not entered closes the chain on itself (``Deadlock``): that peer is the culprit, the
+    send or receive it did not make. A chain that ends nowhere (no member of that group is
+    known to be missing, a peer not live, or a cycle of collectives) keeps the culprits as
+    they were."""
     if all(r.collective is None for r in culprits):
-        return culprits, []
+        return culprits, [], None
     roots: dict[int, RankRecord] = {}
     hops: list[Hop] = []
     seen: set[int] = set()
+    deadlock = None
     frontier = list(culprits)
     while frontier:
         r = frontier.pop(0)
@@ -140,21 +167,141 @@ def _follow_waits(
         if c is None:
             roots[r.rank] = r
             continue
-        key = wait_key(c)
-        group = census.waits.get(key)
-        blockers = (
-            _not_entered(census, key, group, _live_members(group, census.quiet_ranks), now)
-            if group is not None
-            else []
-        )
-        if not blockers:
-            return culprits, []  # it waits, but for whom is not known: say no more
-        blocked_by = tuple(sorted(b.rank for b in blockers))
-        hops.append(Hop((r.rank,), collective_name(c.op, c.seq), blocked_by))
-        frontier.extend(blockers)
+        step = _p2p_step(census, r, c, seen, now) if is_p2p(c) else _wait_step(census, r, c, now)
+        if step is None:
+            return culprits, [], None  # it waits, but for whom is not known: say no more
+        hop, onward, closed = step
+        hops.append(hop)
+        if closed is not None:  # the chain closed on itself: its ends are the roots
+            deadlock = deadlock or closed  # the first found (from the lowest rank) is told
+            roots[closed.peer.rank] = closed.peer
+            if is_p2p(closed.peer_in):
+                roots[r.rank] = r
+        frontier.extend(onward)
     if not roots:
-        return culprits, []
-    return sorted(roots.values(), key=lambda r: r.rank), hops
+        return culprits, [], None
+    return sorted(roots.values(), key=lambda r: r.rank), hops, deadlock
+
+
+_Step = tuple[Hop, list[RankRecord], Deadlock | None]
+"""One rank followed in the waits-for graph: its hop, the ranks it waits for, and the deadlock
+its wait closes, if any."""
+
+
+def _wait_step(census: Census, r: RankRecord, c: Collective, now: float) -> _Step | None:
+    """A rank in a collective waits for the live ranks that have not entered it."""
+    key = wait_key(c)
+    blockers = _blockers(census, key, census.waits.get(key), now)
+    if not blockers:
+        return None
+    blocked_by = tuple(sorted(b.rank for b in blockers))
+    return Hop((r.rank,), collective_name(c.op, c.seq), blocked_by), blockers, None
+
+
+def _p2p_step(
+    census: Census, r: RankRecord, c: Collective, seen: set[int], now: float
+) -> _Step | None:
+    """A rank in a send or receive waits for its one peer, heard since it began to wait; a
+    peer that waits back (in a collective a rank on the chain has not entered, or in a send
+    or receive toward the chain) closes a deadlock."""
+    peer = p2p_peer(census, r, c)
+    if peer is None or not _heard_since(peer, r, c):
+        return None  # a peer not live, or not heard since: not here
+    hop = Hop((r.rank,), p2p_name(c), (peer.rank,), p2p=True)
+    back = peer.collective
+    if peer.rank in seen and back is not None and is_p2p(back):
+        return hop, [], Deadlock(r, c, peer, back)  # each waits for the other
+    closing = _closes_on(census, peer, seen, now)
+    if closing is not None:
+        return hop, [], Deadlock(r, c, peer, closing)
+    return hop, [] if peer.rank in seen else [peer], None  # a rank seen is followed already
+
+
+def _blockers(
+    census: Census, key: WaitKey, group: WaitGroup | None, now: float
+) -> list[RankRecord]:
+    """The live ranks that hold collective ``key`` (its group): those not in it."""
+    if group is None:
+        return []
+    return _not_entered(census, key, group, _live_members(group, census.quiet_ranks), now)
+
+
+def _closes_on(census: Census, peer: RankRecord, chain: set[int], now: float) -> Collective | None:
+    """What ``peer`` waits in, where that wait is held by a rank of ``chain`` (the ranks
+    followed to it): a collective one of them has not entered, on their own evidence. None
+    where ``peer`` is in no collective, in a send or receive, or waits for others."""
+    c = peer.collective
+    if c is None or is_p2p(c):
+        return None
+    key = wait_key(c)
+    if any(b.rank in chain for b in _blockers(census, key, census.waits.get(key), now)):
+        return c
+    return None
+
+
+def _heard_since(peer: RankRecord, waiter: RankRecord, c: Collective) -> bool:
+    """``peer`` reported after ``waiter`` began to wait in ``c`` for it: its own evidence that
+    it did not send (or receive) in the meantime."""
+    seen = waiter.collective_seen
+    return seen is not None and (peer.sample_seen or 0.0) >= seen - c.since_s
+
+
+def p2p_peer(census: Census, record: RankRecord, c: Collective) -> RankRecord | None:
+    """The live rank a send or receive waits for: its peer, when that is another live rank
+    (a receive from any source names none)."""
+    if c.peer is None or c.peer == record.rank:
+        return None
+    return census.live_rank(c.peer)
+
+
+def p2p_name(c: Collective) -> str:
+    """A send or receive as the messages say it: "recv from rank 0", "isend to rank 2"."""
+    toward = "from" if normal_op(c.op) in ("recv", "irecv") else "to"
+    return f"{c.op} {toward} rank {c.peer}" if c.peer is not None else c.op
+
+
+@dataclass
+class P2PHold:
+    """Ranks blocked in sends or receives whose waits lead to the same ``culprits``, outside
+    the straggler's collective: a pipeline's stages waiting for the one before, or a
+    deadlock (``find_p2p_holds``)."""
+
+    culprits: list[RankRecord]
+    via: list[Hop]
+    waiting: set[int]
+    age: float  # the longest of their waits
+    deadlock: Deadlock | None = None
+
+
+def find_p2p_holds(
+    census: Census, straggle: Straggle | None, now: float, limit: float
+) -> list[P2PHold]:
+    """Each live rank blocked in a send or receive for longer than ``limit`` that the
+    straggle does not cover, followed to the ranks it waits for (``follow_waits``); waits
+    that lead to the same ranks are one hold. A wait whose end is not known names nobody."""
+    covered: set[int] = set()
+    if straggle is not None and (straggle.culprits or straggle.deadlock is not None):
+        covered.update(r.rank for r in straggle.waiting)
+        covered.update(r.rank for r in straggle.culprits)
+        covered.update(rank for hop in straggle.via for rank in hop.ranks)
+    holds: dict[tuple[int, ...], P2PHold] = {}
+    for waiter in census.p2p:
+        age = waiter.collective_age(now)
+        if waiter.rank in covered or age is None or age <= limit:
+            continue
+        roots, hops, deadlock = follow_waits(census, [waiter], now)
+        if roots == [waiter] and deadlock is None:
+            continue  # for whom it waits is not known (yet)
+        key = tuple(r.rank for r in roots)
+        hold = holds.get(key)
+        if hold is None:
+            hold = holds[key] = P2PHold(roots, [], set(), age, deadlock)
+        known = {hop.ranks for hop in hold.via}
+        hold.via += [hop for hop in hops if hop.ranks not in known]
+        hold.waiting.update(rank for hop in hops for rank in hop.ranks)
+        hold.waiting.difference_update(key)
+        hold.age = max(hold.age, age)
+    return [holds[key] for key in sorted(holds)]
 
 
 RELEASED_S = 1.5
@@ -183,7 +330,7 @@ def _also_waiting(
         blockers = _not_entered(census, key, group, members, now)
         if not blockers:
             continue
-        roots, chain = _follow_waits(census, blockers, now)
+        roots, chain, _ = follow_waits(census, blockers, now)
         if {r.rank for r in roots} <= named:
             c = members[0].collective
             name = collective_name(c.op, c.seq) if c is not None else "a collective"

@@ -41,6 +41,7 @@ from ddpwatch.diagnosis.rules.devices import (
 from ddpwatch.diagnosis.rules.launch_config import rule_config_mismatch, rule_duplicate_rank
 from ddpwatch.diagnosis.rules.listening import rule_server_behind
 from ddpwatch.diagnosis.rules.memory import rule_host_memory
+from ddpwatch.diagnosis.rules.p2p import rule_p2p
 from ddpwatch.diagnosis.rules.progress import (
     rule_batch_desync,
     rule_checkpoint_conflict,
@@ -78,6 +79,7 @@ __all__ = [
     "rule_local_rank_mismatch",
     "rule_nan_loss",
     "rule_not_connected",
+    "rule_p2p",
     "rule_relay_lost",
     "rule_server_behind",
     "rule_slow_rank",
@@ -94,6 +96,7 @@ RULES: tuple[Rule, ...] = (
     rule_relay_lost,
     rule_server_behind,
     rule_straggler,
+    rule_p2p,
     rule_collective_mismatch,
     rule_collective_desync,
     rule_collective_arguments,

@@ -7,7 +7,14 @@ from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.cascade import Cascade, Root
-from ddpwatch.diagnosis.facts.ranks import is_clean_exit, is_term_exit, phase_at
+from ddpwatch.diagnosis.facts.ranks import (
+    is_clean_exit,
+    is_p2p,
+    is_term_exit,
+    normal_op,
+    phase_at,
+)
+from ddpwatch.diagnosis.facts.stragglers import p2p_name
 from ddpwatch.diagnosis.knowledge import fitted_hint
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import (
@@ -33,8 +40,12 @@ def _root_alert(root: Root, cascade: Cascade | None, now: float, stepping: bool 
         waiting = sorted(set(waiting) | {r.rank for r in root.records})
     if root.kind == AlertKind.SILENT:
         return _silent_alert(root, ranks, waiting, after, now, stepping)
+    if root.kind == AlertKind.STRAGGLER and _in_p2p(root.timed_out[0]):
+        return _held_by_peer_alert(root, waiting, AlertKind.STRAGGLER)
     if root.kind == AlertKind.STRAGGLER:
         return _held_alert(root, cascade, waiting, now)
+    if root.kind == AlertKind.SEND_RECV_DEADLOCK:
+        return _held_by_peer_alert(root, waiting, AlertKind.SEND_RECV_DEADLOCK)
     if root.kind == AlertKind.EXITED:
         return _exit_alert(first, ranks, waiting, after)
     assert first.error is not None
@@ -121,6 +132,59 @@ def _held_alert(root: Root, cascade: Cascade | None, waiting: list[int], now: fl
         Severity.ERROR,
         ranks,
         sorted(set(waiting) | set(victims)),
+        message,
+        hint,
+        waited_s=limit,
+        phase=phase,
+    )
+
+
+def _in_p2p(record: RankRecord) -> bool:
+    c = record.final_collective
+    return c is not None and is_p2p(c)
+
+
+def _held_by_peer_alert(root: Root, waiting: list[int], kind: str) -> Alert:
+    """Ranks that timed out in a send or receive (and in the collective its peer waited in)
+    waiting for ``root``'s rank: the blame stays where the live alert had it."""
+    (peer,) = root.records
+    blocked = [r for r in root.timed_out if _in_p2p(r)]
+    others = sorted(r.rank for r in root.timed_out if not _in_p2p(r))
+    limits = {r.pg_timeout_s for r in root.timed_out}
+    limit = limits.pop() if len(limits) == 1 else None
+    after = f" after {seconds(limit)}" if limit else ""
+    calls = ", ".join(
+        f"rank {r.rank} in {p2p_name(r.final_collective)}"
+        for r in blocked
+        if r.final_collective is not None
+    )
+    sends = any(
+        normal_op(r.final_collective.op) in ("send", "isend")
+        for r in blocked
+        if r.final_collective is not None
+    )
+    missing = "recv" if sends else "send"
+    c = peer.final_collective if peer.error is not None else peer.collective
+    phase = phase_at(peer, root.time)
+    if kind == AlertKind.SEND_RECV_DEADLOCK and c is not None:
+        there = f"it was in {collective_name(c.op, c.seq)}"
+        if others:
+            there += f", where {format_ranks(others)} timed out too"
+    else:
+        there = f"it was in '{phase}' {where(peer, phase=False)}" if phase else where(peer)
+    message = (
+        f"{calls} timed out{after}: a {missing} rank {peer.rank} did not make; {there}"
+    )
+    hint = (
+        f"the timeouts are the consequence: see why rank {peer.rank} went on without its "
+        f"{missing} (its stack in {STACKS_IN}): a rank-dependent branch or a skipped "
+        "micro-batch; every send needs its receive on the peer, with the same tag"
+    )
+    return alert(
+        kind,
+        Severity.ERROR,
+        [peer.rank],
+        sorted(set(waiting) | {r.rank for r in root.timed_out}),
         message,
         hint,
         waited_s=limit,
@@ -238,7 +302,13 @@ def _together_alert(records: list[RankRecord], now: float) -> Alert:
     return alert(AlertKind.SILENT, Severity.WARNING, [], ranks, message, hint)
 
 
-@rule(AlertKind.CRASHED, AlertKind.EXITED, AlertKind.SILENT, AlertKind.STRAGGLER)
+@rule(
+    AlertKind.CRASHED,
+    AlertKind.EXITED,
+    AlertKind.SILENT,
+    AlertKind.STRAGGLER,
+    AlertKind.SEND_RECV_DEADLOCK,
+)
 def rule_cascade(f: Facts) -> list[Alert]:
     """Name the ranks that failed first; list everything that failed because of them."""
     now, th = f.now, f.th

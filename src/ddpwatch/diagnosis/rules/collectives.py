@@ -34,8 +34,8 @@ def rule_straggler(f: Facts) -> list[Alert]:
     ``startup_hang`` tells as a note (#32: a rank still in 'deepspeed_init' on a loaded
     machine while the others wait in backward's all-reduce)."""
     found = f.straggle
-    if found is None or f.cascade.roots:
-        return []
+    if found is None or found.deadlock is not None or f.cascade.roots:
+        return []  # a deadlock through a send or receive: ``rule_p2p`` says it
     if not found.culprits:
         return _all_waiting(f, found)
     culprits = [r for r in found.culprits if not working_start(r, f.now)]
@@ -50,10 +50,10 @@ def rule_straggler(f: Facts) -> list[Alert]:
     detail = _culprit_detail(f, first, subject, compiling, loading)
     waiters = format_ranks(waiting)  # once: thousands of ranks at scale
     chain = "".join(
-        f"; {format_ranks(hop.ranks)} {verb(len(hop.ranks), 'waits', 'wait')} in {hop.name} "
-        f"for {format_ranks(hop.blockers)}"
+        f"; {format_ranks(hop.ranks)} {verb(len(hop.ranks), 'waits', 'wait')} in {hop.name}"
+        + ("" if hop.p2p else f" for {format_ranks(hop.blockers)}")
         for hop in found.via
-    )  # the victims in other groups' collectives, on the way to the culprits
+    )  # the victims in other groups' collectives or in a send or receive, on the way
     message = (
         f"{format_ranks(r.rank for r in culprits)} "
         f"{verb(len(culprits), 'has', 'have')} not entered {name} that "

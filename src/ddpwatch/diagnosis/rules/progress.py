@@ -44,6 +44,7 @@ def rule_stalled(f: Facts) -> list[Alert]:
 def _stalled(f: Facts, candidates: list[RankRecord]) -> list[Alert]:
     found = f.straggle
     excluded = {r.rank for r in found.culprits} if found else set()
+    excluded.update(r.rank for hold in f.p2p_holds for r in hold.culprits)  # rule_p2p's
     released = _latest_release(f)
     stalled = [
         r
