@@ -232,7 +232,19 @@ MODES: dict[str, Mode] = {
             {"send_recv_deadlock"},
             _GH + "tdrussell/diffusion-pipe/issues/409",
         ),
+        _mode(
+            "p2p-skip-recv",
+            {1},
+            {"send_recv_deadlock"},
+            _GH + "tdrussell/diffusion-pipe/issues/409",
+        ),
         _mode("p2p-batch-skip", {0}, {"send_recv_deadlock"}, _GH + "pytorch/PiPPy/issues/969"),
+        _mode(
+            "p2p-slow-send",
+            {0},
+            {"straggler", "stalled"},  # the receiver waits for it: a victim on the way
+            _GH + "tdrussell/diffusion-pipe/issues/409",
+        ),
         _mode("healthy-p2p", set(), set(), "", watch_s=60.0),
         _mode(
             "missing-rank",

@@ -157,6 +157,11 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     # the others go on to DDP's all-reduce, which it must enter
     # (https://github.com/tdrussell/diffusion-pipe/issues/409)
     "p2p-skip-send": (0, 20),
+    # the same hand-off, the receiver skipping its dist.recv: the sender blocks in its send
+    "p2p-skip-recv": (1, 20),
+    # the same hand-off, the first stage slow before its send (a slow read of its next shard):
+    # the receiver waits in its recv, the others in DDP's all-reduce, for the one stage
+    "p2p-slow-send": (0, 20),
     # PiPPy #969: ranks exchange by batch_isend_irecv in a ring, and one rank does not post
     # its half; its neighbours' requests never complete while it waits in the all-reduce
     # (https://github.com/pytorch/PiPPy/issues/969)
@@ -290,7 +295,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.step_time is None:
         args.step_time = 0.01 if args.mode in ("nan", "nan-grad") else 0.03
     if args.sleep is None:
-        sleeps = {"rank0-checkpoint": 25.0, "rank0-eval-epochs": 6.0, "healthy-busy": 0.3}
+        sleeps = {
+            "rank0-checkpoint": 25.0,
+            "rank0-eval-epochs": 6.0,
+            "healthy-busy": 0.3,
+            "p2p-slow-send": 8.0,
+        }
         args.sleep = sleeps.get(args.mode, 20.0)
     return args
 
@@ -401,7 +411,7 @@ def train(args: argparse.Namespace) -> int:
                 all_reduce_metric(args, faulty, step, metric)
             if mode in ("broadcast-src", "healthy-broadcast"):
                 broadcast_decision(args, me, faulty, step, metric)
-            if mode in ("p2p-skip-send", "p2p-batch-skip", "healthy-p2p"):
+            if mode.startswith("p2p-") or mode == "healthy-p2p":
                 hand_off(args, me, faulty and step == args.at, metric)
             if not accumulating:
                 optimizer.zero_grad(set_to_none=True)
@@ -434,14 +444,19 @@ def hand_off(args: argparse.Namespace, me: int, skip: bool, metric: torch.Tensor
     """A pipeline's hand-off each step: rank 0 sends its targets to rank 1 with ``dist.send``
     (``p2p-skip-send``), or every rank passes its metric on round a ring with
     ``batch_isend_irecv`` (``p2p-batch-skip``); ``healthy-p2p`` does both. ``skip``: this rank
-    does not make its half this step."""
+    does not make its half this step (the send, or in ``p2p-skip-recv`` the receive)."""
     mode = args.mode
     if skip:
         fault_line(me)
-    if mode in ("p2p-skip-send", "healthy-p2p") and me in (0, 1):
-        if me == 0 and not skip:
+        if mode == "p2p-slow-send":
+            with ddpwatch.phase("data"):
+                time.sleep(args.sleep)  # slow, not skipped: it sends after this
+            skip = False
+    one_way = ("p2p-skip-send", "p2p-skip-recv", "p2p-slow-send", "healthy-p2p")
+    if mode in one_way and me in (0, 1) and not skip:
+        if me == 0:  # ``p2p-skip-recv``: the receiver skips its half, rank 0 blocks in its send
             dist.send(metric.clone(), dst=1)
-        elif me == 1:
+        else:
             dist.recv(torch.empty_like(metric), src=0)
     if mode in ("p2p-batch-skip", "healthy-p2p") and not skip:
         world = dist.get_world_size()

@@ -21,9 +21,13 @@ class Request:
 
     def __init__(self) -> None:
         self.done = False
+        self.failed = False  # completed with an error (gloo's timeout): is_success() False
 
     def is_completed(self) -> bool:
-        return self.done
+        return self.done or self.failed
+
+    def is_success(self) -> bool:
+        return self.done and not self.failed
 
 
 def fake_dist(seen: list[Any], progress: Progress) -> SimpleNamespace:
@@ -108,7 +112,10 @@ def test_a_batch_request_pending_while_the_rank_waits_is_reported() -> None:
     requests[0].done = True
     pending = progress.in_flight()
     assert pending is not None and (pending.op, pending.peer, pending.tag) == ("irecv", 0, 9)
-    requests[1].done = True
+    requests[1].failed = True  # its wait timed out: what the rank dies in
+    failed = progress.in_flight()
+    assert failed is not None and (failed.op, failed.peer) == ("irecv", 0)
+    requests[1].failed, requests[1].done = False, True
     assert progress.in_flight() is None
     requests[1].done = False
     progress.forward_started()  # the rank moved on (a forward): computing, not waiting

@@ -343,10 +343,10 @@ class Progress:
         return counts
 
     def _pending_p2p(self) -> Collective | None:
-        """The first op of the last ``batch_isend_irecv`` whose request has not completed,
-        once ``P2P_PENDING_S`` old, while the training thread has not moved since it posted
-        them: waiting for it (a rank that posts a receive and computes meanwhile has
-        moved on: a forward or a phase since)."""
+        """The first op of the last ``batch_isend_irecv`` whose request has not completed
+        (or failed: a timeout), once ``P2P_PENDING_S`` old, while the training thread has not
+        moved since it posted them: waiting for it (a rank that posts a receive and computes
+        meanwhile has moved on: a forward or a phase since)."""
         batch = self.p2p_batch
         if batch is None:
             return None
@@ -357,9 +357,9 @@ class Progress:
         for at, (op, peer, tag) in enumerate(ops):
             work = refs[at if len(refs) == len(ops) else 0]()
             try:
-                if work is None or work.is_completed():
-                    continue  # freed (waited for and dropped) or done
-            except Exception:
+                if work is None or (work.is_completed() and work.is_success()):
+                    continue  # freed (waited for and dropped) or done; one that failed (a
+            except Exception:  # timeout) is what the rank died waiting in
                 continue
             return Collective(
                 op=op,

@@ -248,7 +248,10 @@ def _held_until_timeout(
             continue
         own = outcomes.get(rank)
         when = min((o.ended_at for o in victims if o.ended_at is not None), default=None)
-        if own is None or (own.failed and not _failed_after(own, when)):
+        # a deadlocked rank waits too (in the collective the blocked rank must enter): its own
+        # timeout, before theirs or after, is one more consequence
+        deadlocked = e.kind == AlertKind.SEND_RECV_DEADLOCK and own is not None and own.waited
+        if own is None or (own.failed and not deadlocked and not _failed_after(own, when)):
             return None
         where = f" in '{e.phase}'" if e.phase else ""
         names = format_ranks(sorted(o.rank for o in victims))

@@ -416,9 +416,15 @@ def _held_by_peer(facts: Evidence, waited: list[RankRecord]) -> Root | None:
     began = min((r.error_time or r.last_seen) - (r.pg_timeout_s or 0.0) for r in blocked)
     if peer.last_seen <= began:
         return None
-    c = peer.final_collective if peer.error is not None else peer.collective
-    kind = AlertKind.SEND_RECV_DEADLOCK if c is not None and not is_p2p(c) else AlertKind.STRAGGLER
     victims = [r for r in waited if r.rank != rank]
+    c = peer.final_collective if peer.error is not None else peer.collective
+    in_collective = (
+        (c is not None and not is_p2p(c)) or len(victims) > len(blocked) or peer in waited
+    )
+    # (ranks that timed out in a collective, not in a send or receive, the peer among them,
+    # waited in one the blocked ranks never entered: the peer's record may no longer show
+    # it, a dead rank waits in nothing)
+    kind = AlertKind.SEND_RECV_DEADLOCK if in_collective else AlertKind.STRAGGLER
     gave_up = min(r.error_time or r.last_seen for r in blocked)
     return Root(kind, [rank], gave_up, [peer], timed_out=victims)
 

@@ -40,7 +40,7 @@ def _root_alert(root: Root, cascade: Cascade | None, now: float, stepping: bool 
         waiting = sorted(set(waiting) | {r.rank for r in root.records})
     if root.kind == AlertKind.SILENT:
         return _silent_alert(root, ranks, waiting, after, now, stepping)
-    if root.kind == AlertKind.STRAGGLER and _in_p2p(root.timed_out[0]):
+    if root.kind == AlertKind.STRAGGLER and any(_in_p2p(r) for r in root.timed_out):
         return _held_by_peer_alert(root, waiting, AlertKind.STRAGGLER)
     if root.kind == AlertKind.STRAGGLER:
         return _held_alert(root, cascade, waiting, now)
@@ -148,7 +148,7 @@ def _held_by_peer_alert(root: Root, waiting: list[int], kind: str) -> Alert:
     """Ranks that timed out in a send or receive (and in the collective its peer waited in)
     waiting for ``root``'s rank: the blame stays where the live alert had it."""
     (peer,) = root.records
-    blocked = [r for r in root.timed_out if _in_p2p(r)]
+    blocked = sorted((r for r in root.timed_out if _in_p2p(r)), key=lambda r: r.rank)
     others = sorted(r.rank for r in root.timed_out if not _in_p2p(r))
     limits = {r.pg_timeout_s for r in root.timed_out}
     limit = limits.pop() if len(limits) == 1 else None
@@ -158,27 +158,33 @@ def _held_by_peer_alert(root: Root, waiting: list[int], kind: str) -> Alert:
         for r in blocked
         if r.final_collective is not None
     )
-    sends = any(
-        normal_op(r.final_collective.op) in ("send", "isend")
-        for r in blocked
-        if r.final_collective is not None
+    missing = " and a ".join(
+        sorted(
+            {
+                "recv" if normal_op(r.final_collective.op) in ("send", "isend") else "send"
+                for r in blocked
+                if r.final_collective is not None
+            }
+        )
     )
-    missing = "recv" if sends else "send"
     c = peer.final_collective if peer.error is not None else peer.collective
     phase = phase_at(peer, root.time)
-    if kind == AlertKind.SEND_RECV_DEADLOCK and c is not None:
-        there = f"it was in {collective_name(c.op, c.seq)}"
+    if kind == AlertKind.SEND_RECV_DEADLOCK:
+        there = (
+            f"it was in {collective_name(c.op, c.seq)}"
+            if c is not None
+            else f"it went on to a collective, {where(peer)}"
+        )
         if others:
             there += f", where {format_ranks(others)} timed out too"
     else:
         there = f"it was in '{phase}' {where(peer, phase=False)}" if phase else where(peer)
-    message = (
-        f"{calls} timed out{after}: a {missing} rank {peer.rank} did not make; {there}"
-    )
+    message = f"{calls} timed out{after}: a {missing} rank {peer.rank} did not make; {there}"
     hint = (
         f"the timeouts are the consequence: see why rank {peer.rank} went on without its "
-        f"{missing} (its stack in {STACKS_IN}): a rank-dependent branch or a skipped "
-        "micro-batch; every send needs its receive on the peer, with the same tag"
+        f"{missing.replace(' and a ', ' and ')} (its stack in {STACKS_IN}): a rank-dependent "
+        "branch or a skipped micro-batch; every send needs its receive on the peer, with the "
+        "same tag"
     )
     return alert(
         kind,
