@@ -198,6 +198,15 @@ MODES: dict[str, Mode] = {
             {"step_skew"},  # its batches per step differ; nothing else does
             _GH + "modelscope/FunASR/pull/3472",
         ),
+        _mode(
+            "skipped-step",
+            {1},
+            # one backward more than optimizer steps (and, with the metric all-reduce, one
+            # collective more by the same step): nothing else differs
+            {"step_skew", "collective_mismatch"},
+            _GH + "NVIDIA-NeMo/Automodel/pull/2468",
+            args=("--own-data",),  # no DataLoader to count
+        ),
         _mode("raise", {1}, {"crashed"}, _GH + "Lightning-AI/pytorch-lightning/issues/8130"),
         # the slow rank runs on: the others wait for it inside DDP's all-reduce every step
         _mode(

@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -131,6 +132,11 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     # rank accumulates 2 micro-batches a step (the first under no_sync) where the others take
     # 1: steps and all-reduces still pair up, nothing fails, the data no longer does
     "accumulate-uneven": (1, 20),
+    # NVIDIA-NeMo/Automodel #2468, ecmwf/WeatherGenerator #2724: a skip decided on one rank's
+    # own loss or gradients; here after its backward, so DDP's all-reduce ran and only its
+    # optimizer step is skipped: its weights drift from the others', nothing fails
+    # (https://github.com/NVIDIA-NeMo/Automodel/pull/2468)
+    "skipped-step": (1, 20),
     # Lightning #8130: one DDP process raises and the script hangs
     # (https://github.com/Lightning-AI/pytorch-lightning/issues/8130)
     "raise": (1, 20),
@@ -275,6 +281,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument(
+        "--own-data",
+        action="store_true",
+        help="the loop makes its own tensors (synthetic data), no DataLoader",
+    )
+    parser.add_argument(
         "--no-metric",
         action="store_true",
         help="skip the loss all-reduce: DDP's gradient all-reduce is the one collective a step",
@@ -290,7 +301,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps or max(60, args.at + 30 + leaking)
     if args.mode == "healthy-busy":
         args.steps = max(args.steps, 200)  # four logs
-    if args.mode == "accumulate-uneven" or (args.mode == "skipped-batch" and args.no_metric):
+    silent = ("accumulate-uneven", "skipped-step")
+    if args.mode in silent or (args.mode == "skipped-batch" and args.no_metric):
         args.steps = max(args.steps, args.at + 120)  # a silent desync: the job runs on
     if args.step_time is None:
         args.step_time = 0.01 if args.mode in ("nan", "nan-grad") else 0.03
@@ -357,7 +369,7 @@ def train(args: argparse.Namespace) -> int:
     if faulty and mode == "slow-input":
         data.slow_from, data.batch = (args.at - 1) * args.batch, args.batch
     loader = DataLoader(data, batch_size=args.batch, num_workers=workers)
-    batches = iter(loader)
+    batches = iter(loader) if not args.own_data else synthetic(args, me)
     kept: list[torch.Tensor] = []  # host-leak: "for logging", never emptied
     # healthy-join: fewer batches on one rank, DDP's join() shadows its all-reduces after
     steps = args.steps - 5 if faulty and mode == "healthy-join" else args.steps
@@ -416,6 +428,10 @@ def train(args: argparse.Namespace) -> int:
             if not accumulating:
                 optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if faulty and mode == "skipped-step" and step == args.at:
+                fault_line(me)
+                optimizer.zero_grad(set_to_none=True)  # "a loss spike: skip this update"
+                continue
             optimizer.step()
             ddpwatch.step(loss)
             if step == args.at:
@@ -438,6 +454,14 @@ def train(args: argparse.Namespace) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def synthetic(args: argparse.Namespace, me: int) -> Iterator[torch.Tensor]:
+    """Batches a loop makes itself (synthetic data, a hand-written loader): no DataLoader for
+    the agent to count."""
+    generator = torch.Generator().manual_seed(me)
+    while True:
+        yield torch.randn(args.batch, args.width, generator=generator)
 
 
 def hand_off(args: argparse.Namespace, me: int, skip: bool, metric: torch.Tensor) -> None:

@@ -166,6 +166,18 @@ def test_batches_drawn_are_marked_per_training_loader_not_evaluation(group: Any)
     assert watcher._input_timer.faults == 0
 
 
+def test_backward_passes_are_marked_at_every_eighth_step(group: Any) -> None:
+    """The evidence of a desync without a DataLoader: at every 8th step, the backward passes
+    run so far (a micro-batch more under no_sync, or a step skipped after its backward)."""
+    watcher = group
+    model = torch.nn.Linear(4, 1)
+    for step in range(1, 25):
+        for _ in range(3 if step > 16 else 1):  # from step 17, 3 micro-batches a step
+            model(torch.ones(2, 4)).sum().backward()
+        ddpwatch.step()
+    assert list(watcher.progress.backward_marks) == [(8, 8), (16, 16), (24, 40)]
+
+
 # The CUDA path, on the CPU: a fake device clock ------------------------------------------
 
 

@@ -23,6 +23,7 @@ from lockstep import (
 from ddpwatch.core.protocol import Sample
 from ddpwatch.diagnosis.rules import (
     diagnose,
+    rule_backward_desync,
     rule_batch_desync,
     rule_checkpoint_conflict,
     rule_nan_loss,
@@ -280,6 +281,35 @@ def test_a_rank_that_skipped_a_batch_is_named_though_its_steps_agree() -> None:
 def test_batch_marks_name_nobody_without_a_clear_majority(marks: list[dict[int, int]]) -> None:
     state = state_of(*(rank(r, len(marks), drawn_marks=m) for r, m in enumerate(marks)))
     assert rule_batch_desync(state, NOW, TH) == []
+
+
+def test_a_rank_with_another_number_of_backwards_per_step_is_named_without_a_dataloader() -> None:
+    """Synthetic data, no DataLoader to count: rank 1 skipped its optimizer step after a
+    backward at step 20 (a skip decided on its own loss: NVIDIA-NeMo/Automodel #2468), so by
+    its step 24 it has run 25 backwards where the others ran 24; an uneven accumulation
+    under no_sync shows the same way, more per step."""
+    marks = {8: 8, 16: 16, 24: 24}
+    state = job(3, backwards_marked=dict(marks))
+    assert rule_backward_desync(state, NOW, TH) == []  # in step: nothing to say
+    state.ranks[1] = rank(1, 3, backwards_marked={8: 8, 16: 16, 24: 25})
+    alert = only(rule_backward_desync(state, NOW, TH), "step_skew")
+    assert (alert.severity, alert.ranks, alert.waiting) == ("error", (1,), (0, 2))
+    assert alert.message.startswith(
+        "rank 1 had run 1 backward pass more than ranks 0, 2 by step 24 (25 against 24) while "
+        "its steps still pair up with theirs"
+    ), alert.message
+    assert "skip on every rank together" in alert.hint
+    # where the DataLoaders tell it, they say it (one alert, the batch count's)
+    for r, drawn in ((0, 24), (1, 25), (2, 24)):
+        state.ranks[r].drawn_marks = {24: drawn}
+    assert rule_backward_desync(state, NOW, TH) == []
+    assert only(rule_batch_desync(state, NOW, TH), "step_skew").ranks == (1,)
+
+
+def test_the_same_accumulation_on_every_rank_names_nobody() -> None:
+    """4 micro-batches a step on every rank (3 under no_sync): 4 backwards a step each."""
+    state = job(3, backwards_marked={8: 32, 16: 64, 24: 96})
+    assert rule_backward_desync(state, NOW, TH) == []
 
 
 def test_step_skew_after_a_pause_uses_the_current_step_rate() -> None:

@@ -318,6 +318,18 @@ def test_a_pipeline_hand_off_matched_every_step_raises_no_alert() -> None:
     assert not [c for c in result.changes if c.ranks], account
 
 
+def test_an_optimizer_step_skipped_after_backward_without_a_dataloader_names_the_rank() -> None:
+    """NVIDIA-NeMo/Automodel #2468's family (a skip decided on one rank's own loss desyncs
+    the optimizer steps): the loop makes its own tensors, no DataLoader; at step 20 rank 1
+    skips its optimizer step after its backward. DDP's all-reduce ran, nothing fails, its
+    weights drift: its backward passes per step name it."""
+    result = assert_blames_only_the_culprit("skipped-step")
+    scored = score(result, MODES["skipped-step"])
+    assert scored.latency is not None and scored.latency < 3.0, describe(result)
+    messages = [c.message for c in result.changes if c.kind == "step_skew"]
+    assert any("1 backward pass more than ranks 0, 2" in m for m in messages), describe(result)
+
+
 def test_uneven_gradient_accumulation_under_no_sync_names_the_rank() -> None:
     """FunASR PR #3472's family: one rank accumulates 2 micro-batches a step (the first under
     no_sync) where the others take 1; steps and all-reduces still pair up."""

@@ -239,6 +239,8 @@ def expected_after_life() -> dict[str, Any]:
         "forwards": 7,
         "batch_marks": None,  # this life drew no batches from a DataLoader
         "drawn_marks": [],
+        "backward_marks": None,  # nor ran a backward
+        "backwards_marked": [],
         "mem_allocated_bytes": 10,
         "mem_reserved_bytes": 20,
         "mem_peak_bytes": 30,

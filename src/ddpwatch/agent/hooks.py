@@ -235,6 +235,7 @@ class BackwardLoss:
         """Backward starts: phase ``backward``, and a scalar it runs on is the loss (a sequence
         of tensors is none: a reentrant checkpoint's backward, several heads at once)."""
         progress = self._progress
+        progress.backwards += 1
         if not progress.pinned and progress.phase != _BACKWARD:
             progress.set_phase(_BACKWARD)  # where backward starts, not where a forward ended
         if (

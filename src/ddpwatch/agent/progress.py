@@ -39,6 +39,7 @@ class Progress:
     """Step, loss, phase and collective timing of one rank."""
 
     collective_peer: tuple[Any, Any] | None = None  # a blocking send/recv's (peer, tag)
+    backwards = 0  # backward passes so far (counted by the backward wrapper, ``agent/hooks``)
     p2p_batch: tuple[float, list[tuple[str, Any, Any]], list[Any]] | None = None
     """The last ``batch_isend_irecv``: when, its ops (op, peer, tag) and weak references to the
     requests it returned, which the publisher asks whether they completed."""
@@ -85,6 +86,7 @@ class Progress:
         self.drawn: dict[int, int] = {}  # batches drawn, per DataLoader iterator (by id)
         self.drawn_from: int | None = None  # the iterator of the last batch drawn
         self.batch_marks: deque[tuple[int, int]] = deque(maxlen=MARKS_KEPT)
+        self.backward_marks: deque[tuple[int, int]] = deque(maxlen=MARKS_KEPT)
         self.collective_time_step = 0.0
         self.collective_time_s: float | None = None
         self.failed_collective: Collective | None = None  # the collective an exception left
@@ -152,18 +154,25 @@ class Progress:
         self.collective_time_step = 0.0
         if self.step % MARK_EVERY == 0 and self.step_mode != "forward":
             # forward passes are no step count to compare ranks by (evaluation on one rank)
-            self.marks.append((self.step, self.collective_seq))  # one append: atomic
-            self.windows.append((self.step, self.window_start, self.calls))
-            self.calls = []  # a new list: the publisher reads the old one, no longer written
-            self.window_start = self.collective_seq
-            self.window = (self.window_start, self.calls)
-            source = self.drawn_from
-            if source is not None:  # the training loader: its batch came last before the step
-                self.batch_marks.append((self.step, self.drawn.get(source, 0)))
+            self._mark(self.step)
         self.waiting_for_data = True
         if self.on_step is not None and self.step % 64 == 1:
             with contextlib.suppress(Exception):
                 self.on_step()
+
+    def _mark(self, step: int) -> None:
+        """The end of a marked step: what every rank counts alike by then (collectives, their
+        calls, batches drawn, backward passes), one append each (atomic)."""
+        self.marks.append((step, self.collective_seq))
+        self.windows.append((step, self.window_start, self.calls))
+        self.calls = []  # a new list: the publisher reads the old one, no longer written
+        self.window_start = self.collective_seq
+        self.window = (self.window_start, self.calls)
+        source = self.drawn_from
+        if source is not None:  # the training loader: its batch came last before the step
+            self.batch_marks.append((step, self.drawn.get(source, 0)))
+        if self.backwards:
+            self.backward_marks.append((step, self.backwards))
 
     def count_steps_explicitly(self) -> None:
         """From now on steps come from ``end_step(mode="explicit")``: the optimizer and

@@ -488,6 +488,7 @@ class Watcher:
             collectives=counts,
             forwards=progress.forwards or None,
             batch_marks=list(progress.batch_marks) or None,
+            backward_marks=list(progress.backward_marks) or None,
         )
 
     def _phase_now(self) -> str:

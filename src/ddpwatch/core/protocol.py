@@ -183,6 +183,10 @@ class Sample(Identity, tag="sample"):
     collective: Collective | None = None
     collectives: CollectiveCounts | None = None
     batch_marks: list[tuple[NonNegInt, NonNegInt]] | None = None
+    backward_marks: list[tuple[NonNegInt, NonNegInt]] | None = None
+    """(step, backward passes so far) at the end of recent steps that are multiples of
+    ``MARK_EVERY``: a rank that runs another number of backwards per step (a micro-batch more
+    under ``no_sync``, a step skipped after its backward) differs from the others at one."""
     """[step, batches drawn from the training DataLoader's iterator] at recent marked steps."""
     nan_step: NonNegInt | None = None  # the first step whose loss was not finite (exact)
     grad_nan_step: NonNegInt | None = None

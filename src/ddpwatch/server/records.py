@@ -159,6 +159,10 @@ class RankRecord:
     drawn_marks: dict[int, int] = field(default_factory=dict)
     """Batches drawn from the training DataLoader by the end of marked steps (``batch_marks``,
     kept like ``step_marks``)."""
+    backward_marks: list[tuple[int, int]] | None = None
+    backwards_marked: dict[int, int] = field(default_factory=dict)
+    """Backward passes run by the end of marked steps (``backward_marks``, kept like
+    ``step_marks``)."""
     mem_allocated_bytes: int | None = None
     mem_reserved_bytes: int | None = None
     mem_peak_bytes: int | None = None

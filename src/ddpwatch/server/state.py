@@ -391,6 +391,11 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
         record.batch_marks = batch_marks
         if batch_marks:
             _keep_marks(record.drawn_marks, batch_marks)
+    backward_marks = sample.backward_marks
+    if backward_marks != record.backward_marks:  # equal: ``backwards_marked`` holds them
+        record.backward_marks = backward_marks
+        if backward_marks:
+            _keep_marks(record.backwards_marked, backward_marks)
     rss = sample.host_rss_bytes
     workers = sample.workers_rss_bytes
     record.host_rss_bytes = rss

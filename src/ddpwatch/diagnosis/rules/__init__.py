@@ -43,6 +43,7 @@ from ddpwatch.diagnosis.rules.listening import rule_server_behind
 from ddpwatch.diagnosis.rules.memory import rule_host_memory
 from ddpwatch.diagnosis.rules.p2p import rule_p2p
 from ddpwatch.diagnosis.rules.progress import (
+    rule_backward_desync,
     rule_batch_desync,
     rule_checkpoint_conflict,
     rule_nan_loss,
@@ -63,6 +64,7 @@ __all__ = [
     "Diagnosis",
     "Rule",
     "diagnose",
+    "rule_backward_desync",
     "rule_batch_desync",
     "rule_cascade",
     "rule_checkpoint_conflict",
@@ -113,6 +115,7 @@ RULES: tuple[Rule, ...] = (
     rule_host_memory,
     rule_step_skew,
     rule_batch_desync,
+    rule_backward_desync,
     rule_nan_loss,
     rule_checkpoint_conflict,
     rule_slow_rank,

@@ -227,6 +227,53 @@ def rule_batch_desync(f: Facts) -> list[Alert]:
     ]
 
 
+@rule(AlertKind.STEP_SKEW, every="slow")
+def rule_backward_desync(f: Facts) -> list[Alert]:
+    """A rank that runs another number of backward passes per step than the others, whatever
+    feeds it (synthetic data, a hand-written loader, pre-loaded shards: no DataLoader count
+    to compare). One backward more under ``no_sync()`` is a micro-batch the others do not
+    accumulate (FunASR #3472's shape); one more outside it, a step skipped after its backward
+    (a caught error, a loss check on one rank), whose all-reduce the others spent on their
+    next step. Every rank marks the same steps (every 8th) with its backwards so far
+    (``backward_marks``); one that differs from a strict majority at the latest step all live
+    ranks marked is named. Where their DataLoaders tell it (``rule_batch_desync``), that
+    says it."""
+    if odd_at_mark(f.live, lambda r: r.drawn_marks) is not None:
+        return []
+    found = odd_at_mark(f.live, lambda r: r.backwards_marked)
+    if found is None:
+        return []
+    step, usual, majority, odd = found.step, found.usual, found.majority, found.odd
+    first = odd[0]
+    own = first.backwards_marked[step]
+    diff = own - usual
+    passes = f"{abs(diff)} backward pass{'es' if abs(diff) != 1 else ''}"
+    them = format_ranks(r.rank for r in majority)
+    message = (
+        f"{format_ranks(r.rank for r in odd)} had run {passes} "
+        f"{'more' if diff > 0 else 'fewer'} than {them} by step {step} ({own} against "
+        f"{usual}) while {verb(len(odd), 'its', 'their')} steps still pair up with theirs: "
+        "its gradients are accumulated or averaged over other micro-batches than the others', "
+        "and nothing fails"
+    )
+    hint = (
+        f"rank {first.rank} accumulates another number of micro-batches per step (its no_sync "
+        "loop) or skipped an optimizer step after a backward (an exception caught, a check of "
+        "its own loss): give every rank the same accumulation, and skip on every rank "
+        "together (all_reduce a skip flag) or not at all"
+    )
+    return [
+        alert(
+            AlertKind.STEP_SKEW,
+            Severity.ERROR,
+            [r.rank for r in odd],
+            [r.rank for r in majority],
+            message,
+            hint,
+        )
+    ]
+
+
 SETTLED_BEATS = 10
 """Heartbeats since a rank's last episode (``Lag``) before slow_rank reads it: medians of 10
 (5 s at 2 Hz) hold neither a warm-up's first second (DataLoader workers starting, first
