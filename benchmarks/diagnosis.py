@@ -207,6 +207,15 @@ MODES: dict[str, Mode] = {
             _GH + "NVIDIA-NeMo/Automodel/pull/2468",
             args=("--own-data",),  # no DataLoader to count
         ),
+        _mode(
+            "ddp-eval-alone",
+            {0},
+            # run on: its evaluation forwards, counted at the marks; hung: the mismatch in
+            # flight, or the straggler the others wait for in its broadcast
+            {"collective_mismatch", "straggler", "stalled"},
+            _GH + "pytorch/pytorch/issues/175024",
+        ),
+        _mode("healthy-ddp-eval", set(), set(), "", watch_s=60.0),
         _mode("raise", {1}, {"crashed"}, _GH + "Lightning-AI/pytorch-lightning/issues/8130"),
         # the slow rank runs on: the others wait for it inside DDP's all-reduce every step
         _mode(

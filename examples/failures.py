@@ -137,6 +137,14 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     # optimizer step is skipped: its weights drift from the others', nothing fails
     # (https://github.com/NVIDIA-NeMo/Automodel/pull/2468)
     "skipped-step": (1, 20),
+    # the issue's own one-rank evaluation through the DDP wrapper, with a BatchNorm model:
+    # DDP broadcasts the buffers before every forward, no_grad too (pytorch/pytorch#175024),
+    # and rank 0's broadcasts have no partner; gloo may let them complete and the job runs
+    # on, every later collective paired one off
+    # (https://github.com/pytorch/pytorch/issues/175024)
+    "ddp-eval-alone": (0, 20),
+    # its healthy twin: every rank validates through the wrapper every 20 steps
+    "healthy-ddp-eval": (1, 0),
     # Lightning #8130: one DDP process raises and the script hangs
     # (https://github.com/Lightning-AI/pytorch-lightning/issues/8130)
     "raise": (1, 20),
@@ -224,9 +232,12 @@ class Samples(Dataset[torch.Tensor]):
 class Net(nn.Module):
     """A small MLP with an auxiliary head that one rank may skip (``unused-params``)."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, batchnorm: bool = False) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+        norm: list[nn.Module] = [nn.BatchNorm1d(width)] if batchnorm else []
+        self.body = nn.Sequential(
+            nn.Linear(width, width), *norm, nn.ReLU(), nn.Linear(width, width)
+        )
         self.aux = nn.Linear(width, width)
         self.head = nn.Linear(width, 1)
 
@@ -280,6 +291,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument(
+        "--batchnorm", action="store_true", help="a BatchNorm layer (buffers DDP broadcasts)"
+    )
     parser.add_argument(
         "--own-data",
         action="store_true",
@@ -356,7 +370,8 @@ def train(args: argparse.Namespace) -> int:
     init(args, me)
     mode, faulty = args.mode, me == args.rank
     torch.manual_seed(0)
-    model = Net(args.width)
+    batchnorm = args.batchnorm or mode in ("ddp-eval-alone", "healthy-ddp-eval")
+    model = Net(args.width, batchnorm=batchnorm)
     # every rank calls new_group, members or not
     pair = dist.new_group([0, 2]) if mode in ("subgroup-cascade", "healthy-subgroup") else None
     ddp = DistributedDataParallel(model)
@@ -434,6 +449,11 @@ def train(args: argparse.Namespace) -> int:
                 continue
             optimizer.step()
             ddpwatch.step(loss)
+            if mode == "ddp-eval-alone" and faulty and step == args.at:
+                fault_line(me)
+                validate_through_ddp(args, ddp)
+            if mode == "healthy-ddp-eval" and step % 20 == 0:
+                validate_through_ddp(args, ddp)
             if step == args.at:
                 special(args, me, faulty, model, metric)
             if step == args.at and pair is not None and me in (0, 2):
@@ -454,6 +474,16 @@ def train(args: argparse.Namespace) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def validate_through_ddp(args: argparse.Namespace, ddp: nn.Module) -> None:
+    """A quick validation on this rank alone, through the DDP wrapper (as a script calls its
+    model): 5 batches in eval mode, no gradients."""
+    ddp.eval()
+    with torch.no_grad():
+        for _ in range(5):
+            ddp(torch.randn(args.batch, args.width))
+    ddp.train()
 
 
 def synthetic(args: argparse.Namespace, me: int) -> Iterator[torch.Tensor]:

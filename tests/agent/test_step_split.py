@@ -178,6 +178,27 @@ def test_backward_passes_are_marked_at_every_eighth_step(group: Any) -> None:
     assert list(watcher.progress.backward_marks) == [(8, 8), (16, 16), (24, 40)]
 
 
+def test_evaluation_forwards_through_a_buffer_broadcasting_ddp_model_are_marked(group: Any) -> None:
+    """DDP broadcasts a BatchNorm model's buffers before a forward, also under no_grad (then
+    not again until a forward with gradients): each such evaluation forward is a collective
+    every rank must make, counted at the marks; one through the wrapped module is not."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    watcher = group
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    ddp = DistributedDataParallel(inner)
+    ddpwatch.attach(ddp)
+    for step in range(1, 17):
+        ddp(torch.ones(2, 4)).sum().backward()
+        ddpwatch.step()
+        if step == 4:
+            with torch.no_grad():
+                ddp(torch.ones(2, 4))  # broadcasts
+                ddp(torch.ones(2, 4))  # DDP does not again, under no_grad
+                inner(torch.ones(2, 4))  # the wrapped module: no collective
+    assert list(watcher.progress.eval_sync_marks) == [(8, 1), (16, 1)]
+
+
 # The CUDA path, on the CPU: a fake device clock ------------------------------------------
 
 

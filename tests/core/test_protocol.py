@@ -101,6 +101,7 @@ FULL_SAMPLE = Sample(
     collectives=CollectiveCounts(py=40, fr={"0": 986, "1": 987}),
     batch_marks=[(112, 113), (120, 121)],
     backward_marks=[(112, 113), (120, 121)],
+    eval_sync_marks=[(112, 3), (120, 3)],
     nan_step=118,
     grad_nan_step=117,
     mem_allocated_bytes=3 << 30,

@@ -239,3 +239,23 @@ def test_all_gather_sizes_with_two_calls_unknown_name_no_one() -> None:
     assert alert.message.endswith(
         "ranks 1, 3's calls are not known, so which side is odd cannot be told"
     )
+
+
+def test_a_rank_that_evaluated_through_its_ddp_model_alone_is_named() -> None:
+    """The one-rank evaluation through the DDP wrapper of a BatchNorm model: each forward
+    broadcasts the buffers from rank 0, a collective the others did not make. gloo lets it
+    complete and the job runs on, one collective off: the marks name rank 0."""
+    from ddpwatch.diagnosis.rules import rule_evaluation_desync
+
+    state = job(3, evals_marked={16: 0, 24: 0})
+    assert rule_evaluation_desync(state, NOW, TH) == []
+    state.ranks[0] = rank(0, 3, evals_marked={16: 0, 24: 1})
+    found = only(rule_evaluation_desync(state, NOW, TH), "collective_mismatch")
+    assert (found.severity, found.ranks, found.waiting) == ("error", (0,), (1, 2))
+    assert found.message.startswith(
+        "rank 0 had run 1 evaluation forward through its DDP model more than ranks 1, 2 by "
+        "step 24 (1 against 0): each broadcasts the model's buffers"
+    ), found.message
+    assert "model.module" in found.hint
+    every = job(3, evals_marked={16: 5, 24: 5})  # every rank validates through the wrapper
+    assert rule_evaluation_desync(every, NOW, TH) == []

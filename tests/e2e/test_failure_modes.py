@@ -330,6 +330,16 @@ def test_an_optimizer_step_skipped_after_backward_without_a_dataloader_names_the
     assert any("1 backward pass more than ranks 0, 2" in m for m in messages), describe(result)
 
 
+def test_one_rank_evaluating_through_its_ddp_model_is_named_while_the_job_runs_on() -> None:
+    """#34's one-rank evaluation through the DDP wrapper of a BatchNorm model (DDP broadcasts
+    the buffers before a forward, under no_grad too: pytorch/pytorch#175024): at step 20
+    rank 0 validates alone through the wrapper. gloo lets its broadcast complete and the job
+    runs on one collective off, or it hangs: either way rank 0 is named, live."""
+    result = assert_blames_only_the_culprit("ddp-eval-alone")
+    scored = score(result, MODES["ddp-eval-alone"])
+    assert scored.latency is not None and scored.latency < 4.0, describe(result)
+
+
 def test_uneven_gradient_accumulation_under_no_sync_names_the_rank() -> None:
     """FunASR PR #3472's family: one rank accumulates 2 micro-batches a step (the first under
     no_sync) where the others take 1; steps and all-reduces still pair up."""

@@ -241,6 +241,8 @@ def expected_after_life() -> dict[str, Any]:
         "drawn_marks": [],
         "backward_marks": None,  # nor ran a backward
         "backwards_marked": [],
+        "eval_sync_marks": None,  # nor evaluated through a buffer-broadcasting DDP model
+        "evals_marked": [],
         "mem_allocated_bytes": 10,
         "mem_reserved_bytes": 20,
         "mem_peak_bytes": 30,

@@ -86,6 +86,7 @@ def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
         "compile_reason": "tensor 'x' size mismatch at index 0. expected 4, actual 8",
         "batch_marks": [(8, 9)],
         "backward_marks": [(8, 8)],
+        "eval_sync_marks": [(8, 0)],
         "mem_allocated_bytes": 1,
         "mem_reserved_bytes": 2,
         "mem_peak_bytes": 3,

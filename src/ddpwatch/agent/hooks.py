@@ -25,6 +25,7 @@ from ddpwatch.agent.loss import find_loss
 from ddpwatch.agent.patches import Patches
 from ddpwatch.agent.progress import Progress
 from ddpwatch.agent.signal_watch import SignalWatch
+from ddpwatch.agent.split import is_ddp
 from ddpwatch.core.protocol import ErrorInfo
 from ddpwatch.core.vocabulary import Phase
 
@@ -71,6 +72,18 @@ def grad_check() -> Callable[[], bool]:
     return check if callable(check) else _grad_always_on
 
 
+def broadcasts_buffers(model: Any) -> bool:
+    """A ``DistributedDataParallel`` model whose every forward broadcasts its buffers from
+    rank 0 (``broadcast_buffers=True``, the default, and buffers to broadcast: BatchNorm's
+    running statistics; DDP's ``_pre_forward`` syncs them before each forward, also under
+    ``no_grad``, pytorch/pytorch#175024)."""
+    try:
+        sync = getattr(model, "will_sync_module_buffers", None)
+        return bool(is_ddp(model) and sync is not None and sync())
+    except Exception:
+        return False
+
+
 class ModelHooks:
     """Forward hooks on attached models, gradient checks on their parameters (and those of
     every DDP model built, ``watch_gradients``) and a global optimizer step hook.
@@ -87,6 +100,7 @@ class ModelHooks:
         self._compiling: Callable[[], bool] = _not_compiling
         self._grad_enabled: Callable[[], bool] = _grad_always_on
         self._trained = False  # a training forward was seen: evaluations count no step
+        self._broadcasting: set[int] = set()  # attached DDP models that broadcast buffers
         self.on_optimizer: Callable[[], object] | None = None
 
     def add_model(self, model: Any) -> None:
@@ -98,6 +112,10 @@ class ModelHooks:
         self._handles.append(model.register_forward_pre_hook(self._before_forward))
         self._handles.append(model.register_forward_hook(self._after_forward))
         self.watch_gradients(model)
+        if broadcasts_buffers(model):
+            self._broadcasting.add(id(model))
+            if self._progress.eval_syncs is None:
+                self._progress.eval_syncs = 0
 
     def watch_gradients(self, model: Any) -> None:
         """Check this rank's own gradients of ``model`` every step (``agent/grads.py``)."""
@@ -131,7 +149,10 @@ class ModelHooks:
             return
         try:
             if not self._grad_enabled() or not getattr(module, "training", True):
-                self._progress.evaluation_forward()
+                progress = self._progress
+                progress.evaluation_forward()
+                if id(module) in self._broadcasting and module.require_forward_param_sync:
+                    progress.eval_syncs = (progress.eval_syncs or 0) + 1  # a broadcast
             else:
                 self._trained = True
                 self._progress.forward_started()

@@ -38,8 +38,13 @@ _EVALUATION: Final = Phase.EVALUATION
 class Progress:
     """Step, loss, phase and collective timing of one rank."""
 
+    collective_reduce_op: Any = None  # the collective in flight's, as the call gave it
+    collective_root: Any = None  # its src or dst, as given
     collective_peer: tuple[Any, Any] | None = None  # a blocking send/recv's (peer, tag)
     backwards = 0  # backward passes so far (counted by the backward wrapper, ``agent/hooks``)
+    eval_syncs: int | None = None
+    """Evaluation forwards so far through an attached DDP model that broadcasts its buffers
+    (``hooks.ModelHooks``); None while no such model is attached."""
     p2p_batch: tuple[float, list[tuple[str, Any, Any]], list[Any]] | None = None
     """The last ``batch_isend_irecv``: when, its ops (op, peer, tag) and weak references to the
     requests it returned, which the publisher asks whether they completed."""
@@ -64,8 +69,6 @@ class Progress:
         self.collective_depth = 0
         self.collective_counted = True
         self.collective_tensor: Any = None
-        self.collective_reduce_op: Any = None  # as the call gave it (a ``ReduceOp``)
-        self.collective_root: Any = None  # its src or dst, as given
         self.p2p_ops: dict[Any, int] = {}
         """Point-to-point ops posted so far, by process group (None: the default group): gloo's
         flight recorder counts them with the group's collectives (``p2p_counts``)."""
@@ -87,6 +90,7 @@ class Progress:
         self.drawn_from: int | None = None  # the iterator of the last batch drawn
         self.batch_marks: deque[tuple[int, int]] = deque(maxlen=MARKS_KEPT)
         self.backward_marks: deque[tuple[int, int]] = deque(maxlen=MARKS_KEPT)
+        self.eval_sync_marks: deque[tuple[int, int]] = deque(maxlen=MARKS_KEPT)
         self.collective_time_step = 0.0
         self.collective_time_s: float | None = None
         self.failed_collective: Collective | None = None  # the collective an exception left
@@ -173,6 +177,8 @@ class Progress:
             self.batch_marks.append((step, self.drawn.get(source, 0)))
         if self.backwards:
             self.backward_marks.append((step, self.backwards))
+        if self.eval_syncs is not None:
+            self.eval_sync_marks.append((step, self.eval_syncs))
 
     def count_steps_explicitly(self) -> None:
         """From now on steps come from ``end_step(mode="explicit")``: the optimizer and

@@ -149,7 +149,7 @@ class GradReady:
     def add_model(self, model: Any) -> None:
         """Hook a ``DistributedDataParallel`` model's parameters (once per model)."""
         try:
-            if id(model) in self._models or not _is_ddp(model):
+            if id(model) in self._models or not is_ddp(model):
                 return
             self._models.append(id(model))
             params = [p for p in model.parameters() if getattr(p, "requires_grad", False)]
@@ -405,7 +405,7 @@ def iterator_key(iterator: Any) -> int:
     return int(key)
 
 
-def _is_ddp(model: Any) -> bool:
+def is_ddp(model: Any) -> bool:
     """A ``DistributedDataParallel`` (or a subclass), without importing torch here."""
     return any(
         cls.__name__ == "DistributedDataParallel" and cls.__module__.startswith("torch.")

@@ -489,6 +489,7 @@ class Watcher:
             forwards=progress.forwards or None,
             batch_marks=list(progress.batch_marks) or None,
             backward_marks=list(progress.backward_marks) or None,
+            eval_sync_marks=list(progress.eval_sync_marks) or None,
         )
 
     def _phase_now(self) -> str:

@@ -184,6 +184,11 @@ class Sample(Identity, tag="sample"):
     collectives: CollectiveCounts | None = None
     batch_marks: list[tuple[NonNegInt, NonNegInt]] | None = None
     backward_marks: list[tuple[NonNegInt, NonNegInt]] | None = None
+    eval_sync_marks: list[tuple[NonNegInt, NonNegInt]] | None = None
+    """(step, evaluation forwards so far through an attached DDP model that broadcasts its
+    buffers) at the same marked steps: each such forward is a broadcast from rank 0 every rank
+    must make (BatchNorm's running statistics), so a rank that evaluates alone through the
+    wrapper differs from the others at one. Nil where no such model is attached."""
     """(step, backward passes so far) at the end of recent steps that are multiples of
     ``MARK_EVERY``: a rank that runs another number of backwards per step (a micro-batch more
     under ``no_sync``, a step skipped after its backward) differs from the others at one."""

@@ -160,6 +160,10 @@ class RankRecord:
     """Batches drawn from the training DataLoader by the end of marked steps (``batch_marks``,
     kept like ``step_marks``)."""
     backward_marks: list[tuple[int, int]] | None = None
+    eval_sync_marks: list[tuple[int, int]] | None = None
+    evals_marked: dict[int, int] = field(default_factory=dict)
+    """Evaluation forwards through a DDP model that broadcasts its buffers, by the end of
+    marked steps (``eval_sync_marks``, kept like ``step_marks``)."""
     backwards_marked: dict[int, int] = field(default_factory=dict)
     """Backward passes run by the end of marked steps (``backward_marks``, kept like
     ``step_marks``)."""

@@ -396,6 +396,11 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
         record.backward_marks = backward_marks
         if backward_marks:
             _keep_marks(record.backwards_marked, backward_marks)
+    eval_marks = sample.eval_sync_marks
+    if eval_marks != record.eval_sync_marks:  # equal: ``evals_marked`` holds them
+        record.eval_sync_marks = eval_marks
+        if eval_marks:
+            _keep_marks(record.evals_marked, eval_marks)
     rss = sample.host_rss_bytes
     workers = sample.workers_rss_bytes
     record.host_rss_bytes = rss

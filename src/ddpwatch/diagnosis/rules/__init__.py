@@ -29,6 +29,7 @@ from ddpwatch.diagnosis.rules.collectives import (
     rule_collective_arguments,
     rule_collective_desync,
     rule_collective_mismatch,
+    rule_evaluation_desync,
     rule_straggler,
 )
 from ddpwatch.diagnosis.rules.devices import (
@@ -76,6 +77,7 @@ __all__ = [
     "rule_device_ordinal",
     "rule_duplicate_device",
     "rule_duplicate_rank",
+    "rule_evaluation_desync",
     "rule_foreign_memory",
     "rule_host_memory",
     "rule_local_rank_mismatch",
@@ -102,6 +104,7 @@ RULES: tuple[Rule, ...] = (
     rule_collective_mismatch,
     rule_collective_desync,
     rule_collective_arguments,
+    rule_evaluation_desync,
     rule_stalled,
     rule_startup_hang,
     rule_not_connected,

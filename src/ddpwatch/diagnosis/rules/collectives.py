@@ -178,6 +178,49 @@ def rule_collective_mismatch(f: Facts) -> list[Alert]:
 
 
 @rule(AlertKind.COLLECTIVE_MISMATCH, every="slow")
+def rule_evaluation_desync(f: Facts) -> list[Alert]:
+    """A rank that evaluated through its DDP model while the others did not (or more often):
+    DDP broadcasts the model's buffers from rank 0 before every forward, under ``no_grad``
+    too (pytorch/pytorch#175024), so each such forward is a collective the other ranks did
+    not make. gloo may let rank 0's broadcasts complete and the job run on, every later
+    collective paired one off; or the job hangs, which the mismatch in flight tells. Every
+    rank marks (every 8th step) its evaluation forwards through a buffer-broadcasting DDP
+    model; one whose count differs from a strict majority's is named."""
+    if f.mismatch is not None:
+        return []  # in flight, the mismatch says more
+    found = odd_at_mark(f.live, lambda r: r.evals_marked)
+    if found is None:
+        return []
+    step, usual, majority, odd = found.step, found.usual, found.majority, found.odd
+    first = odd[0]
+    own = first.evals_marked[step]
+    diff = own - usual
+    forwards = f"{abs(diff)} evaluation forward{'s' if abs(diff) != 1 else ''}"
+    message = (
+        f"{format_ranks(r.rank for r in odd)} had run {forwards} through "
+        f"{verb(len(odd), 'its', 'their')} DDP model {'more' if diff > 0 else 'fewer'} than "
+        f"{format_ranks(r.rank for r in majority)} by step {step} ({own} against {usual}): "
+        "each broadcasts the model's buffers (BatchNorm's running statistics) from rank 0, a "
+        "collective the others did not make, so the ranks' collectives no longer pair up"
+    )
+    hint = (
+        f"rank {first.rank} evaluates through the DDP wrapper alone: evaluate through the "
+        "wrapped module (model.module) on one rank, or through the wrapper on every rank, or "
+        "build DDP with broadcast_buffers=False (SyncBatchNorm keeps the statistics in step)"
+    )
+    return [
+        alert(
+            AlertKind.COLLECTIVE_MISMATCH,
+            Severity.ERROR,
+            [r.rank for r in odd],
+            [r.rank for r in majority],
+            message,
+            hint,
+        )
+    ]
+
+
+@rule(AlertKind.COLLECTIVE_MISMATCH, every="slow")
 def rule_collective_desync(f: Facts) -> list[Alert]:
     """Ranks that entered a different number of collectives by the end of the same step,
     when no mismatch shows otherwise (``rule_collective_mismatch``).
