@@ -45,6 +45,7 @@ class Progress:
     eval_syncs: int | None = None
     """Evaluation forwards so far through an attached DDP model that broadcasts its buffers
     (``hooks.ModelHooks``); None while no such model is attached."""
+    _p2p_seen: tuple[float, int] | None = None  # (posted, op) last reported pending
     p2p_batch: tuple[float, list[tuple[str, Any, Any]], list[Any]] | None = None
     """The last ``batch_isend_irecv``: when, its ops (op, peer, tag) and weak references to the
     requests it returned, which the publisher asks whether they completed."""
@@ -320,11 +321,13 @@ class Progress:
             self.collective_peer = None
 
     # publisher thread ------------------------------------------------------
-    def in_flight(self) -> Collective | None:
-        """The Python-level collective the training thread is inside, if any."""
+    def in_flight(self, dying: bool = False) -> Collective | None:
+        """The Python-level collective the training thread is inside, if any, or the request
+        of its last ``batch_isend_irecv`` it waits for; ``dying``: the rank is ending, and a
+        request seen pending that has completed since (with the error it dies of) counts."""
         op = self.collective_op
         if op is None:
-            return self._pending_p2p()
+            return self._pending_p2p(dying)
         peer = self.collective_peer
         if peer is not None:
             return Collective(
@@ -357,11 +360,13 @@ class Progress:
                 counts[name] = counts.get(name, 0) + ops
         return counts
 
-    def _pending_p2p(self) -> Collective | None:
-        """The first op of the last ``batch_isend_irecv`` whose request has not completed
-        (or failed: a timeout), once ``P2P_PENDING_S`` old, while the training thread has not
-        moved since it posted them: waiting for it (a rank that posts a receive and computes
-        meanwhile has moved on: a forward or a phase since)."""
+    def _pending_p2p(self, dying: bool = False) -> Collective | None:
+        """The first op of the last ``batch_isend_irecv`` whose request has not completed,
+        once ``P2P_PENDING_S`` old, while the training thread has not moved since it posted
+        them: waiting for it (a rank that posts a receive and computes meanwhile has moved
+        on: a forward or a phase since). ``dying``: also the one last seen pending, now
+        completed: a request that failed (a timeout) completes too, and what tells a failed
+        one from a done one (``Work.is_success``) prints a deprecation warning."""
         batch = self.p2p_batch
         if batch is None:
             return None
@@ -369,13 +374,16 @@ class Progress:
         age = time.perf_counter() - posted
         if not refs or age < P2P_PENDING_S or max(self.last_progress, self.phase_changed) > posted:
             return None
+        seen = self._p2p_seen
         for at, (op, peer, tag) in enumerate(ops):
             work = refs[at if len(refs) == len(ops) else 0]()
             try:
-                if work is None or (work.is_completed() and work.is_success()):
-                    continue  # freed (waited for and dropped) or done; one that failed (a
-            except Exception:  # timeout) is what the rank died waiting in
+                ended = work is None or work.is_completed()  # freed (waited for), or done
+                if ended and not (dying and seen == (posted, at)):
+                    continue
+            except Exception:
                 continue
+            self._p2p_seen = (posted, at)
             return Collective(
                 op=op,
                 since_s=age,

@@ -554,7 +554,7 @@ class Watcher:
     def _final_collective(self) -> Collective | None:
         """The collective the main thread failed in or is inside now, if any."""
         progress = self.progress
-        return progress.failed_collective or progress.in_flight()
+        return progress.failed_collective or progress.in_flight(dying=True)
 
     def _publish_final_sample(self) -> None:
         """One last sample before a crash or exit event (after one, it would revive a dead
