@@ -365,3 +365,17 @@ def test_the_step_split_cell_shows_the_split_and_is_empty_without_one() -> None:
         rank_entry(1, 2, input_wait_s=0.0, compute_s=0.0, grad_wait_s=0.0),
     ):
         assert SPLIT.cell(no_split, AlertIndex(), SPLIT.width) == ("", None)
+
+
+COLLECTIVE = next(c for c in RANK_COLUMNS if c.key == "collective")
+
+
+def test_the_collective_cell_says_whom_a_send_or_receive_waits_for() -> None:
+    for wait, shown in (
+        (CollectiveWait(op="recv", since_s=3.2, peer=0), "recv from 0 3.20s"),
+        (CollectiveWait(op="isend", since_s=3.2, peer=2), "isend to 2 3.20s"),
+        (CollectiveWait(op="all_reduce", seq=45, since_s=3.2), "all_reduce #45 3.20s"),
+    ):
+        row = msgspec.structs.replace(rank_entry(1, 3, state="waiting"), collective=wait)
+        text, _ = COLLECTIVE.cell(row, AlertIndex(), COLLECTIVE.width)
+        assert text == shown

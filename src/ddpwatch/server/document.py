@@ -46,11 +46,8 @@ def rank_entry(
     ``since`` (``ServerState.listening_since``), with no start-up grace once a rank is
     ``stepping`` (``ServerState.stepping_since``), like diagnosis does."""
     age = record.collective_age(now)
-    collective = (
-        CollectiveWait(record.collective.op, record.collective.seq, round(age or 0.0, 3))
-        if record.collective is not None
-        else None
-    )
+    c = record.collective
+    collective = CollectiveWait(c.op, c.seq, round(age or 0.0, 3), c.peer) if c else None
     error = (
         RankError(record.error.type, record.error.message, record.error.traceback)
         if record.error is not None

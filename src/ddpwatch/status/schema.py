@@ -52,11 +52,13 @@ __all__ = [
 
 
 class CollectiveWait(msgspec.Struct, gc=False):
-    """A rank's ``collective``: the one it waits in right now, and for how long."""
+    """A rank's ``collective``: the one it waits in right now, and for how long; for a send or
+    a receive, the rank it waits for (``peer``)."""
 
     op: str
     seq: int | None = None
     since_s: float = 0.0
+    peer: int | None = None
 
 
 class FinalCollective(msgspec.Struct, gc=False):

@@ -177,6 +177,9 @@ def _collective(row: Row, index: AlertIndex, width: int) -> Cell:
     name = coll.op or "?"
     if coll.seq is not None:
         name += f" #{coll.seq}"
+    peer = getattr(coll, "peer", None)
+    if peer is not None:  # a send or a receive: the rank it waits for
+        name += f" {'from' if name.endswith('recv') else 'to'} {peer}"
     since = coll.since_s or 0.0
     age = short_seconds(since)
     room = width - len(age) - 1
