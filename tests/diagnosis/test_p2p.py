@@ -232,3 +232,16 @@ def test_a_timeout_in_recv_keeps_the_blame_on_the_peer_that_did_not_send() -> No
 
 def _fields(c: Collective) -> dict[str, Any]:
     return {name: getattr(c, name) for name in c.__struct_fields__}
+
+
+def test_a_stage_still_starting_up_is_slow_not_a_straggler() -> None:
+    """Stage 0 has not taken its first step and its CPU time grows (importing, building the
+    model): stage 1 waits for its first send, which startup_hang tells, not a straggler."""
+    records = [
+        _rank(0, 0, step=None, phase="model_wrap", last_progress=NOW - 12.8, cpu_rate=0.9,
+              cpu_grew_at=NOW - 0.4),
+        _rank(1, 0, step=None, **_in("recv", 12.6, peer=0)),
+        _rank(2, 0, step=None, **_in("recv", 12.7, peer=1)),
+    ]  # fmt: skip
+    kinds = [a.kind for a in diagnose(state_of(*records), NOW, TH) if a.ranks]
+    assert "straggler" not in kinds and "send_recv_deadlock" not in kinds

@@ -15,7 +15,7 @@ from ddpwatch.core.protocol import Collective
 from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
-from ddpwatch.diagnosis.facts.ranks import is_p2p, normal_op
+from ddpwatch.diagnosis.facts.ranks import is_compiling, is_p2p, normal_op, working_start
 from ddpwatch.diagnosis.facts.stragglers import Deadlock, Hop, p2p_name
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import collective_name, format_ranks, verb, where
@@ -34,12 +34,16 @@ def rule_p2p(f: Facts) -> list[Alert]:
     if found is not None and found.deadlock is not None:
         waiting = {*found.waiting_ranks(), *(rank for hop in found.via for rank in hop.ranks)}
         return [_deadlock_alert(f, found.deadlock, found.via, sorted(waiting), found.age)]
-    return [
-        _deadlock_alert(f, hold.deadlock, hold.via, sorted(hold.waiting), hold.age)
-        if hold.deadlock is not None
-        else _late_peer_alert(f, hold.culprits, hold.via, hold.age)
-        for hold in f.p2p_holds
-    ]
+    alerts = []
+    for hold in f.p2p_holds:
+        if hold.deadlock is not None:
+            waiting = sorted(hold.waiting)
+            alerts.append(_deadlock_alert(f, hold.deadlock, hold.via, waiting, hold.age))
+            continue
+        late = [r for r in hold.culprits if not working_start(r, f.now)]
+        if late:  # a stage still working through its start-up is slow, not hung
+            alerts.append(_late_peer_alert(f, late, hold.via, hold.age))
+    return alerts
 
 
 def _late_peer_alert(f: Facts, roots: list[RankRecord], hops: list[Hop], age: float) -> Alert:
@@ -51,9 +55,10 @@ def _late_peer_alert(f: Facts, roots: list[RankRecord], hops: list[Hop], age: fl
     else:
         each = ", ".join(f"{format_ranks(hop.ranks)} in {hop.name}" for hop in hops)
         chain = f"{each}: waiting for up to {seconds(age)}"
+    doing = ", compiling (torch.compile)" if is_compiling(first) else ""
     message = (
         f"{chain}; {format_ranks(r.rank for r in roots)} "
-        f"{verb(len(roots), 'is', 'are')} {where(first)}"
+        f"{verb(len(roots), 'is', 'are')} {where(first)}{doing}"
     )
     hint = (
         f"see where rank {first.rank} is (its stack in {STACKS_IN}): a slow or stuck stage, a "
