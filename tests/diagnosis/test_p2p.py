@@ -245,3 +245,22 @@ def test_a_stage_still_starting_up_is_slow_not_a_straggler() -> None:
     ]  # fmt: skip
     kinds = [a.kind for a in diagnose(state_of(*records), NOW, TH) if a.ranks]
     assert "straggler" not in kinds and "send_recv_deadlock" not in kinds
+
+
+def test_a_deadlock_beside_a_late_rank_names_both() -> None:
+    """Rank 1 waits in recv from rank 0, which waits in the all-reduce with rank 2; rank 3,
+    in no collective, has not entered it either: both ranks the all-reduce waits for are
+    named, the one that did not send and the one still elsewhere."""
+    records = [
+        _rank(0, 18, world=4, **_in("all_reduce", 12.4, seq=18)),
+        _rank(1, 17, world=4, **_in("recv", 12.6, peer=0)),
+        _rank(2, 18, world=4, **_in("all_reduce", 12.3, seq=18)),
+        _rank(3, 17, world=4, stack=STACK, last_progress=NOW - 12.5),
+    ]
+    alerts = [a for a in diagnose(state_of(*records), NOW, TH) if a.ranks]
+    assert [(a.kind, a.ranks, a.waiting) for a in alerts] == [
+        ("send_recv_deadlock", (0, 3), (1, 2))
+    ]
+    assert alerts[0].message.endswith(
+        "; rank 3 has not entered all_reduce #18 either: in 'forward' at step 12, train.py:88"
+    ), alerts[0].message

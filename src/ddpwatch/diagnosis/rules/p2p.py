@@ -32,17 +32,19 @@ def rule_p2p(f: Facts) -> list[Alert]:
         return []
     found = f.straggle
     if found is not None and found.deadlock is not None:
-        waiting = {*found.waiting_ranks(), *(rank for hop in found.via for rank in hop.ranks)}
-        return [_deadlock_alert(f, found.deadlock, found.via, sorted(waiting), found.age)]
+        blocked = {*found.waiting_ranks(), *(rank for hop in found.via for rank in hop.ranks)}
+        deadlock = found.deadlock
+        late = [r for r in found.culprits if r is not deadlock.peer]  # in no collective
+        return [_deadlock_alert(f, deadlock, found.via, sorted(blocked), found.age, late)]
     alerts = []
     for hold in f.p2p_holds:
         if hold.deadlock is not None:
-            waiting = sorted(hold.waiting)
-            alerts.append(_deadlock_alert(f, hold.deadlock, hold.via, waiting, hold.age))
+            held = sorted(hold.waiting)
+            alerts.append(_deadlock_alert(f, hold.deadlock, hold.via, held, hold.age))
             continue
-        late = [r for r in hold.culprits if not working_start(r, f.now)]
-        if late:  # a stage still working through its start-up is slow, not hung
-            alerts.append(_late_peer_alert(f, late, hold.via, hold.age))
+        stuck = [r for r in hold.culprits if not working_start(r, f.now)]
+        if stuck:  # a stage still working through its start-up is slow, not hung
+            alerts.append(_late_peer_alert(f, stuck, hold.via, hold.age))
     return alerts
 
 
@@ -80,10 +82,17 @@ def _late_peer_alert(f: Facts, roots: list[RankRecord], hops: list[Hop], age: fl
 
 
 def _deadlock_alert(
-    f: Facts, found: Deadlock, via: list[Hop], waiting: list[int], age: float
+    f: Facts,
+    found: Deadlock,
+    via: list[Hop],
+    waiting: list[int],
+    age: float,
+    late: list[RankRecord] | None = None,
 ) -> Alert:
     """A wait that closes on itself: through a collective, the peer that did not send (or
-    receive) holds everyone; through the peer's own send or receive, both ends are named."""
+    receive) holds everyone; through the peer's own send or receive, both ends are named.
+    ``late``: other ranks that have not entered that collective, in none themselves (named
+    too)."""
     waiter, call, peer, peer_in = found.waiter, found.call, found.peer, found.peer_in
     waited = seconds(waiter.collective_age(f.now) or age)
     spot = f" at step {waiter.step}" if waiter.step is not None else ""
@@ -102,9 +111,16 @@ def _deadlock_alert(
             "batch_isend_irecv for the pair)"
         )
     else:
-        culprits = [peer.rank]
+        others = late or []
+        culprits = [peer.rank, *(r.rank for r in others)]
         missing = "recv" if _sends(call) else "send"
         also = _also(via, waiting, (waiter.rank, peer.rank), peer_in)
+        if others:
+            also += (
+                f"; {format_ranks(r.rank for r in others)} {verb(len(others), 'has', 'have')} "
+                f"not entered {collective_name(peer_in.op, peer_in.seq)} either: "
+                f"{where(others[0])}"
+            )
         message = (
             f"rank {waiter.rank} waits in {_call(call)}{spot} for {waited}; rank {peer.rank} "
             f"is in {collective_name(peer_in.op, peer_in.seq)}{_at(peer)}, which rank "
