@@ -408,9 +408,7 @@ def _held_by_peer(facts: Evidence, waited: list[RankRecord]) -> Root | None:
     if not blocked or len(peers) != 1:
         return None
     (rank,) = peers
-    if rank is None:
-        return None
-    peer = next((r for r in facts.records if r.rank == rank), None)
+    peer = facts.state.ranks.get(rank) if rank is not None else None
     if peer is None or peer in blocked:
         return None
     began = min((r.error_time or r.last_seen) - (r.pg_timeout_s or 0.0) for r in blocked)
@@ -426,7 +424,7 @@ def _held_by_peer(facts: Evidence, waited: list[RankRecord]) -> Root | None:
     # it, a dead rank waits in nothing)
     kind = AlertKind.SEND_RECV_DEADLOCK if in_collective else AlertKind.STRAGGLER
     gave_up = min(r.error_time or r.last_seen for r in blocked)
-    return Root(kind, [rank], gave_up, [peer], timed_out=victims)
+    return Root(kind, [peer.rank], gave_up, [peer], timed_out=victims)
 
 
 def _blocked_elsewhere(record: RankRecord, place: WaitKey) -> bool:

@@ -27,6 +27,12 @@ class OddMark:
     usual: int  # the majority's count
     majority: list[RankRecord]
     odd: list[RankRecord]  # by rank
+    own: int  # the first odd rank's count
+
+    @property
+    def diff(self) -> int:
+        """How far the first odd rank's count is from the majority's (negative: behind)."""
+        return self.own - self.usual
 
 
 def odd_at_mark(
@@ -51,7 +57,7 @@ def odd_at_mark(
     if len(majority) <= len(second) or len(majority) * 2 <= len(marked):
         return None  # no clear majority: which side is odd cannot be told
     odd = sorted((r for _, group in ranked[1:] for r in group), key=lambda r: r.rank)
-    return OddMark(step, usual, majority, odd)
+    return OddMark(step, usual, majority, odd, marks_of(odd[0])[step])
 
 
 def _latest_common_mark(marks: list[dict[int, int]]) -> int | None:

@@ -14,7 +14,7 @@ from ddpwatch.diagnosis.facts.mismatch import Mismatch, OddCalls, call_words, od
 from ddpwatch.diagnosis.facts.ranks import is_busy, is_compiling, normal_op, working_start
 from ddpwatch.diagnosis.facts.stragglers import Straggle
 from ddpwatch.diagnosis.knowledge import named_ranks
-from ddpwatch.diagnosis.rules.registry import alert, rule
+from ddpwatch.diagnosis.rules.registry import alert, odd_alert, rule
 from ddpwatch.diagnosis.text import (
     collective_name,
     first_line,
@@ -191,33 +191,22 @@ def rule_evaluation_desync(f: Facts) -> list[Alert]:
     found = odd_at_mark(f.live, lambda r: r.evals_marked)
     if found is None:
         return []
-    step, usual, majority, odd = found.step, found.usual, found.majority, found.odd
-    first = odd[0]
-    own = first.evals_marked[step]
-    diff = own - usual
-    forwards = f"{abs(diff)} evaluation forward{'s' if abs(diff) != 1 else ''}"
+    odd, diff = found.odd, found.diff
+    forwards = f"{abs(diff)} {verb(abs(diff), 'evaluation forward', 'evaluation forwards')}"
     message = (
         f"{format_ranks(r.rank for r in odd)} had run {forwards} through "
         f"{verb(len(odd), 'its', 'their')} DDP model {'more' if diff > 0 else 'fewer'} than "
-        f"{format_ranks(r.rank for r in majority)} by step {step} ({own} against {usual}): "
-        "each broadcasts the model's buffers (BatchNorm's running statistics) from rank 0, a "
-        "collective the others did not make, so the ranks' collectives no longer pair up"
+        f"{format_ranks(r.rank for r in found.majority)} by step {found.step} ({found.own} "
+        f"against {found.usual}): each broadcasts the model's buffers (BatchNorm's running "
+        "statistics) from rank 0, a collective the others did not make, so the ranks' "
+        "collectives no longer pair up"
     )
     hint = (
-        f"rank {first.rank} evaluates through the DDP wrapper alone: evaluate through the "
+        f"rank {odd[0].rank} evaluates through the DDP wrapper alone: evaluate through the "
         "wrapped module (model.module) on one rank, or through the wrapper on every rank, or "
         "build DDP with broadcast_buffers=False (SyncBatchNorm keeps the statistics in step)"
     )
-    return [
-        alert(
-            AlertKind.COLLECTIVE_MISMATCH,
-            Severity.ERROR,
-            [r.rank for r in odd],
-            [r.rank for r in majority],
-            message,
-            hint,
-        )
-    ]
+    return [odd_alert(AlertKind.COLLECTIVE_MISMATCH, found, message, hint)]
 
 
 @rule(AlertKind.COLLECTIVE_MISMATCH, every="slow")
@@ -235,33 +224,23 @@ def rule_collective_desync(f: Facts) -> list[Alert]:
     found = odd_at_mark(f.live, lambda r: r.step_marks)
     if found is None:
         return []
-    step, usual, majority, odd = found.step, found.usual, found.majority, found.odd
-    first = odd[0]
-    diff = first.step_marks[step] - usual
+    odd, diff = found.odd, found.diff
     more = (
-        f"{abs(diff)} {'more' if diff > 0 else 'fewer'} collective{'s' if abs(diff) != 1 else ''}"
+        f"{abs(diff)} {'more' if diff > 0 else 'fewer'} "
+        f"{verb(abs(diff), 'collective', 'collectives')}"
     )
     message = (
         f"{format_ranks(r.rank for r in odd)} had entered {more} than "
-        f"{format_ranks(r.rank for r in majority)} by the end of step {step} "
-        f"({first.step_marks[step]} against {usual}): the ranks no longer call the same "
+        f"{format_ranks(r.rank for r in found.majority)} by the end of step {found.step} "
+        f"({found.own} against {found.usual}): the ranks no longer call the same "
         "collective at the same number, so the next ones pair up wrongly or hang"
     )
     hint = (
         "a collective that only some ranks call (under `if rank == 0`, in logging, metrics or "
         "evaluation), or one skipped after a caught exception: every rank must call the same "
-        f"collectives in the same order; look at what rank {first.rank} does differently"
+        f"collectives in the same order; look at what rank {odd[0].rank} does differently"
     )
-    return [
-        alert(
-            AlertKind.COLLECTIVE_MISMATCH,
-            Severity.ERROR,
-            [r.rank for r in odd],
-            [r.rank for r in majority],
-            message,
-            hint,
-        )
-    ]
+    return [odd_alert(AlertKind.COLLECTIVE_MISMATCH, found, message, hint)]
 
 
 @rule(AlertKind.COLLECTIVE_MISMATCH, every="slow")

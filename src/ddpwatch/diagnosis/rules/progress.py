@@ -13,7 +13,7 @@ from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.mismatch import odd_at_mark
 from ddpwatch.diagnosis.facts.ranks import is_busy, is_compiling
 from ddpwatch.diagnosis.facts.stragglers import Lag, lag_since_episode, timed
-from ddpwatch.diagnosis.rules.registry import alert, rule
+from ddpwatch.diagnosis.rules.registry import alert, odd_alert, rule
 from ddpwatch.diagnosis.text import format_ranks, record_location, verb
 from ddpwatch.server.records import BEAT_WIDTH, Beat, RankRecord
 from ddpwatch.status.fmt import STACKS_IN, seconds, wait
@@ -195,36 +195,23 @@ def rule_batch_desync(f: Facts) -> list[Alert]:
     found = odd_at_mark(f.live, lambda r: r.drawn_marks)
     if found is None:
         return []
-    step, usual, majority, odd = found.step, found.usual, found.majority, found.odd
-    first = odd[0]
-    own = first.drawn_marks[step]
-    diff = own - usual
-    batches = f"{abs(diff)} batch{'es' if abs(diff) != 1 else ''}"
+    odd, diff = found.odd, found.diff
+    batches = f"{abs(diff)} {verb(abs(diff), 'batch', 'batches')}"
     message = (
         f"{format_ranks(r.rank for r in odd)} had drawn {batches} "
-        f"{'more' if diff > 0 else 'fewer'} than {format_ranks(r.rank for r in majority)} "
-        f"from {verb(len(odd), 'its', 'their')} DataLoader by step {step} ({own} against "
-        f"{usual}) while {verb(len(odd), 'its', 'their')} steps and collectives still pair up "
-        "with theirs: DDP averages its gradients with other batches than the ones the others "
-        "use, and nothing fails"
+        f"{'more' if diff > 0 else 'fewer'} than {format_ranks(r.rank for r in found.majority)} "
+        f"from {verb(len(odd), 'its', 'their')} DataLoader by step {found.step} ({found.own} "
+        f"against {found.usual}) while {verb(len(odd), 'its', 'their')} steps and collectives "
+        "still pair up with theirs: DDP averages its gradients with other batches than the "
+        "ones the others use, and nothing fails"
     )
     hint = (
-        f"rank {first.rank} skipped a batch (an exception caught in the loop: an OOM, a corrupt "
+        f"rank {odd[0].rank} skipped a batch (an exception caught in the loop: an OOM, a corrupt "
         "sample) or accumulates another number of micro-batches per step: skip on every rank "
         "together (all_reduce a skip flag) or not at all, and give every rank the same "
         "gradient accumulation"
     )
-    culprits = [r.rank for r in odd]
-    return [
-        alert(
-            AlertKind.STEP_SKEW,
-            Severity.ERROR,
-            culprits,
-            [r.rank for r in majority],
-            message,
-            hint,
-        )
-    ]
+    return [odd_alert(AlertKind.STEP_SKEW, found, message, hint)]
 
 
 @rule(AlertKind.STEP_SKEW, every="slow")
@@ -243,35 +230,22 @@ def rule_backward_desync(f: Facts) -> list[Alert]:
     found = odd_at_mark(f.live, lambda r: r.backwards_marked)
     if found is None:
         return []
-    step, usual, majority, odd = found.step, found.usual, found.majority, found.odd
-    first = odd[0]
-    own = first.backwards_marked[step]
-    diff = own - usual
-    passes = f"{abs(diff)} backward pass{'es' if abs(diff) != 1 else ''}"
-    them = format_ranks(r.rank for r in majority)
+    odd, diff = found.odd, found.diff
+    passes = f"{abs(diff)} {verb(abs(diff), 'backward pass', 'backward passes')}"
     message = (
         f"{format_ranks(r.rank for r in odd)} had run {passes} "
-        f"{'more' if diff > 0 else 'fewer'} than {them} by step {step} ({own} against "
-        f"{usual}) while {verb(len(odd), 'its', 'their')} steps still pair up with theirs: "
-        "its gradients are accumulated or averaged over other micro-batches than the others', "
-        "and nothing fails"
+        f"{'more' if diff > 0 else 'fewer'} than {format_ranks(r.rank for r in found.majority)} "
+        f"by step {found.step} ({found.own} against {found.usual}) while "
+        f"{verb(len(odd), 'its', 'their')} steps still pair up with theirs: its gradients are "
+        "accumulated or averaged over other micro-batches than the others', and nothing fails"
     )
     hint = (
-        f"rank {first.rank} accumulates another number of micro-batches per step (its no_sync "
+        f"rank {odd[0].rank} accumulates another number of micro-batches per step (its no_sync "
         "loop) or skipped an optimizer step after a backward (an exception caught, a check of "
         "its own loss): give every rank the same accumulation, and skip on every rank "
         "together (all_reduce a skip flag) or not at all"
     )
-    return [
-        alert(
-            AlertKind.STEP_SKEW,
-            Severity.ERROR,
-            [r.rank for r in odd],
-            [r.rank for r in majority],
-            message,
-            hint,
-        )
-    ]
+    return [odd_alert(AlertKind.STEP_SKEW, found, message, hint)]
 
 
 SETTLED_BEATS = 10

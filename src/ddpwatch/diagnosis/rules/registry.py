@@ -10,6 +10,7 @@ from typing import Literal, Protocol
 from ddpwatch.core.vocabulary import ALERT_KINDS, Severity
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.facts import Facts
+from ddpwatch.diagnosis.facts.mismatch import OddMark
 from ddpwatch.server.state import ServerState
 
 Cadence = Literal["tick", "change", "slow"]
@@ -82,3 +83,11 @@ def alert(
         phase=phase,
         lost_share=lost_share,
     )
+
+
+def odd_alert(kind: str, found: OddMark, message: str, hint: str) -> Alert:
+    """The error for ranks whose count at a marked step differs from a strict majority's
+    (``odd_at_mark``): they are the culprits, the majority the ranks they put out of step."""
+    culprits = [r.rank for r in found.odd]
+    return alert(kind, Severity.ERROR, culprits, [r.rank for r in found.majority], message, hint)
+
