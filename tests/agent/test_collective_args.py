@@ -107,7 +107,7 @@ def steps(progress: Progress, count: int, body: Any) -> None:
 def test_each_window_keeps_its_calls_and_the_digest_compares_them(wrapped: Progress) -> None:
     progress = wrapped
     reader = CallDigests(progress)
-    assert reader.read() == (None, None)  # no collective yet: nothing sent
+    assert reader.read() == (None, None, None)  # no collective yet: nothing sent
 
     def step() -> None:
         dist.all_reduce(torch.ones(4))
@@ -119,7 +119,7 @@ def test_each_window_keeps_its_calls_and_the_digest_compares_them(wrapped: Progr
         (16, 16, 16),
     ]
     assert progress.calls == [] and progress.window_start == 32
-    digests, window = reader.read()
+    digests, window, earlier = reader.read()
     assert digests is not None and [s for s, _ in digests] == [8, 16]
     assert digests[0][1] != digests[1][1]  # each window starts at another count
     assert window is not None and window.step == 16
@@ -127,7 +127,17 @@ def test_each_window_keeps_its_calls_and_the_digest_compares_them(wrapped: Progr
         CallSeen(seq=17, op="all_reduce", dtype="float32", numel=4, reduce_op="sum"),
         CallSeen(seq=18, op="broadcast", dtype="float32", numel=6, root=0),
     ]
-    assert reader.read() == (digests, window)  # worked out once, read again
+    # two marks since the last read: the one before the latest is described too
+    assert earlier is not None and [w.step for w in earlier] == [8]
+    assert earlier[0].calls[0] == CallSeen(
+        seq=1, op="all_reduce", dtype="float32", numel=4, reduce_op="sum"
+    )
+    # worked out once, read again; the earlier windows only once
+    assert reader.read() == (digests, window, None)
+    steps(progress, 3 * MARK_EVERY, step)
+    _, window, earlier = reader.read()
+    assert window is not None and window.step == 40
+    assert earlier is not None and [w.step for w in earlier] == [24, 32]
 
 
 def window_digest(body: Any) -> int:
@@ -140,7 +150,7 @@ def window_digest(body: Any) -> int:
         steps(progress, 2 * MARK_EVERY, body)
     finally:
         wrappers.restore(dist)
-    digests, _ = CallDigests(progress).read()
+    digests, _, _ = CallDigests(progress).read()
     assert digests is not None
     return digests[-1][1]
 

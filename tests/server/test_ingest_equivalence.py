@@ -784,3 +784,22 @@ def test_call_digests_and_windows_are_kept_like_the_marks() -> None:
     record = state.ranks[0]
     assert record.call_digests == {8 * (k + 1): k + 1 for k in range(6)}
     assert record.call_windows == {step: [call] for step in (24, 32, 40, 48)}
+
+
+def test_the_windows_closed_between_two_heartbeats_are_kept_too() -> None:
+    """A step faster than heartbeats closes several windows between two: ``earlier`` tells
+    each one, so two ranks' descriptions meet at the mark where their digests first differ;
+    once folded they are not kept on the counts."""
+    state = ServerState(started=0.0)
+    call = CallSeen(seq=9, op="all_reduce", dtype="float32", numel=1, reduce_op="max")
+    counts = CollectiveCounts(
+        py=24,
+        marks=[(8, 8), (16, 16), (24, 24)],
+        digests=[(8, 1), (16, 2), (24, 3)],
+        window=CallWindow(step=24, calls=[call]),
+        earlier=[CallWindow(step=8, calls=[call]), CallWindow(step=16, calls=[call])],
+    )
+    state.apply(beat(step=24, collectives=counts), 1.0)
+    record = state.ranks[0]
+    assert record.call_windows == {8: [call], 16: [call], 24: [call]}
+    assert record.collectives is not None and record.collectives.earlier is None

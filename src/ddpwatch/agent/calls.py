@@ -23,6 +23,10 @@ from ddpwatch.core.protocol import CallSeen, CallWindow
 
 WINDOW_KINDS = 8
 """Distinct calls described for the latest window: most loops make a handful a step."""
+EARLIER_SENT = 3
+"""Windows closed before the latest that one heartbeat describes at most (the server keeps
+the latest four): a step faster than a heartbeat's eighth closes more, and the marks the
+ranks first differ at are the latest they share."""
 UNSIZED = frozenset({"all_gather", "all_to_all", "all_to_all_single"})
 """Collectives whose ranks may pass tensors of different sizes (torch allows uneven all_gather
 and split sizes): their element count is left out of digests and descriptions."""
@@ -41,16 +45,23 @@ class CallDigests:
         self._done: dict[tuple[int, int], tuple[int, CallWindow]] = {}
         """By (step, start count): each closed window's digest and description."""
         self._dtypes: dict[Any, str | None] = {}
+        self._read_up_to = -1
+        """The step of the latest window the previous ``read`` returned."""
 
-    def read(self) -> tuple[list[tuple[int, int]] | None, CallWindow | None]:
-        """(step, digest) for the windows still kept, and the latest window's calls; (None,
+    def read(
+        self,
+    ) -> tuple[list[tuple[int, int]] | None, CallWindow | None, list[CallWindow] | None]:
+        """(step, digest) for the windows still kept, the latest window's calls, and those of
+        the windows closed since the previous read before the latest (oldest first; None for
+        none): at more than one mark a heartbeat, the server is told every window, so the
+        ranks' descriptions meet at the mark where their digests first differ. (None, None,
         None) while the rank made no Python-level collective on the default group."""
         progress = self._progress
         if not progress.collective_seq:
-            return None, None  # nothing to compare (DDP's own all-reduce runs in C++)
+            return None, None, None  # nothing to compare (DDP's own all-reduce runs in C++)
         windows = list(progress.windows)
         if not windows:
-            return None, None
+            return None, None, None
         done = self._done
         digests = []
         for step, start, calls in windows:
@@ -64,7 +75,13 @@ class CallDigests:
                 del done[key]
         step, start, _ = windows[-1]
         latest = done[step, start][1]
-        return digests, latest if latest.calls else None
+        earlier = [
+            described
+            for s, begun, _ in windows[:-1]
+            if s > self._read_up_to and (described := done[s, begun][1]).calls
+        ]
+        self._read_up_to = step
+        return digests, latest if latest.calls else None, earlier[-EARLIER_SENT:] or None
 
     def call(self, seq: int) -> CallSeen | None:
         """The default-group call numbered ``seq``, if still kept: in this window's calls,

@@ -446,13 +446,14 @@ class Watcher:
         collective = self._in_flight(collective)
         counts = None
         if self._dist_ready:
-            digests, window = self._calls.read()
+            digests, window, earlier = self._calls.read()
             counts = CollectiveCounts(
                 py=progress.collective_seq,
                 fr=enqueued,
                 marks=list(progress.marks) or None,
                 digests=digests,
                 window=window,
+                earlier=earlier,
             )
         identity = {**self._identity_fields(), **device.as_fields()}
         # the step before the loss: a step's loss is in the ring before its count moves

@@ -98,6 +98,9 @@ class CollectiveCounts(msgspec.Struct, omit_defaults=True, gc=False):
     ranks that make the same number of calls with other arguments show it too."""
     window: CallWindow | None = None
     """The distinct calls of the latest window: what differs, where digests do."""
+    earlier: list[CallWindow] | None = None
+    """The windows closed since the previous heartbeat before the latest, oldest first: a
+    step faster than heartbeats closes several between two, and ranks describe each."""
 
 
 MARK_EVERY = 8

@@ -437,7 +437,7 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
                 counts = replace(counts, marks=before.marks)
             else:
                 _keep_marks(record.step_marks, marks)
-        if counts.digests is not None or counts.window is not None:
+        if counts.digests is not None or counts.window is not None or counts.earlier:
             counts = _keep_calls(record, before, counts)
     record.collectives = counts
     record.grad_nan_step = sample.grad_nan_step
@@ -543,22 +543,27 @@ def _keep_marks(kept: dict[int, int], marks: list[tuple[int, int]]) -> None:
 def _keep_calls(
     record: RankRecord, before: CollectiveCounts | None, counts: CollectiveCounts
 ) -> CollectiveCounts:
-    """Fold a heartbeat's call digests and latest window into the record's (as the step marks:
-    what repeats the last heartbeat's is not stored again)."""
-    digests, window = counts.digests, counts.window
+    """Fold a heartbeat's call digests and windows into the record's (as the step marks:
+    what repeats the last heartbeat's is not stored again; the earlier windows, once folded,
+    are not kept on the counts)."""
+    digests, window, earlier = counts.digests, counts.window, counts.earlier
     if digests:
         if before is not None and before.digests == digests:
             counts = replace(counts, digests=before.digests)
         else:
             _keep_marks(record.call_digests, digests)
+    windows = record.call_windows
+    if earlier:
+        for told in earlier:
+            windows[told.step] = told.calls
+        counts = replace(counts, earlier=None)
     if window is not None:
         if before is not None and before.window == window:
             counts = replace(counts, window=before.window)
         else:
-            windows = record.call_windows
             windows[window.step] = window.calls
-            while len(windows) > WINDOWS_KEPT:
-                del windows[min(windows)]
+    while len(windows) > WINDOWS_KEPT:
+        del windows[min(windows)]
     return counts
 
 
