@@ -191,6 +191,12 @@ MODES: dict[str, Mode] = {
             {"collective_mismatch"},  # a tie in flight, broken by the rank that got past it
             _GH + "pytorch/pytorch/issues/39706",
         ),
+        _mode(
+            "metric-dtype",
+            {1},
+            {"collective_mismatch"},  # gloo aborts a rank it reaches: a victim
+            _GH + "pytorch/pytorch/issues/150248",
+        ),
         _mode("healthy-broadcast", set(), set(), "", watch_s=60.0),
         _mode(
             "accumulate-uneven",

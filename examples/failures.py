@@ -125,6 +125,12 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     # each sending to a rank that does not receive, while rank 1, which rank 0 reached, goes
     # on to the next all-reduce and waits there
     "broadcast-src": (2, 20),
+    # PyTorch #150248's family (https://github.com/pytorch/pytorch/issues/150248: all_reduce
+    # of tensors whose dtype differs between ranks): from ``--at`` on, the faulty rank
+    # all-reduces its logged metric in float64 where the others use float32; gloo aborts a
+    # rank from C++ ("Received data size doesn't match expected size", SIGABRT), too fast for
+    # a heartbeat to tell how it called it
+    "metric-dtype": (1, 20),
     # healthy: the same broadcast with src=1 on every rank (a root other than 0 is no fault)
     "healthy-broadcast": (1, 0),
     # FunASR PR #3472: DDP's no_sync() and gradient accumulation out of line, rank-local
@@ -527,11 +533,14 @@ def all_reduce_metric(
     args: argparse.Namespace, faulty: bool, step: int, metric: torch.Tensor
 ) -> None:
     """The logged loss, summed over ranks, as logs do; ``reduce-op``'s faulty rank takes the
-    maximum instead from ``--at`` on."""
+    maximum instead from ``--at`` on, ``metric-dtype``'s sums it in float64."""
     if faulty and args.mode == "reduce-op" and step >= args.at:
         if step == args.at:
             fault_line(dist.get_rank())
         dist.all_reduce(metric, op=dist.ReduceOp.MAX)
+    elif faulty and args.mode == "metric-dtype" and step >= args.at:
+        fault_line(dist.get_rank())
+        dist.all_reduce(metric.double())
     else:
         dist.all_reduce(metric)
 

@@ -67,6 +67,7 @@ IDENTITY: dict[str, Any] = {
     "script_hash": "9f2c4e1a7b3d5f60",
     "cuda_version": "12.8",
     "nccl_version": "2.27.3",
+    "box": "3-4242-0123456789abcdef.box",
 }
 
 FULL_HELLO = Hello(v=1, rank=3, t=1_700_000_000.0, **IDENTITY)

@@ -225,3 +225,21 @@ def test_a_straggler_moving_to_another_rank_is_another_episode() -> None:
         ("cleared", (1,), 1),
         ("raised", (2,), 2),
     ]
+
+
+def test_a_mismatch_that_names_its_culprit_once_a_dead_ranks_call_is_known_is_one_episode() -> None:
+    """A tie ("rank 0's call is not known, so which side is odd cannot be told") becomes an
+    alert naming rank 1 once rank 0's black box is read: updated in place, the first raise
+    kept. A mismatch between other ranks, found in the same tick, is an episode of its own."""
+    tracker = instant()
+    tie = Alert("collective_mismatch", "error", (), (1, 2), "which side cannot be told", "")
+    named = Alert("collective_mismatch", "error", (1,), (0, 2), "rank 1 called", "")
+    elsewhere = Alert("collective_mismatch", "error", (4,), (5,), "rank 4 called", "")
+    (raised,) = tracker.update([tie], T0 + 1.0, T0)
+    changes = tracker.update([named, elsewhere], T0 + 2.0, T0)
+    assert sorted((c.event, c.alert.ranks) for c in changes) == [
+        ("raised", (4,)),
+        ("updated", (1,)),
+    ]
+    updated = next(c for c in changes if c.event == "updated")
+    assert updated.episode == raised.episode

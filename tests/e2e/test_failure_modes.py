@@ -264,6 +264,23 @@ def test_an_all_reduce_with_another_reduce_op_on_one_rank_is_named_while_gloo_ru
     assert "ranks 0, 1 called all_reduce op=sum" in scored.first.message, describe(result)
 
 
+def test_a_rank_gloo_aborts_from_cpp_still_says_how_it_called_the_collective() -> None:
+    """PyTorch #150248's family (https://github.com/pytorch/pytorch/issues/150248: an
+    all_reduce whose dtype differs between ranks): from step 20 rank 1 all-reduces its metric
+    in float64. gloo aborts the rank that receives its data from C++ (SIGABRT: "Received data
+    size doesn't match expected size"), within microseconds, before any heartbeat: its black
+    box, read on this host, says it was in all_reduce #20 with float32, so rank 1 is the odd
+    one, named live and in the verdict, and the aborted rank is a victim."""
+    result = assert_blames_only_the_culprit("metric-dtype")
+    scored = score(result, MODES["metric-dtype"])
+    assert scored.first is not None, describe(result)
+    assert "rank 1 called all_reduce with 1 element (float64)" in scored.first.message
+    assert "called all_reduce with 1 element (float32)" in scored.first.message
+    assert scored.verdict_right, describe(result)
+    aborted = [r for r in result.ranks if r.get("exit_signal") == "SIGABRT"]
+    assert aborted, describe(result)  # the victim's own end, from its box
+
+
 def test_a_broadcast_from_its_own_rank_on_one_rank_is_named_while_the_others_hang() -> None:
     """PyTorch #39706's family (https://github.com/pytorch/pytorch/issues/39706: a root that
     differs on one rank): from step 20 rank 2 broadcasts with src=rank. Under gloo rank 0 and

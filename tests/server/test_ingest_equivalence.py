@@ -87,6 +87,7 @@ LAUNCH_FIELDS = (
     "script_hash",
     "cuda_version",
     "nccl_version",
+    "box",
 )
 
 

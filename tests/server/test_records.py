@@ -65,6 +65,7 @@ def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
         "script_hash": "9f2c4e1a7b3d5f60",
         "cuda_version": "12.8",
         "nccl_version": "2.27.3",
+        "box": "2-4242-0123456789abcdef.box",
     }
     measured: dict[str, Any] = {
         "phase": "forward",

@@ -102,10 +102,10 @@ class CallDigests:
                     found = calls[seq - start - 1]
         if found is None:
             return None
-        op, dtype, numel, reduce_op, root = self._call(found)
+        op, dtype, numel, reduce_op, root = self.words(found)
         return CallSeen(seq=seq, op=op, dtype=dtype, numel=numel, reduce_op=reduce_op, root=root)
 
-    def _call(self, raw: tuple[Any, ...]) -> Call:
+    def words(self, raw: tuple[Any, ...]) -> Call:
         """A call as kept on the training thread, in the terms that compare across ranks."""
         op, dtype, numel, reduce_op, root = raw
         return (
@@ -122,7 +122,7 @@ class CallDigests:
         digest = zlib.crc32(str(start).encode())
         seen: dict[Call, int] = {}
         for index, kept in enumerate(raw):
-            call = self._call(kept)
+            call = self.words(kept)
             digest = zlib.crc32(repr(call).encode(), digest)
             if call not in seen and len(seen) < WINDOW_KINDS:
                 seen[call] = start + index + 1

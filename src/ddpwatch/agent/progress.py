@@ -1,7 +1,8 @@
 """What the training thread records and the publisher thread reads.
 
-The training thread only assigns attributes and reads ``perf_counter``: no
-locks, no I/O, no device synchronisation. Single attribute writes are atomic
+The training thread only assigns attributes and reads ``perf_counter`` (and, at a
+collective, stores into the black box's memory mapping): no locks, no system calls, no
+device synchronisation. Single attribute writes are atomic
 under the GIL, and the publisher tolerates reading a step that is half-updated
 (it reports it on the next heartbeat).
 """
@@ -13,12 +14,15 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from ddpwatch.agent.grads import GradCheck
 from ddpwatch.agent.loss import LossReader
 from ddpwatch.core.protocol import MARK_EVERY, Collective
 from ddpwatch.core.vocabulary import CollectiveSource, Phase
+
+if TYPE_CHECKING:
+    from ddpwatch.agent.blackbox import BlackBox
 
 EMA_WEIGHT = 0.1
 MARKS_KEPT = 16  # 128 steps of marks between two heartbeats: enough for 4 ms steps
@@ -79,6 +83,9 @@ class Progress:
         element count, reduce op, root) as given: digested by the publisher once the window is
         closed (``windows``); a single call is read back earlier, by its number, through
         ``window`` (``CallDigests.call``: a call, once made, never changes)."""
+        # where each collective entered is also written, to outlive the process: a memory
+        # store into a shared file mapping (``agent/blackbox.py``)
+        self.box: BlackBox | None = None
         self.window_start = 0  # ``collective_seq`` when the window opened
         self.window: tuple[int, list[tuple[str, Any, Any, Any, Any]]] = (0, self.calls)
         """(``window_start``, ``calls``) as one, for the publisher: set in one assignment."""
@@ -265,9 +272,11 @@ class Progress:
         read now (the tensor is not kept past the call): one tuple and one append."""
         self.collective_depth += 1
         if self.collective_depth == 1:
+            box = self.box
             if counted:
                 seq = self.collective_seq = self.collective_seq + 1
-                if seq - self.window_start <= WINDOW_CALLS:
+                kept = seq - self.window_start <= WINDOW_CALLS
+                if kept or box is not None:
                     if tensor is None:  # barrier, *_object: no dtype or size
                         call = (op, None, None, reduce_op, root)
                     else:
@@ -275,7 +284,12 @@ class Progress:
                             call = (op, tensor.dtype, tensor.numel(), reduce_op, root)
                         except Exception:  # not a tensor (raising costs: only here)
                             call = (op, None, None, reduce_op, root)
-                    self.calls.append(call)
+                    if kept:
+                        self.calls.append(call)
+                    if box is not None:
+                        box.enter(seq, call, self.step, self.phase)
+            elif box is not None:
+                box.enter(0, (op, None, None, reduce_op, root), self.step, self.phase)
             self.collective_counted = counted
             self.collective_op = op
             self.collective_tensor = tensor
@@ -313,6 +327,8 @@ class Progress:
             self.failed_collective = self.in_flight()
         self.collective_depth -= 1
         if self.collective_depth == 0:
+            if self.box is not None:
+                self.box.leave()
             self.collective_time_step += time.perf_counter() - self.collective_start
             self.collective_op = None
             self.collective_tensor = None

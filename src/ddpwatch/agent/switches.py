@@ -27,6 +27,8 @@ PARTS: dict[str, str] = {
     "hostmem": "host memory from /proc and the memory cgroup, every heartbeat (agent/hostmem.py)",
     "collectives": "the wrappers of torch.distributed's Python-level collectives "
     "(agent/collectives.py)",
+    "box": "the black box: the last collective entered, and a fatal signal's stacks, kept in "
+    "a file that outlives the rank (agent/blackbox.py)",
     "publisher": "the publisher thread (agent/publisher.py): off, the rank reports nothing; "
     "for measuring the others' cost",
 }

@@ -15,6 +15,7 @@ from typing import Any
 
 from ddpwatch.agent import early, hostmem, registry, switches
 from ddpwatch.agent.auto import after_import
+from ddpwatch.agent.blackbox import BlackBox
 from ddpwatch.agent.calls import CallDigests
 from ddpwatch.agent.collectives import (
     CollectiveWrappers,
@@ -128,6 +129,7 @@ class Watcher:
         if self.probes.on("publisher"):
             self.publisher.start()
         early.hand_over()  # the early hello's sender (boot hook) stops: this one beats now
+        self._open_box()
         if self.identity.rank is not None:
             self.publisher.publish(
                 Hello(v=PROTOCOL_VERSION, rank=self.rank, t=time.time(), **self._identity_fields())
@@ -150,6 +152,7 @@ class Watcher:
             self._wrappers.restore(self._dist)
         if os.getpid() == self._pid:
             self.publisher.stop()
+            self._close_box()
 
     def add_model(self, model: Any) -> None:
         """Hook a module (forward hooks), or a framework object an integration knows."""
@@ -353,6 +356,7 @@ class Watcher:
         try:
             self.identity = refresh_from_torch(self.identity)
             self._dist_ready = True
+            self._open_box()
             self._flight_recorder = FlightRecorder()
             if self.in_startup:
                 self._enter_phase(Phase.SETUP)
@@ -363,7 +367,23 @@ class Watcher:
     def _identity_fields(self) -> dict[str, Any]:
         fields = self.identity.as_fields()
         fields["pid"] = os.getpid()
+        box = self.progress.box
+        if box is not None:
+            fields["box"] = box.name
         return fields
+
+    def _open_box(self) -> None:
+        """The black box, once this process knows its rank (``agent/blackbox.py``)."""
+        if self.progress.box is not None or self.identity.rank is None:
+            return
+        if not self.probes.on("box") or os.getpid() != self._pid:
+            return
+        self.progress.box = BlackBox.open(self.identity.rank, self._calls.words)
+
+    def _close_box(self) -> None:
+        box, self.progress.box = self.progress.box, None
+        if box is not None:
+            box.close()
 
     def _identity_due(self, identity: dict[str, Any]) -> bool:
         """Whether this beat repeats the identity (see ``IDENTITY_EVERY``)."""
@@ -615,6 +635,7 @@ class Watcher:
             )
         )
         self.publisher.stop(CRASH_FLUSH_S)
+        self._close_box()  # it said how it ended: nothing for a reader to find
 
 
 def main_thread_stack(thread_id: int | None) -> str | None:

@@ -156,6 +156,9 @@ class Identity(Message):
     script_hash: str | None = None  # the first 16 hex digits of its SHA-256
     cuda_version: str | None = None  # torch.version.cuda
     nccl_version: str | None = None  # the NCCL torch loaded (nccl ranks only)
+    box: str | None = None
+    """The file name of the rank's black box (``agent/blackbox.py``): what a ddpwatch process
+    on its host reads once the rank is late, to learn how it died."""
 
 
 IDENTITY_FIELDS = tuple(n for n in Identity.__struct_fields__ if n not in ("v", "rank", "t"))

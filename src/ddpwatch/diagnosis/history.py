@@ -138,14 +138,25 @@ JOB_WIDE: frozenset[str] = frozenset(
 up it is one episode, whichever ranks it names from tick to tick."""
 
 
+TIES: frozenset[str] = frozenset({AlertKind.COLLECTIVE_MISMATCH})
+"""Kinds whose alert may name no culprit at first (a tie: which side is odd cannot be told
+while a rank's call is not known) and one once the evidence comes (a dead rank's black box):
+the same episode, updated."""
+
+
 def _overlap(a: Alert, b: Alert) -> int:
     """How alike two alerts of one kind are: their culprits in common, or 1 for two with no
-    culprit or of a ``JOB_WIDE`` kind; 0 for unrelated ones."""
+    culprit or of a ``JOB_WIDE`` kind, or for two of a ``TIES`` kind, one with none and one
+    with some, that speak of a rank in common; 0 for unrelated ones."""
     if a.kind != b.kind:
         return 0
     common = len(set(a.ranks) & set(b.ranks))
     if common == 0 and (a.kind in JOB_WIDE or (not a.ranks and not b.ranks)):
         return 1
+    if common == 0 and a.kind in TIES and (not a.ranks or not b.ranks):
+        # one names no culprit yet (a tie: a rank's call not known), the other does now:
+        # the same episode where the ranks they speak of meet
+        return 1 if set(a.ranks + a.waiting) & set(b.ranks + b.waiting) else 0
     return common
 
 

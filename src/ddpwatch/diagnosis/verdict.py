@@ -263,7 +263,8 @@ def _held_until_timeout(
 def _mismatch_ended(outcomes: dict[int, Outcome], found: Sequence[Episode]) -> Outcome | None:
     """A collective mismatch error named one rank, and every failure after it was a victim's:
     a rank gloo aborted from C++ (SIGABRT: it reports nothing, it fell silent) or one that
-    lost its peers. The culprit itself was then stopped by the launcher, or failed only as a
+    lost its peers, or one killed by SIGABRT (its black box, read on its host, says so). The
+    culprit itself was then stopped by the launcher, or failed only as a
     victim: the mismatch ended the job, not the silent rank (Lightning #7773 with 4 ranks:
     whether the odd rank's own socket broke before torchrun's SIGTERM is a race, and when it
     did not, the verdict named its aborted neighbour, 1 run in 2)."""
@@ -281,9 +282,15 @@ def _mismatch_ended(outcomes: dict[int, Outcome], found: Sequence[Episode]) -> O
     if own.failed and not own.waited:
         return None  # a failure of its own: the general order tells it
     victims = [o for o in outcomes.values() if o.failed and o.rank != own.rank]
-    if not victims or not all(o.word == "silent" or o.waited for o in victims):
+    if not victims or not all(o.word == "silent" or o.waited or _aborted(o) for o in victims):
         return None
     return Outcome(own.rank, "mismatched", True, own.ended_at, _DID[AlertKind.COLLECTIVE_MISMATCH])
+
+
+def _aborted(o: Outcome) -> bool:
+    """Killed by SIGABRT: how gloo ends, from C++, the rank a mismatched collective's data
+    reaches (its black box told the server, where it would otherwise have fallen silent)."""
+    return o.word == "killed" and o.text.endswith("SIGABRT")
 
 
 def _failed_after(own: Outcome, victims_ended: float | None) -> bool:

@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from ddpwatch.core.protocol import encode
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.history import AlertChange
+from ddpwatch.server.boxes import BoxReader
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.engine import TICK_S, Engine, OnEngine
 from ddpwatch.server.state import ServerState
@@ -93,6 +95,7 @@ class Server(OnEngine):
             curve=curve,
             query=self.engine.query_json,
         )
+        self.boxes = BoxReader()
         self.recorder: Recorder | None = None
         if record is not None:
             try:
@@ -141,6 +144,7 @@ class Server(OnEngine):
         self._check_runner()
         with self.lock:
             now = self.clock()
+            self._read_boxes(now)
             changes = self.engine.tick(now)
             if self.recorder is not None:
                 # replay runs diagnosis at exactly these times, on the same horizon
@@ -151,6 +155,15 @@ class Server(OnEngine):
             for change in changes:
                 self._on_change(change)
         return changes
+
+    def _read_boxes(self, now: float) -> None:
+        """The exits this host's late ranks could not send, from their black boxes
+        (``server/boxes.py``): taken in, and recorded, as if they had sent them."""
+        late_s = 2 * self.thresholds.interval
+        for event, died in self.boxes.due(self.state.ranks.values(), now, late_s):
+            if self.recorder is not None:
+                self.recorder.frame(died, encode(event))
+            self.state.apply(event, died)
 
     def end_job(self, job_end: JobEnd) -> None:
         """Say how the job ended, as the ``ddpwatch run`` that launched it saw it: in the

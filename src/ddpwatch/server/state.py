@@ -514,15 +514,21 @@ def _apply_event(record: RankRecord, event: Event, now: float) -> None:
         if event.stack:
             record.stack = event.stack
     elif kind == EventKind.EXIT:
-        record.exit_time = now
-        record.exit_code = event.exit_code
-        record.exit_signal = event.signal
-        _stop_timing(record, event.collective)
+        _take_exit(record, event, now)
     elif kind == EventKind.LOG and event.text:
         record.log_tail.extend(event.text.splitlines()[-LOG_LINES:])
     elif kind == EventKind.CHECKPOINT and event.path:
         record.checkpoint_paths.append(event.path)
         del record.checkpoint_paths[:-16]
+
+
+def _take_exit(record: RankRecord, event: Event, now: float) -> None:
+    record.exit_time = now
+    record.exit_code = event.exit_code
+    record.exit_signal = event.signal
+    _stop_timing(record, event.collective)
+    if event.stack:  # where a fatal signal found it (its black box: ``server/boxes.py``)
+        record.stack = event.stack
 
 
 def _take_stack(record: RankRecord, stack: str | None, now: float) -> None:

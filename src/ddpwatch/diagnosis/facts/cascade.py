@@ -199,6 +199,10 @@ def _classify_ranks(facts: Evidence) -> _Buckets:
             _classify_crash(facts, buckets, record, record.error, record.rank in in_mismatch)
         elif is_term_exit(record):
             buckets.stopped.append(record)
+        elif record.exit_signal is not None and record.rank in in_mismatch:
+            # killed inside the mismatched collective (its black box says which): gloo
+            # aborts the rank that receives the odd rank's data, and that one itself
+            buckets.mismatched.append(record)
         elif not is_clean_exit(record):
             _group(
                 buckets.primary,

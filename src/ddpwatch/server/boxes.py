@@ -1,0 +1,123 @@
+"""How a rank on this host died when it could not say so: read from its black box.
+
+A rank that a fatal signal ends (gloo aborting it from C++, a segfault) sends nothing more;
+its black box (``agent/blackbox.py``, format in ``core/blackbox.py``) still holds the last
+collective it entered and faulthandler's dump of its threads. The server reads the box of a
+rank on its own host once the rank is late, and, where the box holds a dump, takes it in as
+the exit event the rank would have sent: killed by that signal, inside that collective, at
+that stack. A box without a dump says nothing (the rank is slow, or its process still runs):
+it is read again a second later, and never read once the rank has said how it ended.
+
+Only ranks whose host name is this machine's, and only box names the agent makes, are read:
+a hello cannot point the server at another file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterable
+
+from ddpwatch.core.blackbox import NAME, BoxReading, box_dir, read_box
+from ddpwatch.core.protocol import PROTOCOL_VERSION, Collective, Event
+from ddpwatch.core.vocabulary import CollectiveSource, EventKind
+from ddpwatch.server.records import RankRecord
+
+RETRY_S = 1.0  # how often a late rank's box is read again
+RESCAN_S = 5.0  # how often the ranks on this host are looked for among all the ranks
+
+
+class BoxReader:
+    """Reads the boxes of this host's late ranks (``due``), each until it says something."""
+
+    def __init__(self, directory: str | None = None, host: str | None = None) -> None:
+        self.directory = directory or box_dir()
+        self.host = host if host is not None else _hostname()
+        self._local: list[RankRecord] = []
+        self._scanned_at = -RESCAN_S
+        self._next: dict[tuple[int, str], float] = {}
+        self._done: set[tuple[int, str]] = set()
+
+    def due(
+        self, ranks: Iterable[RankRecord], now: float, late_s: float
+    ) -> list[tuple[Event, float]]:
+        """The exit events the boxes of this host's ranks late by ``late_s`` or more tell,
+        each with when the rank died: when the dump was written, between its last message
+        and ``now`` (``ranks``: every record; this host's are picked out every
+        ``RESCAN_S``)."""
+        if now - self._scanned_at >= RESCAN_S:
+            self._scanned_at = now
+            self._local = [r for r in ranks if r.box is not None and r.host == self.host]
+        events = []
+        for record in self._local:
+            box = record.box
+            if box is None or record.exit_time is not None or record.error is not None:
+                continue
+            if now - record.last_seen < late_s:
+                continue
+            key = (record.rank, box)
+            if key in self._done or self._next.get(key, -1.0) > now:
+                continue
+            self._next[key] = now + RETRY_S
+            reading = self._read(record, box)
+            if reading is not None:
+                self._done.add(key)
+                died = min(now, max(record.last_seen, reading.written_at))
+                events.append((exit_event(reading, record), died))
+        return events
+
+    def _read(self, record: RankRecord, box: str) -> BoxReading | None:
+        key = (record.rank, box)
+        if not NAME.match(box):
+            self._done.add(key)
+            return None
+        path = os.path.join(self.directory, box)
+        reading = read_box(path)
+        if reading is None:
+            if not os.path.exists(path):
+                self._done.add(key)  # removed at a clean exit: its own exit event says it
+            return None
+        if reading.rank != record.rank or (record.pid is not None and reading.pid != record.pid):
+            self._done.add(key)
+            return None
+        if reading.signal is None:
+            return None
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # read: nothing is left for anyone
+        return reading
+
+
+def exit_event(reading: BoxReading, record: RankRecord) -> Event:
+    """The exit event a box with a fatal signal's dump stands for: the signal, the
+    collective the rank was inside (if it was), and its main thread's stack."""
+    collective = None
+    if reading.call is not None and reading.in_call:
+        op, dtype, numel, reduce_op, root = reading.call
+        collective = Collective(
+            op=op,
+            seq=reading.seq or None,
+            source=CollectiveSource.PY,
+            shape=None if numel is None else [numel],
+            dtype=dtype,
+            reduce_op=reduce_op,
+            root=root,
+        )
+    return Event(
+        v=PROTOCOL_VERSION,
+        rank=record.rank,
+        t=record.last_seen,
+        event=EventKind.EXIT,
+        signal=reading.signal,
+        step=reading.step if reading.step is not None else record.step,
+        phase=reading.phase if reading.in_call else None,
+        collective=collective,
+        stack=reading.stack,
+    )
+
+
+def _hostname() -> str | None:
+    try:
+        return socket.gethostname() or None
+    except OSError:
+        return None

@@ -1,0 +1,139 @@
+"""The server reads the black box of a late rank on its own host (``server/boxes.py``): a rank a
+fatal signal ended is taken as exited by it, inside the collective it was in; a box without a
+dump, another host's rank, or a name the agent never makes says nothing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ddpwatch.core.protocol import Hello, Sample
+from ddpwatch.core.vocabulary import CollectiveSource
+from ddpwatch.server.boxes import BoxReader
+from ddpwatch.server.state import ServerState
+
+ABORTS_IN_ALL_REDUCE = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    import torch
+    from ddpwatch.agent.blackbox import BlackBox
+    from ddpwatch.agent.calls import CallDigests
+    from ddpwatch.agent.progress import Progress
+
+    progress = Progress()
+    progress.box = BlackBox.open(1, CallDigests(progress).words, sys.argv[1])
+    print(progress.box.name, os.getpid(), flush=True)
+    for _ in range(19):
+        progress.enter_collective("all_reduce", torch.ones(1))
+        progress.exit_collective()
+        progress.end_step()
+    progress.enter_collective("all_reduce", torch.ones(1))
+    threading.Timer(0.1, os.abort).start()
+    time.sleep(10)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def aborted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, int]:
+    """A folder holding the box of a process that aborted in all_reduce #20, its name and
+    the process's pid (made once: the tests copy it)."""
+    folder = tmp_path_factory.mktemp("boxes")
+    done = subprocess.run(
+        [sys.executable, "-c", ABORTS_IN_ALL_REDUCE, str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == -6, done.stderr
+    name, pid = done.stdout.split()
+    return folder, name, int(pid)
+
+
+def known_rank(state: ServerState, box: str, pid: int, host: str, at: float) -> None:
+    state.apply(Hello(v=1, rank=1, t=at, host=host, pid=pid, box=box), at)
+    state.apply(Sample(v=1, rank=1, t=at, step=17, phase="forward"), at)
+
+
+def copy_of(aborted: tuple[Path, str, int], into: Path) -> tuple[str, int]:
+    folder, name, pid = aborted
+    shutil.copy(folder / name, into / name)
+    return name, pid
+
+
+def test_a_late_rank_killed_by_a_signal_exits_inside_its_collective(
+    aborted: tuple[Path, str, int], tmp_path: Path
+) -> None:
+    name, pid = copy_of(aborted, tmp_path)
+    state = ServerState(started=0.0)
+    known_rank(state, name, pid, "node-a", 10.0)
+    reader = BoxReader(str(tmp_path), host="node-a")
+    assert reader.due(state.ranks.values(), 10.5, late_s=1.0) == []  # not late yet
+    (event, died), = reader.due(state.ranks.values(), 12.0, late_s=1.0)
+    assert 10.0 <= died <= 12.0
+    assert (event.event, event.signal, event.step, event.phase) == ("exit", "SIGABRT", 19, "started")
+    c = event.collective
+    assert c is not None
+    assert (c.op, c.seq, c.source, c.dtype, c.shape) == ("all_reduce", 20, "py", "float32", [1])
+    assert c.source == CollectiveSource.PY
+    assert event.stack is not None and "time.sleep" not in event.stack
+    assert not (tmp_path / name).exists()  # read once: gone
+    state.apply(event, died)
+    record = state.ranks[1]
+    assert record.exit_signal == "SIGABRT" and record.exit_time == died
+    assert record.final_collective is not None and record.final_collective.seq == 20
+    assert record.stack == event.stack
+    assert reader.due(state.ranks.values(), 14.0, late_s=1.0) == []  # said once
+
+
+def test_a_box_says_nothing_of_a_rank_on_another_host(
+    aborted: tuple[Path, str, int], tmp_path: Path
+) -> None:
+    name, pid = copy_of(aborted, tmp_path)
+    state = ServerState(started=0.0)
+    known_rank(state, name, pid, "node-b", 10.0)
+    reader = BoxReader(str(tmp_path), host="node-a")
+    assert reader.due(state.ranks.values(), 20.0, late_s=1.0) == []
+    assert (tmp_path / name).exists()  # not ours to take
+
+
+def test_a_box_of_another_process_or_a_name_not_made_by_the_agent_is_not_read(
+    aborted: tuple[Path, str, int], tmp_path: Path
+) -> None:
+    name, pid = copy_of(aborted, tmp_path)
+    state = ServerState(started=0.0)
+    known_rank(state, name, pid + 1, "node-a", 10.0)  # the rank's process is another one
+    reader = BoxReader(str(tmp_path), host="node-a")
+    assert reader.due(state.ranks.values(), 20.0, late_s=1.0) == []
+    os.rename(tmp_path / name, tmp_path / "passwd")
+    state = ServerState(started=0.0)
+    known_rank(state, "../passwd", pid, "node-a", 10.0)
+    assert BoxReader(str(tmp_path), host="node-a").due(state.ranks.values(), 20.0, 1.0) == []
+
+
+def test_a_box_without_a_dump_is_read_again_until_the_rank_says_how_it_ended(
+    tmp_path: Path,
+) -> None:
+    from ddpwatch.agent.blackbox import BlackBox
+    from ddpwatch.agent.calls import CallDigests
+    from ddpwatch.agent.progress import Progress
+    from ddpwatch.core.protocol import Event
+
+    box = BlackBox.open(1, CallDigests(Progress()).words, str(tmp_path))
+    assert box is not None
+    try:
+        state = ServerState(started=0.0)
+        known_rank(state, box.name, os.getpid(), "node-a", 10.0)
+        reader = BoxReader(str(tmp_path), host="node-a")
+        assert reader.due(state.ranks.values(), 12.0, late_s=1.0) == []  # slow, not dead
+        assert reader.due(state.ranks.values(), 12.5, late_s=1.0) == []  # read once a second
+        state.apply(Event(v=1, rank=1, t=13.0, event="exit", exit_code=0), 13.0)
+        assert reader.due(state.ranks.values(), 20.0, late_s=1.0) == []
+    finally:
+        box.close()
