@@ -306,6 +306,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="the loop makes its own tensors (synthetic data), no DataLoader",
     )
     parser.add_argument(
+        "--odd-dtype",
+        choices=("float64", "float16"),
+        default="float64",
+        help="metric-dtype: the faulty rank's metric dtype (float16: gloo aborts that rank)",
+    )
+    parser.add_argument(
         "--no-metric",
         action="store_true",
         help="skip the loss all-reduce: DDP's gradient all-reduce is the one collective a step",
@@ -540,7 +546,7 @@ def all_reduce_metric(
         dist.all_reduce(metric, op=dist.ReduceOp.MAX)
     elif faulty and args.mode == "metric-dtype" and step >= args.at:
         fault_line(dist.get_rank())
-        dist.all_reduce(metric.double())
+        dist.all_reduce(metric.to(getattr(torch, args.odd_dtype)))
     else:
         dist.all_reduce(metric)
 

@@ -26,7 +26,7 @@ ABORTING = textwrap.dedent(
     from ddpwatch.agent.progress import Progress
 
     progress = Progress()
-    progress.box = BlackBox.open(2, CallDigests(progress).words, sys.argv[1])
+    progress.box = BlackBox.open(2, CallDigests(progress).exact, sys.argv[1])
     print(progress.box.name, flush=True)
     progress.enter_collective("broadcast", torch.ones(3, dtype=torch.float64), root=1)
     progress.exit_collective()

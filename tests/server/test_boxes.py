@@ -27,7 +27,7 @@ ABORTS_IN_ALL_REDUCE = textwrap.dedent(
     from ddpwatch.agent.progress import Progress
 
     progress = Progress()
-    progress.box = BlackBox.open(1, CallDigests(progress).words, sys.argv[1])
+    progress.box = BlackBox.open(1, CallDigests(progress).exact, sys.argv[1])
     print(progress.box.name, os.getpid(), flush=True)
     for _ in range(19):
         progress.enter_collective("all_reduce", torch.ones(1))

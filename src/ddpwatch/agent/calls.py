@@ -116,6 +116,18 @@ class CallDigests:
             root_number(root),
         )
 
+    def exact(self, raw: tuple[Any, ...]) -> Call:
+        """A call in those terms, its element count kept whatever the op: what the rank
+        passed, as a collective in flight says it (the black box's)."""
+        op, dtype, numel, reduce_op, root = raw
+        return (
+            op,
+            self._dtype(dtype),
+            None if numel is None else int(numel),
+            reduce_op_name(op, reduce_op),
+            root_number(root),
+        )
+
     def _digest(self, step: int, start: int, raw: list[Any]) -> tuple[int, CallWindow]:
         """One window: a CRC-32 over its start count and its calls in order (stable across
         processes, unlike ``hash``), and its first ``WINDOW_KINDS`` distinct calls."""

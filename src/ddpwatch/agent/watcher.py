@@ -378,7 +378,7 @@ class Watcher:
             return
         if not self.probes.on("box") or os.getpid() != self._pid:
             return
-        self.progress.box = BlackBox.open(self.identity.rank, self._calls.words)
+        self.progress.box = BlackBox.open(self.identity.rank, self._calls.exact)
 
     def _close_box(self) -> None:
         box, self.progress.box = self.progress.box, None

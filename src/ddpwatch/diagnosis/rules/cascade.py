@@ -7,6 +7,7 @@ from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.cascade import Cascade, Root
+from ddpwatch.diagnosis.facts.mismatch import call_text
 from ddpwatch.diagnosis.facts.ranks import (
     is_clean_exit,
     is_p2p,
@@ -207,9 +208,22 @@ def _exit_alert(first: RankRecord, ranks: list[int], waiting: list[int], after: 
         how = f"exited with code {first.exit_code}"
     else:
         how = "exited normally (code 0)"
+    inside = first.final_collective if first.exit_signal == "SIGABRT" else None
+    if inside is not None:  # its black box: the collective it died in
+        number = f" #{inside.seq}" if inside.seq is not None else ""
+        how += f" inside {call_text(inside)}{number}"
     message = f"{who} {how} {where(first)}, without an exception, while the others still trained"
     message += after
-    if first.exit_signal and first.exit_signal not in ("SIGTERM", "SIGINT"):
+    if inside is not None:
+        hint = (
+            "the backend aborted the process from C++ inside that collective (gloo does when "
+            "a peer's data has another size: a peer made another call, with another tensor, "
+            "or another collective at that point); its last output says why ('Received data "
+            "size doesn't match expected size'), its stack in the detail pane shows the call: "
+            "make every rank call the same collectives in the same order with the same shapes "
+            "and dtypes"
+        )
+    elif first.exit_signal and first.exit_signal not in ("SIGTERM", "SIGINT"):
         hint = (
             f"something killed the process ({first.exit_signal}): the OOM killer (dmesg), a "
             "segfault in native code, or the scheduler; its own log shows the last lines"
