@@ -11,11 +11,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from ddpwatch.core.protocol import Hello, Sample
 from ddpwatch.core.vocabulary import CollectiveSource
-from ddpwatch.server.boxes import BoxReader
+from ddpwatch.server.boxes import BackendAbort, BoxReader
 from ddpwatch.server.state import ServerState
 
 ABORTS_IN_ALL_REDUCE = textwrap.dedent(
@@ -137,3 +138,66 @@ def test_a_box_without_a_dump_is_read_again_until_the_rank_says_how_it_ended(
         assert reader.due(state.ranks.values(), 20.0, late_s=1.0) == []
     finally:
         box.close()
+
+
+def two_aborted(
+    aborted: tuple[Path, str, int], into: Path
+) -> tuple[ServerState, BoxReader]:
+    """Ranks 1 and 3 on this host, both dead of SIGABRT (one box copied under two names)."""
+    folder, name, pid = aborted
+    state = ServerState(started=0.0)
+    for rank in (1, 3):
+        copied = f"{rank}-{pid}-{'0' * 16}.box"
+        data = bytearray((folder / name).read_bytes())
+        header = len(b"DDPWBOX1")  # the header's rank: rewritten for rank 3
+        said = msgspec.msgpack.encode([pid, rank, 0])
+        data[header] = len(said)
+        data[header + 1 : header + 1 + len(said)] = said
+        (into / copied).write_bytes(bytes(data))
+        state.apply(Hello(v=1, rank=rank, t=10.0, host="node-a", pid=pid, box=copied), 10.0)
+    return state, BoxReader(str(into), host="node-a")
+
+
+def test_the_backends_words_go_to_the_rank_that_aborted_when_they_can_be_told_apart(
+    aborted: tuple[Path, str, int], tmp_path: Path
+) -> None:
+    name, pid = copy_of(aborted, tmp_path)
+    state = ServerState(started=0.0)
+    known_rank(state, name, pid, "node-a", 10.0)
+    reader = BoxReader(str(tmp_path), host="node-a")
+    gloo = BackendAbort(11.0, "gloo::EnforceNotMet", "Received data size doesn't match")
+    reader.note_abort(BackendAbort(-100.0, "std::bad_alloc", "long before"))  # not this death
+    reader.note_abort(gloo)
+    (crash, died), (exit_, _) = reader.due(state.ranks.values(), 12.0, late_s=1.0)
+    assert crash.event == "crash" and exit_.event == "exit"
+    assert crash.error is not None
+    assert (crash.error.type, crash.error.message) == (gloo.type, gloo.message)
+    state.apply(crash, died)
+    state.apply(exit_, died)
+    record = state.ranks[1]
+    assert record.error is not None and record.error.type == "gloo::EnforceNotMet"
+    assert record.exit_signal == "SIGABRT"
+
+
+def test_two_ranks_aborted_at_once_get_a_message_only_where_it_says_whose(
+    aborted: tuple[Path, str, int], tmp_path: Path
+) -> None:
+    state, reader = two_aborted(aborted, tmp_path)
+    reader.note_abort(BackendAbort(11.0, "gloo::EnforceNotMet", "8 vs 4"))
+    reader.note_abort(BackendAbort(11.0, "gloo::EnforceNotMet", "16 vs 4"))
+    events = reader.due(state.ranks.values(), 12.0, late_s=1.0)
+    assert sorted(e.event for e, _ in events) == ["exit", "exit"]  # which is whose: not told
+
+    state, reader = two_aborted(aborted, tmp_path)
+    reader.note_abort(BackendAbort(11.0, "c10::DistBackendError", "[Rank 3] watchdog", rank=3))
+    reader.note_abort(BackendAbort(11.0, "gloo::EnforceNotMet", "8 vs 4"))
+    events = reader.due(state.ranks.values(), 12.0, late_s=1.0)
+    crashes = {e.rank: e.error.type for e, _ in events if e.error is not None}
+    assert crashes == {3: "c10::DistBackendError", 1: "gloo::EnforceNotMet"}
+
+    state, reader = two_aborted(aborted, tmp_path)
+    same = BackendAbort(11.0, "gloo::EnforceNotMet", "8 vs 4")
+    reader.note_abort(same)
+    reader.note_abort(same)  # word for word the same: each one's
+    events = reader.due(state.ranks.values(), 12.0, late_s=1.0)
+    assert sorted(e.rank for e, _ in events if e.error is not None) == [1, 3]

@@ -72,6 +72,7 @@ class Outcome:
     ended_at: float | None
     text: str  # "crashed with RuntimeError (boom)", "exited with code 3", ...
     waited: bool = False  # its error only says it waited for, or lost, another rank
+    mismatched: bool = False  # its error says a collective's calls did not match
 
 
 def outcome(rank: RankEntry) -> Outcome:
@@ -84,7 +85,10 @@ def outcome(rank: RankEntry) -> Outcome:
         message = " ".join(error.message.split())
         if message:
             text += f" ({message[:120]}{'…' if len(message) > 120 else ''})"
-        return Outcome(number, "crashed", True, ended_at, text, _only_waited(error))
+        found = explain_error(ErrorInfo(error.type, error.message, error.traceback))
+        waited = found is not None and (found.peer_failure or found.name in WAIT_NAMES)
+        mismatched = found is not None and found.family == AlertKind.COLLECTIVE_MISMATCH
+        return Outcome(number, "crashed", True, ended_at, text, waited, mismatched)
     if state == RankState.STOPPED:
         how = signal or (f"code {code}" if code is not None else "a signal")
         return Outcome(number, "stopped", False, ended_at, f"was stopped ({how})")
@@ -99,13 +103,6 @@ def outcome(rank: RankEntry) -> Outcome:
     if state == RankState.NOT_CONNECTED:
         return Outcome(number, "absent", False, None, "never reported")
     return Outcome(number, "running", False, None, "was still running")
-
-
-def _only_waited(error: RankError) -> bool:
-    """The error says only that the rank timed out waiting for others or lost a peer
-    (``knowledge``: a wait or a peer failure): a victim's words, not a cause."""
-    found = explain_error(ErrorInfo(error.type, error.message, error.traceback))
-    return found is not None and (found.peer_failure or found.name in WAIT_NAMES)
 
 
 @dataclass(frozen=True)
@@ -288,9 +285,11 @@ def _mismatch_ended(outcomes: dict[int, Outcome], found: Sequence[Episode]) -> O
 
 
 def _aborted(o: Outcome) -> bool:
-    """Killed by SIGABRT: how gloo ends, from C++, the rank a mismatched collective's data
-    reaches (its black box told the server, where it would otherwise have fallen silent)."""
-    return o.word == "killed" and o.text.endswith("SIGABRT")
+    """Killed by SIGABRT, or crashed with the backend's words for a collective mismatch
+    ("Received data size doesn't match expected size", read from the job's output): how
+    gloo ends, from C++, the rank a mismatched collective's data reaches (its black box told
+    the server, where it would otherwise have fallen silent)."""
+    return (o.word == "killed" and o.text.endswith("SIGABRT")) or o.mismatched
 
 
 def _failed_after(own: Outcome, victims_ended: float | None) -> bool:

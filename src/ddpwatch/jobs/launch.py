@@ -31,10 +31,11 @@ from ddpwatch.core.ports import pick_port
 from ddpwatch.core.protocol import DEFAULT_PORT
 from ddpwatch.core.vocabulary import JobStop
 from ddpwatch.diagnosis.alerts import Thresholds
+from ddpwatch.jobs.aborts import AbortLines
 from ddpwatch.jobs.emphasis import mark_for
 from ddpwatch.jobs.ending import ChangePrinter, Stops, job_end
 from ddpwatch.jobs.failure import not_started_reason, why_not_started
-from ddpwatch.jobs.output import StderrTee, tail_of_file
+from ddpwatch.jobs.output import OutputTail, StderrTee, tail_of_file
 from ddpwatch.jobs.stop import stop_job
 from ddpwatch.outputs.notify import Notifier, chain
 from ddpwatch.outputs.summary import print_summary
@@ -105,7 +106,7 @@ def run_command(
         finally:
             if notify is not None:
                 notify.close()
-    tee = StderrTee()
+    tee = StderrTee(tail=OutputTail(on_line=AbortLines(server.boxes.note_abort).feed))
     job = _start(command, job_environment(addr), None, tee.child_fd)
     tee.started()
     if job is None:

@@ -40,6 +40,7 @@ import select
 import signal
 import threading
 from collections import deque
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -60,7 +61,15 @@ def visible(raw: bytes) -> str:
 class OutputTail:
     """The first ``head`` and last ``keep`` lines of a byte stream, fed in any chunks."""
 
-    def __init__(self, head: int = HEAD_LINES, keep: int = TAIL_LINES) -> None:
+    def __init__(
+        self,
+        head: int = HEAD_LINES,
+        keep: int = TAIL_LINES,
+        on_line: Callable[[str], None] | None = None,
+    ) -> None:
+        self.on_line = on_line
+        """Called with each complete line as it is read (on the reading thread), for what
+        watches the output live (``jobs/aborts.py``); never lets an error of its own out."""
         self._head: list[str] = []
         self._head_size = head
         self._tail: deque[str] = deque(maxlen=keep)  # the lines after the head
@@ -77,6 +86,14 @@ class OutputTail:
             room = max(0, self._head_size - len(self._head))
             self._head.extend(visible(raw) for raw in complete[:room])
             self._tail.extend(visible(raw) for raw in complete[room:][-self._keep :])
+        on_line = self.on_line
+        if on_line is not None:
+            for raw in complete:
+                try:
+                    on_line(visible(raw))
+                except Exception:  # a watcher's bug never stops the job's output
+                    self.on_line = None
+                    break
 
     def lines(self) -> list[str]:
         """The kept lines in order, the unfinished last one too."""

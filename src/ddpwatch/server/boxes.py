@@ -10,6 +10,12 @@ it is read again a second later, and never read once the rank has said how it en
 
 Only ranks whose host name is this machine's, and only box names the agent makes, are read:
 a hello cannot point the server at another file.
+
+Under ``ddpwatch run`` the job's stderr also says why a C++ abort happened, in the backend's
+words (``jobs/aborts.py``): ``note_abort`` keeps each such message, and a rank whose box says
+SIGABRT gets the one written as it died, as the error of a crash event before its exit: the
+message names the rank (NCCL's "[Rank 1]") or it is the only one unclaimed then (gloo's
+never does); two aborts at once with different messages are told to neither.
 """
 
 from __future__ import annotations
@@ -17,15 +23,31 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
+from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ddpwatch.core.blackbox import NAME, BoxReading, box_dir, read_box
-from ddpwatch.core.protocol import PROTOCOL_VERSION, Collective, Event
+from ddpwatch.core.protocol import PROTOCOL_VERSION, Collective, ErrorInfo, Event
 from ddpwatch.core.vocabulary import CollectiveSource, EventKind
 from ddpwatch.server.records import RankRecord
 
 RETRY_S = 1.0  # how often a late rank's box is read again
 RESCAN_S = 5.0  # how often the ranks on this host are looked for among all the ranks
+ABORT_WITHIN_S = 5.0  # a C++ abort's message this long before a rank's death is its
+ABORTS_KEPT = 64
+
+
+@dataclass(frozen=True)
+class BackendAbort:
+    """A C++ abort the job's output told of: when it was read, the exception's type and
+    message, and the rank the output says it was (None where it does not)."""
+
+    at: float
+    type: str
+    message: str
+    rank: int | None = None
 
 
 class BoxReader:
@@ -38,6 +60,13 @@ class BoxReader:
         self._scanned_at = -RESCAN_S
         self._next: dict[tuple[int, str], float] = {}
         self._done: set[tuple[int, str]] = set()
+        self._aborts: deque[BackendAbort] = deque(maxlen=ABORTS_KEPT)
+        self._aborts_lock = threading.Lock()
+
+    def note_abort(self, abort: BackendAbort) -> None:
+        """A C++ abort's message from the job's output (any thread: the tee's)."""
+        with self._aborts_lock:
+            self._aborts.append(abort)
 
     def due(
         self, ranks: Iterable[RankRecord], now: float, late_s: float
@@ -49,7 +78,7 @@ class BoxReader:
         if now - self._scanned_at >= RESCAN_S:
             self._scanned_at = now
             self._local = [r for r in ranks if r.box is not None and r.host == self.host]
-        events = []
+        found: list[tuple[BoxReading, RankRecord, float]] = []
         for record in self._local:
             box = record.box
             if box is None or record.exit_time is not None or record.error is not None:
@@ -63,9 +92,56 @@ class BoxReader:
             reading = self._read(record, box)
             if reading is not None:
                 self._done.add(key)
-                died = min(now, max(record.last_seen, reading.written_at))
-                events.append((exit_event(reading, record), died))
+                found.append((reading, record, min(now, max(record.last_seen, reading.written_at))))
+        if not found:
+            return []
+        said = self._said(found)
+        events: list[tuple[Event, float]] = []
+        for reading, record, died in found:
+            abort = said.get(record.rank)
+            if abort is not None:
+                events.append((crash_event(abort, reading, record), died))
+            events.append((exit_event(reading, record), died))
         return events
+
+    def _said(
+        self, found: list[tuple[BoxReading, RankRecord, float]]
+    ) -> dict[int, BackendAbort]:
+        """Which aborted rank gets which abort message: the one naming it, else the only one
+        unclaimed within ``ABORT_WITHIN_S`` before its death (or several, word for word the
+        same); each message told once."""
+        with self._aborts_lock:
+            aborts = list(self._aborts)
+        said: dict[int, BackendAbort] = {}
+        used: set[int] = set()
+        aborted = [(r, d) for reading, r, d in found if reading.signal == "SIGABRT"]
+        for record, _ in aborted:
+            for index, abort in enumerate(aborts):
+                if abort.rank == record.rank and index not in used:
+                    said[record.rank] = abort
+                    used.add(index)
+                    break
+        for record, died in aborted:
+            if record.rank in said:
+                continue
+            near = [
+                (index, abort)
+                for index, abort in enumerate(aborts)
+                if index not in used
+                and abort.rank is None
+                and died - ABORT_WITHIN_S <= abort.at <= died + ABORT_WITHIN_S
+            ]
+            texts = {(a.type, a.message) for _, a in near}
+            unclaimed = [r for r, _ in aborted if r.rank not in said]
+            if len(texts) == 1 and len(near) >= len(unclaimed):
+                index, abort = near[0]
+                said[record.rank] = abort
+                used.add(index)
+        with self._aborts_lock:
+            self._aborts = deque(
+                (a for i, a in enumerate(aborts) if i not in used), maxlen=ABORTS_KEPT
+            )
+        return said
 
     def _read(self, record: RankRecord, box: str) -> BoxReading | None:
         key = (record.rank, box)
@@ -112,6 +188,20 @@ def exit_event(reading: BoxReading, record: RankRecord) -> Event:
         step=reading.step if reading.step is not None else record.step,
         phase=reading.phase if reading.in_call else None,
         collective=collective,
+        stack=reading.stack,
+    )
+
+
+def crash_event(abort: BackendAbort, reading: BoxReading, record: RankRecord) -> Event:
+    """The crash a C++ abort's message stands for, as the rank's own exception would have
+    been sent: its type and message, where the rank was."""
+    return Event(
+        v=PROTOCOL_VERSION,
+        rank=record.rank,
+        t=abort.at,
+        event=EventKind.CRASH,
+        error=ErrorInfo(type=abort.type, message=abort.message),
+        step=reading.step if reading.step is not None else record.step,
         stack=reading.stack,
     )
 
