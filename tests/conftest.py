@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -445,3 +446,41 @@ def http_server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     finally:
         process.kill()
         process.wait(10)
+
+
+_ABORTS_IN_ALL_REDUCE = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    import torch
+    from ddpwatch.agent.blackbox import BlackBox
+    from ddpwatch.agent.calls import CallDigests
+    from ddpwatch.agent.progress import Progress
+
+    progress = Progress()
+    progress.box = BlackBox.open(int(sys.argv[2]), CallDigests(progress).exact, sys.argv[1])
+    print(progress.box.name, os.getpid(), flush=True)
+    for _ in range(19):
+        progress.enter_collective("all_reduce", torch.ones(1))
+        progress.exit_collective()
+        progress.end_step()
+    progress.enter_collective("all_reduce", torch.ones(1))
+    threading.Timer(0.1, os.abort).start()
+    time.sleep(10)
+    """
+)
+
+
+
+def aborted_box(folder: Path, rank: int = 1) -> tuple[str, int]:
+    """Run a process that, as ``rank``, enters all_reduce #20 (float32, one element) after 19
+    steps and is aborted by another thread (as gloo aborts a rank): the name of the black
+    box it left in ``folder`` and its pid."""
+    done = subprocess.run(
+        [sys.executable, "-c", _ABORTS_IN_ALL_REDUCE, str(folder), str(rank)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == -6, done.stderr
+    name, pid = done.stdout.split()
+    return name, int(pid)

@@ -46,6 +46,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from ddpwatch.core.boxreader import BoxReader
 from ddpwatch.core.ports import host_port
 from ddpwatch.core.protocol import (
     IDENTITY_FIELDS,
@@ -63,6 +64,7 @@ from ddpwatch.core.protocol import (
     keeps_news,
 )
 from ddpwatch.core.security import apply_client_curve
+from ddpwatch.core.vocabulary import EventKind
 
 log = logging.getLogger("ddpwatch.relay")
 
@@ -188,6 +190,39 @@ class RelayStats:
     reconnects: int = 0
 
 
+LATE_S = 2 * BEAT_S  # a rank this late has its black box read (``core/boxreader.py``)
+
+
+@dataclass
+class RelayedRank:
+    """What the relay knows of one rank of its node, for its black box (``Watched``)."""
+
+    rank: int
+    last_seen: float  # time.time of its last frame
+    box: str | None = None
+    host: str | None = None
+    pid: int | None = None
+    step: int | None = None
+    exit_time: float | None = None
+    error: object | None = None
+
+    def heard(self, message: Hello | Sample | Event, now: float) -> None:
+        """Note a frame of the rank's: its identity, step, and how it said it ended."""
+        self.last_seen = now
+        if isinstance(message, Event):
+            if message.event == EventKind.EXIT:
+                self.exit_time = now
+            elif message.event == EventKind.CRASH and message.error is not None:
+                self.error = message.error
+            return
+        if message.pid is not None and message.pid != self.pid:  # a new process
+            self.pid, self.exit_time, self.error = message.pid, None, None
+        self.box = message.box or self.box
+        self.host = message.host or self.host
+        if isinstance(message, Sample) and message.step is not None:
+            self.step = message.step
+
+
 class _Waiting:
     """One frame waiting in the relay: its rank, when it came (monotonic) and, for a
     heartbeat, the decoded ``Sample`` (a newer one may replace it while held back)."""
@@ -225,6 +260,10 @@ class Relay:
         self._last_beat: dict[int, _Waiting] = {}  # rank -> its waiting heartbeat, if its last
         self._held = False  # the server took no more at the last try: coalesce
         self._identities: dict[int, Hello] = {}
+        self._ranks: dict[int, RelayedRank] = {}
+        self.boxes = BoxReader(host=self.host)
+        """The black boxes of this node's late ranks: what they say goes on as the rank's
+        own frames (a server on another host cannot read them)."""
         self._dropped_unsent = 0  # dropped since the last batch that left
         self._rejected_unsent = 0
         self._coalesced_unsent = 0
@@ -305,6 +344,8 @@ class Relay:
                 send_at = min(send_at, time.monotonic() + EVENT_FLUSH_S)
             self._note_handshakes()
             now = time.monotonic()
+            if now >= next_beat:
+                self._read_boxes()
             if now >= next_beat or now >= send_at:
                 self._send(beat=now >= next_beat)
                 if now >= next_beat:
@@ -334,6 +375,7 @@ class Relay:
                 self.stats.rejected += 1
                 self._rejected_unsent += 1
                 continue
+            self._heard(message)
             if isinstance(message, Event):
                 event = True
             elif message.pid is not None:  # it tells the identity: keep the latest
@@ -344,6 +386,24 @@ class Relay:
             else:
                 self._queue(frame, message.rank)
         return event
+
+    def _heard(self, message: Hello | Sample | Event) -> None:
+        known = self._ranks.get(message.rank)
+        if known is None:
+            known = self._ranks[message.rank] = RelayedRank(message.rank, time.time())
+        known.heard(message, time.time())
+
+    def _read_boxes(self) -> None:
+        """Queue, as if its rank had sent it, what the box of a late rank of this node says
+        of how it died; never raises (a box is the rank's leftover, read as untrusted)."""
+        try:
+            found = self.boxes.due(self._ranks.values(), time.time(), LATE_S)
+        except Exception as exc:
+            log.debug("ddpwatch relay: black boxes not read: %r", exc)
+            return
+        for event, _ in found:
+            self._heard(event)
+            self._queue(encode(event), event.rank)
 
     def _coalesce(self, frame: bytes, beat: Sample, arrived: float | None = None) -> bool:
         """Held back, put ``beat`` in place of its rank's heartbeat still waiting, if that is

@@ -3,8 +3,8 @@ runtime writes for an exception nothing caught, as gloo and NCCL end ranks with 
 
 from __future__ import annotations
 
+from ddpwatch.core.boxreader import BackendAbort
 from ddpwatch.jobs.aborts import AbortLines
-from ddpwatch.server.boxes import BackendAbort
 
 GLOO = [
     "terminate called after throwing an instance of 'gloo::EnforceNotMet'",

@@ -20,11 +20,21 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from conftest import EXAMPLES, TESTS, LiveServer, alert_of, as_json, ddpwatch_run, poll_status
+from conftest import (
+    EXAMPLES,
+    TESTS,
+    LiveServer,
+    aborted_box,
+    alert_of,
+    as_json,
+    ddpwatch_run,
+    poll_status,
+)
 
 from ddpwatch import relay as relay_module
 from ddpwatch.agent import publisher as publisher_module
 from ddpwatch.agent.publisher import Publisher
+from ddpwatch.core.boxreader import BoxReader
 from ddpwatch.core.protocol import Batch, Collective, Event, Hello, Sample, decode_wire, encode
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.rules import diagnose
@@ -743,3 +753,34 @@ def test_what_waits_when_the_server_goes_away_is_coalesced_too(port: int, listen
     finally:
         push.close(linger=0)
         relay.stop()
+
+
+def test_a_relay_reads_the_black_box_of_its_nodes_rank_that_a_signal_ended(
+    server: LiveServer, listen: str, tmp_path: Path
+) -> None:
+    """A server on another host (a laptop watching a cluster) cannot read a rank's black box;
+    its node's relay can: rank 1, aborted inside all_reduce #20 (as gloo aborts a rank),
+    reaches the server as exited by SIGABRT inside that call, through the relay."""
+    name, pid = aborted_box(tmp_path)
+    node = Relay(upstream(server.port), listen, beat_s=0.1, host="node-r")
+    node.boxes = BoxReader(str(tmp_path), host="node-r")
+    node.start()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        push.connect(listen)
+        push.send(encode(Hello(v=1, rank=1, t=time.time(), host="node-r", pid=pid, box=name)))
+        push.send(encode(Sample(v=1, rank=1, t=time.time(), step=19, phase="forward")))
+
+        def exited(status: dict[str, Any]) -> dict[str, Any] | None:
+            ranks = [r for r in status["ranks"] if r["exit_signal"] == "SIGABRT"]
+            return ranks[0] if ranks else None
+
+        rank = poll_status(server.server, exited, timeout=15)
+        assert (rank["rank"], rank["state"], rank["step"]) == (1, "exited", 19)
+        record = server.server.state.ranks[1]
+        assert record.final_collective is not None
+        assert (record.final_collective.op, record.final_collective.seq) == ("all_reduce", 20)
+        assert not (tmp_path / name).exists()  # read once, by the relay
+    finally:
+        push.close(linger=0)
+        node.stop()

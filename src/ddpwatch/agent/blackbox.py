@@ -17,7 +17,7 @@ server, which then cannot tell how it called the collective that killed it, nor 
   user's): the record is still kept.
 
 The file is named in the rank's hello (``box``); a ddpwatch process on the same host reads it
-once the rank is late (``server/boxes.py``). A clean exit removes it; a box whose process is
+once the rank is late (``core/boxreader.py``). A clean exit removes it; a box whose process is
 gone is removed by the next agent that starts in the same folder.
 """
 

@@ -9,7 +9,7 @@ Python, by the C++ runtime, to the stderr every rank shares with the launcher::
 
 ``AbortLines`` reads the lines ``jobs/output.py``'s tee passes through and hands each such
 pair on as a ``BackendAbort``; the server gives it to the rank whose black box says it died
-of SIGABRT at that moment (``server/boxes.py``): the line itself says which rank only where
+of SIGABRT at that moment (``core/boxreader.py``): the line itself says which rank only where
 the backend writes one in (NCCL's "[Rank 1]", torchrun's ``[rank1]:`` prefix).
 """
 
@@ -19,7 +19,7 @@ import re
 import time
 from collections.abc import Callable
 
-from ddpwatch.server.boxes import BackendAbort
+from ddpwatch.core.boxreader import BackendAbort
 
 _TERMINATE = re.compile(r"terminate called after throwing an instance of '([^']+)'")
 _WHAT = re.compile(r"^\s*what\(\):\s*(.*\S)")

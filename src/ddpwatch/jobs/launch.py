@@ -155,7 +155,8 @@ def _run_with_remote_server(command: Sequence[str], addr: str, relay: bool) -> i
     """The job's ranks report to the server at ``addr``, through this node's relay."""
     env = job_environment(addr)
     node_relay = _start_relay(addr, env) if relay else None
-    tee = StderrTee()
+    aborts = AbortLines(node_relay.boxes.note_abort).feed if node_relay is not None else None
+    tee = StderrTee(tail=OutputTail(on_line=aborts))
     job = _start(command, env, None, tee.child_fd)
     tee.started()
     stops = Stops()

@@ -103,7 +103,7 @@ class RankRecord:
     script_hash: str | None = None
     cuda_version: str | None = None
     nccl_version: str | None = None
-    box: str | None = None  # its black box's file name, read on its host (``server/boxes.py``)
+    box: str | None = None  # its black box's file name, read on its host (``core/boxreader.py``)
     attempt: int = 1
     """The launcher's attempt this process belongs to: ``restart_count + 1`` where the
     launcher says, else one more than the rank's last process if that one had ended."""

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from ddpwatch.core.boxreader import BoxReader
 from ddpwatch.core.protocol import encode
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.history import AlertChange
-from ddpwatch.server.boxes import BoxReader
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.engine import TICK_S, Engine, OnEngine
 from ddpwatch.server.state import ServerState
@@ -158,7 +158,7 @@ class Server(OnEngine):
 
     def _read_boxes(self, now: float) -> None:
         """The exits this host's late ranks could not send, from their black boxes
-        (``server/boxes.py``): taken in, and recorded, as if they had sent them."""
+        (``core/boxreader.py``): taken in, and recorded, as if they had sent them."""
         late_s = 2 * self.thresholds.interval
         for event, died in self.boxes.due(self.state.ranks.values(), now, late_s):
             if self.recorder is not None:

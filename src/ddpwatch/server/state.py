@@ -527,7 +527,7 @@ def _take_exit(record: RankRecord, event: Event, now: float) -> None:
     record.exit_code = event.exit_code
     record.exit_signal = event.signal
     _stop_timing(record, event.collective)
-    if event.stack:  # where a fatal signal found it (its black box: ``server/boxes.py``)
+    if event.stack:  # where a fatal signal found it (its black box: ``core/boxreader.py``)
         record.stack = event.stack
 
 

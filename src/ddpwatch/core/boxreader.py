@@ -1,5 +1,9 @@
 """How a rank on this host died when it could not say so: read from its black box.
 
+Both the server (``server/service.py``) and a node's relay (``relay.py``) read the boxes of
+the ranks on their own host: a server on a laptop watching a cluster reads none, the relay
+on each node reads its node's, and sends what they say on as the rank's own frames.
+
 A rank that a fatal signal ends (gloo aborting it from C++, a segfault) sends nothing more;
 its black box (``agent/blackbox.py``, format in ``core/blackbox.py``) still holds the last
 collective it entered and faulthandler's dump of its threads. The server reads the box of a
@@ -27,11 +31,35 @@ import threading
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from ddpwatch.core.blackbox import NAME, BoxReading, box_dir, read_box
 from ddpwatch.core.protocol import PROTOCOL_VERSION, Collective, ErrorInfo, Event
 from ddpwatch.core.vocabulary import CollectiveSource, EventKind
-from ddpwatch.server.records import RankRecord
+
+
+class Watched(Protocol):
+    """What a reader knows of a rank: a server's ``RankRecord``, a relay's ``RelayedRank``
+    (read only: the time it was last heard on the reader's clock, ``time.time``; when it said
+    it exited and the error it said it crashed with, None while it has not)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def box(self) -> str | None: ...
+    @property
+    def host(self) -> str | None: ...
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def step(self) -> int | None: ...
+    @property
+    def last_seen(self) -> float: ...
+    @property
+    def exit_time(self) -> float | None: ...
+    @property
+    def error(self) -> object | None: ...
+
 
 RETRY_S = 1.0  # how often a late rank's box is read again
 RESCAN_S = 5.0  # how often the ranks on this host are looked for among all the ranks
@@ -56,7 +84,7 @@ class BoxReader:
     def __init__(self, directory: str | None = None, host: str | None = None) -> None:
         self.directory = directory or box_dir()
         self.host = host if host is not None else _hostname()
-        self._local: list[RankRecord] = []
+        self._local: list[Watched] = []
         self._scanned_at = -RESCAN_S
         self._next: dict[tuple[int, str], float] = {}
         self._done: set[tuple[int, str]] = set()
@@ -69,7 +97,7 @@ class BoxReader:
             self._aborts.append(abort)
 
     def due(
-        self, ranks: Iterable[RankRecord], now: float, late_s: float
+        self, ranks: Iterable[Watched], now: float, late_s: float
     ) -> list[tuple[Event, float]]:
         """The exit events the boxes of this host's ranks late by ``late_s`` or more tell,
         each with when the rank died: when the dump was written, between its last message
@@ -78,7 +106,7 @@ class BoxReader:
         if now - self._scanned_at >= RESCAN_S:
             self._scanned_at = now
             self._local = [r for r in ranks if r.box is not None and r.host == self.host]
-        found: list[tuple[BoxReading, RankRecord, float]] = []
+        found: list[tuple[BoxReading, Watched, float]] = []
         for record in self._local:
             box = record.box
             if box is None or record.exit_time is not None or record.error is not None:
@@ -105,7 +133,7 @@ class BoxReader:
         return events
 
     def _said(
-        self, found: list[tuple[BoxReading, RankRecord, float]]
+        self, found: list[tuple[BoxReading, Watched, float]]
     ) -> dict[int, BackendAbort]:
         """Which aborted rank gets which abort message: the one naming it, else the only one
         unclaimed within ``ABORT_WITHIN_S`` before its death (or several, word for word the
@@ -143,7 +171,7 @@ class BoxReader:
             )
         return said
 
-    def _read(self, record: RankRecord, box: str) -> BoxReading | None:
+    def _read(self, record: Watched, box: str) -> BoxReading | None:
         key = (record.rank, box)
         if not NAME.match(box):
             self._done.add(key)
@@ -164,7 +192,7 @@ class BoxReader:
         return reading
 
 
-def exit_event(reading: BoxReading, record: RankRecord) -> Event:
+def exit_event(reading: BoxReading, record: Watched) -> Event:
     """The exit event a box with a fatal signal's dump stands for: the signal, the
     collective the rank was inside (if it was), and its main thread's stack."""
     collective = None
@@ -192,7 +220,7 @@ def exit_event(reading: BoxReading, record: RankRecord) -> Event:
     )
 
 
-def crash_event(abort: BackendAbort, reading: BoxReading, record: RankRecord) -> Event:
+def crash_event(abort: BackendAbort, reading: BoxReading, record: Watched) -> Event:
     """The crash a C++ abort's message stands for, as the rank's own exception would have
     been sent: its type and message, where the rank was."""
     return Event(

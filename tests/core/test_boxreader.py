@@ -1,4 +1,4 @@
-"""The server reads the black box of a late rank on its own host (``server/boxes.py``): a rank a
+"""The server reads the black box of a late rank on its own host (``core/boxreader.py``): a rank a
 fatal signal ended is taken as exited by it, inside the collective it was in; a box without a
 dump, another host's rank, or a name the agent never makes says nothing."""
 
@@ -6,39 +6,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import msgspec
 import pytest
+from conftest import aborted_box
 
+from ddpwatch.core.boxreader import BackendAbort, BoxReader
 from ddpwatch.core.protocol import Hello, Sample
 from ddpwatch.core.vocabulary import CollectiveSource
-from ddpwatch.server.boxes import BackendAbort, BoxReader
 from ddpwatch.server.state import ServerState
-
-ABORTS_IN_ALL_REDUCE = textwrap.dedent(
-    """
-    import os, sys, threading, time
-    import torch
-    from ddpwatch.agent.blackbox import BlackBox
-    from ddpwatch.agent.calls import CallDigests
-    from ddpwatch.agent.progress import Progress
-
-    progress = Progress()
-    progress.box = BlackBox.open(1, CallDigests(progress).exact, sys.argv[1])
-    print(progress.box.name, os.getpid(), flush=True)
-    for _ in range(19):
-        progress.enter_collective("all_reduce", torch.ones(1))
-        progress.exit_collective()
-        progress.end_step()
-    progress.enter_collective("all_reduce", torch.ones(1))
-    threading.Timer(0.1, os.abort).start()
-    time.sleep(10)
-    """
-)
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +23,8 @@ def aborted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, int]:
     """A folder holding the box of a process that aborted in all_reduce #20, its name and
     the process's pid (made once: the tests copy it)."""
     folder = tmp_path_factory.mktemp("boxes")
-    done = subprocess.run(
-        [sys.executable, "-c", ABORTS_IN_ALL_REDUCE, str(folder)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == -6, done.stderr
-    name, pid = done.stdout.split()
-    return folder, name, int(pid)
+    name, pid = aborted_box(folder)
+    return folder, name, pid
 
 
 def known_rank(state: ServerState, box: str, pid: int, host: str, at: float) -> None:
