@@ -298,3 +298,35 @@ def test_a_broadcast_that_timed_out_keeps_the_blame_on_the_odd_src() -> None:
     alerts = diagnose(state, NOW, TH)
     assert [(a.kind, a.ranks) for a in alerts if a.ranks] == [("collective_mismatch", (2,))]
     assert "where ranks 0, 1 called broadcast src=0" in alerts[0].message
+
+
+def test_a_rank_gloo_aborted_inside_the_call_votes_with_its_black_box_and_is_no_root() -> None:
+    """``metric-dtype`` (pytorch/pytorch#150248's family): rank 1 all-reduces in float64,
+    rank 2 waits in float32, and rank 0 was aborted (SIGABRT) inside its float32 call, which
+    only its black box tells (``core/boxreader.py``). Rank 1 is named; rank 0, killed inside
+    the mismatched collective, is one of its victims, never an ``exited`` root of its own."""
+
+    def reduce(dtype: str) -> Collective:
+        return Collective(op="all_reduce", seq=20, source="py", shape=[1], dtype=dtype,
+                          reduce_op="sum", since_s=2.0)  # fmt: skip
+
+    aborted = {"exit_time": NOW - 1.0, "exit_signal": "SIGABRT"}
+    state = state_of(
+        rank(0, 3, **aborted, final_collective=reduce("float32")),
+        rank(1, 3, collective=reduce("float64"), collective_seen=NOW - 0.2),
+        rank(2, 3, collective=reduce("float32"), collective_seen=NOW - 0.2),
+    )
+    alerts = diagnose(state, NOW, TH)
+    assert [(a.kind, a.ranks) for a in alerts if a.ranks] == [("collective_mismatch", (1,))]
+    assert "where ranks 0, 2 called all_reduce with 1 element (float32)" in alerts[0].message
+    # the same rank killed by SIGABRT with no mismatch to belong to: a root, and why
+    alone = state_of(
+        rank(0, 3, **aborted, final_collective=reduce("float32")),
+        rank(1, 3, collective=None),
+        rank(2, 3, collective=None),
+    )
+    exited = only(diagnose(alone, NOW, TH), "exited")
+    assert exited.ranks == (0,)
+    killed = "killed by SIGABRT inside all_reduce with 1 element (float32), collective #20, in"
+    assert killed in exited.message
+    assert "aborted the process from C++" in exited.hint

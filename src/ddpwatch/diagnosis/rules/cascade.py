@@ -210,8 +210,9 @@ def _exit_alert(first: RankRecord, ranks: list[int], waiting: list[int], after: 
         how = "exited normally (code 0)"
     inside = first.final_collective if first.exit_signal == "SIGABRT" else None
     if inside is not None:  # its black box: the collective it died in
-        number = f" #{inside.seq}" if inside.seq is not None else ""
-        how += f" inside {call_text(inside)}{number}"
+        text = call_text(inside, reduce_op=inside.reduce_op not in (None, "sum"))
+        number = f", collective #{inside.seq}," if inside.seq is not None else ""
+        how += f" inside {text}{number}"
     message = f"{who} {how} {where(first)}, without an exception, while the others still trained"
     message += after
     if inside is not None:
