@@ -29,7 +29,7 @@ import os
 import socket
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,7 +63,7 @@ class Watched(Protocol):
 
 RETRY_S = 1.0  # how often a late rank's box is read again
 RESCAN_S = 5.0  # how often the ranks on this host are looked for among all the ranks
-ABORT_WITHIN_S = 5.0  # a C++ abort's message this long before a rank's death is its
+ABORT_WITHIN_S = 5.0  # a C++ abort's message read this close to a rank's death may be its
 ABORTS_KEPT = 64
 
 
@@ -86,6 +86,7 @@ class BoxReader:
         self.host = host if host is not None else _hostname()
         self._local: list[Watched] = []
         self._scanned_at = -RESCAN_S
+        self._scanned_ranks = 0
         self._next: dict[tuple[int, str], float] = {}
         self._done: set[tuple[int, str]] = set()
         self._aborts: deque[BackendAbort] = deque(maxlen=ABORTS_KEPT)
@@ -97,14 +98,14 @@ class BoxReader:
             self._aborts.append(abort)
 
     def due(
-        self, ranks: Iterable[Watched], now: float, late_s: float
+        self, ranks: Collection[Watched], now: float, late_s: float
     ) -> list[tuple[Event, float]]:
         """The exit events the boxes of this host's ranks late by ``late_s`` or more tell,
         each with when the rank died: when the dump was written, between its last message
-        and ``now`` (``ranks``: every record; this host's are picked out every
-        ``RESCAN_S``)."""
-        if now - self._scanned_at >= RESCAN_S:
-            self._scanned_at = now
+        and ``now`` (``ranks``: every record; this host's are picked out again every
+        ``RESCAN_S``, and as soon as their number changes)."""
+        if now - self._scanned_at >= RESCAN_S or len(ranks) != self._scanned_ranks:
+            self._scanned_at, self._scanned_ranks = now, len(ranks)
             self._local = [r for r in ranks if r.box is not None and r.host == self.host]
         found: list[tuple[BoxReading, Watched, float]] = []
         for record in self._local:
@@ -136,8 +137,8 @@ class BoxReader:
         self, found: list[tuple[BoxReading, Watched, float]]
     ) -> dict[int, BackendAbort]:
         """Which aborted rank gets which abort message: the one naming it, else the only one
-        unclaimed within ``ABORT_WITHIN_S`` before its death (or several, word for word the
-        same); each message told once."""
+        unclaimed within ``ABORT_WITHIN_S`` of its death (or several, word for word the same,
+        as many as the ranks aborted then); each message told once."""
         with self._aborts_lock:
             aborts = list(self._aborts)
         said: dict[int, BackendAbort] = {}
