@@ -92,9 +92,13 @@ def test_the_box_says_when_the_rank_left_the_collective(tmp_path: Path) -> None:
         reading = read_box(box.path)
         assert reading is not None and not reading.in_call
         assert reading.signal is None and reading.dump is None  # alive: no dump
+        progress.enter_collective("barrier")
     finally:
         box.close()
     assert not os.path.exists(box.path)  # a clean end leaves nothing to read
+    progress.exit_collective()  # a call still in flight at the end: no error in training
+    progress.enter_collective("all_reduce", torch.ones(1))
+    progress.exit_collective()
 
 
 def test_a_process_with_faulthandler_of_its_own_keeps_it(tmp_path: Path) -> None:

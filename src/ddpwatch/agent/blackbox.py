@@ -50,6 +50,7 @@ _encode = msgspec.msgpack.Encoder().encode
 _Call = tuple[str, str | None, int | None, str | None, int | None]
 ENCODED_KEPT = 256  # distinct (call, phase) encodings kept: most loops make a handful
 
+
 class BlackBox:
     """A rank's box, open for the life of the process (see the module docstring)."""
 
@@ -145,17 +146,15 @@ class BlackBox:
         self._view[RECORD_AT] = 0
 
     def close(self) -> None:
-        """A clean end: nothing to read after it."""
+        """A clean end: nothing to read after it. The file goes; the mapping stays (a few
+        KiB until the process ends), so that a collective the training thread is still in,
+        or enters, writes where it always did and never meets a closed one."""
         if os.getpid() != self._pid:
             return
         if self.dumps:
             self.dumps = False
             with contextlib.suppress(Exception):
                 faulthandler.disable()
-        with contextlib.suppress(Exception):
-            self._view.close()
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
         with contextlib.suppress(OSError):
             os.unlink(self.path)
 
