@@ -207,3 +207,26 @@ def test_the_reports_json_has_the_summarys_time_lost() -> None:
         (2, 50.0, 0.0, 50.0),
         (0, 10.0, 10.0, None),
     ]
+
+
+def test_holds_a_heartbeat_apart_are_counted_apart_and_a_frozen_ranks_two_alerts_as_one() -> None:
+    """RETURNN #1621's mode (``rank0-eval-epochs``): rank 0 evaluates alone three times, 0.3 s
+    of training apart, less than a heartbeat, so each hold's measured wait runs into the next;
+    three straggler episodes are still three holds (seen in CI: "2 times"). A frozen rank's
+    ``silent`` then ``straggler`` over the same span stay one hold."""
+    from ddpwatch.diagnosis.episodes import Episode
+    from ddpwatch.diagnosis.figures import time_lost
+
+    def hold(kind: str, raised: float, cleared: float, waited: float) -> Episode:
+        return Episode(kind=kind, severity="error", ranks=(0,), waiting=(1, 2), message="",
+                       raised_s=raised, cleared_s=cleared, waited_s=waited,
+                       waited_at_s=cleared)  # fmt: skip
+
+    # each wait measured 6.2 s to its clearing: 0.2 s into the one before
+    evaluations = [hold("straggler", 2.5 + 6 * n, 6.0 + 6 * n, 6.2) for n in range(3)]
+    (lost,) = time_lost(evaluations, 30.0)
+    assert lost.times == 3
+    assert lost.held_s == pytest.approx(18.2)  # the time, counted once: -0.2 s to 18.0 s
+    frozen = [hold("silent", 3.0, 9.0, 6.0), hold("straggler", 4.0, 9.0, 6.5)]
+    (lost,) = time_lost(frozen, 30.0)
+    assert lost.times == 1

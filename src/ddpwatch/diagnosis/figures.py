@@ -88,7 +88,7 @@ def time_lost(found: Sequence[Episode], end_s: float) -> list[Lost]:
         accounts[(rank,)] = Lost(
             ranks=(rank,),
             waiting=tuple(sorted({r for *_, e in found_spells for r in e.waiting})),
-            times=len(merged),
+            times=_holds(found_spells),
             held_s=sum(end - start for start, end in merged),
             phases=tuple(dict.fromkeys(e.phase for e in held if e.phase)),
             stopped=any(AlertKind.STALLED in (e.kind, e.first_kind) for e in held),
@@ -120,6 +120,23 @@ def _spell(e: Episode, end_s: float) -> tuple[float, float] | None:
     if e.kind == AlertKind.SILENT and e.cleared_s is not None and e.closed_by is None:
         return (e.raised_s, e.cleared_s)
     return None
+
+
+def _holds(spells: list[tuple[float, float, Episode]]) -> int:
+    """How many times a rank held the others up: its spells, overlapping ones of different
+    kinds as one (a frozen rank raises ``silent`` and then ``straggler``: one hold). Two
+    episodes of one kind are two holds even where their spans touch: the tracker keeps a
+    hold that goes on as one episode, and a wait measured only to a heartbeat's half second
+    runs into the next when the rank lets the others go for less than that (seen: three
+    evaluations 0.3 s apart counted as two)."""
+    count, end, kinds = 0, -math.inf, set[str]()
+    for start, stop, e in sorted(spells, key=lambda spell: spell[:2]):
+        if start <= end and e.kind not in kinds:
+            kinds.add(e.kind)
+            end = max(end, stop)
+        else:
+            count, end, kinds = count + 1, stop, {e.kind}
+    return count
 
 
 def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
