@@ -388,10 +388,11 @@ class Relay:
         return event
 
     def _heard(self, message: Hello | Sample | Event) -> None:
+        now = time.time()
         known = self._ranks.get(message.rank)
         if known is None:
-            known = self._ranks[message.rank] = RelayedRank(message.rank, time.time())
-        known.heard(message, time.time())
+            known = self._ranks[message.rank] = RelayedRank(message.rank, now)
+        known.heard(message, now)
 
     def _read_boxes(self) -> None:
         """Queue, as if its rank had sent it, what the box of a late rank of this node says

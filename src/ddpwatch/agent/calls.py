@@ -106,19 +106,14 @@ class CallDigests:
         return CallSeen(seq=seq, op=op, dtype=dtype, numel=numel, reduce_op=reduce_op, root=root)
 
     def words(self, raw: tuple[Any, ...]) -> Call:
-        """A call as kept on the training thread, in the terms that compare across ranks."""
-        op, dtype, numel, reduce_op, root = raw
-        return (
-            op,
-            self._dtype(dtype),
-            None if op in UNSIZED or numel is None else int(numel),
-            reduce_op_name(op, reduce_op),
-            root_number(root),
-        )
+        """A call as kept on the training thread, in the terms that compare across ranks:
+        ``exact``'s, less the element count of an op whose sizes may differ by rank."""
+        op, dtype, numel, reduce_op, root = self.exact(raw)
+        return op, dtype, None if op in UNSIZED else numel, reduce_op, root
 
     def exact(self, raw: tuple[Any, ...]) -> Call:
-        """A call in those terms, its element count kept whatever the op: what the rank
-        passed, as a collective in flight says it (the black box's)."""
+        """A call in words, its element count kept whatever the op: what the rank passed,
+        as a collective in flight says it (the black box's)."""
         op, dtype, numel, reduce_op, root = raw
         return (
             op,
