@@ -74,6 +74,33 @@ def test_a_late_rank_killed_by_a_signal_exits_inside_its_collective(
     assert reader.due(state.ranks.values(), 14.0, late_s=1.0) == []  # said once
 
 
+def test_a_box_named_in_a_later_hello_is_read_as_soon_as_its_rank_is_late(
+    aborted: tuple[Path, str, int], tmp_path: Path
+) -> None:
+    """The boot hook's early hello names no box (the agent opens it later): the same rank
+    count then, and no rescan due, but the box is read once the next hello names it."""
+    name, pid = copy_of(aborted, tmp_path)
+    state = ServerState(started=0.0)
+    state.apply(Hello(v=1, rank=1, t=1.0, host="node-a", pid=pid), 1.0)
+    reader = BoxReader(str(tmp_path), host="node-a")
+    assert reader.due(state.ranks.values(), 1.5, late_s=1.0) == []  # scanned: no box yet
+    known_rank(state, name, pid, "node-a", 2.0)
+    (event, _), = reader.due(state.ranks.values(), 3.5, late_s=1.0)  # well within RESCAN_S
+    assert (event.rank, event.signal) == (1, "SIGABRT")
+
+
+def test_once_the_job_has_ended_every_box_is_read_however_recently_its_rank_spoke(
+    aborted: tuple[Path, str, int], tmp_path: Path
+) -> None:
+    """``ddpwatch run``'s last tick comes as the launcher exits, a fraction of a second after
+    gloo aborted a rank: not late yet, and maybe inside its retry; the box is read all the same."""
+    name, pid = copy_of(aborted, tmp_path)
+    state, reader = watching(tmp_path, name, pid, "node-a")
+    assert reader.due(state.ranks.values(), 10.2, late_s=1.0) == []
+    (event, died), = reader.due(state.ranks.values(), 10.3, late_s=1.0, ended=True)
+    assert event.signal == "SIGABRT" and 10.0 <= died <= 10.3
+
+
 def test_a_box_says_nothing_of_a_rank_on_another_host(
     aborted: tuple[Path, str, int], tmp_path: Path
 ) -> None:

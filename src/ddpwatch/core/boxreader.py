@@ -98,29 +98,27 @@ class BoxReader:
             self._aborts.append(abort)
 
     def due(
-        self, ranks: Collection[Watched], now: float, late_s: float
+        self, ranks: Collection[Watched], now: float, late_s: float, *, ended: bool = False
     ) -> list[tuple[Event, float]]:
         """The exit events the boxes of this host's ranks late by ``late_s`` or more tell,
         each with when the rank died: when the dump was written, between its last message
         and ``now`` (``ranks``: every record; this host's are picked out again every
-        ``RESCAN_S``, and as soon as their number changes)."""
-        if now - self._scanned_at >= RESCAN_S or len(ranks) != self._scanned_ranks:
+        ``RESCAN_S``, and as soon as their number changes). ``ended``: the job is over, so
+        every box not yet read is read now, however recently its rank spoke."""
+        if ended or now - self._scanned_at >= RESCAN_S or len(ranks) != self._scanned_ranks:
             self._scanned_at, self._scanned_ranks = now, len(ranks)
-            self._local = [r for r in ranks if r.box is not None and r.host == self.host]
+            # by host alone: a rank's box is named in a later hello than its first one
+            # (the boot hook's early hello comes before the agent opens its box)
+            self._local = [r for r in ranks if r.host in (self.host, None)]
         found: list[tuple[BoxReading, Watched, float]] = []
         for record in self._local:
-            box = record.box
-            if box is None or record.exit_time is not None or record.error is not None:
+            box = self._due_box(record, now, late_s, ended)
+            if box is None:
                 continue
-            if now - record.last_seen < late_s:
-                continue
-            key = (record.rank, box)
-            if key in self._done or self._next.get(key, -1.0) > now:
-                continue
-            self._next[key] = now + RETRY_S
+            self._next[(record.rank, box)] = now + RETRY_S
             reading = self._read(record, box)
             if reading is not None:
-                self._done.add(key)
+                self._done.add((record.rank, box))
                 found.append((reading, record, min(now, max(record.last_seen, reading.written_at))))
         if not found:
             return []
@@ -132,6 +130,21 @@ class BoxReader:
                 events.append((crash_event(abort, reading, record), died))
             events.append((exit_event(reading, record), died))
         return events
+
+    def _due_box(self, record: Watched, now: float, late_s: float, ended: bool) -> str | None:
+        """The box of ``record`` to read now, if any: a rank of this host that has not said
+        how it ended, late (or the job over), not read already, not read within ``RETRY_S``."""
+        box = record.box
+        if box is None or record.host != self.host:
+            return None
+        if record.exit_time is not None or record.error is not None:
+            return None
+        if not ended and now - record.last_seen < late_s:
+            return None
+        key = (record.rank, box)
+        if key in self._done or (not ended and self._next.get(key, -1.0) > now):
+            return None
+        return box
 
     def _said(
         self, found: list[tuple[BoxReading, Watched, float]]

@@ -160,7 +160,8 @@ class Server(OnEngine):
         """The exits this host's late ranks could not send, from their black boxes
         (``core/boxreader.py``): taken in, and recorded, as if they had sent them."""
         late_s = 2 * self.thresholds.interval
-        for event, died in self.boxes.due(self.state.ranks.values(), now, late_s):
+        ended = self.state.job_end is not None
+        for event, died in self.boxes.due(self.state.ranks.values(), now, late_s, ended=ended):
             if self.recorder is not None:
                 self.recorder.frame(died, encode(event))
             self.state.apply(event, died)
