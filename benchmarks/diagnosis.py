@@ -265,6 +265,9 @@ MODES: dict[str, Mode] = {
         ),
         _mode("p2p-batch-skip", {0}, {"send_recv_deadlock"}, _GH + "pytorch/PiPPy/issues/969"),
         _mode(
+            "p2p-isend-skip", {0}, {"send_recv_deadlock"}, _GH + "pytorch/pytorch/issues/109401"
+        ),
+        _mode(
             "p2p-slow-send",
             {0},
             {"straggler", "stalled"},  # the receiver waits for it: a victim on the way

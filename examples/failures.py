@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -186,7 +187,11 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     # its half; its neighbours' requests never complete while it waits in the all-reduce
     # (https://github.com/pytorch/PiPPy/issues/969)
     "p2p-batch-skip": (0, 20),
-    # healthy: both hand-offs, matched on every step
+    # PyTorch #109401 (interleaved isend and irecv hang) and Megatron's _p2p_ops: the same
+    # ring written with dist.isend and dist.irecv posted one by one, then waited for; rank 0
+    # does not post its half one step (https://github.com/pytorch/pytorch/issues/109401)
+    "p2p-isend-skip": (0, 20),
+    # healthy: every hand-off, matched on every step
     "healthy-p2p": (1, 0),
     "missing-rank": (2, 0),
     # PyTorch #53395 and #76069: each process picks a free port itself and sets MASTER_PORT
@@ -312,6 +317,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="metric-dtype: the faulty rank's metric dtype (float16: gloo aborts that rank)",
     )
     parser.add_argument(
+        "--p2p-subgroup",
+        action="store_true",
+        help="p2p-isend-skip: ranks 0 and 1 exchange on a group of their own, by group rank",
+    )
+    parser.add_argument(
         "--no-metric",
         action="store_true",
         help="skip the loss all-reduce: DDP's gradient all-reduce is the one collective a step",
@@ -386,6 +396,7 @@ def train(args: argparse.Namespace) -> int:
     model = Net(args.width, batchnorm=batchnorm)
     # every rank calls new_group, members or not
     pair = dist.new_group([0, 2]) if mode in ("subgroup-cascade", "healthy-subgroup") else None
+    p2p_pair = dist.new_group([0, 1]) if args.p2p_subgroup else None
     ddp = DistributedDataParallel(model)
     ddpwatch.attach(ddp)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
@@ -451,7 +462,7 @@ def train(args: argparse.Namespace) -> int:
             if mode in ("broadcast-src", "healthy-broadcast"):
                 broadcast_decision(args, me, faulty, step, metric)
             if mode.startswith("p2p-") or mode == "healthy-p2p":
-                hand_off(args, me, faulty and step == args.at, metric)
+                hand_off(args, me, faulty and step == args.at, metric, p2p_pair)
             if not accumulating:
                 optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -506,10 +517,14 @@ def synthetic(args: argparse.Namespace, me: int) -> Iterator[torch.Tensor]:
         yield torch.randn(args.batch, args.width, generator=generator)
 
 
-def hand_off(args: argparse.Namespace, me: int, skip: bool, metric: torch.Tensor) -> None:
+def hand_off(
+    args: argparse.Namespace, me: int, skip: bool, metric: torch.Tensor, pair: Any = None
+) -> None:
     """A pipeline's hand-off each step: rank 0 sends its targets to rank 1 with ``dist.send``
     (``p2p-skip-send``), or every rank passes its metric on round a ring with
-    ``batch_isend_irecv`` (``p2p-batch-skip``); ``healthy-p2p`` does both. ``skip``: this rank
+    ``batch_isend_irecv`` (``p2p-batch-skip``) or ``isend``/``irecv`` (``p2p-isend-skip``);
+    ``healthy-p2p`` does all three. ``pair``: ``p2p-isend-skip`` on a group of ranks 0 and 1
+    alone, peers given by their rank in it (``--p2p-subgroup``). ``skip``: this rank
     does not make its half this step (the send, or in ``p2p-skip-recv`` the receive)."""
     mode = args.mode
     if skip:
@@ -532,6 +547,24 @@ def hand_off(args: argparse.Namespace, me: int, skip: bool, metric: torch.Tensor
             dist.P2POp(dist.irecv, got, (me - 1) % world),
         ]
         for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    if mode == "p2p-isend-skip" and pair is not None:
+        if me in (0, 1) and not skip:
+            got = torch.empty_like(metric)
+            requests = [
+                dist.isend(metric.clone(), group=pair, group_dst=1 - me),
+                dist.irecv(got, group=pair, group_src=1 - me),
+            ]
+            for request in requests:
+                request.wait()
+    elif mode in ("p2p-isend-skip", "healthy-p2p") and not skip:
+        world = dist.get_world_size()
+        got = torch.empty_like(metric)
+        requests = [
+            dist.isend(metric.clone(), dst=(me + 1) % world),
+            dist.irecv(got, src=(me - 1) % world),
+        ]
+        for request in requests:
             request.wait()
 
 

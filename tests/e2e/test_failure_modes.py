@@ -327,8 +327,32 @@ def test_a_batch_isend_irecv_half_not_posted_names_the_rank_that_did_not_post_it
     assert set(scored.first.waiting) == {1, 2}, describe(result)
 
 
+def test_an_isend_irecv_half_not_posted_names_the_rank_that_did_not_post_it() -> None:
+    """PyTorch #109401's family (https://github.com/pytorch/pytorch/issues/109401: isend and
+    irecv posted one by one, then waited for, hang): the same ring as PiPPy #969's, written
+    with ``dist.isend``/``dist.irecv`` as Megatron's ``_p2p_ops`` posts them; at step 20 rank
+    0 posts neither, and rank 1, waiting for its receive, is a victim."""
+    result = assert_blames_only_the_culprit("p2p-isend-skip")
+    scored = score(result, MODES["p2p-isend-skip"])
+    assert scored.first is not None, describe(result)
+    assert "rank 1 waits in irecv from rank 0" in scored.first.message, describe(result)
+    assert "rank 0 did not make" in scored.first.message, describe(result)
+
+
+def test_an_isend_irecv_on_a_subgroup_by_group_rank_names_the_same_rank() -> None:
+    """The same family on a group of ranks 0 and 1 alone, peers given by their rank in it
+    (``group_dst``/``group_src``): rank 1 waits for rank 0 by its job rank; rank 2, which
+    has no part in the exchange, waits in DDP's all-reduce and is named by no one."""
+    result = assert_blames_only_the_culprit("p2p-isend-skip", "--p2p-subgroup")
+    scored = score(result, MODES["p2p-isend-skip"])
+    assert scored.first is not None, describe(result)
+    assert "rank 1 waits in" in scored.first.message and "rank 0" in scored.first.message
+    assert "rank 0 did not make" in scored.first.message, describe(result)
+
+
 def test_a_pipeline_hand_off_matched_every_step_raises_no_alert() -> None:
-    """The healthy twin: the same send/recv and ring exchange, matched on every step."""
+    """The healthy twin: the same send/recv and ring exchanges (``batch_isend_irecv``, and
+    ``isend``/``irecv`` one by one), matched on every step."""
     result = run("healthy-p2p")
     account = describe(result)
     assert result.returncode == 0, account

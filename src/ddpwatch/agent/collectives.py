@@ -79,9 +79,10 @@ reduce with a ``dst`` that differs on one rank finishes, with later work hanging
 (pytorch/pytorch#39706)."""
 PEER_AT = {"send": (1, "dst"), "recv": (1, "src")}
 """Where the blocking point-to-point ops take their peer (position, keyword; else
-``group_<keyword>``, its rank in the group) and, at position 3 or keyword ``tag``, their tag.
-``isend``/``irecv`` are not replaced: ``P2POp`` checks its op *is* torch's own function, so a
-wrapper would break every ``batch_isend_irecv`` built from it; that call is wrapped instead."""
+``group_<keyword>``, its rank in the group) and, at position 3 or keyword ``tag``, their tag."""
+POSTED_AT = {"isend": (1, "dst"), "irecv": (1, "src")}
+"""The same for the ops that post a request and return (``isend``, ``irecv``): wrapped by
+``PostedP2P``, which torch still takes for its own function (``P2POp``'s checks)."""
 FR_ENV = "TORCH_FR_BUFFER_SIZE"
 FR_DEFAULT_SIZE = "2000"
 FR_ON_BY_DEFAULT = (2, 13)  # torch releases from this one keep 2000 entries without the variable
@@ -104,13 +105,18 @@ class CollectiveWrappers:
 
     def install(self, dist: Any) -> None:
         self._dist = dist
-        for name in (*WRAPPED, *PEER_AT, "batch_isend_irecv"):
+        for name in (*WRAPPED, *PEER_AT, *POSTED_AT, "batch_isend_irecv"):
             original = getattr(dist, name, None)
             if original is None or getattr(original, "__ddpwatch__", False):
                 continue
             self._originals[name] = original
+            wrapper: Callable[..., Any]
             if name in PEER_AT:
                 wrapper = self._wrap_p2p(name, original)
+            elif name in POSTED_AT:
+                wrapper = PostedP2P(
+                    name, original, self._progress, self._global_rank, self._world_group
+                )
             elif name == "batch_isend_irecv":
                 wrapper = self._wrap_batch(original)
             else:
@@ -155,21 +161,21 @@ class CollectiveWrappers:
         ddpwatch_passthrough.__ddpwatch__ = True  # type: ignore[attr-defined]
         return ddpwatch_passthrough
 
+    def _global_rank(self, group: Any, group_peer: Any) -> Any:
+        """A peer given by its rank in ``group``, as the job's rank (None: unknown)."""
+        try:
+            return None if group_peer is None else self._dist.get_global_rank(group, group_peer)
+        except Exception:
+            return None
+
     def _wrap_p2p(self, name: str, torch_p2p: Callable[..., Any]) -> Callable[..., Any]:
         """A blocking ``send`` or ``recv``: in flight with its peer and tag while it runs, not
         counted (point-to-point calls are no collective every rank makes)."""
         progress = self._progress
         at, keyword = PEER_AT[name]
         in_group = f"group_{keyword}"
-        dist = self._dist
         world = self._world_group
-
-        def global_rank(group: Any, group_peer: Any) -> Any:
-            """A peer given by its rank in ``group``, as the job's rank (None: unknown)."""
-            try:
-                return None if group_peer is None else dist.get_global_rank(group, group_peer)
-            except Exception:
-                return None
+        global_rank = self._global_rank
 
         @functools.wraps(torch_p2p)
         def ddpwatch_passthrough(*args: Any, **kwargs: Any) -> Any:
@@ -196,25 +202,25 @@ class CollectiveWrappers:
         so the publisher can tell one still pending (``Progress.p2p_batch``). The requests
         are held weakly: the tensors they keep are the user's to free."""
         progress = self._progress
-        isend = getattr(self._dist, "isend", None)
-
         world = self._world_group
+        originals = self._originals
 
         @functools.wraps(torch_batch)
         def ddpwatch_passthrough(p2p_op_list: Any, *args: Any, **kwargs: Any) -> Any:
+            names = []
             try:
+                for op in p2p_op_list:
+                    if isinstance(op.op, PostedP2P):  # torch asks ``op.op is isend``
+                        op.op = op.op.__wrapped__
+                    names.append("isend" if op.op is originals.get("isend") else "irecv")
                 group = p2p_op_list[0].group
-                group = None if group is world() else group
-                progress.count_p2p(group, len(p2p_op_list))
+                progress.count_p2p(None if group is world() else group, len(p2p_op_list))
             except Exception:  # not a list of P2POp: torch says so, not ddpwatch
                 pass
             works = torch_batch(p2p_op_list, *args, **kwargs)  # ddpwatch only records the call
             try:
                 progress.note_p2p_batch(
-                    [
-                        ("isend" if op.op is isend else "irecv", op.peer, op.tag)
-                        for op in p2p_op_list
-                    ],
+                    [(name, op.peer, op.tag) for name, op in zip(names, p2p_op_list, strict=True)],
                     works,
                 )
             except Exception:  # not a list of P2POp as torch 2.13 builds them: not recorded
@@ -223,6 +229,67 @@ class CollectiveWrappers:
 
         ddpwatch_passthrough.__ddpwatch__ = True  # type: ignore[attr-defined]
         return ddpwatch_passthrough
+
+
+class PostedP2P:
+    """``isend`` or ``irecv``, recorded: each request it returns joins the ones the rank
+    posted since it last moved (``Progress.note_p2p_posted``; Megatron posts its sends and
+    receives one by one, then waits for them all), reported once one stays pending while
+    the rank waits, as a ``batch_isend_irecv``'s are.
+
+    A plain function would break torch: ``P2POp`` accepts only ``op in [isend, irecv]``, so
+    this object equals (and hashes as) the function it wraps; ``batch_isend_irecv`` asks
+    ``op.op is isend``, so its wrapper hands torch the function itself, and a batch made
+    without it (torch's own, imported before ``attach``) calls this one with the receive's
+    ``group_src`` for a send, which is taken as ``group_dst``."""
+
+    __ddpwatch__ = True
+
+    def __init__(
+        self,
+        name: str,
+        original: Callable[..., Any],
+        progress: Progress,
+        global_rank: Callable[[Any, Any], Any],
+        world: Callable[[], Any],
+    ) -> None:
+        functools.update_wrapper(self, original)
+        self.__wrapped__: Callable[..., Any] = original
+        self._name = name
+        self._at, self._keyword = POSTED_AT[name]
+        self._other = "group_src" if name == "isend" else "group_dst"
+        self._progress = progress
+        self._global_rank = global_rank
+        self._world = world
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or other is self.__wrapped__
+
+    def __hash__(self) -> int:
+        return hash(self.__wrapped__)
+
+    def __repr__(self) -> str:
+        return f"<ddpwatch-recorded {self.__wrapped__!r}>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._other in kwargs and f"group_{self._keyword}" not in kwargs:
+            kwargs[f"group_{self._keyword}"] = kwargs.pop(self._other)
+        given = len(args)
+        peer = args[self._at] if self._at < given else kwargs.get(self._keyword)
+        group = args[2] if given > 2 else kwargs.get("group")
+        if peer is None and group is not None:
+            peer = self._global_rank(group, kwargs.get(f"group_{self._keyword}"))
+        tag = args[3] if given > 3 else kwargs.get("tag", 0)
+        progress = self._progress
+        group = None if group is self._world() else group
+        progress.count_p2p(group)
+        work = self.__wrapped__(*args, **kwargs)  # ddpwatch only records the call
+        if work is not None:
+            try:
+                progress.note_p2p_posted(self._name, peer, tag, work)
+            except Exception:  # a request that cannot be referenced weakly: not recorded
+                pass
+        return work
 
 
 class _Recorded:

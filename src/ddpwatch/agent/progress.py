@@ -34,6 +34,9 @@ REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_
 P2P_PENDING_S = 1.0
 """How old a ``batch_isend_irecv`` request must be, not completed, before the rank counts as
 waiting in it (a pipeline stage's receive completes within its peer's micro-batch)."""
+P2P_POSTED_KEPT = 64
+"""Requests of ``isend``/``irecv`` kept between two moves of the rank (a pipeline schedule
+posts a few a micro-batch; the first ones pending are what a wait is for)."""
 DRAWN_KEPT = 8  # DataLoader iterators counted at once (training, evaluation, a new epoch's)
 _FORWARD: Final = Phase.FORWARD  # a global: an Enum member off its class is slower (hooks.py)
 _EVALUATION: Final = Phase.EVALUATION
@@ -321,6 +324,21 @@ class Progress:
         """A ``batch_isend_irecv`` posted ``ops`` and returned ``works`` (its requests)."""
         refs = [weakref.ref(work) for work in works] if works else []
         self.p2p_batch = (time.perf_counter(), ops, refs)
+
+    def note_p2p_posted(self, op: str, peer: Any, tag: Any, work: Any) -> None:
+        """An ``isend``/``irecv`` posted alone returned ``work``: it joins the requests posted
+        since the rank last moved (a new tuple each time: the publisher reads it whole), up
+        to ``P2P_POSTED_KEPT``; else it starts a new set."""
+        ref = weakref.ref(work)
+        now = time.perf_counter()
+        batch = self.p2p_batch
+        if batch is not None:
+            posted, ops, refs = batch
+            still = max(self.last_progress, self.phase_changed) <= posted
+            if still and len(ops) == len(refs) and len(ops) < P2P_POSTED_KEPT:
+                self.p2p_batch = (posted, [*ops, (op, peer, tag)], [*refs, ref])
+                return
+        self.p2p_batch = (now, [(op, peer, tag)], [ref])
 
     def exit_collective(self, failed: bool = False) -> None:
         if failed and self.collective_depth == 1 and self.failed_collective is None:
