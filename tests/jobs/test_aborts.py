@@ -3,8 +3,12 @@ runtime writes for an exception nothing caught, as gloo and NCCL end ranks with 
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 from ddpwatch.core.boxreader import BackendAbort
 from ddpwatch.jobs.aborts import AbortLines
+from ddpwatch.jobs.output import LogFollower, OutputTail
 
 GLOO = [
     "terminate called after throwing an instance of 'gloo::EnforceNotMet'",
@@ -46,3 +50,23 @@ def test_a_terminate_line_without_its_what_soon_after_is_no_abort() -> None:
     assert read(lines) == []
     assert read(["  what():  something without a terminate line"]) == []
     assert len(read(GLOO + GLOO)) == 2
+
+
+def test_the_dashboards_log_is_followed_as_the_job_writes_it(tmp_path: Path) -> None:
+    """Under ``run --tui`` the job writes its output to a log itself; a follower reads it as
+    it grows, so a C++ abort's words reach the box reader there too, lines cut across
+    writes joined, and the last bytes read when it stops."""
+    log = tmp_path / "ddpwatch-run-1.log"
+    seen: list[BackendAbort] = []
+    with open(log, "wb", buffering=0) as job:
+        follower = LogFollower(str(log), OutputTail(on_line=AbortLines(seen.append).feed), 0.01)
+        job.write(b"step 1\n" + GLOO[0].encode() + b"\n  what():  [enforce fail")
+        deadline = time.monotonic() + 5
+        while follower.tail.lines()[:2] != ["step 1", GLOO[0]]:
+            assert time.monotonic() < deadline, follower.tail.lines()
+            time.sleep(0.01)
+        job.write(GLOO[1].encode()[len("  what():  [enforce fail") :] + b"\n")
+        follower.stop()
+    assert [(a.type, a.rank) for a in seen] == [("gloo::EnforceNotMet", None)]
+    assert "Received data size doesn't match" in seen[0].message
+    LogFollower(str(tmp_path / "gone.log"), OutputTail()).stop()  # no file: nothing, no error

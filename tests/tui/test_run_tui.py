@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, free_port_pair
+from conftest import EXAMPLES, SCRIPTS, free_port_pair
 from terminal import Terminal
 
 
@@ -64,6 +64,33 @@ def test_run_tui_says_when_the_job_fails_to_start() -> None:
         assert terminal.wait_exit() == 1
     finally:
         terminal.close()
+
+
+@pytest.mark.e2e
+def test_run_tui_tells_a_gloo_abort_in_the_backends_own_words(tmp_path: Path) -> None:
+    """Issue #34: under ``run --tui`` the job's output goes to a log, not through ddpwatch;
+    the log is followed, so a rank gloo aborts from C++ (pytorch/pytorch#150248's dtype
+    mismatch) is told as crashed with gloo's exception and SIGABRT, from its black box."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(TMPDIR=str(tmp_path), DDPWATCH_BOX_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    command = [
+        sys.executable, "-m", "ddpwatch", "run", "--tui", "--no-record", "--",
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3",
+        "--master-addr=127.0.0.1", f"--master-port={free_port_pair()}",
+        str(EXAMPLES / "failures.py"), "--mode", "metric-dtype",
+    ]  # fmt: skip
+    terminal = Terminal(command, env)
+    try:
+        terminal.wait_for("job exited 1", timeout=120)
+        terminal.press("q")
+        assert terminal.wait_exit(timeout=60) == 1
+        err = bytes(terminal.raw).decode(errors="replace").replace("\r\n", "\n")
+    finally:
+        terminal.close()
+    summary = err[err.index("── summary") :]
+    ranks = next(line for line in summary.splitlines() if "ranks:" in line)
+    assert "crashed (gloo::EnforceNotMet), SIGABRT" in ranks, summary
+    assert "rank 1 made collective calls that did not match the others'" in summary, summary
 
 
 def test_the_output_screen_follows_a_file_in_whole_lines(tmp_path: Path) -> None:

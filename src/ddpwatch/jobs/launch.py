@@ -35,7 +35,7 @@ from ddpwatch.jobs.aborts import AbortLines
 from ddpwatch.jobs.emphasis import mark_for
 from ddpwatch.jobs.ending import ChangePrinter, Stops, job_end
 from ddpwatch.jobs.failure import not_started_reason, why_not_started
-from ddpwatch.jobs.output import OutputTail, StderrTee, tail_of_file
+from ddpwatch.jobs.output import LogFollower, OutputTail, StderrTee, tail_of_file
 from ddpwatch.jobs.stop import stop_job
 from ddpwatch.outputs.notify import Notifier, chain
 from ddpwatch.outputs.summary import print_summary
@@ -101,9 +101,12 @@ def run_command(
         output.close()  # the job holds its own copy
         if job is None:
             return 127
+        aborts = AbortLines(server.boxes.note_abort)
+        follower = LogFollower(log_path, OutputTail(on_line=aborts.feed))
         try:
-            return _with_dashboard(server, job, log_path, bell, record)
+            return _with_dashboard(server, job, log_path, bell, record, follower)
         finally:
+            follower.stop()
             if notify is not None:
                 notify.close()
     tee = StderrTee(tail=OutputTail(on_line=AbortLines(server.boxes.note_abort).feed))
@@ -372,12 +375,14 @@ def _with_dashboard(
     log_path: str,
     bell: bool = True,
     record: str | None = None,
+    follower: LogFollower | None = None,
 ) -> int:
     """The dashboard owns the terminal; the job's output goes to a file, which ``o`` follows
-    (each rank's own tail also reaches its detail pane through its agent). The header shows
-    whether the job still runs; quitting the dashboard stops it, unless the user detaches.
-    The server runs on until the job stopped that way has said how it ended: a job the user
-    stopped is told as stopped by them, not as one still running when the watch ended."""
+    (each rank's own tail also reaches its detail pane through its agent) and ``follower``
+    reads for the backends' C++ aborts. The header shows whether the job still runs;
+    quitting the dashboard stops it, unless the user detaches. The server runs on until the
+    job stopped that way has said how it ended: a job the user stopped is told as stopped by
+    them, not as one still running when the watch ended."""
     from ddpwatch.tui.app import show_dashboard
     from ddpwatch.tui.data.sources import JobSource
     from ddpwatch.tui.screens.quit import detached_message
@@ -392,6 +397,8 @@ def _with_dashboard(
                 if job.poll() is None:  # "Stop the job": it did not end by itself
                     stops.ask(JobStop.DASHBOARD)
                 stop_job(job)
+                if follower is not None:
+                    follower.stop()  # the job's last lines read, before its end is told
                 _settle(server)
                 _tell_the_end(server, job.returncode, tail_of_file(log_path), stops)
                 server.tick()

@@ -251,3 +251,39 @@ def _copy_window_size(source: int, pty_fd: int) -> None:
         fcntl.ioctl(pty_fd, termios.TIOCSWINSZ, size)
     except (ImportError, OSError):
         pass
+
+
+class LogFollower:
+    """Reads a file the job writes as it grows (``ddpwatch run --tui``: the dashboard owns the
+    terminal, the job's output goes to a log) and feeds it to ``tail``, on a thread of its own.
+
+    Not a pipe between the job and the file: the job writes to the file itself, so it never
+    waits on ddpwatch, and a job the user detaches from keeps writing where it did after
+    ddpwatch has exited. The cost is ``interval`` of delay, well inside what reads it live
+    (a C++ abort's message, paired with a black box within seconds: ``core/boxreader.py``)."""
+
+    def __init__(self, path: str, tail: OutputTail, interval: float = 0.2) -> None:
+        self.tail = tail
+        self._path = path
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ddpwatch-job-log", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Read what is left, then stop."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            with open(self._path, "rb") as log:
+                while True:
+                    stopping = self._stop.is_set()
+                    while data := log.read(CHUNK):
+                        self.tail.feed(data)
+                    if stopping:
+                        return
+                    self._stop.wait(self._interval)
+        except OSError:
+            return  # the log went away: nothing more to follow
