@@ -21,6 +21,7 @@ from ddpwatch.commands import (
     replay,
     report,
     run,
+    schema,
     serve,
     status,
     top,
@@ -56,6 +57,7 @@ COMMANDS: tuple[Command, ...] = (
     replay,
     report,
     doctor,
+    schema,
 )
 
 

@@ -31,6 +31,7 @@ from ddpwatch.status.schema import (
     PageInfo,
     PageReply,
     RankEntry,
+    Refused,
     Summary,
     SummaryPageInfo,
     SummaryReply,
@@ -42,7 +43,7 @@ CACHED_REPLIES = 32  # per tick: a few viewers' pages and summaries
 
 def error_reply(message: str) -> bytes:
     """The reply to a request the server cannot answer: ``{"error": "<one line>"}``."""
-    return msgspec.json.encode({"error": one_line(message, 200)})
+    return msgspec.json.encode(Refused(one_line(message, 200)))
 
 
 # ------------------------------------------------------------------------------ the tick's view

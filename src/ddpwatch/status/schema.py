@@ -40,6 +40,7 @@ __all__ = [
     "PreviousAlert",
     "RankEntry",
     "RankError",
+    "Refused",
     "RelayEntry",
     "ReplayInfo",
     "Stats",
@@ -320,3 +321,10 @@ class SummaryReply(StatusDocument, kw_only=True):
     summary: Summary
     page: SummaryPageInfo
     scope: Summary | UnsetType = UNSET
+
+
+class Refused(msgspec.Struct, gc=False):
+    """The reply to a request the server cannot answer (a bad query, an unknown view): its
+    reason in one line."""
+
+    error: str
