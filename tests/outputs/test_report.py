@@ -14,6 +14,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from conftest import ROOT, Recording
 
@@ -21,6 +22,7 @@ from ddpwatch.core.protocol import ErrorInfo, Event, Sample, encode
 from ddpwatch.outputs.postmortem import SERIES_POINTS, TIMES, load_run
 from ddpwatch.server.recording import MAGIC, Recorder
 from ddpwatch.server.replay import replay_to_end
+from ddpwatch.status.contract import schema_text
 
 pytestmark = pytest.mark.xdist_group("report")  # one worker: its module fixture
 
@@ -217,6 +219,7 @@ def test_json_report_has_every_ranks_series(runs: tuple[Path, Path]) -> None:
     assert culprit["alerts"][0]["kind"] == "crashed"
     assert [e["alert"]["kind"] for e in data["status"]["history"]] == ["crashed"]
     assert data["undecodable_frames"] == 0 and data["tail_bytes"] == 0
+    jsonschema.validate(data, json.loads(schema_text("report")))  # the published contract
 
 
 def test_output_file(runs: tuple[Path, Path], tmp_path: Path) -> None:

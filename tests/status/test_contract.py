@@ -106,3 +106,36 @@ def test_ddpwatch_schema_prints_the_shipped_schema() -> None:
         [sys.executable, "-m", "ddpwatch", "schema"], capture_output=True, text=True, check=True
     )
     assert [line.split()[0] for line in listing.stdout.splitlines()] == list(DOCUMENTS)
+
+
+def _fields(cls: type) -> dict[str, str]:
+    """A dataclass's or a Struct's fields and their types, as written (tuples as lists)."""
+    import dataclasses
+
+    import msgspec
+
+    if dataclasses.is_dataclass(cls):
+        found = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    else:
+        found = {f.name: str(f.type) for f in msgspec.structs.fields(cls)}  # type: ignore[arg-type]
+    return {
+        name: kind.replace("tuple[", "list[").replace(", ...]", "]").replace("<class '", "")
+        .replace("'>", "")
+        for name, kind in found.items()
+    }
+
+
+def test_the_reports_episodes_time_lost_and_ranks_carry_what_the_diagnosis_keeps() -> None:
+    """The report's Structs declare the fields of the figures they are filled from once
+    more (the diagnosis keeps dataclasses): the same names, the same types, so a field added
+    to one and not the other fails here rather than vanish from the JSON."""
+    from ddpwatch.diagnosis.episodes import Episode
+    from ddpwatch.diagnosis.figures import Lost
+    from ddpwatch.outputs.postmortem import RankStats
+    from ddpwatch.status.report_schema import ReportEpisode, ReportLost, ReportRank
+
+    assert _fields(ReportEpisode) == _fields(Episode)
+    lost = _fields(ReportLost)
+    assert (lost.pop("rank"), lost.pop("seconds")) == ("int", "float")  # Lost's properties
+    assert lost == _fields(Lost)
+    assert _fields(ReportRank) == _fields(RankStats)

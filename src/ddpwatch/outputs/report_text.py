@@ -22,8 +22,18 @@ from ddpwatch.outputs.postmortem import (
     ratio,
 )
 from ddpwatch.status.fmt import duration, elapsed, iso_time, report_bytes, step_seconds
+from ddpwatch.status.report_schema import (
+    REPORT_SCHEMA,
+    ReportAlert,
+    ReportAttempt,
+    ReportCulprit,
+    ReportDocument,
+    ReportEpisode,
+    ReportHint,
+    ReportLost,
+    ReportRank,
+)
 
-REPORT_SCHEMA = 1
 TABLE_ROWS = 256  # ranks listed in a table; the JSON has them all
 CULPRITS_SHOWN = 16  # an alert about every rank (all stalled) must not print 8,192 stacks
 SPARK = "▁▂▃▄▅▆▇█"
@@ -344,22 +354,12 @@ def _dump(data: dict[str, Any]) -> str:
 
 
 def _stats(stats: RankStats | None) -> dict[str, Any] | None:
-    if stats is None:
-        return None
-    return {
-        "rank": stats.rank,
-        "host": stats.host,
-        "state": stats.state,
-        "steps": stats.steps,
-        "median_step_time_s": stats.median_step_time_s,
-        "peak_mem_bytes": stats.peak_mem_bytes,
-        "alerts": list(stats.alerts),
-    }
+    return None if stats is None else msgspec.to_builtins(_rank(stats))
 
 
 def run_data(report: RunReport) -> dict[str, Any]:
-    """The report as plain data: what ``to_json`` writes."""
-    series = {
+    """The report as plain data: what ``to_json`` writes (``status/report_schema.py``)."""
+    series: dict[str, dict[str, int | list[list[float]]]] = {
         str(rank): {
             "samples": s.samples,
             **{
@@ -370,48 +370,62 @@ def run_data(report: RunReport) -> dict[str, Any]:
         for rank, s in sorted(report.series.items())
     }
     run = report.run
-    return {
-        "report": REPORT_SCHEMA,
-        "file": report.path,
-        "verdict": run.text,
-        "summary": report.summary,
-        "notes": report.notes(),
-        "duration_s": report.duration_s,
-        "t0": report.t0,
-        "frames": report.frames,
-        "undecodable_frames": report.undecodable,
-        "tail_bytes": report.tail_bytes,
-        "sessions": report.sessions,
-        "median_step_time_s": report.median_step_time_s,
-        "slowest_step_time_s": report.slowest_step_time_s,
-        "peak_mem_bytes": report.peak_mem_bytes,
-        "ranks": [_stats(r) for r in report.ranks],
-        "culprits": [
-            {
-                "rank": c.rank,
-                "state": c.state,
-                "step": c.step,
-                "alerts": [
-                    {"kind": a.kind, "severity": a.severity, "message": a.message, "hint": a.hint}
-                    for a in c.alerts
-                ],
-                "error": None if c.error is None else msgspec.to_builtins(c.error),
-                "stack": c.stack,
-                "log_tail": list(c.log_tail),
-            }
+    document = ReportDocument(
+        file=report.path,
+        verdict=run.text,
+        summary=report.summary,
+        notes=report.notes(),
+        duration_s=report.duration_s,
+        t0=report.t0,
+        frames=report.frames,
+        undecodable_frames=report.undecodable,
+        tail_bytes=report.tail_bytes,
+        sessions=report.sessions,
+        median_step_time_s=report.median_step_time_s,
+        slowest_step_time_s=report.slowest_step_time_s,
+        peak_mem_bytes=report.peak_mem_bytes,
+        ranks=[_rank(r) for r in report.ranks],
+        culprits=[
+            ReportCulprit(
+                rank=c.rank,
+                state=c.state,
+                step=c.step,
+                alerts=[ReportAlert(a.kind, a.severity, a.message, a.hint) for a in c.alerts],
+                error=c.error,
+                stack=c.stack,
+                log_tail=list(c.log_tail),
+            )
             for c in report.culprits
         ],
-        "hints": [{"kind": kind, "hint": hint} for kind, hint in report.hints()],
-        "episodes": [asdict(e) for e in run.episodes],
+        hints=[ReportHint(kind, hint) for kind, hint in report.hints()],
+        episodes=[ReportEpisode(**_listed(asdict(e))) for e in run.episodes],
         # the summary's own accounts (``figures``); ``rank`` and ``seconds`` as before
-        "time_lost": [
-            {**asdict(lost), "rank": lost.rank, "seconds": lost.seconds}
+        time_lost=[
+            ReportLost(**_listed(asdict(lost)), rank=lost.rank, seconds=lost.seconds)
             for lost in run.figures.lost
         ],
-        "attempts": [{"attempt": a.attempt, "verdict": a.text} for a in run.accounts],
-        "series": series,
-        "status": msgspec.to_builtins(report.document),
-    }
+        attempts=[ReportAttempt(a.attempt, a.text) for a in run.accounts],
+        series=series,
+        status=report.document,
+    )
+    return msgspec.to_builtins(document)  # type: ignore[no-any-return]
+
+
+def _rank(stats: RankStats) -> ReportRank:
+    return ReportRank(
+        stats.rank,
+        stats.host,
+        stats.state,
+        stats.steps,
+        stats.median_step_time_s,
+        stats.peak_mem_bytes,
+        list(stats.alerts),
+    )
+
+
+def _listed(fields: dict[str, Any]) -> dict[str, Any]:
+    """A dataclass's fields with its tuples as lists, as the Structs declare them."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
 
 
 def to_json(report: RunReport) -> str:

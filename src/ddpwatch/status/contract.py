@@ -1,6 +1,7 @@
 """The published contract: a JSON Schema for each JSON document ddpwatch writes for other tools.
 
-Generated from the Structs the server encodes with (``status/schema.py``), so the schema and
+Generated from the Structs the server encodes with (``status/schema.py``, and the report's
+``status/report_schema.py``), so the schema and
 the bytes cannot drift: ``msgspec.json.schema`` gives the shapes; what it cannot know from a
 Struct is which keys ddpwatch always writes (a field has a default so that a document from an
 older server still decodes), so ``required`` is set here from the contract's own rule: every
@@ -26,7 +27,7 @@ from typing import Any, Final
 import msgspec
 from msgspec import UNSET
 
-from ddpwatch.status import schema
+from ddpwatch.status import report_schema, schema
 
 DRAFT: Final = "https://json-schema.org/draft/2020-12/schema"
 ID_BASE: Final = "urn:ddpwatch:schema:"
@@ -52,6 +53,11 @@ DOCUMENTS: Final[dict[str, tuple[type[msgspec.Struct], str]]] = {
         schema.HistoryEntry,
         "One alert change: a line of `serve --headless`, `run`, `demo --headless` and "
         "`replay`, and an entry of the status document's `history`.",
+    ),
+    "report": (
+        report_schema.ReportDocument,
+        "The post-mortem of a recording: `ddpwatch report --format json FILE` "
+        "(docs/recording.md).",
     ),
 }
 """Each published document: its name, the Struct it is encoded from, what writes it."""
@@ -92,9 +98,10 @@ def schema_text(name: str) -> str:
 def _structs() -> dict[str, type[msgspec.Struct]]:
     """The Structs a schema's ``$defs`` name, by name."""
     found: dict[str, type[msgspec.Struct]] = {}
-    for value in vars(schema).values():
-        if isinstance(value, type) and issubclass(value, msgspec.Struct):
-            found[value.__name__] = value
+    for module in (schema, report_schema):
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, msgspec.Struct):
+                found[value.__name__] = value
     return found
 
 
