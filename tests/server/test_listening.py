@@ -31,7 +31,7 @@ from ddpwatch.core.protocol import Collective, CollectiveCounts, Sample, encode
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.facts.ranks import rank_state
 from ddpwatch.diagnosis.rules import diagnose
-from ddpwatch.server.collector import RECV_BATCH, Collector, PauseWatch
+from ddpwatch.server.collector import PAUSE_S, RECV_BATCH, Collector, PauseWatch
 from ddpwatch.server.document import status_document
 from ddpwatch.server.state import ServerState
 
@@ -248,10 +248,12 @@ def test_pause_watch_tells_a_pause_from_work_and_from_waiting() -> None:
     assert watch.paused(idle_s=0.0)
     time.sleep(1.3)
     assert not watch.paused(idle_s=1.3)  # the same time, asked for
-    end = time.process_time() + 0.3
-    while time.process_time() < end:  # busy, not paused
+    wall, cpu = time.time(), time.process_time()
+    while time.process_time() < cpu + 1.3:  # busy longer than PAUSE_S: work, not a pause
         pass
-    assert not watch.paused(idle_s=0.0)
+    starved = (time.time() - wall) - (time.process_time() - cpu)  # waiting for a core
+    # on a loaded host, time spent waiting for a core is a pause too (by design)
+    assert watch.paused(idle_s=0.0) == (starved > PAUSE_S)
 
 
 # --- a real server, stopped and continued -----------------------------------------------------

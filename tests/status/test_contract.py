@@ -126,16 +126,17 @@ def _fields(cls: type) -> dict[str, str]:
 
 
 def test_the_reports_episodes_time_lost_and_ranks_carry_what_the_diagnosis_keeps() -> None:
-    """The report's Structs declare the fields of the figures they are filled from once
-    more (the diagnosis keeps dataclasses): the same names, the same types, so a field added
-    to one and not the other fails here rather than vanish from the JSON."""
+    """The report's and the document's Structs declare the fields of the figures they are
+    filled from once more (the diagnosis keeps dataclasses): the same names, the same types,
+    so a field added to one and not the other fails here rather than vanish from the JSON."""
     from ddpwatch.diagnosis.episodes import Episode
     from ddpwatch.diagnosis.figures import Lost
     from ddpwatch.outputs.postmortem import RankStats
-    from ddpwatch.status.report_schema import ReportEpisode, ReportLost, ReportRank
+    from ddpwatch.status.report_schema import ReportEpisode, ReportRank
+    from ddpwatch.status.schema import TimeLost
 
     assert _fields(ReportEpisode) == _fields(Episode)
-    lost = _fields(ReportLost)
+    lost = _fields(TimeLost)
     assert (lost.pop("rank"), lost.pop("seconds")) == ("int", "float")  # Lost's properties
     assert lost == _fields(Lost)
     assert _fields(ReportRank) == _fields(RankStats)

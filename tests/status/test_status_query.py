@@ -33,7 +33,7 @@ pytestmark = pytest.mark.xdist_group("status_query")  # one worker: its module f
 
 CONTRACT_KEYS = [
     "schema", "server_time", "world_size", "ranks", "alerts", "stats", "history", "job_started",
-    "relays", "attempt", "attempts",
+    "relays", "attempt", "attempts", "verdict",
 ]  # fmt: skip
 WORLD = 14  # ranks 0-11 report; 12 and 13 never do
 HOSTS = {**dict.fromkeys(range(4), "node-a"), **dict.fromkeys(range(4, 8), "node-b")}

@@ -29,7 +29,7 @@ from ddpwatch.core.vocabulary import AlertKind, RankState
 from ddpwatch.diagnosis.episodes import Episode, episodes
 from ddpwatch.diagnosis.text import format_ranks
 from ddpwatch.status.fmt import duration, step_seconds
-from ddpwatch.status.schema import StatusDocument
+from ddpwatch.status.schema import StatusDocument, TimeLost
 
 HOLDING = frozenset(
     {
@@ -68,6 +68,21 @@ class Lost:
     def seconds(self) -> float:
         """Every second the others waited for it."""
         return self.held_s + (self.slowed_s or 0.0)
+
+    def entry(self) -> TimeLost:
+        """The account as the status document and the report write it."""
+        return TimeLost(
+            ranks=list(self.ranks),
+            waiting=list(self.waiting),
+            times=self.times,
+            held_s=self.held_s,
+            phases=list(self.phases),
+            stopped=self.stopped,
+            slow_s=self.slow_s,
+            slowed_s=self.slowed_s,
+            rank=self.rank,
+            seconds=self.seconds,
+        )
 
 
 def time_lost(found: Sequence[Episode], end_s: float) -> list[Lost]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ddpwatch.core.protocol import ErrorInfo
 from ddpwatch.core.vocabulary import AlertKind, RankState, Severity
@@ -38,9 +38,11 @@ from ddpwatch.diagnosis.text import format_ranks
 from ddpwatch.status.fmt import duration, elapsed
 from ddpwatch.status.order import severity_level
 from ddpwatch.status.schema import (
+    AttemptVerdict,
     RankEntry,
     RankError,
     StatusDocument,
+    Verdict,
 )
 
 ENDINGS = frozenset({AlertKind.CRASHED, AlertKind.EXITED, AlertKind.SILENT})
@@ -61,9 +63,9 @@ held_up_text = lost_text
 # ------------------------------------------------------------------------------ the verdict
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """How one rank's process ended, in words, and whether that is a failure."""
+class Outcome(NamedTuple):
+    """How one rank's process ended, in words, and whether that is a failure (a tuple: one
+    is made per rank each time a document is judged, 65,536 at a time)."""
 
     rank: int
     word: str  # finished, crashed, exited, killed, stopped, silent, running, absent, held,
@@ -140,10 +142,13 @@ def judge(
     *,
     stop: Stop | None = None,
     not_started: str | None = None,
+    live: bool = False,
 ) -> Account:
     """One attempt's verdict from its ranks' endings and its alert episodes. ``stop``: the
     user stopped the job (``job_end.py``): what ended and what was raised after it is the
-    stop's doing. ``not_started``: why the job never started, where no rank reported."""
+    stop's doing. ``not_started``: why the job never started, where no rank reported.
+    ``live``: judged while the watch goes on (the status document's own ``verdict``), so a
+    rank still running "is running", not "was still running when the watch ended"."""
     outcomes = {o.rank: o for o in map(outcome, ranks)}
     if stop is not None:
         found = [e for e in found if stop.at_s is None or e.raised_s < stop.at_s]
@@ -158,7 +163,7 @@ def judge(
     if ending is not None:
         parts.append(_ending_text(ending, outcomes, found, ranks, stop))
     else:
-        parts.append(_no_failure_text(seen, found, stop))
+        parts.append(_no_failure_text(seen, found, stop, live))
     steps = {r.rank: _first_bad(r) for r in ranks}
     before = _other_problems(found, held, ending, run_s, end_s, steps)
     if before:
@@ -371,7 +376,9 @@ def _were(ranks: list[int]) -> str:
     return "was" if len(ranks) == 1 else "were"
 
 
-def _no_failure_text(seen: list[Outcome], found: Sequence[Episode], stop: Stop | None) -> str:
+def _no_failure_text(
+    seen: list[Outcome], found: Sequence[Episode], stop: Stop | None, live: bool = False
+) -> str:
     words = {o.word for o in seen}
     if "interrupted" in words and stop is not None:
         text = stop.passive
@@ -382,10 +389,14 @@ def _no_failure_text(seen: list[Outcome], found: Sequence[Episode], stop: Stop |
     if words == {"finished"}:
         return "the job finished: every rank exited 0" if len(seen) > 1 else "the job finished"
     if "running" in words:
-        live = [o.rank for o in seen if o.word == "running"]
-        if len(live) == len(seen):
+        running = [o.rank for o in seen if o.word == "running"]
+        if live:
+            if len(running) == len(seen):
+                return "the job is running"
+            return f"{format_ranks(running)} {'is' if len(running) == 1 else 'are'} running"
+        if len(running) == len(seen):
             return "the job was still running when the watch ended"
-        return f"{format_ranks(live)} {_were(live)} still running when the watch ended"
+        return f"{format_ranks(running)} {_were(running)} still running when the watch ended"
     stopped = [o.rank for o in seen if o.word == "stopped"]
     text = f"the job was stopped from outside ({format_ranks(stopped)})"
     finished = [o.rank for o in seen if o.word == "finished"]
@@ -509,8 +520,21 @@ class Run:
         return " · ".join(f"attempt {a.attempt} of {total}: {a.text}" for a in self.accounts)
 
 
-def read_run(document: StatusDocument) -> Run:
-    """Judge every attempt the document holds (the current one from ``ranks``)."""
+def verdict_entry(run: Run) -> Verdict:
+    """The run judged, as the status document's ``verdict`` writes it."""
+    return Verdict(
+        text=run.text,
+        named=sorted(run.accounts[-1].named),
+        attempts=[AttemptVerdict(a.attempt, a.text, sorted(a.named)) for a in run.accounts],
+        run_s=None if run.figures.run_s is None else round(run.figures.run_s, 3),
+        median_step_s=run.figures.median_step_s,
+        time_lost=[lost.entry() for lost in run.figures.lost],
+    )
+
+
+def read_run(document: StatusDocument, *, live: bool = False) -> Run:
+    """Judge every attempt the document holds (the current one from ``ranks``); ``live``:
+    as of the document, the watch going on (``judge``)."""
     told = figures(document)
     found, run_s, end_s = list(told.episodes), told.run_s, told.end_s
     started = math.nan if document.job_started is None else document.job_started
@@ -534,6 +558,7 @@ def read_run(document: StatusDocument) -> Run:
             current,
             stop=stop_of(document),
             not_started=not_started_of(document),
+            live=live,
         )
     )
     return Run(tuple(accounts), run_s, tuple(found), told)

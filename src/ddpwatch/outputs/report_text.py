@@ -30,7 +30,6 @@ from ddpwatch.status.report_schema import (
     ReportDocument,
     ReportEpisode,
     ReportHint,
-    ReportLost,
     ReportRank,
 )
 
@@ -400,10 +399,7 @@ def run_data(report: RunReport) -> dict[str, Any]:
         hints=[ReportHint(kind, hint) for kind, hint in report.hints()],
         episodes=[ReportEpisode(**_listed(asdict(e))) for e in run.episodes],
         # the summary's own accounts (``figures``); ``rank`` and ``seconds`` as before
-        time_lost=[
-            ReportLost(**_listed(asdict(lost)), rank=lost.rank, seconds=lost.seconds)
-            for lost in run.figures.lost
-        ],
+        time_lost=[lost.entry() for lost in run.figures.lost],
         attempts=[ReportAttempt(a.attempt, a.text) for a in run.accounts],
         series=series,
         status=report.document,

@@ -58,14 +58,17 @@ def summary_lines(document: StatusDocument, recording: str | None = None) -> lis
 
 def verdict(document: StatusDocument) -> str:
     """One sentence (one per attempt, joined): what ended the job, or that it finished or
-    was still running; then who held the others up and for how long, and the other errors
-    (``diagnosis/verdict.py``)."""
-    return read_run(document).text
+    is running; then who held the others up and for how long, and the other errors: the
+    document's own ``verdict`` (the server judged it), judged here only from a document
+    that holds none (an older server's)."""
+    told = document.verdict
+    return told.text if told is not None else read_run(document).text
 
 
 def run_seconds(document: StatusDocument) -> float | None:
     """How long the run lasted (``figures``): what the summary's "ran ..." says."""
-    return read_run(document).figures.run_s
+    told = document.verdict
+    return told.run_s if told is not None else read_run(document).figures.run_s
 
 
 def figures_lines(document: StatusDocument) -> list[str]:

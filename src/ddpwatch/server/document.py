@@ -10,6 +10,7 @@ from ddpwatch.core.vocabulary import RankState
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.facts.census import effective_stall_after
 from ddpwatch.diagnosis.facts.ranks import rank_state
+from ddpwatch.diagnosis.verdict import read_run, verdict_entry
 from ddpwatch.server.host_memory import growth
 from ddpwatch.server.records import RankRecord
 from ddpwatch.server.relays import relay_entry
@@ -169,7 +170,9 @@ def status_document(
             ranks + [missing_entry(r, world_size) for r in missing], key=lambda e: e.rank
         )
     attempts = [_past_attempt(past, now, state) for past in state.past_attempts]
-    return document_around(ranks, state, alerts, now, history, attempts)
+    document = document_around(ranks, state, alerts, now, history, attempts)
+    document.verdict = verdict_entry(read_run(document, live=True))  # as of ``now``
+    return document
 
 
 def document_around(

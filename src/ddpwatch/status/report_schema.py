@@ -5,8 +5,9 @@
 A contract like the status document: keys are only ever added, each is always written
 (``null`` when unknown), and the status document it ends with is the one of
 ``status/schema.py``. The keys are written sorted, two-space indented, NaN and infinity as
-null. An episode and an account of time lost carry the fields of ``diagnosis.episodes.Episode``
-and ``diagnosis.figures.Lost`` (a test holds them to the same names and types).
+null. An episode and an account of time lost (the status document's ``TimeLost``) carry the
+fields of ``diagnosis.episodes.Episode`` and ``diagnosis.figures.Lost`` (a test holds them to
+the same names and types).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Final
 
 import msgspec
 
-from ddpwatch.status.schema import RankError, StatusDocument
+from ddpwatch.status.schema import RankError, StatusDocument, TimeLost
 
 REPORT_SCHEMA: Final = 1
 """The report's ``report`` (and a comparison's ``comparison``): fields are only added."""
@@ -84,21 +85,6 @@ class ReportEpisode(msgspec.Struct, gc=False):
     lost_share: float | None
 
 
-class ReportLost(msgspec.Struct, gc=False):
-    """One culprit's account of the time the others lost to it: ``seconds`` in all."""
-
-    ranks: list[int]
-    waiting: list[int]
-    times: int
-    held_s: float
-    phases: list[str]
-    stopped: bool
-    slow_s: float
-    slowed_s: float | None
-    rank: int
-    seconds: float
-
-
 class ReportAttempt(msgspec.Struct, gc=False):
     """The verdict of one attempt of a restarted job."""
 
@@ -130,7 +116,7 @@ class ReportDocument(msgspec.Struct, kw_only=True, gc=False):
     culprits: list[ReportCulprit]
     hints: list[ReportHint]
     episodes: list[ReportEpisode]
-    time_lost: list[ReportLost]
+    time_lost: list[TimeLost]
     attempts: list[ReportAttempt]
     series: dict[str, dict[str, int | list[list[float]]]]
     status: StatusDocument

@@ -28,6 +28,7 @@ __all__ = [
     "SCHEMA",
     "UNSET",
     "AlertEntry",
+    "AttemptVerdict",
     "CollectiveCounts",
     "CollectiveWait",
     "FinalCollective",
@@ -48,7 +49,9 @@ __all__ = [
     "Summary",
     "SummaryPageInfo",
     "SummaryReply",
+    "TimeLost",
     "UnsetType",
+    "Verdict",
 ]
 
 
@@ -245,10 +248,51 @@ class ReplayInfo(msgspec.Struct, gc=False):
     finished: bool
 
 
+class TimeLost(msgspec.Struct, gc=False):
+    """One culprit's account of the time the others lost to it (several ranks for a
+    ``slow_rank`` about several): the spells it held them up and for how long, in which
+    phases, whether it stopped; how long it was only slower and what that cost them;
+    ``seconds`` in all."""
+
+    ranks: list[int]
+    waiting: list[int]
+    times: int
+    held_s: float
+    phases: list[str]
+    stopped: bool
+    slow_s: float
+    slowed_s: float | None
+    rank: int
+    seconds: float
+
+
+class AttemptVerdict(msgspec.Struct, gc=False):
+    """One attempt's verdict, and the ranks it blames."""
+
+    attempt: int
+    verdict: str
+    named: list[int]
+
+
+class Verdict(msgspec.Struct, kw_only=True, gc=False):
+    """``verdict``: the run judged as of this document (``diagnosis/verdict.py``), what the
+    end-of-run summary, ``ddpwatch status`` and the report say: the sentence, the ranks the
+    last attempt's verdict blames, each attempt's, how long the job ran, its median step
+    and the time lost per culprit, most first."""
+
+    text: str
+    named: list[int]
+    attempts: list[AttemptVerdict]
+    run_s: float | None
+    median_step_s: float | None
+    time_lost: list[TimeLost]
+
+
 class StatusDocument(msgspec.Struct, kw_only=True, gc=False):
     """The whole document (``status``): every rank, sorted, ranks that never reported
-    included. ``job_end`` only once a job ``ddpwatch run`` launched has ended, ``replay``
-    only from a replay."""
+    included. ``verdict`` is null in a page or summary reply (they hold not every rank);
+    ``job_end`` only once a job ``ddpwatch run`` launched has ended, ``replay`` only from a
+    replay."""
 
     schema: int = SCHEMA
     server_time: float
@@ -261,6 +305,7 @@ class StatusDocument(msgspec.Struct, kw_only=True, gc=False):
     relays: list[RelayEntry] = []
     attempt: int = 1
     attempts: list[PastAttemptEntry] = []
+    verdict: Verdict | None = None
     job_end: JobEnd | UnsetType = UNSET
     replay: ReplayInfo | UnsetType = UNSET
 
