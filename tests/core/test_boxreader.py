@@ -168,6 +168,12 @@ def test_the_backends_words_go_to_the_rank_that_aborted_when_they_can_be_told_ap
     assert crash.event == "crash" and exit_.event == "exit"
     assert crash.error is not None
     assert (crash.error.type, crash.error.message) == (gloo.type, gloo.message)
+    # the crash says where, as the rank's own would: what a mismatch compares, whatever
+    # tick takes the exit after it (``ddpwatch run``'s last one, under load)
+    assert crash.collective is not None and (crash.collective.seq, crash.collective.dtype) == (
+        20,
+        "float32",
+    )
     state.apply(crash, died)
     state.apply(exit_, died)
     record = state.ranks[1]

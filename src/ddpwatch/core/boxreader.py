@@ -209,18 +209,6 @@ class BoxReader:
 def exit_event(reading: BoxReading, record: Watched) -> Event:
     """The exit event a box with a fatal signal's dump stands for: the signal, the
     collective the rank was inside (if it was), and its main thread's stack."""
-    collective = None
-    if reading.call is not None and reading.in_call:
-        op, dtype, numel, reduce_op, root = reading.call
-        collective = Collective(
-            op=op,
-            seq=reading.seq or None,
-            source=CollectiveSource.PY,
-            shape=None if numel is None else [numel],
-            dtype=dtype,
-            reduce_op=reduce_op,
-            root=root,
-        )
     return Event(
         v=PROTOCOL_VERSION,
         rank=record.rank,
@@ -229,14 +217,30 @@ def exit_event(reading: BoxReading, record: Watched) -> Event:
         signal=reading.signal,
         step=reading.step if reading.step is not None else record.step,
         phase=reading.phase if reading.in_call else None,
-        collective=collective,
+        collective=_call_in(reading),
         stack=reading.stack,
+    )
+
+
+def _call_in(reading: BoxReading) -> Collective | None:
+    """The collective the box says the rank died inside, if it was inside one."""
+    if reading.call is None or not reading.in_call:
+        return None
+    op, dtype, numel, reduce_op, root = reading.call
+    return Collective(
+        op=op,
+        seq=reading.seq or None,
+        source=CollectiveSource.PY,
+        shape=None if numel is None else [numel],
+        dtype=dtype,
+        reduce_op=reduce_op,
+        root=root,
     )
 
 
 def crash_event(abort: BackendAbort, reading: BoxReading, record: Watched) -> Event:
     """The crash a C++ abort's message stands for, as the rank's own exception would have
-    been sent: its type and message, where the rank was."""
+    been sent: its type and message, where the rank was, the collective it was inside."""
     return Event(
         v=PROTOCOL_VERSION,
         rank=record.rank,
@@ -244,6 +248,7 @@ def crash_event(abort: BackendAbort, reading: BoxReading, record: Watched) -> Ev
         event=EventKind.CRASH,
         error=ErrorInfo(type=abort.type, message=abort.message),
         step=reading.step if reading.step is not None else record.step,
+        collective=_call_in(reading),
         stack=reading.stack,
     )
 
