@@ -17,6 +17,7 @@ from ddpwatch.diagnosis.alerts import Thresholds
 
 if TYPE_CHECKING:
     from ddpwatch.outputs.notify import Notifier
+    from ddpwatch.outputs.otlp import OtlpExporter
 
 # what ``ArgumentParser.add_subparsers`` returns; a string, as the class is generic only in typeshed
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -215,6 +216,44 @@ def notifier(args: argparse.Namespace) -> Notifier | None:
     return Notifier(
         args.notify_cmd, args.webhook, level=args.notify_level, interval=args.notify_interval
     )
+
+
+def add_otlp(parser: argparse.ArgumentParser) -> None:
+    """OpenTelemetry export (``outputs/otlp.py``): ``serve`` and ``run``."""
+    parser.add_argument(
+        "--otlp",
+        metavar="URL",
+        default=None,
+        help="export metrics and alert records over OTLP/HTTP to this collector, e.g. "
+        "http://localhost:4318 (also: OTEL_EXPORTER_OTLP_ENDPOINT; docs/otlp.md)",
+    )
+    parser.add_argument(
+        "--otlp-max-ranks",
+        type=whole_number(0, 1000),
+        default=1000,
+        metavar="N",
+        help="OTLP: per-rank metrics for at most the N worst ranks, 0-1000 (default 1000)",
+    )
+
+
+def otlp_exporter(args: argparse.Namespace) -> OtlpExporter | None:
+    """The ``OtlpExporter`` the flag or the environment asks for, or None; ValueError (its
+    one-line reason) for an endpoint or a variable that cannot be used. Needs
+    ``opentelemetry-proto`` (``pip install 'ddpwatch[otlp]'``) only when asked for."""
+    import os
+
+    from ddpwatch.outputs.otlp import OtlpExporter, otlp_config
+
+    config = otlp_config(args.otlp, os.environ)
+    if config is None:
+        return None
+    try:
+        import opentelemetry.proto.metrics.v1.metrics_pb2  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "OTLP export needs opentelemetry-proto: pip install 'ddpwatch[otlp]'"
+        ) from None
+    return OtlpExporter(config, max_ranks=args.otlp_max_ranks)
 
 
 def add_bell(parser: argparse.ArgumentParser) -> None:

@@ -6,7 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from ddpwatch.commands._args import Subparsers, _addr, add_bell, add_notify, notifier
+from ddpwatch.commands._args import (
+    Subparsers,
+    _addr,
+    add_bell,
+    add_notify,
+    add_otlp,
+    notifier,
+    otlp_exporter,
+)
 
 NAME = "run"
 
@@ -16,8 +24,8 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         NAME,
         help="run a launch command with ddpwatch in every rank, no code change",
         usage="ddpwatch run [-h] [--addr HOST:PORT] [--tui] [--record FILE | --no-record] "
-        "[--no-relay] [--notify-cmd CMD] [--webhook URL] [--notify-level LEVEL] "
-        "[--notify-interval S] [--no-bell] -- COMMAND ...",
+        "[--no-relay] [--otlp URL] [--otlp-max-ranks N] [--notify-cmd CMD] [--webhook URL] "
+        "[--notify-level LEVEL] [--notify-interval S] [--no-bell] -- COMMAND ...",
     )
     parser.add_argument(
         "--addr",
@@ -45,6 +53,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="with --addr: ranks send to the server directly, not through a relay on this node",
     )
+    add_otlp(parser)
     add_notify(parser)
     add_bell(parser)
     parser.add_argument("job", nargs=argparse.REMAINDER, help="the launch command, after --")
@@ -61,6 +70,19 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.addr is not None and args.otlp:
+        print(
+            "ddpwatch run: with --addr the export is that serve's: give it --otlp",
+            file=sys.stderr,
+        )
+        return 2
+    otlp = None
+    if args.addr is None:
+        try:
+            otlp = otlp_exporter(args)
+        except ValueError as exc:
+            print(f"ddpwatch run: {exc}", file=sys.stderr)
+            return 2
     if args.addr is not None and args.record:
         print(
             "ddpwatch run: with --addr the run is that serve's: give it --record",
@@ -77,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         args.addr,
         args.tui,
         notify=notifier(args),
+        otlp=otlp,
         bell=not args.no_bell,
         record=record,
         relay=not args.no_relay,

@@ -14,14 +14,17 @@ from ddpwatch.commands._args import (
     add_address,
     add_bell,
     add_notify,
+    add_otlp,
     add_thresholds,
     notifier,
+    otlp_exporter,
     thresholds,
     whole_number,
 )
 
 if TYPE_CHECKING:
     from ddpwatch.outputs.notify import Notifier
+    from ddpwatch.outputs.otlp import OtlpExporter
     from ddpwatch.server.service import Server
 
 NAME = "serve"
@@ -78,6 +81,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         metavar="N",
         help="track at most N ranks (default: world size + 64, or 1024 while unknown)",
     )
+    add_otlp(serve)
     add_notify(serve)
     add_bell(serve)
     return serve
@@ -89,35 +93,59 @@ def run(args: argparse.Namespace) -> int:
     if args.curve_clients and not args.curve_secret_file:
         print("ddpwatch: --curve-clients needs --curve-secret-file", file=sys.stderr)
         return 2
+    try:
+        otlp = otlp_exporter(args)
+    except ValueError as exc:
+        print(f"ddpwatch: {exc}", file=sys.stderr)
+        return 2
     notify = notifier(args)  # its thread starts with the first alert it sends
-    server = _make_server(args, notify)
+    server = _make_server(args, notify, otlp)
     if server is None:
         return 1
-    _announce(args, notify)
+    _announce(args, notify, otlp)
     if args.prometheus_port is not None and not _serve_metrics(args, server):
         return 1
-    if not args.headless:
-        from ddpwatch.tui.app import run_dashboard
+    if otlp is not None:
+        from ddpwatch.outputs.prometheus import summary_from_query
 
-        try:
-            return run_dashboard(server, bell=not args.no_bell)
-        finally:
-            if notify is not None:
-                notify.close()
-            _summarize(server)
-    stop_on_signals(server)
-    log.info(
-        "listening for ranks on tcp://%s:%d, status on port %d", args.host, args.port, args.port + 1
-    )
-    server.run()
+        otlp.bind(summary_from_query(server.query_json))
+        otlp.start()
+    try:
+        if not args.headless:
+            from ddpwatch.tui.app import run_dashboard
+
+            try:
+                return run_dashboard(server, bell=not args.no_bell)
+            finally:
+                _close_outputs(notify, otlp)
+                _summarize(server)
+        stop_on_signals(server)
+        log.info(
+            "listening for ranks on tcp://%s:%d, status on port %d",
+            args.host,
+            args.port,
+            args.port + 1,
+        )
+        server.run()
+        _close_outputs(notify, otlp)
+        log.info("stopped")
+        _summarize(server)
+        return 0
+    finally:
+        _close_outputs(notify, otlp)
+
+
+def _close_outputs(notify: Notifier | None, otlp: OtlpExporter | None) -> None:
+    """The last alerts out (each closes once: a second call does nothing)."""
     if notify is not None:
         notify.close()
-    log.info("stopped")
-    _summarize(server)
-    return 0
+    if otlp is not None:
+        otlp.close()
 
 
-def _make_server(args: argparse.Namespace, notify: Notifier | None) -> Server | None:
+def _make_server(
+    args: argparse.Namespace, notify: Notifier | None, otlp: OtlpExporter | None
+) -> Server | None:
     """The server the flags ask for, its sockets bound; None once told why there is none (a
     port in use, an unusable CURVE key, a recording that cannot be written)."""
     from ddpwatch.core.security import CurveKeyError, ServerCurve
@@ -137,7 +165,7 @@ def _make_server(args: argparse.Namespace, notify: Notifier | None) -> Server | 
             args.host,
             args.port,
             thresholds(args),
-            on_change=chain(print_json_line, notify),
+            on_change=chain(print_json_line, notify, otlp),
             record=args.record,
             curve=curve,
             max_ranks=args.max_ranks,
@@ -147,7 +175,9 @@ def _make_server(args: argparse.Namespace, notify: Notifier | None) -> Server | 
         return None
 
 
-def _announce(args: argparse.Namespace, notify: Notifier | None) -> None:
+def _announce(
+    args: argparse.Namespace, notify: Notifier | None, otlp: OtlpExporter | None
+) -> None:
     """Say what the server does besides listening: warn when anyone who can reach it may
     use it (no CURVE key, not on loopback), name the recording and the notifications."""
     from ddpwatch.core.security import is_loopback
@@ -163,6 +193,13 @@ def _announce(args: argparse.Namespace, notify: Notifier | None) -> None:
         log.info("recording to %s", args.record)
     if notify is not None:
         log.info("notifying of each raised alert of severity %s or worse", args.notify_level)
+    if otlp is not None:
+        log.info(
+            "exporting OTLP metrics to %s every %g s, alert records to %s",
+            otlp.config.metrics_url,
+            otlp.config.interval_s,
+            otlp.config.logs_url,
+        )
 
 
 def _serve_metrics(args: argparse.Namespace, server: Server) -> bool:

@@ -38,6 +38,7 @@ from ddpwatch.jobs.failure import not_started_reason, why_not_started
 from ddpwatch.jobs.output import LogFollower, OutputTail, StderrTee, tail_of_file
 from ddpwatch.jobs.stop import stop_job
 from ddpwatch.outputs.notify import Notifier, chain
+from ddpwatch.outputs.otlp import OtlpExporter
 from ddpwatch.outputs.summary import print_summary
 from ddpwatch.relay import RELAY_ENV, Relay, RelayError, find_relay
 from ddpwatch.server.recording import RecordingError
@@ -69,13 +70,15 @@ def run_command(
     tui: bool = False,
     *,
     notify: Notifier | None = None,
+    otlp: OtlpExporter | None = None,
     bell: bool = True,
     preferred_port: int = DEFAULT_PORT,
     record: str | None = None,
     relay: bool = True,
 ) -> int:
     """Run ``command`` watched; returns its exit code. ``notify`` gets the local collector's
-    alerts (closed at the end, after the final diagnosis); ``bell``: the dashboard's, on errors.
+    alerts (closed at the end, after the final diagnosis), ``otlp`` its alerts and metrics;
+    ``bell``: the dashboard's, on errors.
     ``preferred_port``: the local collector's, when it and the next are free. ``record``: the
     local collector records the run there (``ddpwatch report`` reads it). ``relay``: with
     ``addr``, batch this node's ranks through a relay (``relay.py``)."""
@@ -92,7 +95,12 @@ def run_command(
     port = pick_port(preferred_port)
     addr = f"127.0.0.1:{port}"
     printer = None if tui else ChangePrinter(record)
-    server = _local_server(port, chain(printer, notify), record)
+    server = _local_server(port, chain(printer, notify, otlp), record)
+    if otlp is not None:
+        from ddpwatch.outputs.prometheus import summary_from_query
+
+        otlp.bind(summary_from_query(server.query_json))
+        otlp.start()
     if not tui:
         print(_banner(command, addr, True, preferred_port), file=sys.stderr)
     if tui:
@@ -107,8 +115,7 @@ def run_command(
             return _with_dashboard(server, job, log_path, bell, record, follower)
         finally:
             follower.stop()
-            if notify is not None:
-                notify.close()
+            _close_outputs(notify, otlp)
     tee = StderrTee(tail=OutputTail(on_line=AbortLines(server.boxes.note_abort).feed))
     job = _start(command, job_environment(addr), None, tee.child_fd)
     tee.started()
@@ -128,7 +135,7 @@ def run_command(
                 _tell_the_end(server, job.returncode, lines, stops)
                 server.tick()  # report what the job's last messages say
     finally:
-        _end_of_run(server, record, notify)
+        _end_of_run(server, record, notify, otlp)
 
 
 def _tell_the_end(
@@ -140,9 +147,12 @@ def _tell_the_end(
     server.end_job(job_end(returncode, started, lines, stops, server.clock()))
 
 
-def _end_of_run(server: Server, record: str | None, notify: Notifier | None) -> None:
+def _end_of_run(
+    server: Server, record: str | None, notify: Notifier | None, otlp: OtlpExporter | None
+) -> None:
     """The summary, then where the run was recorded (what reads it once this server is gone);
-    the notifier closes last (its final alerts still go out, a few seconds at most)."""
+    the notifier and the OTLP export close last (their final alerts and the last metrics still
+    go out, a few seconds at most)."""
     recorded = record if server.recorder is not None else None
     print_summary(server.status(), sys.stderr, recording=recorded)
     if recorded is not None:
@@ -150,8 +160,14 @@ def _end_of_run(server: Server, record: str | None, notify: Notifier | None) -> 
             f"ddpwatch run: recorded in {recorded}: ddpwatch report {shlex.quote(recorded)}",
             file=sys.stderr,
         )
+    _close_outputs(notify, otlp)
+
+
+def _close_outputs(notify: Notifier | None, otlp: OtlpExporter | None) -> None:
     if notify is not None:
         notify.close()
+    if otlp is not None:
+        otlp.close()
 
 
 def _run_with_remote_server(command: Sequence[str], addr: str, relay: bool) -> int:
@@ -407,5 +423,5 @@ def _with_dashboard(
         print(detached_message(job.pid, log_path), file=sys.stderr)
         return 0
     print(f"ddpwatch run: the job's output is in {log_path}", file=sys.stderr)
-    _end_of_run(server, record, None)
+    _end_of_run(server, record, None, None)  # run_command closes the outputs
     return job.returncode if job.returncode is not None else 1

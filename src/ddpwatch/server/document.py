@@ -114,6 +114,7 @@ def rank_entry(
         attempt=record.attempt,
         ended_at=_ended_at(record),
         median_step_s=_median_step(record),
+        job_id=record.job_id,
     )
 
 

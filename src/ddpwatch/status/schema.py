@@ -150,6 +150,7 @@ class RankEntry(msgspec.Struct, kw_only=True, gc=False):
     attempt: int | None = None
     ended_at: float | None = None
     median_step_s: float | None = None
+    job_id: str | None = None
 
 
 class AlertEntry(msgspec.Struct, omit_defaults=True, gc=False):
