@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -382,18 +383,29 @@ def test_serve_refuses_a_protocol_it_does_not_speak_in_one_line() -> None:
 
 
 @pytest.mark.e2e
-def test_run_exports_the_ranks_and_the_crash_of_a_real_job(receiver: Receiver, tmp_path) -> None:
-    """``ddpwatch run --otlp`` on a real torchrun job (3 gloo ranks, rank 1 raising at step
-    20): each rank a resource with its host and pid, and the crash a log record naming rank 1,
-    sent by the export that closes the run at the latest."""
+def test_run_exports_the_ranks_and_the_crash_of_a_real_job(
+    receiver: Receiver, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ddpwatch run --otlp --mlflow`` on a real torchrun job (3 gloo ranks, rank 1 raising
+    at step 20): each rank a resource with its host and pid, and the crash a log record naming
+    rank 1, sent by the export that closes the run at the latest; the run's account in a new
+    MLflow run of a local store, with the report of the run's recording (one job for both
+    hand-offs: the suite's time)."""
     from conftest import EXAMPLES
+    from mlflow.tracking import MlflowClient
 
     from ddpwatch.core.ports import free_port_pair as master
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPWATCH_", "OTEL_"))}
-    env.update(OMP_NUM_THREADS="1", OTEL_METRIC_EXPORT_INTERVAL="500")
+    store = (tmp_path / "mlruns").as_uri()
+    env.update(
+        OMP_NUM_THREADS="1", OTEL_METRIC_EXPORT_INTERVAL="500", MLFLOW_TRACKING_URI=store,
+        MLFLOW_ALLOW_FILE_STORE="true",
+    )  # fmt: skip
+    env.pop("MLFLOW_RUN_ID", None)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this test's own client reads it
     command = [
-        sys.executable, "-m", "ddpwatch", "run", "--no-record", "--otlp", receiver.url, "--",
+        sys.executable, "-m", "ddpwatch", "run", "--otlp", receiver.url, "--mlflow", "--",
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3",
         "--master-addr=127.0.0.1", f"--master-port={master()}",
         str(EXAMPLES / "failures.py"), "--mode", "raise", "--steps", "40",
@@ -414,3 +426,10 @@ def test_run_exports_the_ranks_and_the_crash_of_a_real_job(receiver: Receiver, t
     crashed = [attrs(r) for r in records if attrs(r)["ddpwatch.alert.kind"] == "crashed"]
     assert crashed and crashed[0]["ddpwatch.alert.ranks"] == [1], done.stderr[-3000:]
     assert "OTLP export" not in done.stderr  # no failure said
+    [run] = MlflowClient(tracking_uri=store).search_runs(["0"])
+    assert f"ddpwatch run: logged to MLflow run {run.info.run_id}" in done.stderr
+    assert run.data.tags["ddpwatch.culprits"] == "1" and run.info.status == "FAILED"
+    assert run.info.run_name.startswith("ddpwatch-failures-")  # the recording's name
+    listed = MlflowClient(tracking_uri=store).list_artifacts(run.info.run_id, "ddpwatch")
+    files = {f.path for f in listed}
+    assert "ddpwatch/report.html" in files and "ddpwatch/report.json" in files

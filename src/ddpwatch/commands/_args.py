@@ -256,6 +256,35 @@ def otlp_exporter(args: argparse.Namespace) -> OtlpExporter | None:
     return OtlpExporter(config, max_ranks=args.otlp_max_ranks)
 
 
+def add_mlflow(parser: argparse.ArgumentParser) -> None:
+    """The run's account to MLflow at its end (``jobs/handoff.py``): ``run``, ``serve``,
+    ``report``."""
+    parser.add_argument(
+        "--mlflow",
+        action="store_true",
+        help="at the end, log the verdict, alert timeline, time lost and per-rank summary to "
+        "MLflow (MLFLOW_TRACKING_URI; the script's run if MLFLOW_RUN_ID is set, else a new one)",
+    )
+    parser.add_argument(
+        "--mlflow-run-id",
+        metavar="ID",
+        default=None,
+        help="with --mlflow: log to this MLflow run",
+    )
+
+
+def mlflow_refused(args: argparse.Namespace) -> str | None:
+    """Why ``--mlflow`` cannot work here (MLflow not installed, an id without the flag), or
+    None: said before the job starts, not after it ran."""
+    if args.mlflow_run_id and not args.mlflow:
+        return "--mlflow-run-id needs --mlflow"
+    if not args.mlflow:
+        return None
+    from ddpwatch.outputs.mlflow_handoff import available
+
+    return available()
+
+
 def add_bell(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-bell", action="store_true", help="dashboard: no terminal bell on a new error"

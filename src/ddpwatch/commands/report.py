@@ -7,8 +7,12 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ddpwatch.commands._args import Subparsers
+from ddpwatch.commands._args import Subparsers, add_mlflow, mlflow_refused
+
+if TYPE_CHECKING:
+    from ddpwatch.outputs.postmortem import RunReport
 
 NAME = "report"
 
@@ -29,6 +33,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     report.add_argument(
         "-o", "--output", metavar="PATH", default=None, help="write here (default: stdout)"
     )
+    add_mlflow(report)
     return report
 
 
@@ -39,6 +44,12 @@ def run(args: argparse.Namespace) -> int:
     from ddpwatch.server.replay import replay_to_end
 
     paths = [args.file] + ([args.other] if args.other else [])
+    refused = mlflow_refused(args)
+    if refused is None and args.mlflow and args.other:
+        refused = "--mlflow logs one run: give one recording"
+    if refused is not None:
+        print(f"ddpwatch report: {refused}", file=sys.stderr)
+        return 2
     try:
         runs = [load_run(path, *replay_to_end(path)) for path in paths]
     except RecordingError as exc:
@@ -52,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
                 one.tail_bytes,
             )
     text = render(runs, args.format)
+    if args.mlflow and not _hand_off(runs[0], args):
+        return 1
     if args.output is None:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -64,3 +77,18 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(output)
     return 0
+
+
+def _hand_off(run: RunReport, args: argparse.Namespace) -> bool:
+    """The recorded run's account to MLflow, with the report as JSON and HTML."""
+    from ddpwatch.jobs.handoff import hand_off
+    from ddpwatch.outputs.report import render
+
+    files = (render([run], "json"), render([run], "html"))
+    return hand_off(
+        run.document,
+        files=files,
+        mlflow_run_id=args.mlflow_run_id,
+        run_name=Path(run.path).stem,
+        prefix="ddpwatch report",
+    )

@@ -5,16 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ddpwatch.commands._args import (
     Subparsers,
     _addr,
     add_bell,
+    add_mlflow,
     add_notify,
     add_otlp,
+    mlflow_refused,
     notifier,
     otlp_exporter,
 )
+
+if TYPE_CHECKING:
+    from ddpwatch.jobs.launch import Tracker
+    from ddpwatch.status.schema import StatusDocument
 
 NAME = "run"
 
@@ -24,7 +31,8 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         NAME,
         help="run a launch command with ddpwatch in every rank, no code change",
         usage="ddpwatch run [-h] [--addr HOST:PORT] [--tui] [--record FILE | --no-record] "
-        "[--no-relay] [--otlp URL] [--otlp-max-ranks N] [--notify-cmd CMD] [--webhook URL] "
+        "[--no-relay] [--otlp URL] [--otlp-max-ranks N] [--mlflow] [--mlflow-run-id ID] "
+        "[--notify-cmd CMD] [--webhook URL] "
         "[--notify-level LEVEL] [--notify-interval S] [--no-bell] -- COMMAND ...",
     )
     parser.add_argument(
@@ -54,6 +62,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="with --addr: ranks send to the server directly, not through a relay on this node",
     )
     add_otlp(parser)
+    add_mlflow(parser)
     add_notify(parser)
     add_bell(parser)
     parser.add_argument("job", nargs=argparse.REMAINDER, help="the launch command, after --")
@@ -69,6 +78,16 @@ def run(args: argparse.Namespace) -> int:
             "ddpwatch run: with --addr the alerts are that serve's: give it --notify-cmd/--webhook",
             file=sys.stderr,
         )
+        return 2
+    if args.addr is not None and args.mlflow:
+        print(
+            "ddpwatch run: with --addr the run's account is that serve's: give it --mlflow",
+            file=sys.stderr,
+        )
+        return 2
+    refused = mlflow_refused(args)
+    if refused is not None:
+        print(f"ddpwatch run: {refused}", file=sys.stderr)
         return 2
     if args.addr is not None and args.otlp:
         print(
@@ -100,7 +119,25 @@ def run(args: argparse.Namespace) -> int:
         args.tui,
         notify=notifier(args),
         otlp=otlp,
+        tracker=_tracker(args, job) if args.mlflow else None,
         bell=not args.no_bell,
         record=record,
         relay=not args.no_relay,
     )
+
+
+def _tracker(args: argparse.Namespace, job: list[str]) -> Tracker:
+    """The hand-off ``run_command`` calls at the end of the run (``jobs/handoff.py``)."""
+    from ddpwatch.jobs.handoff import hand_off
+
+    def track(document: StatusDocument, recording: str | None) -> None:
+        name = Path(recording).stem if recording else "ddpwatch-" + Path(job[0]).name
+        hand_off(
+            document,
+            recording=recording,
+            mlflow_run_id=args.mlflow_run_id,
+            run_name=name,
+            prefix="ddpwatch run",
+        )
+
+    return track

@@ -13,9 +13,11 @@ from ddpwatch.commands._args import (
     _positive_int,
     add_address,
     add_bell,
+    add_mlflow,
     add_notify,
     add_otlp,
     add_thresholds,
+    mlflow_refused,
     notifier,
     otlp_exporter,
     thresholds,
@@ -82,6 +84,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="track at most N ranks (default: world size + 64, or 1024 while unknown)",
     )
     add_otlp(serve)
+    add_mlflow(serve)
     add_notify(serve)
     add_bell(serve)
     return serve
@@ -92,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.curve_clients and not args.curve_secret_file:
         print("ddpwatch: --curve-clients needs --curve-secret-file", file=sys.stderr)
+        return 2
+    refused = mlflow_refused(args)
+    if refused is not None:
+        print(f"ddpwatch: {refused}", file=sys.stderr)
         return 2
     try:
         otlp = otlp_exporter(args)
@@ -118,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
                 return run_dashboard(server, bell=not args.no_bell)
             finally:
                 _close_outputs(notify, otlp)
-                _summarize(server)
+                _summarize(server, args)
         stop_on_signals(server)
         log.info(
             "listening for ranks on tcp://%s:%d, status on port %d",
@@ -129,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         server.run()
         _close_outputs(notify, otlp)
         log.info("stopped")
-        _summarize(server)
+        _summarize(server, args)
         return 0
     finally:
         _close_outputs(notify, otlp)
@@ -225,9 +232,18 @@ def _serve_metrics(args: argparse.Namespace, server: Server) -> bool:
     return True
 
 
-def _summarize(server: Server) -> None:
-    """What happened, once the server stops: only when some rank ever reported."""
+def _summarize(server: Server, args: argparse.Namespace) -> None:
+    """What happened, once the server stops, and its account to MLflow (``--mlflow``): only
+    when some rank ever reported."""
     from ddpwatch.outputs.summary import print_summary
 
-    if server.state.ranks:
-        print_summary(server.status(), sys.stderr)
+    if not server.state.ranks:
+        return
+    document = server.status()
+    print_summary(document, sys.stderr)
+    if args.mlflow:
+        from ddpwatch.jobs.handoff import hand_off
+
+        if server.recorder is not None:
+            server.recorder.flush()
+        hand_off(document, recording=args.record, mlflow_run_id=args.mlflow_run_id)

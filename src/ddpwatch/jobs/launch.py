@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -44,12 +44,15 @@ from ddpwatch.relay import RELAY_ENV, Relay, RelayError, find_relay
 from ddpwatch.server.recording import RecordingError
 from ddpwatch.server.service import Server
 from ddpwatch.status.provider import in_background
+from ddpwatch.status.schema import StatusDocument
 
 BOOT_DIR = Path(__file__).resolve().parent.parent / "boot"
 RECORD_DIR_ENV = "DDPWATCH_RECORD_DIR"  # where run's default recordings go
 RUNS_DIR = "ddpwatch-runs"
 """...when it is not set: one folder in the working directory, not a file per run beside the
 user's own."""
+Tracker = Callable[[StatusDocument, str | None], object]
+"""What ``--mlflow`` does at the end of a run: given the final document and the recording."""
 RUNS_KEPT = 20
 """Default recordings kept in that folder: the oldest beyond these go as a new run starts."""
 
@@ -71,13 +74,15 @@ def run_command(
     *,
     notify: Notifier | None = None,
     otlp: OtlpExporter | None = None,
+    tracker: Tracker | None = None,
     bell: bool = True,
     preferred_port: int = DEFAULT_PORT,
     record: str | None = None,
     relay: bool = True,
 ) -> int:
     """Run ``command`` watched; returns its exit code. ``notify`` gets the local collector's
-    alerts (closed at the end, after the final diagnosis), ``otlp`` its alerts and metrics;
+    alerts (closed at the end, after the final diagnosis), ``otlp`` its alerts and metrics,
+    ``tracker`` the final document and the recording (``--mlflow``, ``jobs/handoff.py``);
     ``bell``: the dashboard's, on errors.
     ``preferred_port``: the local collector's, when it and the next are free. ``record``: the
     local collector records the run there (``ddpwatch report`` reads it). ``relay``: with
@@ -112,7 +117,7 @@ def run_command(
         aborts = AbortLines(server.boxes.note_abort)
         follower = LogFollower(log_path, OutputTail(on_line=aborts.feed))
         try:
-            return _with_dashboard(server, job, log_path, bell, record, follower)
+            return _with_dashboard(server, job, log_path, bell, record, follower, tracker)
         finally:
             follower.stop()
             _close_outputs(notify, otlp)
@@ -135,7 +140,7 @@ def run_command(
                 _tell_the_end(server, job.returncode, lines, stops)
                 server.tick()  # report what the job's last messages say
     finally:
-        _end_of_run(server, record, notify, otlp)
+        _end_of_run(server, record, notify, otlp, tracker)
 
 
 def _tell_the_end(
@@ -148,18 +153,25 @@ def _tell_the_end(
 
 
 def _end_of_run(
-    server: Server, record: str | None, notify: Notifier | None, otlp: OtlpExporter | None
+    server: Server,
+    record: str | None,
+    notify: Notifier | None,
+    otlp: OtlpExporter | None,
+    tracker: Tracker | None = None,
 ) -> None:
-    """The summary, then where the run was recorded (what reads it once this server is gone);
-    the notifier and the OTLP export close last (their final alerts and the last metrics still
-    go out, a few seconds at most)."""
+    """The summary, then where the run was recorded (what reads it once this server is gone)
+    and the tracker's hand-off; the notifier and the OTLP export close last (their final alerts
+    and the last metrics still go out, a few seconds at most)."""
     recorded = record if server.recorder is not None else None
-    print_summary(server.status(), sys.stderr, recording=recorded)
+    document = server.status()
+    print_summary(document, sys.stderr, recording=recorded)
     if recorded is not None:
         print(
             f"ddpwatch run: recorded in {recorded}: ddpwatch report {shlex.quote(recorded)}",
             file=sys.stderr,
         )
+    if tracker is not None:
+        tracker(document, recorded)
     _close_outputs(notify, otlp)
 
 
@@ -392,6 +404,7 @@ def _with_dashboard(
     bell: bool = True,
     record: str | None = None,
     follower: LogFollower | None = None,
+    tracker: Tracker | None = None,
 ) -> int:
     """The dashboard owns the terminal; the job's output goes to a file, which ``o`` follows
     (each rank's own tail also reaches its detail pane through its agent) and ``follower``
@@ -423,5 +436,5 @@ def _with_dashboard(
         print(detached_message(job.pid, log_path), file=sys.stderr)
         return 0
     print(f"ddpwatch run: the job's output is in {log_path}", file=sys.stderr)
-    _end_of_run(server, record, None, None)  # run_command closes the outputs
+    _end_of_run(server, record, None, None, tracker)  # run_command closes the outputs
     return job.returncode if job.returncode is not None else 1
