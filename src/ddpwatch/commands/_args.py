@@ -16,6 +16,7 @@ from ddpwatch.core.vocabulary import SEVERITIES, Severity
 from ddpwatch.diagnosis.alerts import Thresholds
 
 if TYPE_CHECKING:
+    from ddpwatch.jobs.handoff import Trackers
     from ddpwatch.outputs.notify import Notifier
     from ddpwatch.outputs.otlp import OtlpExporter
 
@@ -256,9 +257,9 @@ def otlp_exporter(args: argparse.Namespace) -> OtlpExporter | None:
     return OtlpExporter(config, max_ranks=args.otlp_max_ranks)
 
 
-def add_mlflow(parser: argparse.ArgumentParser) -> None:
-    """The run's account to MLflow at its end (``jobs/handoff.py``): ``run``, ``serve``,
-    ``report``."""
+def add_trackers(parser: argparse.ArgumentParser) -> None:
+    """The run's account to MLflow and W&B at its end (``jobs/handoff.py``): ``run``,
+    ``serve``, ``report``."""
     parser.add_argument(
         "--mlflow",
         action="store_true",
@@ -271,18 +272,42 @@ def add_mlflow(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with --mlflow: log to this MLflow run",
     )
+    parser.add_argument(
+        "--wandb",
+        action="store_true",
+        help="at the end, log the same to Weights & Biases (WANDB_PROJECT; the script's run if "
+        "WANDB_RUN_ID is set, else a new one)",
+    )
+    parser.add_argument(
+        "--wandb-alert",
+        action="store_true",
+        help="with --wandb: also send a W&B alert when the verdict names a culprit",
+    )
 
 
-def mlflow_refused(args: argparse.Namespace) -> str | None:
-    """Why ``--mlflow`` cannot work here (MLflow not installed, an id without the flag), or
-    None: said before the job starts, not after it ran."""
+def trackers_refused(args: argparse.Namespace) -> str | None:
+    """Why the tracker flags cannot work here (a library not installed, an option without its
+    flag), or None: said before the job starts, not after it ran."""
     if args.mlflow_run_id and not args.mlflow:
         return "--mlflow-run-id needs --mlflow"
-    if not args.mlflow:
-        return None
-    from ddpwatch.outputs.mlflow_handoff import available
+    if args.wandb_alert and not args.wandb:
+        return "--wandb-alert needs --wandb"
+    from ddpwatch.outputs import mlflow_handoff, wandb_handoff
 
-    return available()
+    if args.mlflow and (why := mlflow_handoff.available()) is not None:
+        return why
+    if args.wandb and (why := wandb_handoff.available()) is not None:
+        return why
+    return None
+
+
+def trackers(args: argparse.Namespace) -> Trackers | None:
+    """The trackers the flags ask for, or None."""
+    if not (args.mlflow or args.wandb):
+        return None
+    from ddpwatch.jobs.handoff import Trackers
+
+    return Trackers(args.mlflow, args.mlflow_run_id, args.wandb, args.wandb_alert)
 
 
 def add_bell(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ddpwatch.commands._args import Subparsers, add_mlflow, mlflow_refused
+from ddpwatch.commands._args import Subparsers, add_trackers, trackers, trackers_refused
 
 if TYPE_CHECKING:
     from ddpwatch.outputs.postmortem import RunReport
@@ -33,7 +33,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     report.add_argument(
         "-o", "--output", metavar="PATH", default=None, help="write here (default: stdout)"
     )
-    add_mlflow(report)
+    add_trackers(report)
     return report
 
 
@@ -44,9 +44,9 @@ def run(args: argparse.Namespace) -> int:
     from ddpwatch.server.replay import replay_to_end
 
     paths = [args.file] + ([args.other] if args.other else [])
-    refused = mlflow_refused(args)
-    if refused is None and args.mlflow and args.other:
-        refused = "--mlflow logs one run: give one recording"
+    refused = trackers_refused(args)
+    if refused is None and (args.mlflow or args.wandb) and args.other:
+        refused = "--mlflow and --wandb log one run: give one recording"
     if refused is not None:
         print(f"ddpwatch report: {refused}", file=sys.stderr)
         return 2
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                 one.tail_bytes,
             )
     text = render(runs, args.format)
-    if args.mlflow and not _hand_off(runs[0], args):
+    if (args.mlflow or args.wandb) and not _hand_off(runs[0], args):
         return 1
     if args.output is None:
         sys.stdout.write(text)
@@ -80,15 +80,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _hand_off(run: RunReport, args: argparse.Namespace) -> bool:
-    """The recorded run's account to MLflow, with the report as JSON and HTML."""
+    """The recorded run's account to the trackers asked for, with the report as JSON and
+    HTML."""
     from ddpwatch.jobs.handoff import hand_off
     from ddpwatch.outputs.report import render
 
     files = (render([run], "json"), render([run], "html"))
-    return hand_off(
-        run.document,
-        files=files,
-        mlflow_run_id=args.mlflow_run_id,
-        run_name=Path(run.path).stem,
-        prefix="ddpwatch report",
-    )
+    asked = trackers(args)
+    assert asked is not None
+    name = Path(run.path).stem
+    return hand_off(run.document, asked, files=files, run_name=name, prefix="ddpwatch report")

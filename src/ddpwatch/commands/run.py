@@ -11,12 +11,13 @@ from ddpwatch.commands._args import (
     Subparsers,
     _addr,
     add_bell,
-    add_mlflow,
     add_notify,
     add_otlp,
-    mlflow_refused,
+    add_trackers,
     notifier,
     otlp_exporter,
+    trackers,
+    trackers_refused,
 )
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="run a launch command with ddpwatch in every rank, no code change",
         usage="ddpwatch run [-h] [--addr HOST:PORT] [--tui] [--record FILE | --no-record] "
         "[--no-relay] [--otlp URL] [--otlp-max-ranks N] [--mlflow] [--mlflow-run-id ID] "
-        "[--notify-cmd CMD] [--webhook URL] "
+        "[--wandb] [--wandb-alert] [--notify-cmd CMD] [--webhook URL] "
         "[--notify-level LEVEL] [--notify-interval S] [--no-bell] -- COMMAND ...",
     )
     parser.add_argument(
@@ -62,7 +63,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="with --addr: ranks send to the server directly, not through a relay on this node",
     )
     add_otlp(parser)
-    add_mlflow(parser)
+    add_trackers(parser)
     add_notify(parser)
     add_bell(parser)
     parser.add_argument("job", nargs=argparse.REMAINDER, help="the launch command, after --")
@@ -79,13 +80,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.addr is not None and args.mlflow:
+    if args.addr is not None and (args.mlflow or args.wandb):
         print(
-            "ddpwatch run: with --addr the run's account is that serve's: give it --mlflow",
+            "ddpwatch run: with --addr the run's account is that serve's: give it --mlflow/--wandb",
             file=sys.stderr,
         )
         return 2
-    refused = mlflow_refused(args)
+    refused = trackers_refused(args)
     if refused is not None:
         print(f"ddpwatch run: {refused}", file=sys.stderr)
         return 2
@@ -119,25 +120,22 @@ def run(args: argparse.Namespace) -> int:
         args.tui,
         notify=notifier(args),
         otlp=otlp,
-        tracker=_tracker(args, job) if args.mlflow else None,
+        tracker=_tracker(args, job),
         bell=not args.no_bell,
         record=record,
         relay=not args.no_relay,
     )
 
 
-def _tracker(args: argparse.Namespace, job: list[str]) -> Tracker:
+def _tracker(args: argparse.Namespace, job: list[str]) -> Tracker | None:
     """The hand-off ``run_command`` calls at the end of the run (``jobs/handoff.py``)."""
+    asked = trackers(args)
+    if asked is None:
+        return None
     from ddpwatch.jobs.handoff import hand_off
 
     def track(document: StatusDocument, recording: str | None) -> None:
         name = Path(recording).stem if recording else "ddpwatch-" + Path(job[0]).name
-        hand_off(
-            document,
-            recording=recording,
-            mlflow_run_id=args.mlflow_run_id,
-            run_name=name,
-            prefix="ddpwatch run",
-        )
+        hand_off(document, asked, recording=recording, run_name=name, prefix="ddpwatch run")
 
     return track

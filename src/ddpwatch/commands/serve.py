@@ -13,14 +13,15 @@ from ddpwatch.commands._args import (
     _positive_int,
     add_address,
     add_bell,
-    add_mlflow,
     add_notify,
     add_otlp,
     add_thresholds,
-    mlflow_refused,
+    add_trackers,
     notifier,
     otlp_exporter,
     thresholds,
+    trackers,
+    trackers_refused,
     whole_number,
 )
 
@@ -84,7 +85,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="track at most N ranks (default: world size + 64, or 1024 while unknown)",
     )
     add_otlp(serve)
-    add_mlflow(serve)
+    add_trackers(serve)
     add_notify(serve)
     add_bell(serve)
     return serve
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     if args.curve_clients and not args.curve_secret_file:
         print("ddpwatch: --curve-clients needs --curve-secret-file", file=sys.stderr)
         return 2
-    refused = mlflow_refused(args)
+    refused = trackers_refused(args)
     if refused is not None:
         print(f"ddpwatch: {refused}", file=sys.stderr)
         return 2
@@ -233,17 +234,18 @@ def _serve_metrics(args: argparse.Namespace, server: Server) -> bool:
 
 
 def _summarize(server: Server, args: argparse.Namespace) -> None:
-    """What happened, once the server stops, and its account to MLflow (``--mlflow``): only
-    when some rank ever reported."""
+    """What happened, once the server stops, and its account to the trackers asked for
+    (``--mlflow``, ``--wandb``): only when some rank ever reported."""
     from ddpwatch.outputs.summary import print_summary
 
     if not server.state.ranks:
         return
     document = server.status()
     print_summary(document, sys.stderr)
-    if args.mlflow:
+    asked = trackers(args)
+    if asked is not None:
         from ddpwatch.jobs.handoff import hand_off
 
         if server.recorder is not None:
             server.recorder.flush()
-        hand_off(document, recording=args.record, mlflow_run_id=args.mlflow_run_id)
+        hand_off(document, asked, recording=args.record)

@@ -1,4 +1,5 @@
-"""At the end of a run, its account to the trackers the user asked for (``--mlflow``).
+"""At the end of a run, its account to the trackers the user asked for (``--mlflow``,
+``--wandb``).
 
 ``ddpwatch run`` and ``serve`` call it once the final document is judged, ``report`` on the
 document a recording replays to. The report's JSON and HTML go with it where the run was
@@ -8,6 +9,7 @@ recorded. One line says where the account went, or why it could not.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import IO
 
 from ddpwatch.outputs.handoff import Handoff, handoff
@@ -39,27 +41,48 @@ def account(
     return handoff(document, *(files or (None, None)))
 
 
+@dataclass(frozen=True)
+class Trackers:
+    """Where a run's account goes (``--mlflow``, ``--wandb``)."""
+
+    mlflow: bool = False
+    mlflow_run_id: str | None = None
+    wandb: bool = False
+    wandb_alert: bool = False
+
+
 def hand_off(
     document: StatusDocument,
+    trackers: Trackers,
     *,
     recording: str | None = None,
     files: Files | None = None,
-    mlflow_run_id: str | None = None,
     run_name: str = "ddpwatch",
     out: IO[str] | None = None,
     prefix: str = "ddpwatch",
 ) -> bool:
-    """Log the run to MLflow; say where in one line (or why not) on ``out``. True when
-    logged."""
+    """Log the run to each tracker asked for; say where in one line each (or why not) on
+    ``out``. True when every one took it."""
     from ddpwatch.outputs.mlflow_handoff import TrackerError, log_to_mlflow
+    from ddpwatch.outputs.wandb_handoff import log_to_wandb
 
     out = sys.stderr if out is None else out
-    try:
-        run_id = log_to_mlflow(
-            account(document, recording, files), run_id=mlflow_run_id, run_name=run_name
-        )
-    except TrackerError as exc:
-        print(f"{prefix}: the run was not logged: {exc}", file=out)
-        return False
-    print(f"{prefix}: logged to MLflow run {run_id} (artifacts under ddpwatch/)", file=out)
-    return True
+    made = account(document, recording, files)
+    ok = True
+    if trackers.mlflow:
+        try:
+            run_id = log_to_mlflow(made, run_id=trackers.mlflow_run_id, run_name=run_name)
+        except TrackerError as exc:
+            print(f"{prefix}: the run was not logged: {exc}", file=out)
+            ok = False
+        else:
+            print(f"{prefix}: logged to MLflow run {run_id} (artifacts under ddpwatch/)", file=out)
+    if trackers.wandb:
+        try:
+            where = log_to_wandb(made, alert=trackers.wandb_alert, run_name=run_name)
+        except TrackerError as exc:
+            print(f"{prefix}: the run was not logged: {exc}", file=out)
+            ok = False
+        else:
+            print(f"{prefix}: logged to W&B run {where} (artifact ddpwatch-report)", file=out)
+    return ok
