@@ -159,7 +159,7 @@ def run_once(
     """
     from ddpwatch.core.protocol import decode
     from ddpwatch.server.collector import Collector
-    from ddpwatch.server.state import ServerState
+    from ddpwatch.state.state import ServerState
 
     port = free_port_pair()
     if arm == "collector":
@@ -212,8 +212,8 @@ def breakdown(count: int, ranks: int, reps: int = 5) -> dict[str, float]:
     state (every rank already known, histories full); median of ``reps`` interleaved runs."""
 
     from ddpwatch.core.protocol import decode
-    from ddpwatch.server import state as state_module
-    from ddpwatch.server.state import ServerState
+    from ddpwatch.state import state as state_module
+    from ddpwatch.state.state import ServerState
 
     frames = make_frames(min(count, 20_000), ranks)
     messages = [decode(f) for f in frames]

@@ -259,7 +259,7 @@ def collector_arm(
     sheds: ``collector.SHED_AFTER_S``)."""
     from ddpwatch.core.ports import free_port_pair
     from ddpwatch.server.collector import Collector
-    from ddpwatch.server.state import ServerState
+    from ddpwatch.state.state import ServerState
 
     port = free_port_pair()
     state = ServerState(started=time.time())
@@ -316,7 +316,7 @@ def collector_arm(
 def memory_arms(ranks: int, beats: int, per_relay: int) -> dict[str, Cost]:
     """Decode (direct and relay) and ``ServerState.apply`` alone, on frames in memory."""
     from ddpwatch.core.protocol import Batch, decode, decode_wire
-    from ddpwatch.server.state import ServerState
+    from ddpwatch.state.state import ServerState
 
     costs = {"decode direct": Cost(), "decode relay": Cost(), "ServerState.apply": Cost()}
     state = ServerState(started=0.0)

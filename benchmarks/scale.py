@@ -1024,7 +1024,7 @@ def offline(size: int, culprit: int, reps: int = 3) -> Offline:
     from ddpwatch.diagnosis.facts import Facts
     from ddpwatch.diagnosis.rules import RULES, diagnose
     from ddpwatch.server.document import status_document
-    from ddpwatch.server.state import ServerState
+    from ddpwatch.state.state import ServerState
 
     t0 = 1.7e9
     onset, now = t0 + 4.0, t0 + 7.0

@@ -36,7 +36,7 @@ from ddpwatch.diagnosis.history import AlertChange
 from ddpwatch.server.recording import read_records
 from ddpwatch.server.replay import ReplayServer
 from ddpwatch.server.service import Server
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -40,7 +41,8 @@ PARTS = {
     "integrations": "Lightning, DeepSpeed, Hugging Face: framework hooks over the agent",
     "boot": "the ``sitecustomize`` through which ``ddpwatch run`` attaches to every rank",
     "relay": "the per-node relay between ranks and the server",
-    "server": "the collector, ingest, rank records, state, recording and the status document",
+    "state": "what the server knows of the job: rank records, the state and its indexes",
+    "server": "the collector, ingest, recording, the engine and the status document",
     "diagnosis": "pure rules from the server's state to alerts, their history and verdicts",
     "outputs": "what only reads a status document or a recording: summary, notify, "
     "Prometheus, reports",
@@ -79,19 +81,20 @@ MAY_IMPORT: dict[str, dict[str, str]] = {
         "integrations": "each framework registers the hooks it boots",
     },
     "relay": {"core": "the protocol it batches, the ports and keys it binds"},
+    "state": {
+        "core": "the protocol's records it keeps",
+        "status": "the contract's JobEnd and RelayEntry it holds, sizes in its wording",
+    },
     "server": {
         "core": "the protocol it reads and the vocabulary of the document",
         "ddpwatch": "__version__ in the hello reply",
+        "state": "the job it takes every frame into",
         "diagnosis": "the server runs the rules on its state every tick",
         "status": "the status contract the document is encoded into",
     },
     "diagnosis": {
         "core": "the vocabulary of alerts and the protocol's records",
-        "server.records": "RankRecord, what a rule reads of each rank",
-        "server.state": "ServerState, the job the rules judge",
-        "server.waits": "the wait index the state keeps for the collective rules",
-        "server.relays": "the relays the state knows, for relay_lost",
-        "server.host_memory": "the host-memory growth the state keeps per rank",
+        "state": "the job the rules judge: its rank records and indexes",
         "status": "the contract alerts and history entries are written in: schema, order, fmt",
     },
     "outputs": {
@@ -139,7 +142,7 @@ MODULES = {_module_name(path): path for path in sorted(SRC.rglob("*.py"))}
 
 
 def _relative(module: str) -> str:
-    """``ddpwatch.server.state`` -> ``server.state``; the root package stays ``ddpwatch``."""
+    """``ddpwatch.state.state`` -> ``state.state``; the root package stays ``ddpwatch``."""
     return module.removeprefix("ddpwatch.") if module != "ddpwatch" else module
 
 
@@ -242,21 +245,77 @@ def test_every_arrow_named_for_one_module_is_still_there() -> None:
     assert stale == [], "remove these arrows from MAY_IMPORT: nothing uses them"
 
 
+def _part_arrows() -> dict[str, dict[str, str]]:
+    """Part -> each other part it imports -> one import that shows it (file:line: target)."""
+    arrows: dict[str, dict[str, str]] = {}
+    for name, path in MODULES.items():
+        importer = _part(_relative(name))
+        assert importer is not None
+        for line, target in _arrows(path):
+            imported = _part(_relative(target))
+            if imported is not None and imported != importer:
+                witness = f"{path.relative_to(ROOT)}:{line}: {target}"
+                arrows.setdefault(importer, {}).setdefault(imported, witness)
+    return arrows
+
+
+def _cycle(arrows: dict[str, dict[str, str]]) -> list[str] | None:
+    """A cycle of parts (its first part repeated at its end), or None: a depth-first search."""
+    done: set[str] = set()
+
+    def visit(part: str, path: list[str]) -> list[str] | None:
+        if part in path:
+            return [*path[path.index(part) :], part]
+        if part in done:
+            return None
+        for imported in sorted(arrows.get(part, {})):
+            found = visit(imported, [*path, part])
+            if found is not None:
+                return found
+        done.add(part)
+        return None
+
+    for part in sorted(arrows):
+        found = visit(part, [])
+        if found is not None:
+            return found
+    return None
+
+
+def test_no_arrow_between_parts_points_back_up() -> None:
+    """The parts form layers: no part reaches itself through others, directly or not (a
+    chain of allowed arrows can still climb: the dashboard reaching the server's records
+    through the summary, the verdict and the wording would be one)."""
+    arrows = _part_arrows()
+    cycle = _cycle(arrows)
+    if cycle is not None:
+        steps = [f"{a} -> {b}: {arrows[a][b]}" for a, b in itertools.pairwise(cycle)]
+        raise AssertionError("parts that import each other, round:\n" + "\n".join(steps))
+
+
+def test_the_cycle_search_finds_an_indirect_climb() -> None:
+    arrows = {"tui": {"outputs": "w"}, "outputs": {"diagnosis": "w"}, "diagnosis": {"tui": "w"}}
+    assert _cycle(arrows) == ["diagnosis", "tui", "outputs", "diagnosis"]
+    assert _cycle({"server": {"diagnosis": "w"}, "diagnosis": {"state": "w"}}) is None
+
+
 @pytest.mark.parametrize(
     ("importer", "imported", "allowed"),
     [
         ("agent.publisher", "relay", True),
         ("agent.watcher", "integrations.lightning", False),
-        ("agent.watcher", "server.state", False),
+        ("agent.watcher", "state.state", False),
         ("core.ranges", "diagnosis.text", False),
-        ("diagnosis.facts.census", "server.state", True),
+        ("diagnosis.facts.census", "state.state", True),
+        ("diagnosis.facts.census", "server.engine", False),
+        ("state.records", "diagnosis.facts", False),
         ("diagnosis.facts.census", "server.collector", False),
         ("diagnosis.rules", "status.order", True),
         ("diagnosis.verdict", "outputs.summary", False),
         ("diagnosis.rules", "status.client", False),
         ("outputs.summary", "diagnosis.verdict", True),
         ("outputs.summary", "diagnosis.rules", False),
-        ("outputs.report", "server.state", False),
+        ("outputs.report", "state.state", False),
         ("outputs.notify", "diagnosis.alerts", False),
         ("outputs.postmortem", "server.replay", False),
         ("outputs.postmortem", "server.recording", True),
@@ -285,6 +344,7 @@ AGENT_SURFACE = {
     "ddpwatch.agent.patches",  # Patches
     "ddpwatch.agent.auto",  # after_import
     "ddpwatch.agent.loss",  # find_loss
+    "ddpwatch.agent.session",  # the process's watcher: attach() and current() from a hook
 }
 """What integrations may import of the agent."""
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-import threading
 from collections.abc import Iterator
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -29,8 +29,14 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "attach", "current", "detach", "phase", "step"]
 
 log = logging.getLogger("ddpwatch")
-_lock = threading.Lock()
-_watcher: Watcher | None = None
+SESSION = "ddpwatch.agent.session"
+"""Where the watcher lives (the integrations reach it there, without this package). Looked up
+in ``sys.modules``, not imported: importing ``ddpwatch`` alone (the server side) loads no part
+of the agent, and a watcher a framework's hook started is the one ``step()`` finds."""
+
+
+def _session() -> ModuleType | None:
+    return sys.modules.get(SESSION)
 
 
 def attach(model: Any = None, *, addr: str | None = None, interval: float = 0.5) -> Watcher | None:
@@ -42,61 +48,41 @@ def attach(model: Any = None, *, addr: str | None = None, interval: float = 0.5)
     Returns None only when the agent could not start (the reason is logged)
     or in a worker process spawned by a rank, which never reports as a rank.
     """
-    global _watcher
     try:
-        with _lock:
-            if _watcher is None or not _watcher.active:
-                if _in_data_loader_worker():
-                    return None  # a data-loader worker, not a rank
-                from ddpwatch import integrations  # noqa: F401  registers the frameworks
-                from ddpwatch.agent.watcher import Watcher
-
-                watcher = Watcher(addr=addr, interval=interval)
-                watcher.start()
-                _watcher = watcher
-            if model is not None:
-                _watcher.add_model(model)
-            return _watcher
+        from ddpwatch import integrations  # noqa: F401  registers the frameworks
+        from ddpwatch.agent import session
     except Exception as exc:
         log.warning("ddpwatch: could not attach, training continues unwatched: %r", exc)
         return None
-
-
-def _in_data_loader_worker() -> bool:
-    data = sys.modules.get("torch.utils.data")
-    return data is not None and data.get_worker_info() is not None
+    return session.attach(model, addr=addr, interval=interval)
 
 
 def current() -> Watcher | None:
     """The active watcher of this process, if any."""
-    return _watcher if _watcher is not None and _watcher.active else None
+    session = _session()
+    return session.current() if session is not None else None
 
 
 def step(loss: Any = None) -> None:
     """Mark the end of a training step on the current watcher; a no-op without one."""
-    watcher = _watcher
-    if watcher is not None:
-        watcher.step(loss)
+    session = sys.modules.get(SESSION)  # inline: it runs every step
+    if session is not None:
+        session.step(loss)
 
 
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
     """Label what the rank does (``with ddpwatch.phase("eval"):``); a no-op without a watcher."""
-    watcher = current()
-    if watcher is None:
+    session = _session()
+    if session is None:
         yield
         return
-    with watcher.phase(name):
+    with session.phase(name):
         yield
 
 
 def detach() -> None:
     """Stop watching: remove every hook and stop the agent thread. A no-op without a watcher."""
-    global _watcher
-    with _lock:
-        watcher, _watcher = _watcher, None
-    if watcher is not None:
-        try:
-            watcher.detach()
-        except Exception as exc:
-            log.warning("ddpwatch: error while detaching: %r", exc)
+    session = _session()
+    if session is not None:
+        session.detach()

@@ -22,7 +22,7 @@ from ddpwatch.agent.watcher import Watcher, main_thread_stack
 from ddpwatch.core.ports import resolve_endpoint
 from ddpwatch.core.protocol import Event, Sample
 from ddpwatch.server.collector import Collector
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 
 
 class Receiver:

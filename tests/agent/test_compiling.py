@@ -17,7 +17,7 @@ from ddpwatch.agent.compiling import clean_reason, in_compile_stack
 from ddpwatch.agent.watcher import Watcher
 from ddpwatch.core.protocol import Sample
 from ddpwatch.core.vocabulary import Phase
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 
 
 @pytest.fixture

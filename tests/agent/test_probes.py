@@ -19,8 +19,8 @@ from ddpwatch.core.protocol import Sample, decode, encode
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.rules import devices as device_rules
 from ddpwatch.diagnosis.rules.devices import rule_duplicate_device
-from ddpwatch.server.records import RankRecord
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.records import RankRecord
+from ddpwatch.state.state import ServerState
 
 GiB = 1 << 30
 

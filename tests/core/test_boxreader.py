@@ -18,7 +18,7 @@ from ddpwatch.agent.progress import Progress
 from ddpwatch.core.boxreader import BackendAbort, BoxReader
 from ddpwatch.core.protocol import Event, Hello, Sample
 from ddpwatch.core.vocabulary import CollectiveSource
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 
 
 @pytest.fixture(scope="module")

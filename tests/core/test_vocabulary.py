@@ -169,8 +169,8 @@ def test_the_server_gives_every_rank_state_of_the_vocabulary() -> None:
     from ddpwatch.diagnosis.alerts import Thresholds
     from ddpwatch.diagnosis.facts.ranks import rank_state
     from ddpwatch.server.document import status_document
-    from ddpwatch.server.records import RankRecord
-    from ddpwatch.server.state import ServerState
+    from ddpwatch.state.records import RankRecord
+    from ddpwatch.state.state import ServerState
 
     assert RANK_STATES[0] == RankState.CRASHED and RANK_STATES[-1] == RankState.EXITED
     th = Thresholds()
@@ -293,12 +293,12 @@ def test_the_agent_sends_only_event_kinds_of_the_vocabulary() -> None:
     assert literals == [], "name event kinds with ddpwatch.core.vocabulary.EventKind"
     sent = set().union(*(_vocabulary_names(path, EventKind) for path in AGENT))
     assert sent == set(EVENT_KINDS)  # the agent sends every kind the protocol documents
-    read = _vocabulary_names(SRC / "server" / "state.py", EventKind)
+    read = _vocabulary_names(SRC / "state" / "state.py", EventKind)
     assert read and read <= set(EVENT_KINDS)
     # the server compares kinds only with the vocabulary's names
     compared = [
         node.lineno
-        for node in ast.walk(_tree(SRC / "server" / "state.py"))
+        for node in ast.walk(_tree(SRC / "state" / "state.py"))
         if isinstance(node, ast.Compare)
         and isinstance(node.left, ast.Name)
         and node.left.id == "kind"

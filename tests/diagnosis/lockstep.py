@@ -11,8 +11,8 @@ from typing import Any
 
 from ddpwatch.core.protocol import Collective, ErrorInfo
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
-from ddpwatch.server.records import Beat, RankRecord
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.records import Beat, RankRecord
+from ddpwatch.state.state import ServerState
 
 NOW = 10_000.0
 TH = Thresholds()  # interval 0.5 s, silent 2.5 s, stall 10 s, startup 60 s, connect 10 s

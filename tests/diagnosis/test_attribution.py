@@ -20,7 +20,7 @@ from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.ranks import rank_state
 from ddpwatch.diagnosis.rules import diagnose
 from ddpwatch.server.document import status_document
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 
 NOW = 50_000.0
 TH = Thresholds()

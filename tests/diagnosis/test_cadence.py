@@ -9,7 +9,7 @@ from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.facts.census import take_census
 from ddpwatch.diagnosis.facts.ranks import wait_key
 from ddpwatch.diagnosis.rules import RULES, SLOW_S, Diagnosis, diagnose
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 
 TH = Thresholds()
 GIB = 1 << 30

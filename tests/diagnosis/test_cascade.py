@@ -26,7 +26,7 @@ from ddpwatch.diagnosis.rules import (
     rule_cascade,
     rule_clean_exit,
 )
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 
 
 def test_exception_on_one_rank_blames_it_not_its_peers() -> None:

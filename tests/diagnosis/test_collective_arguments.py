@@ -21,8 +21,8 @@ from ddpwatch.diagnosis.rules import (
     rule_collective_desync,
     rule_collective_mismatch,
 )
-from ddpwatch.server.records import RankRecord
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.records import RankRecord
+from ddpwatch.state.state import ServerState
 
 BROADCAST_0 = CallSeen(seq=17, op="broadcast", dtype="float32", numel=4, root=0)
 BROADCAST_1 = CallSeen(seq=17, op="broadcast", dtype="float32", numel=4, root=1)

@@ -22,8 +22,8 @@ from ddpwatch.diagnosis.rules import (
     rule_collective_mismatch,
     rule_straggler,
 )
-from ddpwatch.server.records import RankRecord
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.records import RankRecord
+from ddpwatch.state.state import ServerState
 
 
 def straggler_job() -> ServerState:

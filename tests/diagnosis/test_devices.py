@@ -28,8 +28,8 @@ from ddpwatch.diagnosis.rules import (
     rule_local_rank_mismatch,
     rule_uneven_memory,
 )
-from ddpwatch.server.records import RankRecord
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.records import RankRecord
+from ddpwatch.state.state import ServerState
 
 
 def gpu(r: int, index: int, local: int | None = None, **changes: Any) -> RankRecord:

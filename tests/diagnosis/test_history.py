@@ -8,7 +8,7 @@ import datetime
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.history import HISTORY_KEPT, AlertTracker, describe
 from ddpwatch.server.document import status_document
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 from ddpwatch.status.fmt import event_label, iso_time
 
 T0 = 1_800_000_000.0

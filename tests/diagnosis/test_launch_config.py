@@ -9,7 +9,7 @@ from lockstep import NOW, TH, only, rank, state_of
 
 from ddpwatch.core.protocol import ErrorInfo
 from ddpwatch.diagnosis.rules import diagnose, rule_config_mismatch
-from ddpwatch.server.records import RankRecord
+from ddpwatch.state.records import RankRecord
 
 ENV = {"master_addr": "node-a", "master_port": "29500", "init_method": "env://"}
 

@@ -10,8 +10,8 @@ from lockstep import NOW, STACK, TH, rank, state_of
 
 from ddpwatch.core.protocol import Collective, CollectiveCounts
 from ddpwatch.diagnosis.rules import diagnose
-from ddpwatch.server.records import RankRecord
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.records import RankRecord
+from ddpwatch.state.state import ServerState
 
 HEARD = NOW - 0.3
 

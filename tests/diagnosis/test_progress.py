@@ -31,7 +31,7 @@ from ddpwatch.diagnosis.rules import (
     rule_stalled,
     rule_step_skew,
 )
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 
 
 def test_stalled_exact_message() -> None:

@@ -33,7 +33,7 @@ from ddpwatch.diagnosis.facts.census import effective_stall_after
 from ddpwatch.diagnosis.facts.ranks import rank_state
 from ddpwatch.diagnosis.rules import RULES, diagnose, registry
 from ddpwatch.diagnosis.text import format_ranks, location
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 
 # --------------------------------------------------------------------------- helpers
 

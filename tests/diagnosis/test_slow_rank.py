@@ -11,7 +11,7 @@ from lockstep import NOW, TH
 from ddpwatch.core.protocol import Sample
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.rules import rule_slow_rank
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 
 BEAT_S = 0.5
 COMM_S = 0.001  # the all-reduce itself, which every rank waits for

@@ -25,8 +25,8 @@ from ddpwatch.diagnosis.rules import (
     rule_not_connected,
     rule_startup_hang,
 )
-from ddpwatch.server.records import RankRecord
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.records import RankRecord
+from ddpwatch.state.state import ServerState
 
 
 def starting(r: int, phase: str, since: float, world: int = 4, **changes: Any) -> RankRecord:

@@ -130,9 +130,10 @@ def test_serve_logs_the_run_when_it_stops(store: str) -> None:
     that reported and exited 0)."""
     import signal
 
-    from conftest import push_frames
+    from conftest import push_frames, wait_listening
 
     from ddpwatch.core.protocol import Event, Sample, encode
+    from ddpwatch.status.client import fetch_status
 
     port = free_port_pair()
     proc = subprocess.Popen(
@@ -140,11 +141,17 @@ def test_serve_logs_the_run_when_it_stops(store: str) -> None:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
     )  # fmt: skip
     try:
-        time.sleep(2.0)  # listening
+        wait_listening(port, proc)
         beat = Sample(v=1, rank=0, t=time.time(), world_size=1, host="node-a", step=5)
         push_frames(port, [encode(beat), encode(Event(v=1, rank=0, t=time.time(), event="exit",
                                                       exit_code=0))])  # fmt: skip
-        time.sleep(1.5)  # a tick or two
+        deadline = time.monotonic() + 60
+        while True:  # the exit taken in and judged, however loaded the machine
+            document = fetch_status("127.0.0.1", port, 2.0)
+            if document is not None and any(r.exit_code == 0 for r in document.ranks):
+                break
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
     finally:
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=60)

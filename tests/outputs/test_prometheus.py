@@ -18,7 +18,7 @@ from ddpwatch.outputs.prometheus import RANK_GAUGES, STATES, serve_metrics, summ
 from ddpwatch.server import engine
 from ddpwatch.server.document import status_document
 from ddpwatch.server.service import Server
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 from ddpwatch.status.schema import StatusDocument
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -48,8 +48,8 @@ from ddpwatch.relay import (
     relay_listening,
 )
 from ddpwatch.server.collector import Collector
-from ddpwatch.server.relays import note_batch
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.relays import note_batch
+from ddpwatch.state.state import ServerState
 
 
 @pytest.fixture

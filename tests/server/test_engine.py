@@ -12,7 +12,7 @@ from ddpwatch.core.protocol import Hello, Sample
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.server.engine import Engine
 from ddpwatch.server.replay import VirtualClock
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 from ddpwatch.status.schema import StatusDocument
 
 

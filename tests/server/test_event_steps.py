@@ -6,7 +6,7 @@ heartbeat's progress."""
 from __future__ import annotations
 
 from ddpwatch.core.protocol import Event, Sample
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 
 
 def beat(step: int, loss: float) -> Sample:

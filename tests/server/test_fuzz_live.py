@@ -32,7 +32,7 @@ from ddpwatch.server.collector import (
     Collector,
 )
 from ddpwatch.server.service import Server
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 
 pytestmark = pytest.mark.xdist_group("fuzz_live")  # one worker: its module fixture
 

@@ -11,8 +11,8 @@ import pytest
 
 from ddpwatch.core.protocol import AnyMessage, Batch, ErrorInfo, Event, Hello, Sample, encode
 from ddpwatch.server.ingest import Receive
-from ddpwatch.server.records import RankRecord
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.records import RankRecord
+from ddpwatch.state.state import ServerState
 
 NOW = 1000.0
 

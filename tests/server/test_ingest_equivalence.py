@@ -8,7 +8,7 @@ crashes, exits, logs, checkpoints, a new process for a rank, step marks past the
 measurements left out; and through a real ``Collector``: direct frames and relays' batches,
 admission, which path a rank's last frame took, and the coalescing of a backlog (which
 heartbeats are applied, which only counted). The expected values are worked out by hand from
-``docs/protocol.md`` and ``server/state.py``'s rules; where a test compares with
+``docs/protocol.md`` and ``state/state.py``'s rules; where a test compares with
 ``ServerState.apply``, it is on the subset of messages worked out by hand.
 """
 
@@ -40,9 +40,9 @@ from ddpwatch.core.protocol import (
     encode,
 )
 from ddpwatch.server.collector import Collector
-from ddpwatch.server.records import RankRecord
-from ddpwatch.server.state import ServerState
-from ddpwatch.server.step_times import StepTimes
+from ddpwatch.state.records import RankRecord
+from ddpwatch.state.state import ServerState
+from ddpwatch.state.step_times import StepTimes
 
 NAN = float("nan")
 IDENT: dict[str, Any] = {

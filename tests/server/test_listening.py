@@ -33,7 +33,7 @@ from ddpwatch.diagnosis.facts.ranks import rank_state
 from ddpwatch.diagnosis.rules import diagnose
 from ddpwatch.server.collector import PAUSE_S, RECV_BATCH, Collector, PauseWatch
 from ddpwatch.server.document import status_document
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 
 TH = Thresholds()  # silent after 2.5 s; 15 s while a rank starts
 

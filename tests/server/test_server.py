@@ -23,7 +23,7 @@ from ddpwatch.diagnosis.history import AlertChange, diff_alerts
 from ddpwatch.server import collector as collector_module
 from ddpwatch.server.collector import RECEIVE_GAP_S, BindError, Collector
 from ddpwatch.server.document import status_document
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 from ddpwatch.status.schema import CollectiveWait
 
 RANK_FIELDS = {

@@ -17,7 +17,7 @@ from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.server import service as service_module
 from ddpwatch.server.service import Server, describe
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 from ddpwatch.status.client import fetch_reply, fetch_status
 
 

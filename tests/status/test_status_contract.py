@@ -33,10 +33,10 @@ from ddpwatch.core.vocabulary import JobStop
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.server.document import status_document
 from ddpwatch.server.recording import Recorder
-from ddpwatch.server.relays import note_batch
 from ddpwatch.server.replay import ReplayServer
 from ddpwatch.server.service import Server
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.relays import note_batch
+from ddpwatch.state.state import ServerState
 from ddpwatch.status.schema import JobEnd, PageReply, StatusDocument, SummaryReply
 
 pytestmark = pytest.mark.xdist_group("status_contract")  # one worker: its module fixture

@@ -22,7 +22,7 @@ from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.server import pages
 from ddpwatch.server.pages import TickView
 from ddpwatch.server.service import Server
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 from ddpwatch.status.client import StatusClient, StatusQueryError, fetch_status
 from ddpwatch.status.order import worst_ranks
 from ddpwatch.status.query import Query, QueryError

@@ -33,7 +33,7 @@ from ddpwatch.server.collector import Collector
 from ddpwatch.server.document import status_document
 from ddpwatch.server.pages import TickView, build_reply
 from ddpwatch.server.service import Server
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 from ddpwatch.status.query import Query
 from ddpwatch.status.schema import UNSET, StatusDocument, SummaryReply
 from ddpwatch.tui.data import sources

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from ddpwatch.core.devices import parse_cuda_visible_devices
 from ddpwatch.core.ranges import sorted_ranges
-from ddpwatch.server.records import RankRecord
+from ddpwatch.state.records import RankRecord
 
 MAX_LISTED = 8  # rank runs written out before "and N more"
 

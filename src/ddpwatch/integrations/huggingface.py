@@ -22,7 +22,7 @@ import contextlib
 import os
 from typing import TYPE_CHECKING, Any
 
-import ddpwatch
+from ddpwatch.agent import session
 from ddpwatch.agent.api import WatcherSurface
 from ddpwatch.agent.patches import Patches
 from ddpwatch.agent.registry import Integration, Kind, register
@@ -65,7 +65,7 @@ class TrainerCallbackLogic:
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         watcher = self.watcher
         if watcher is None and self.attach:
-            watcher = ddpwatch.attach()
+            watcher = session.attach()
         if watcher is None:
             return
         watcher.claim_steps(self)

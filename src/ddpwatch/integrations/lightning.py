@@ -28,7 +28,7 @@ import functools
 import os
 from typing import TYPE_CHECKING, Any
 
-import ddpwatch
+from ddpwatch.agent import session
 from ddpwatch.agent.api import WatcherSurface
 from ddpwatch.agent.auto import after_import
 from ddpwatch.agent.loss import find_loss
@@ -96,12 +96,12 @@ class CallbackLogic:
             return watcher
         if not self._primary:
             return None
-        return ddpwatch.current()
+        return session.current()
 
     def _resolve(self) -> WatcherSurface | None:
         watcher = self.watcher
         if watcher is None and self.attach and self._primary:
-            watcher = ddpwatch.attach()
+            watcher = session.attach()
         return watcher
 
     # setup and teardown ---------------------------------------------------------------

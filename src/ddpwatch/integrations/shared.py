@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-import ddpwatch
+from ddpwatch.agent import session
 from ddpwatch.agent.api import WatcherSurface
 from ddpwatch.core.vocabulary import Phase
 
@@ -20,7 +20,7 @@ def current_watcher(watcher: WatcherSurface | None) -> WatcherSurface | None:
     """``watcher`` while it is active, else the process's current one (if any)."""
     if watcher is not None and watcher.active:
         return watcher
-    return ddpwatch.current()
+    return session.current()
 
 
 def startup_phase(watcher: WatcherSurface, name: str) -> None:

@@ -38,7 +38,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ddpwatch.core.protocol import MAX_FRAME_BYTES, MAX_QUERY_BYTES, AnyMessage
 from ddpwatch.server.ingest import Receive
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 
 if TYPE_CHECKING:
     from ddpwatch.core.security import ServerCurve

@@ -11,10 +11,10 @@ from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.facts.census import effective_stall_after
 from ddpwatch.diagnosis.facts.ranks import rank_state
 from ddpwatch.diagnosis.verdict import read_run, verdict_entry
-from ddpwatch.server.host_memory import growth
-from ddpwatch.server.records import RankRecord
-from ddpwatch.server.relays import relay_entry
-from ddpwatch.server.state import PastAttempt, ServerState
+from ddpwatch.state.host_memory import growth
+from ddpwatch.state.records import RankRecord
+from ddpwatch.state.relays import relay_entry
+from ddpwatch.state.state import PastAttempt, ServerState
 from ddpwatch.status.schema import (
     SCHEMA,
     UNSET,

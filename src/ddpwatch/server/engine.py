@@ -24,7 +24,7 @@ from ddpwatch.diagnosis.history import AlertChange, AlertTracker
 from ddpwatch.diagnosis.rules import Diagnosis
 from ddpwatch.server.document import status_document
 from ddpwatch.server.pages import QueryCache, TickView, error_reply
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 from ddpwatch.status.query import Query, QueryError
 from ddpwatch.status.schema import StatusDocument
 

@@ -31,8 +31,8 @@ from ddpwatch.core.protocol import (
     decode_wire,
     keeps_news,
 )
-from ddpwatch.server.relays import note_batch
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.relays import note_batch
+from ddpwatch.state.state import ServerState
 
 if TYPE_CHECKING:
     from ddpwatch.server.recording import Recorder

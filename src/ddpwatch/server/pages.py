@@ -22,7 +22,7 @@ from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.facts.census import effective_stall_after
 from ddpwatch.diagnosis.facts.ranks import rank_state
 from ddpwatch.server.document import document_around, missing_entry, rank_entry
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 from ddpwatch.status.order import HostTally, host_rows, is_flagged, worst_ranks
 from ddpwatch.status.query import Query, one_line
 from ddpwatch.status.schema import (

@@ -29,7 +29,7 @@ from ddpwatch.diagnosis.rules import Diagnosis
 from ddpwatch.server.engine import TICK_S, Engine, OnEngine
 from ddpwatch.server.ingest import frame_failed, kind_of
 from ddpwatch.server.recording import Record, RecordingReader
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 from ddpwatch.status.schema import JobEnd, ReplayInfo, StatusDocument
 
 log = logging.getLogger("ddpwatch")

@@ -33,7 +33,7 @@ from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.history import AlertChange
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.engine import TICK_S, Engine, OnEngine
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 from ddpwatch.status.schema import JobEnd, StatusDocument
 
 if TYPE_CHECKING:

@@ -30,10 +30,10 @@ from ddpwatch.diagnosis.facts.mismatch import MISMATCH_SETTLE_S, Mismatch, find_
 from ddpwatch.diagnosis.facts.ranks import is_silent
 from ddpwatch.diagnosis.facts.stragglers import P2PHold, Straggle, find_p2p_holds, find_straggle
 from ddpwatch.diagnosis.knowledge import Signature, explain_error
-from ddpwatch.server.records import RankRecord
-from ddpwatch.server.relays import LostRelay, lost_relays
-from ddpwatch.server.state import ServerState
-from ddpwatch.server.waits import WaitIndex
+from ddpwatch.state.records import RankRecord
+from ddpwatch.state.relays import LostRelay, lost_relays
+from ddpwatch.state.state import ServerState
+from ddpwatch.state.waits import WaitIndex
 
 T = TypeVar("T")
 
@@ -99,7 +99,7 @@ class Facts:
 
     @cached_property
     def lost_relays(self) -> list[LostRelay]:
-        """Per-node relays gone quiet while ranks still ran (``server/relays.py``)."""
+        """Per-node relays gone quiet while ranks still ran (``state/relays.py``)."""
         state = self.state
         return lost_relays(
             state.relays, state.ranks, self.live, self.now, self.since, self.th.silent, self.silent

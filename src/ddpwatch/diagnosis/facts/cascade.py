@@ -23,9 +23,9 @@ from ddpwatch.diagnosis.facts.ranks import (
 )
 from ddpwatch.diagnosis.knowledge import WAIT_NAMES, Signature, named_ranks
 from ddpwatch.diagnosis.text import first_line
-from ddpwatch.server.host_memory import oom_note
-from ddpwatch.server.records import RankRecord
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.host_memory import oom_note
+from ddpwatch.state.records import RankRecord
+from ddpwatch.state.state import ServerState
 
 
 class Evidence(Protocol):

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.facts.ranks import WaitKey, is_p2p_place, key_of_place
-from ddpwatch.server.records import RankRecord
-from ddpwatch.server.state import ServerState
-from ddpwatch.server.waits import WaitGroup, WaitIndex, merged
+from ddpwatch.state.records import RankRecord
+from ddpwatch.state.state import ServerState
+from ddpwatch.state.waits import WaitGroup, WaitIndex, merged
 
 
 def median(values: Iterable[float | None]) -> float | None:

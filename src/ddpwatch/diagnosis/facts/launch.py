@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ddpwatch.core.vocabulary import Phase
-from ddpwatch.server.records import RankRecord
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.records import RankRecord
+from ddpwatch.state.state import ServerState
 
 RENDEZVOUS_HOLD_S = 2.0
 """How long a rank waits in the rendezvous before differing values are named: in a healthy

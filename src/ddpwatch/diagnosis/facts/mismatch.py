@@ -13,8 +13,8 @@ from ddpwatch.core.protocol import CallSeen, Collective
 from ddpwatch.core.vocabulary import CollectiveSource
 from ddpwatch.diagnosis.facts.census import Census
 from ddpwatch.diagnosis.facts.ranks import WaitKey, normal_op, wait_key
-from ddpwatch.server.records import RankRecord
-from ddpwatch.server.waits import WaitGroup, call_of
+from ddpwatch.state.records import RankRecord
+from ddpwatch.state.waits import WaitGroup, call_of
 
 MISMATCH_SETTLE_S = 1.0  # a live rank's call counts once it has waited in it this long
 

@@ -11,8 +11,8 @@ from functools import lru_cache
 from ddpwatch.core.protocol import Collective
 from ddpwatch.core.vocabulary import STARTUP_PHASES, CollectiveSource, Phase, RankState
 from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.server.records import RankRecord
-from ddpwatch.server.relays import RELAY_HOLD_S
+from ddpwatch.state.records import RankRecord
+from ddpwatch.state.relays import RELAY_HOLD_S
 
 _TERM_SIGNALS = frozenset({"SIGTERM", "SIGINT", "SIGHUP"})
 _TERM_CODES = frozenset({-15, -2, -1, 143, 130, 129})
@@ -180,7 +180,7 @@ def is_p2p(c: Collective) -> bool:
 
 
 def is_p2p_place(place: tuple[str | None, str | None, int | None, str | None]) -> bool:
-    """``is_p2p`` of a ``server.waits`` place (source, group, seq, op)."""
+    """``is_p2p`` of a ``state.waits`` place (source, group, seq, op)."""
     return place[2] is None and normal_op(place[3] or "") in P2P_OPS
 
 
@@ -193,7 +193,7 @@ def wait_key(c: Collective) -> WaitKey:
 def key_of_place(
     source: str | None, group: str | None, seq: int | None, op: str | None
 ) -> WaitKey:
-    """``wait_key`` of a collective's raw fields (a ``server.waits`` place)."""
+    """``wait_key`` of a collective's raw fields (a ``state.waits`` place)."""
     if seq is None:
         return ("op", normal_op(op or ""))
     return (source, (group or "0") if source == CollectiveSource.FR else None, seq)

@@ -16,8 +16,8 @@ from ddpwatch.core.protocol import Collective
 from ddpwatch.diagnosis.facts.census import Census, median_step_time
 from ddpwatch.diagnosis.facts.ranks import WaitKey, entered, is_p2p, normal_op, wait_key
 from ddpwatch.diagnosis.text import collective_name
-from ddpwatch.server.records import BEAT_WIDTH, Beat, RankRecord
-from ddpwatch.server.waits import WaitGroup
+from ddpwatch.state.records import BEAT_WIDTH, Beat, RankRecord
+from ddpwatch.state.waits import WaitGroup
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ module is imported.
 The server ticks four times a second with up to 65,536 ranks (``Diagnosis``), so a rule is at
 most one or two linear passes plus a sort, and ``Facts`` does shared work once per tick: the
 census of live, quiet and finished ranks, and the groups of ranks by the collective they are
-in, which ``ServerState`` keeps as heartbeats arrive (``server/waits.py``).
+in, which ``ServerState`` keeps as heartbeats arrive (``state/waits.py``).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from ddpwatch.diagnosis.rules.progress import (
 from ddpwatch.diagnosis.rules.registry import Rule
 from ddpwatch.diagnosis.rules.relays import rule_relay_lost
 from ddpwatch.diagnosis.rules.startup import rule_not_connected, rule_startup_hang
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 from ddpwatch.status.order import severity_level
 
 __all__ = [

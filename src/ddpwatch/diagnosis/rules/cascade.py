@@ -26,8 +26,8 @@ from ddpwatch.diagnosis.text import (
     verb,
     where,
 )
-from ddpwatch.server.host_memory import oom_note
-from ddpwatch.server.records import RankRecord
+from ddpwatch.state.host_memory import oom_note
+from ddpwatch.state.records import RankRecord
 from ddpwatch.status.fmt import STACKS_IN, seconds
 
 

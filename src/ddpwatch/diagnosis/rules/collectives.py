@@ -23,7 +23,7 @@ from ddpwatch.diagnosis.text import (
     verb,
     where,
 )
-from ddpwatch.server.records import RankRecord
+from ddpwatch.state.records import RankRecord
 from ddpwatch.status.fmt import STACKS_IN, seconds, wait
 
 

@@ -21,7 +21,7 @@ from ddpwatch.diagnosis.text import (
     ordinal_advice,
     verb,
 )
-from ddpwatch.server.records import RankRecord
+from ddpwatch.state.records import RankRecord
 from ddpwatch.status.fmt import GIB, gib
 
 _DUPLICATE_PAIR = re.compile(r"rank (\d+) and rank (\d+) both on CUDA device", re.IGNORECASE)

@@ -113,7 +113,7 @@ heartbeat: 5 s at the default interval)."""
 
 @rule(AlertKind.DUPLICATE_RANK, every="slow")  # a claim goes stale with time, not with a change
 def rule_duplicate_rank(f: Facts) -> list[Alert]:
-    """Two or more live processes report the same rank (``server/claims.py``)."""
+    """Two or more live processes report the same rank (``state/claims.py``)."""
     alerts = []
     missing = f.state.missing_ranks()
     for rank, claims in sorted(f.state.claims.duplicates.items()):

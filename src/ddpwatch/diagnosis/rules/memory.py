@@ -2,7 +2,7 @@
 others hang), and a rank that holds far more host memory than the others on its host.
 
 The growth of each rank (its own resident set plus its workers') is read from the window
-``ServerState`` keeps (``server/host_memory.py``) once the rank's memory settled: its start
+``ServerState`` keeps (``state/host_memory.py``) once the rank's memory settled: its start
 (imports, model, DDP, the first steps) is no leak, however late it reaches its plateau. The
 window is robust to a one-off jump, so the first epoch's allocation or a checkpoint's buffers
 say nothing; ranks that grow alike (a cache every rank fills) are quiet unless the memory
@@ -20,7 +20,7 @@ from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import format_ranks
-from ddpwatch.server.host_memory import (
+from ddpwatch.state.host_memory import (
     GIB,
     LEAK_RATE,
     WHERE,
@@ -29,7 +29,7 @@ from ddpwatch.server.host_memory import (
     headroom,
     settled,
 )
-from ddpwatch.server.records import RankRecord
+from ddpwatch.state.records import RankRecord
 from ddpwatch.status.fmt import memory, mib_per_s, wait
 from ddpwatch.status.fmt import per_step as fmt_per_step
 

@@ -19,7 +19,7 @@ from ddpwatch.diagnosis.facts.ranks import is_compiling, is_p2p, normal_op, work
 from ddpwatch.diagnosis.facts.stragglers import Deadlock, Hop, p2p_name
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import collective_name, format_ranks, verb, where
-from ddpwatch.server.records import RankRecord
+from ddpwatch.state.records import RankRecord
 from ddpwatch.status.fmt import STACKS_IN, seconds
 
 

@@ -15,7 +15,7 @@ from ddpwatch.diagnosis.facts.ranks import is_busy, is_compiling
 from ddpwatch.diagnosis.facts.stragglers import Lag, lag_since_episode, timed
 from ddpwatch.diagnosis.rules.registry import alert, odd_alert, rule
 from ddpwatch.diagnosis.text import format_ranks, record_location, verb
-from ddpwatch.server.records import BEAT_WIDTH, Beat, RankRecord
+from ddpwatch.state.records import BEAT_WIDTH, Beat, RankRecord
 from ddpwatch.status.fmt import STACKS_IN, seconds, wait
 
 COMPILE_LONG_S = 1200.0

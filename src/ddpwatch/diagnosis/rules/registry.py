@@ -11,7 +11,7 @@ from ddpwatch.core.vocabulary import ALERT_KINDS, Severity
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.mismatch import OddMark
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 
 Cadence = Literal["tick", "change", "slow"]
 """How often a rule must run: ``tick``, every diagnosis tick; ``change``, when what it reads

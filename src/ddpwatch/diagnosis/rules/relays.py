@@ -16,7 +16,7 @@ from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import format_ranks, verb
-from ddpwatch.server.relays import LostRelay
+from ddpwatch.state.relays import LostRelay
 from ddpwatch.status.fmt import seconds
 
 

@@ -12,7 +12,7 @@ from ddpwatch.diagnosis.facts.census import missing_ranks, world_complete
 from ddpwatch.diagnosis.facts.ranks import cpu_growing, still_working
 from ddpwatch.diagnosis.rules.registry import alert, rule
 from ddpwatch.diagnosis.text import format_ranks, record_location, verb
-from ddpwatch.server.records import RankRecord
+from ddpwatch.state.records import RankRecord
 from ddpwatch.status.fmt import seconds
 
 _PHASE_ORDER = {name: index for index, name in enumerate(STARTUP_PHASES)}

@@ -1,4 +1,4 @@
-"""The wait index the server keeps as heartbeats arrive (``server/waits.py``) is exactly the
+"""The wait index the server keeps as heartbeats arrive (``state/waits.py``) is exactly the
 one built from the records, and a ticking diagnosis that reads it names exactly the ranks a
 one-shot ``diagnose`` names.
 
@@ -29,8 +29,8 @@ from ddpwatch.core.protocol import (
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.rules import TICK_RULES, Diagnosis, diagnose
-from ddpwatch.server.state import ServerState
-from ddpwatch.server.waits import WaitIndex
+from ddpwatch.state.state import ServerState
+from ddpwatch.state.waits import WaitIndex
 
 TH = Thresholds()
 T0 = 5000.0

@@ -15,7 +15,7 @@ per step, what a leak that keeps something every step is measured in). Where the
 whole hardly moves (most ranks, most of the time) the rate is its overall slope, worked out
 in constant time, so the status document and the slow rules can read it for every rank.
 
-Imports nothing of the server: ``server/state.py`` keeps the points, ``rules/memory.py``
+Imports nothing of the server: ``state/state.py`` keeps the points, ``rules/memory.py``
 judges them, ``rules/cascade.py`` reads ``oom_note`` for a rank that died without a word.
 """
 

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from ddpwatch.core.protocol import Collective
-from ddpwatch.server.records import RankRecord
+from ddpwatch.state.records import RankRecord
 
 Place = tuple[str | None, str | None, int | None, str | None]
 """A collective as a rank reports it: source, group, seq, and the op when there is no seq:

@@ -1,4 +1,4 @@
-"""``RankRecord`` (``server/records.py``) declares every protocol field the server keeps, refuses
+"""``RankRecord`` (``state/records.py``) declares every protocol field the server keeps, refuses
 any other, and every field of a ``Sample`` and a ``Hello`` lands on it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 def test_the_rank_record_declares_every_protocol_field_it_keeps() -> None:
     from ddpwatch.core.protocol import Hello, Sample
-    from ddpwatch.server.records import STORED_FIELDS, RankRecord
+    from ddpwatch.state.records import STORED_FIELDS, RankRecord
 
     declared = {f.name for f in fields(RankRecord)}
     wire = set(Hello.__struct_fields__) | set(Sample.__struct_fields__)
@@ -20,7 +20,7 @@ def test_the_rank_record_declares_every_protocol_field_it_keeps() -> None:
 
 
 def test_the_rank_record_refuses_a_field_it_does_not_declare() -> None:
-    from ddpwatch.server.records import RankRecord
+    from ddpwatch.state.records import RankRecord
 
     with pytest.raises(TypeError):
         RankRecord(rank=0, first_seen=0.0, last_seen=0.0, bogus=1)  # type: ignore[call-arg]
@@ -32,8 +32,8 @@ def test_the_rank_record_refuses_a_field_it_does_not_declare() -> None:
 
 def test_every_field_of_a_sample_and_a_hello_lands_on_the_record() -> None:
     from ddpwatch.core.protocol import Collective, CollectiveCounts, Hello, Sample
-    from ddpwatch.server.records import STORED_FIELDS
-    from ddpwatch.server.state import ServerState
+    from ddpwatch.state.records import STORED_FIELDS
+    from ddpwatch.state.state import ServerState
 
     identity: dict[str, Any] = {
         "local_rank": 1,
@@ -117,7 +117,7 @@ def test_the_early_hellos_phase_never_puts_a_rank_back() -> None:
     """'starting' is a process's first phase only: an early beat that arrives after the
     agent's first word (another socket) leaves the phase, and its clock, as they were."""
     from ddpwatch.core.protocol import Sample
-    from ddpwatch.server.state import ServerState
+    from ddpwatch.state.state import ServerState
 
     state = ServerState(started=0.0)
     state.apply(Sample(v=1, rank=1, t=0.0, pid=7, phase="starting", cpu_s=0.2), 1.0)
@@ -130,7 +130,7 @@ def test_the_early_hellos_phase_never_puts_a_rank_back() -> None:
 
 def test_the_record_notes_when_the_ranks_cpu_time_last_grew() -> None:
     from ddpwatch.core.protocol import Sample
-    from ddpwatch.server.state import ServerState
+    from ddpwatch.state.state import ServerState
 
     state = ServerState(started=0.0)
     for now, cpu in ((1.0, 0.20), (1.5, 0.25), (2.0, 0.35), (2.5, 0.36), (9.0, 0.37)):

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ddpwatch.core.protocol import Batch
-from ddpwatch.server.records import RankRecord
+from ddpwatch.state.records import RankRecord
 from ddpwatch.status.schema import RelayEntry
 
 MAX_RELAYS = 65_536  # one per node; more are not tracked (and their batches not noted)

@@ -24,13 +24,13 @@ from ddpwatch.core.protocol import (
     Sample,
 )
 from ddpwatch.core.vocabulary import EventKind, Phase
-from ddpwatch.server.claims import Claim, NewPid, RankClaims
-from ddpwatch.server.host_memory import note as note_host_memory
-from ddpwatch.server.host_memory import settled
-from ddpwatch.server.records import CPU_STEP_S, LOG_LINES, RankRecord, note_beat
-from ddpwatch.server.relays import RelayRecord
-from ddpwatch.server.step_times import SHORTEST_S, StepTimes
-from ddpwatch.server.waits import WaitIndex
+from ddpwatch.state.claims import Claim, NewPid, RankClaims
+from ddpwatch.state.host_memory import note as note_host_memory
+from ddpwatch.state.host_memory import settled
+from ddpwatch.state.records import CPU_STEP_S, LOG_LINES, RankRecord, note_beat
+from ddpwatch.state.relays import RelayRecord
+from ddpwatch.state.step_times import SHORTEST_S, StepTimes
+from ddpwatch.state.waits import WaitIndex
 from ddpwatch.status.schema import JobEnd
 
 MAX_WORLD = 1 << 20  # never iterate a bogus world size further than this
@@ -86,7 +86,7 @@ class ServerState:
     first_report: float | None = None
     """When the first rank reported: the job's start, as far as the server can tell."""
     relays: dict[str, RelayRecord] = field(default_factory=dict)
-    """Per-node relays heard from, by name (``server/relays.py``)."""
+    """Per-node relays heard from, by name (``state/relays.py``)."""
     generation: int = 0
     """Bumped by what is not a measurement: a new rank or process, an identity change, a
     crash, an exit, a checkpoint. Rules run on a slower cadence rerun at once when it moves."""
@@ -112,10 +112,10 @@ class ServerState:
     a replay, from the recording): who stopped it, why it never started."""
     waits: WaitIndex = field(default_factory=WaitIndex, repr=False, compare=False)
     claims: RankClaims = field(default_factory=RankClaims, repr=False, compare=False)
-    """Ranks reported by two live processes at once (``server/claims.py``)."""
+    """Ranks reported by two live processes at once (``state/claims.py``)."""
     _replaced: dict[int, RankRecord] = field(default_factory=dict, repr=False, compare=False)
     """Records a rank's new process replaced in this attempt: the attempt's if it ends."""
-    """Which collective each unfinished rank is in, kept by ``apply`` (``server/waits.py``):
+    """Which collective each unfinished rank is in, kept by ``apply`` (``state/waits.py``):
     a ticking diagnosis reads it. Records changed by hand are not in it: ``WaitIndex.of``."""
 
     _derived: tuple[tuple[int, int], int | None, list[int]] | None = field(
@@ -204,7 +204,7 @@ class ServerState:
     ) -> RankRecord | None:
         """A new rank, or a restarted worker (its rank with a new pid): a fresh record; but
         two live processes reporting one rank keep theirs, and a late frame of a process
-        already replaced gets none (``server/claims.py``), nor one of a past attempt."""
+        already replaced gets none (``state/claims.py``), nor one of a past attempt."""
         if record is None and pid is None and self._late_for_past_attempt(message, now):
             return None
         if (

@@ -1,5 +1,5 @@
 """A rank's record: everything the server knows of one rank, as the collector applies its
-messages (``server/state.py``) and diagnosis reads it. Its own module so that the state, the
+messages (``state/state.py``) and diagnosis reads it. Its own module so that the state, the
 wait index and the relays' records all read it without importing each other.
 
 Times are the server's own clock (``time.time()`` when a message arrived), never the
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from enum import IntEnum
 
 from ddpwatch.core.protocol import CallSeen, Collective, CollectiveCounts, ErrorInfo, Sample
-from ddpwatch.server.step_times import StepTimes
+from ddpwatch.state.step_times import StepTimes
 
 LOG_LINES = 50
 BEATS = 16
@@ -142,7 +142,7 @@ class RankRecord:
     medians (one step is noisy, one stall is no slow rank)."""
     step_times: StepTimes | None = None
     """Every step it timed since its process started, one step one vote: its median step
-    (``server/step_times.py``), what the summary, the report and ``status`` quote."""
+    (``state/step_times.py``), what the summary, the report and ``status`` quote."""
     timed_step: int | None = None
     timed_sent: float = 0.0
     """The step of its last heartbeat that moved the step, and the sender's clock then (two
@@ -183,7 +183,7 @@ class RankRecord:
     host_mem_points: array[float] | None = None
     """(server time, rank + workers bytes, step) about every second, the last 16,
     interleaved, once its memory settled: how fast its host memory grows
-    (``server/host_memory.py``)."""
+    (``state/host_memory.py``)."""
     first_step: int | None = None
     first_step_at: float | None = None
     """The first step the rank reported, and when (server time): its start ends some time

@@ -1,4 +1,4 @@
-"""A rank's median step (``server/step_times.py``): one step one vote, over its whole run.
+"""A rank's median step (``state/step_times.py``): one step one vote, over its whole run.
 
 #33: the report of a run whose 3,180 steps of 3,440 took ~8 ms said "median step 0.205 s"
 for every rank: a median over heartbeats, each one a vote whether it ended 62 fast steps or
@@ -14,8 +14,8 @@ import pytest
 from ddpwatch.core.protocol import Sample
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.server.document import status_document
-from ddpwatch.server.state import ServerState
-from ddpwatch.server.step_times import StepTimes
+from ddpwatch.state.state import ServerState
+from ddpwatch.state.step_times import StepTimes
 
 T0 = 1_800_000_000.0
 

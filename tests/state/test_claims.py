@@ -1,11 +1,11 @@
-"""Two live processes reporting one rank (``server/claims.py``), told from a restart."""
+"""Two live processes reporting one rank (``state/claims.py``), told from a restart."""
 
 from __future__ import annotations
 
 from ddpwatch.core.protocol import Event, Sample
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.rules import Diagnosis, diagnose
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.state import ServerState
 
 TH = Thresholds()
 

@@ -22,8 +22,8 @@ from ddpwatch.core.protocol import Sample
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.rules import diagnose, rule_cascade, rule_host_memory
 from ddpwatch.server.document import status_document
-from ddpwatch.server.host_memory import WARM_S, growth, note
-from ddpwatch.server.state import ServerState
+from ddpwatch.state.host_memory import WARM_S, growth, note
+from ddpwatch.state.state import ServerState
 from ddpwatch.status.schema import RankEntry
 
 T0 = 1000.0
