@@ -8,7 +8,9 @@ recorded. One line says where the account went, or why it could not.
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO
 
@@ -68,21 +70,22 @@ def hand_off(
 
     out = sys.stderr if out is None else out
     made = account(document, recording, files)
-    ok = True
+    sends: list[tuple[str, Callable[[], str]]] = []
     if trackers.mlflow:
-        try:
-            run_id = log_to_mlflow(made, run_id=trackers.mlflow_run_id, run_name=run_name)
-        except TrackerError as exc:
-            print(f"{prefix}: the run was not logged: {exc}", file=out)
-            ok = False
-        else:
-            print(f"{prefix}: logged to MLflow run {run_id} (artifacts under ddpwatch/)", file=out)
+        mlflow = functools.partial(
+            log_to_mlflow, made, run_id=trackers.mlflow_run_id, run_name=run_name
+        )
+        sends.append(("MLflow run {} (artifacts under ddpwatch/)", mlflow))
     if trackers.wandb:
+        wandb = functools.partial(log_to_wandb, made, alert=trackers.wandb_alert, run_name=run_name)
+        sends.append(("W&B run {} (artifact ddpwatch-report)", wandb))
+    ok = True
+    for where, send in sends:
         try:
-            where = log_to_wandb(made, alert=trackers.wandb_alert, run_name=run_name)
+            run = send()
         except TrackerError as exc:
             print(f"{prefix}: the run was not logged: {exc}", file=out)
             ok = False
         else:
-            print(f"{prefix}: logged to W&B run {where} (artifact ddpwatch-report)", file=out)
+            print(f"{prefix}: logged to {where.format(run)}", file=out)
     return ok

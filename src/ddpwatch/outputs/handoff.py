@@ -16,6 +16,10 @@ import msgspec
 
 from ddpwatch.status.schema import RankEntry, StatusDocument
 
+CULPRITS_KEPT = 100
+"""Culprits with a metric of their own (``ddpwatch.time_lost_s.rank_N``), the most time lost
+first: a batch of metrics stays within what trackers take (MLflow: 1000 a batch) at any job
+size; every rank's share is in ``ranks.json`` all the same."""
 TAG_LIMIT = 5000
 """Characters a tag value keeps (MLflow's limit on older servers; 8000 on newer ones)."""
 RANK_FIELDS = (
@@ -76,7 +80,8 @@ def handoff(
         for entry in verdict.time_lost:
             lost[entry.rank] = lost.get(entry.rank, 0.0) + entry.seconds
         metrics["ddpwatch.time_lost_s"] = round(sum(lost.values()), 3)
-        for rank, seconds in sorted(lost.items()):
+        most = sorted(lost.items(), key=lambda item: (-item[1], item[0]))[:CULPRITS_KEPT]
+        for rank, seconds in sorted(most):
             metrics[f"ddpwatch.time_lost_s.rank_{rank}"] = round(seconds, 3)
         if verdict.run_s is not None:
             metrics["ddpwatch.run_s"] = verdict.run_s

@@ -78,15 +78,12 @@ class OtlpConfigError(ValueError):
 
 
 def _check_url(url: str, name: str) -> str:
+    from ddpwatch.outputs.notify import check_webhook_url
+
     try:
-        parts = urllib.parse.urlsplit(url)
-        ok = parts.scheme in ("http", "https") and bool(parts.hostname)
-        parts.port  # noqa: B018 (raises ValueError for a port that is not a number)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise OtlpConfigError(f"{name}: not an http:// or https:// URL: {url}")
-    return url
+        return check_webhook_url(url)
+    except ValueError as exc:
+        raise OtlpConfigError(f"{name}: {exc}") from None
 
 
 def _signal_url(base: str, signal: str) -> str:
