@@ -118,37 +118,34 @@ def run(args: argparse.Namespace) -> int:
 
         otlp.bind(summary_from_query(server.query_json))
         otlp.start()
+    if not args.headless:
+        from ddpwatch.tui.app import run_dashboard
+
+        try:
+            return run_dashboard(server, bell=not args.no_bell)
+        finally:
+            _finish(server, args, notify, otlp)
+    stop_on_signals(server)
+    log.info(
+        "listening for ranks on tcp://%s:%d, status on port %d", args.host, args.port, args.port + 1
+    )
     try:
-        if not args.headless:
-            from ddpwatch.tui.app import run_dashboard
-
-            try:
-                return run_dashboard(server, bell=not args.no_bell)
-            finally:
-                _close_outputs(notify, otlp)
-                _summarize(server, args)
-        stop_on_signals(server)
-        log.info(
-            "listening for ranks on tcp://%s:%d, status on port %d",
-            args.host,
-            args.port,
-            args.port + 1,
-        )
         server.run()
-        _close_outputs(notify, otlp)
         log.info("stopped")
-        _summarize(server, args)
-        return 0
     finally:
-        _close_outputs(notify, otlp)
+        _finish(server, args, notify, otlp)
+    return 0
 
 
-def _close_outputs(notify: Notifier | None, otlp: OtlpExporter | None) -> None:
-    """The last alerts out (each closes once: a second call does nothing)."""
+def _finish(
+    server: Server, args: argparse.Namespace, notify: Notifier | None, otlp: OtlpExporter | None
+) -> None:
+    """The last alerts and metrics out, then the summary and the trackers' hand-off."""
     if notify is not None:
         notify.close()
     if otlp is not None:
         otlp.close()
+    _summarize(server, args)
 
 
 def _make_server(
