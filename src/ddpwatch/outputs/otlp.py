@@ -54,7 +54,8 @@ Summary = Callable[[int], SummaryReply]
 
 
 class Change(Protocol):
-    """What the exporter reads of an alert change: its ``change`` document."""
+    """What the exporter reads of an alert change: its ``change`` document (and its server
+    time ``at``, where it has one)."""
 
     def to_dict(self) -> dict[str, Any]: ...
 
@@ -260,8 +261,10 @@ class OtlpExporter:
         try:
             entry = change.to_dict()
         except Exception:
+            self._add_dropped(1)
             return
-        now_ns = int(self._clock() * 1e9)
+        at = getattr(change, "at", None)  # the server's time of the change (a replay's too)
+        now_ns = int((at if isinstance(at, float) and at > 0 else self._clock()) * 1e9)
         with self._lock:
             if len(self._changes) >= LOGS_KEPT:
                 self._changes.popleft()
