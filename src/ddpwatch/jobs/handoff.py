@@ -22,16 +22,16 @@ Files = tuple[str, str]
 
 
 def report_files(recording: str) -> Files | None:
-    """The report of ``recording`` as JSON and HTML; None when it cannot be read."""
+    """The report of ``recording`` as JSON and HTML; None when it cannot be made (the account
+    goes without them: the end of a run never fails for its report)."""
     from ddpwatch.outputs.report import load_run, render
-    from ddpwatch.server.recording import RecordingError
     from ddpwatch.server.replay import replay_to_end
 
     try:
         run = load_run(recording, *replay_to_end(recording))
-    except (RecordingError, OSError):
+        return render([run], "json"), render([run], "html")
+    except Exception:  # a recording cut short, unreadable, or a fault of the report's own
         return None
-    return render([run], "json"), render([run], "html")
 
 
 def account(
@@ -69,7 +69,11 @@ def hand_off(
     from ddpwatch.outputs.wandb_handoff import log_to_wandb
 
     out = sys.stderr if out is None else out
-    made = account(document, recording, files)
+    try:
+        made = account(document, recording, files)
+    except Exception as exc:  # never a traceback at the end of a run
+        print(f"{prefix}: the run was not logged: its account could not be made: {exc!r}", file=out)
+        return False
     sends: list[tuple[str, Callable[[], str]]] = []
     if trackers.mlflow:
         mlflow = functools.partial(
