@@ -74,27 +74,20 @@ def run(args: argparse.Namespace) -> int:
     from ddpwatch.jobs.launch import default_recording, prune_recordings, run_command
 
     job = args.job[1:] if args.job[:1] == ["--"] else args.job
-    if args.addr is not None and (args.notify_cmd or args.webhook):
-        print(
-            "ddpwatch run: with --addr the alerts are that serve's: give it --notify-cmd/--webhook",
-            file=sys.stderr,
-        )
-        return 2
-    if args.addr is not None and (args.mlflow or args.wandb):
-        print(
-            "ddpwatch run: with --addr the run's account is that serve's: give it --mlflow/--wandb",
-            file=sys.stderr,
-        )
-        return 2
+    if args.addr is not None:
+        for asked, what, flags in (
+            (args.notify_cmd or args.webhook, "the alerts are", "--notify-cmd/--webhook"),
+            (args.mlflow or args.wandb, "the run's account is", "--mlflow/--wandb"),
+            (args.otlp, "the export is", "--otlp"),
+            (args.record, "the run is", "--record"),
+        ):
+            if asked:
+                print(f"ddpwatch run: with --addr {what} that serve's: give it {flags}",
+                      file=sys.stderr)  # fmt: skip
+                return 2
     refused = trackers_refused(args)
     if refused is not None:
         print(f"ddpwatch run: {refused}", file=sys.stderr)
-        return 2
-    if args.addr is not None and args.otlp:
-        print(
-            "ddpwatch run: with --addr the export is that serve's: give it --otlp",
-            file=sys.stderr,
-        )
         return 2
     otlp = None
     if args.addr is None:
@@ -103,12 +96,6 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"ddpwatch run: {exc}", file=sys.stderr)
             return 2
-    if args.addr is not None and args.record:
-        print(
-            "ddpwatch run: with --addr the run is that serve's: give it --record",
-            file=sys.stderr,
-        )
-        return 2
     record = None
     if args.addr is None and not args.no_record:
         record = args.record or default_recording(job)
