@@ -37,6 +37,7 @@ from ddpwatch.server.recording import read_records
 from ddpwatch.server.replay import ReplayServer
 from ddpwatch.server.service import Server
 from ddpwatch.state.state import ServerState
+from ddpwatch.status.schema import StatusDocument
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -162,6 +163,14 @@ class AppliedState(ServerState):
     def steps(self, rank: int) -> list[int | None]:
         """The steps of ``rank``'s heartbeats applied, in order."""
         return [step for r, step, _ in self.applied if r == rank]
+
+
+def judged(document: StatusDocument, *, final: bool = True) -> StatusDocument:
+    """A hand-written document with the verdict the server would give it: as the watch ends
+    (``Engine.final_document``, what the summary and the report read), or live."""
+    from ddpwatch.diagnosis.verdict import judged as judge
+
+    return msgspec.structs.replace(document, verdict=judge(document, final=final))
 
 
 def as_json(document: Any) -> Any:

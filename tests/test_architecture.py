@@ -102,9 +102,6 @@ MAY_IMPORT: dict[str, dict[str, str]] = {
         "ddpwatch": "__version__ in a webhook's User-Agent",
         "status": "the status contract: what every output reads",
         "server.recording": "the recording reader, for the report",
-        "diagnosis.verdict": "how a run ended: blame, judged beside the rules, read as a whole",
-        "diagnosis.figures": "the run's figures (duration, median steps, time lost), worked "
-        "out once for every output",
     },
     "status": {"core": "the protocol's ports and keys, rank ranges"},
     "tui": {
@@ -293,6 +290,33 @@ def test_no_arrow_between_parts_points_back_up() -> None:
         raise AssertionError("parts that import each other, round:\n" + "\n".join(steps))
 
 
+def _reached(start: str) -> set[str]:
+    """Every module importing ``start`` runs, directly or not (each package's ``__init__``
+    on the way included): ``ddpwatch.x.y`` names."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in MODULES:
+            continue
+        seen.add(name)
+        for _, target in _arrows(MODULES[name]):
+            parts = target.split(".")
+            todo += [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return seen
+
+
+def test_no_output_reaches_the_diagnosis_even_indirectly() -> None:
+    """Outputs word the verdict the server judged (the document's ``verdict``): none runs a
+    line of the diagnosis, through however many imports (#36)."""
+    reaching = {
+        name: sorted(m for m in _reached(name) if _part(_relative(m)) == "diagnosis")
+        for name in MODULES
+        if _part(_relative(name)) == "outputs"
+    }
+    assert {name: found for name, found in reaching.items() if found} == {}
+
+
 def test_the_cycle_search_finds_an_indirect_climb() -> None:
     arrows = {"tui": {"outputs": "w"}, "outputs": {"diagnosis": "w"}, "diagnosis": {"tui": "w"}}
     assert _cycle(arrows) == ["diagnosis", "tui", "outputs", "diagnosis"]
@@ -313,7 +337,7 @@ def test_the_cycle_search_finds_an_indirect_climb() -> None:
         ("diagnosis.rules", "status.order", True),
         ("diagnosis.verdict", "outputs.summary", False),
         ("diagnosis.rules", "status.client", False),
-        ("outputs.summary", "diagnosis.verdict", True),
+        ("outputs.summary", "diagnosis.verdict", False),
         ("outputs.summary", "diagnosis.rules", False),
         ("outputs.report", "state.state", False),
         ("outputs.notify", "diagnosis.alerts", False),

@@ -65,7 +65,12 @@ def typed(document: dict[str, Any]) -> StatusDocument:
     """A fixture document as the dashboard reads it (``status.schema``): a summary reply when
     it has a ``summary``. The fixtures write documents as JSON values, as they go on the wire."""
     kind = SummaryReply if "summary" in document else StatusDocument
-    return msgspec.convert(document, kind)
+    typed_document = msgspec.convert(document, kind)
+    if kind is StatusDocument and typed_document.verdict is None:  # the server judges it
+        from ddpwatch.diagnosis.verdict import judged
+
+        typed_document.verdict = judged(typed_document)
+    return typed_document
 
 
 def rank_entry(rank: int, world_size: int, **values: Any) -> dict[str, Any]:

@@ -9,7 +9,6 @@ import pytest
 from conftest import LiveServer, alert_of, as_json
 
 from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.diagnosis.verdict import read_run
 
 
 def all_ranks_stepping(n: int):
@@ -42,7 +41,9 @@ def test_healthy_run_raises_no_alert(live_server: LiveServer, jobs) -> None:
     document = live_server.server.status()
     final = as_json(document)
     assert all(r["state"] == "exited" for r in final["ranks"]), final["ranks"]
-    verdict = read_run(document).text
+    told = live_server.server.status(final=True).verdict  # what the summary words
+    assert told is not None and told.final
+    verdict = told.text
     assert verdict == "the job finished: every rank exited 0; no problems seen", verdict
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from conftest import Recording
+from conftest import Recording, judged
 
 from ddpwatch.commands.status import format_status
 from ddpwatch.core.protocol import Event, Sample, encode
@@ -40,7 +40,8 @@ DATA = "rank 2 waits 100 ms per step for data, the others 1 ms: give its DataLoa
 
 
 def typed(document: dict[str, Any]) -> StatusDocument:
-    return msgspec.convert(document, StatusDocument)
+    """The document as the server ends a watch with it: its verdict judged as the watch ends."""
+    return judged(msgspec.convert(document, StatusDocument))
 
 
 def rank(r: int, state: str = "exited", **fields: Any) -> dict[str, Any]:
@@ -196,7 +197,7 @@ def test_a_recorded_runs_summary_status_and_report_agree_figure_for_figure(
     assert [r.median_step_time_s for r in report.ranks] == [0.008, 0.008]
     assert "| 0 | node-a | exited | 2420 | 0.008 s |" in to_markdown(report)
     data = msgspec.json.decode(to_json(report))
-    assert data["duration_s"] == pytest.approx(report.run.figures.run_s)
+    assert data["duration_s"] == pytest.approx(report.run.run_s)
     assert data["median_step_time_s"] == 0.008
 
 

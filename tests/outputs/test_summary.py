@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from conftest import judged
 
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.history import AlertTracker
@@ -19,8 +20,9 @@ SLOW = Alert("slow_rank", "warning", (2,), (), "rank 2 is the slowest", "look")
 
 
 def typed(document: dict[str, Any]) -> StatusDocument:
-    """The document as a view reads it (these tests write only the keys they need)."""
-    return msgspec.convert(document, StatusDocument)
+    """The document as the server ends a watch with it (these tests write only the keys they
+    need): its verdict judged as the watch ends (``Engine.final_document``)."""
+    return judged(msgspec.convert(document, StatusDocument))
 
 
 def rank(r: int, state: str = "running", **fields: Any) -> dict[str, Any]:

@@ -125,18 +125,21 @@ def _fields(cls: type) -> dict[str, str]:
     }
 
 
-def test_the_reports_episodes_time_lost_and_ranks_carry_what_the_diagnosis_keeps() -> None:
-    """The report's and the document's Structs declare the fields of the figures they are
-    filled from once more (the diagnosis keeps dataclasses): the same names, the same types,
-    so a field added to one and not the other fails here rather than vanish from the JSON."""
+def test_the_verdicts_episodes_and_time_lost_carry_what_the_diagnosis_keeps() -> None:
+    """The document's Structs declare the fields of the figures they are filled from once
+    more (the diagnosis keeps dataclasses): the same names, the same types, so a field added
+    to one and not the other fails here rather than vanish from the JSON."""
     from ddpwatch.diagnosis.episodes import Episode
     from ddpwatch.diagnosis.figures import Lost
     from ddpwatch.outputs.postmortem import RankStats
-    from ddpwatch.status.report_schema import ReportEpisode, ReportRank
-    from ddpwatch.status.schema import TimeLost
+    from ddpwatch.status.report_schema import ReportRank
+    from ddpwatch.status.schema import EpisodeEntry, TimeLost
 
-    assert _fields(ReportEpisode) == _fields(Episode)
+    episode = _fields(EpisodeEntry)
+    assert episode.pop("duration_s") == "float"  # Episode's duration_s(end_s), as of the verdict
+    assert episode == _fields(Episode)
     lost = _fields(TimeLost)
     assert (lost.pop("rank"), lost.pop("seconds")) == ("int", "float")  # Lost's properties
+    assert lost.pop("text") == "str"  # its words (``lost_text``)
     assert lost == _fields(Lost)
     assert _fields(ReportRank) == _fields(RankStats)

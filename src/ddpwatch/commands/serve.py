@@ -237,7 +237,7 @@ def _summarize(server: Server, args: argparse.Namespace) -> None:
 
     if not server.state.ranks:
         return
-    document = server.status()
+    document = server.status(final=True)
     print_summary(document, sys.stderr)
     asked = trackers(args)
     if asked is not None:

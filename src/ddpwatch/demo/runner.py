@@ -100,7 +100,7 @@ def run_demo(options: DemoOptions) -> int:
             if cluster is not None:
                 cluster.stop()
             stop_job(job)
-            print_summary(server.status(), sys.stderr)
+            print_summary(server.status(final=True), sys.stderr)
 
 
 def _start_simulation(options: DemoOptions, port: int, first_rank: int) -> SimulatedCluster | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ddpwatch.core.vocabulary import HistoryEvent, Severity
 from ddpwatch.status.order import severity_level
-from ddpwatch.status.schema import UNSET, AlertEntry, HistoryEntry
+from ddpwatch.status.schema import UNSET, AlertEntry, EpisodeEntry, HistoryEntry
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,29 @@ class Episode:
 
     def _end(self, end_s: float) -> float:
         return self.cleared_s if self.cleared_s is not None else end_s
+
+    def entry(self, end_s: float) -> EpisodeEntry:
+        """The episode as the verdict (and the report) writes it, up until ``end_s``."""
+        return EpisodeEntry(
+            kind=self.kind,
+            severity=self.severity,
+            ranks=list(self.ranks),
+            waiting=list(self.waiting),
+            message=self.message,
+            raised_s=self.raised_s,
+            attempt=self.attempt,
+            first_severity=self.first_severity,
+            first_kind=self.first_kind,
+            escalated_s=self.escalated_s,
+            cleared_s=self.cleared_s,
+            closed_by=self.closed_by,
+            waited_s=self.waited_s,
+            waited_at_s=self.waited_at_s,
+            phase=self.phase,
+            hint=self.hint,
+            lost_share=self.lost_share,
+            duration_s=round(self.duration_s(end_s), 3),
+        )
 
 
 def episodes(

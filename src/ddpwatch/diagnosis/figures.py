@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from ddpwatch.core.vocabulary import AlertKind, RankState
 from ddpwatch.diagnosis.episodes import Episode, episodes
 from ddpwatch.diagnosis.text import format_ranks
-from ddpwatch.status.fmt import duration, step_seconds
+from ddpwatch.status.fmt import duration
 from ddpwatch.status.schema import StatusDocument, TimeLost
 
 HOLDING = frozenset(
@@ -69,8 +69,9 @@ class Lost:
         """Every second the others waited for it."""
         return self.held_s + (self.slowed_s or 0.0)
 
-    def entry(self) -> TimeLost:
-        """The account as the status document and the report write it."""
+    def entry(self, run_s: float | None) -> TimeLost:
+        """The account as the status document and the report write it, in words too
+        (``lost_text``: its share of a run of ``run_s``)."""
         return TimeLost(
             ranks=list(self.ranks),
             waiting=list(self.waiting),
@@ -82,6 +83,7 @@ class Lost:
             slowed_s=self.slowed_s,
             rank=self.rank,
             seconds=self.seconds,
+            text=lost_text(self, run_s),
         )
 
 
@@ -191,19 +193,6 @@ def lost_text(account: Lost, run_s: float | None) -> str:
             text += f", {duration(account.slowed_s)} in all{_share(account.slowed_s, run_s)}"
         parts.append(f"{text} ({AlertKind.SLOW_RANK})")
     return "; ".join(parts)
-
-
-def median_text(medians: dict[int, float]) -> str | None:
-    """The ranks' median steps in words: "median step 0.008 s", or where they differ by
-    more than 10 %, "median step 0.008-0.012 s (rank 3 the slowest)"; None for none."""
-    if not medians:
-        return None
-    low, high = min(medians.values()), max(medians.values())
-    if high <= 1.1 * low:
-        return f"median step {step_seconds(statistics.median(medians.values()))}"
-    slowest = min(r for r, m in medians.items() if m == high)
-    low_text = step_seconds(low).removesuffix(" s")
-    return f"median step {low_text}-{step_seconds(high)} (rank {slowest} the slowest)"
 
 
 def _share(seconds: float, run_s: float | None) -> str:

@@ -520,16 +520,26 @@ class Run:
         return " · ".join(f"attempt {a.attempt} of {total}: {a.text}" for a in self.accounts)
 
 
-def verdict_entry(run: Run) -> Verdict:
-    """The run judged, as the status document's ``verdict`` writes it."""
+def verdict_entry(run: Run, *, final: bool = False) -> Verdict:
+    """The run judged, as the status document's ``verdict`` writes it; ``final``: the run
+    was judged as the watch ended (``read_run``'s ``live`` false)."""
+    told = run.figures
     return Verdict(
         text=run.text,
         named=sorted(run.accounts[-1].named),
         attempts=[AttemptVerdict(a.attempt, a.text, sorted(a.named)) for a in run.accounts],
-        run_s=None if run.figures.run_s is None else round(run.figures.run_s, 3),
-        median_step_s=run.figures.median_step_s,
-        time_lost=[lost.entry() for lost in run.figures.lost],
+        run_s=None if told.run_s is None else round(told.run_s, 3),
+        median_step_s=told.median_step_s,
+        time_lost=[lost.entry(told.run_s) for lost in told.lost],
+        final=final,
+        episodes=[episode.entry(told.end_s) for episode in run.episodes],
     )
+
+
+def judged(document: StatusDocument, *, final: bool = False) -> Verdict:
+    """The document's ``verdict``: its run judged as of the document (``final``: as the watch
+    ended)."""
+    return verdict_entry(read_run(document, live=not final), final=final)
 
 
 def read_run(document: StatusDocument, *, live: bool = False) -> Run:

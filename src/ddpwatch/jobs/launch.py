@@ -163,7 +163,7 @@ def _end_of_run(
     and the tracker's hand-off; the notifier and the OTLP export close last (their final alerts
     and the last metrics still go out, a few seconds at most)."""
     recorded = record if server.recorder is not None else None
-    document = server.status()
+    document = server.status(final=True)
     print_summary(document, sys.stderr, recording=recorded)
     if recorded is not None:
         print(
@@ -432,7 +432,7 @@ def _with_dashboard(
                 _tell_the_end(server, job.returncode, tail_of_file(log_path), stops)
                 server.tick()
     if source.detached:  # the job runs on, unwatched: say where it is and how to stop it
-        print_summary(server.status(), sys.stderr)
+        print_summary(server.status(final=True), sys.stderr)
         print(detached_message(job.pid, log_path), file=sys.stderr)
         return 0
     print(f"ddpwatch run: the job's output is in {log_path}", file=sys.stderr)

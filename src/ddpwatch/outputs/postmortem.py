@@ -12,15 +12,13 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 
 import msgspec
 
 from ddpwatch.core.protocol import ProtocolError, Sample, decode
 from ddpwatch.core.vocabulary import HistoryEvent, Severity
-from ddpwatch.diagnosis.verdict import Run, read_run
-from ddpwatch.outputs.summary import summary_lines
+from ddpwatch.outputs.summary import median_steps, summary_lines, told
 from ddpwatch.server.recording import RecordingError, RecordingReader
 from ddpwatch.status.fmt import event_label, hint_pointing_at, step_seconds
 from ddpwatch.status.schema import (
@@ -30,6 +28,7 @@ from ddpwatch.status.schema import (
     RankEntry,
     RankError,
     StatusDocument,
+    Verdict,
 )
 
 RAISING = (HistoryEvent.RAISED, HistoryEvent.ESCALATED)
@@ -184,14 +183,15 @@ class RunReport:
 
     @property
     def duration_s(self) -> float | None:
-        """How long the job ran: the summary's figure (``figures.run_end``), not how long
-        the recording went on after it."""
-        return self.run.figures.run_s
+        """How long the job ran: the summary's figure (the verdict's ``run_s``), not how
+        long the recording went on after it."""
+        return self.run.run_s
 
-    @cached_property
-    def run(self) -> Run:
-        """The run judged (``read_run``): episodes, time lost, each attempt's verdict."""
-        return read_run(self.document)
+    @property
+    def run(self) -> Verdict:
+        """The run as the replay judged it (the document's ``verdict``): episodes, time lost,
+        each attempt's verdict."""
+        return told(self.document)
 
     @property
     def verdict(self) -> str:
@@ -208,7 +208,7 @@ class RunReport:
     @property
     def median_step_time_s(self) -> float | None:
         """The job's median step: its ranks' medians' median, as the summary says it."""
-        return self.run.figures.median_step_s
+        return self.run.median_step_s
 
     @property
     def slowest_step_time_s(self) -> float | None:
@@ -332,7 +332,7 @@ def _rank_stats(document: StatusDocument, series: dict[int, RankSeries]) -> list
             kinds = named.setdefault(rank, [])
             if alert.kind not in kinds:
                 kinds.append(alert.kind)
-    medians = read_run(document).figures.medians
+    medians = median_steps(document)
     stats = []
     for rank in sorted(set(entries) | set(series)):
         entry, seen = entries.get(rank), series.get(rank)

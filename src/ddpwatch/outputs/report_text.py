@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict
 from typing import Any
 
 import msgspec
@@ -28,7 +27,6 @@ from ddpwatch.status.report_schema import (
     ReportAttempt,
     ReportCulprit,
     ReportDocument,
-    ReportEpisode,
     ReportHint,
     ReportRank,
 )
@@ -397,10 +395,9 @@ def run_data(report: RunReport) -> dict[str, Any]:
             for c in report.culprits
         ],
         hints=[ReportHint(kind, hint) for kind, hint in report.hints()],
-        episodes=[ReportEpisode(**_listed(asdict(e))) for e in run.episodes],
-        # the summary's own accounts (``figures``); ``rank`` and ``seconds`` as before
-        time_lost=[lost.entry() for lost in run.figures.lost],
-        attempts=[ReportAttempt(a.attempt, a.text) for a in run.accounts],
+        episodes=run.episodes,
+        time_lost=run.time_lost,  # the summary's own accounts, as the verdict holds them
+        attempts=[ReportAttempt(a.attempt, a.verdict) for a in run.attempts],
         series=series,
         status=report.document,
     )
@@ -417,11 +414,6 @@ def _rank(stats: RankStats) -> ReportRank:
         stats.peak_mem_bytes,
         list(stats.alerts),
     )
-
-
-def _listed(fields: dict[str, Any]) -> dict[str, Any]:
-    """A dataclass's fields with its tuples as lists, as the Structs declare them."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
 
 
 def to_json(report: RunReport) -> str:

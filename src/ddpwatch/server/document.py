@@ -10,7 +10,7 @@ from ddpwatch.core.vocabulary import RankState
 from ddpwatch.diagnosis.alerts import Alert, Thresholds
 from ddpwatch.diagnosis.facts.census import effective_stall_after
 from ddpwatch.diagnosis.facts.ranks import rank_state
-from ddpwatch.diagnosis.verdict import read_run, verdict_entry
+from ddpwatch.diagnosis.verdict import judged
 from ddpwatch.state.host_memory import growth
 from ddpwatch.state.records import RankRecord
 from ddpwatch.state.relays import relay_entry
@@ -152,9 +152,12 @@ def status_document(
     now: float,
     th: Thresholds,
     history: list[HistoryEntry] | None = None,
+    *,
+    final: bool = False,
 ) -> StatusDocument:
     """The whole ``ddpwatch status --json`` document; ``history``: the alert timeline's
-    entries (``AlertTracker.entries``), oldest first."""
+    entries (``AlertTracker.entries``), oldest first; ``final``: its verdict judged as the
+    watch ends (the summary's, the report's, the trackers')."""
     stall_after = effective_stall_after(state, th)
     world_size = state.world_size
     as_of, since = state.as_of(now), state.listening_since
@@ -172,7 +175,7 @@ def status_document(
         )
     attempts = [_past_attempt(past, now, state) for past in state.past_attempts]
     document = document_around(ranks, state, alerts, now, history, attempts)
-    document.verdict = verdict_entry(read_run(document, live=True))  # as of ``now``
+    document.verdict = judged(document, final=final)  # as of ``now``
     return document
 
 

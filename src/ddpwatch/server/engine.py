@@ -123,14 +123,25 @@ class Engine:
                 self._document = self.document_at(self.clock())
             return self._document
 
-    def document_at(self, now: float) -> StatusDocument:
+    def document_at(self, now: float, *, final: bool = False) -> StatusDocument:
         """The status document as of ``now``, built afresh (a replay's clock moves between
-        ticks)."""
+        ticks); ``final``: its verdict judged as the watch ends."""
         with self.lock:
             document = status_document(
-                self.state, self.alerts, now, self.thresholds, self.tracker.entries()
+                self.state,
+                self.alerts,
+                now,
+                self.thresholds,
+                self.tracker.entries(),
+                final=final,
             )
             return self._with_refused(document)
+
+    def final_document(self) -> StatusDocument:
+        """The status document as the watch ends, as of the last tick: what the end-of-run
+        summary, the report and the trackers read (its ``verdict.final``)."""
+        with self.lock:
+            return self.document_at(self.document().server_time, final=True)
 
     def document_json(self) -> bytes:
         """``document()`` encoded, once per tick too."""

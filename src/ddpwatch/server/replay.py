@@ -156,11 +156,12 @@ class ReplayServer(OnEngine):
 
     # ---------------------------------------------------------------- the views' side
 
-    def status(self) -> StatusDocument:
-        """The status document as of the virtual now, built afresh: the clock moves."""
+    def status(self, *, final: bool = False) -> StatusDocument:
+        """The status document as of the virtual now, built afresh: the clock moves;
+        ``final``: its verdict judged as the watch ended (``Engine.final_document``)."""
         with self.lock:
             now = self.clock()
-            document = self.engine.document_at(now)
+            document = self.engine.document_at(now, final=final)
         document.replay = ReplayInfo(
             file=str(self.path),
             speed=self.speed,
@@ -304,4 +305,4 @@ def replay_to_end(path: str | os.PathLike[str]) -> Replayed:
     report`` starts from). Raises ``RecordingError`` for a file that is not a recording."""
     replay = ReplayServer(path, speed=None)
     replay.run()
-    return Replayed(replay.status(), replay.sessions)
+    return Replayed(replay.status(final=True), replay.sessions)

@@ -175,9 +175,11 @@ class Server(OnEngine):
             if self.recorder is not None:
                 self.recorder.job(self.clock(), msgspec.json.encode(job_end))
 
-    def status(self) -> StatusDocument:
-        """The status document as of the last tick (``Engine.document``). Read-only."""
-        return self.engine.document()
+    def status(self, *, final: bool = False) -> StatusDocument:
+        """The status document as of the last tick (``Engine.document``), read-only;
+        ``final``: built afresh, its verdict judged as the watch ends
+        (``Engine.final_document``: what the summary and the hand-offs read)."""
+        return self.engine.final_document() if final else self.engine.document()
 
     def status_json(self) -> bytes:
         return self.engine.document_json()

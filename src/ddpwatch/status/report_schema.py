@@ -5,9 +5,8 @@
 A contract like the status document: keys are only ever added, each is always written
 (``null`` when unknown), and the status document it ends with is the one of
 ``status/schema.py``. The keys are written sorted, two-space indented, NaN and infinity as
-null. An episode and an account of time lost (the status document's ``TimeLost``) carry the
-fields of ``diagnosis.episodes.Episode`` and ``diagnosis.figures.Lost`` (a test holds them to
-the same names and types).
+null. Its episodes and accounts of time lost are the status document's verdict's
+(``EpisodeEntry``, ``TimeLost``): the report words the run the replay judged.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import Final
 
 import msgspec
 
-from ddpwatch.status.schema import RankError, StatusDocument, TimeLost
+from ddpwatch.status.schema import EpisodeEntry, RankError, StatusDocument, TimeLost
 
 REPORT_SCHEMA: Final = 1
 """The report's ``report`` (and a comparison's ``comparison``): fields are only added."""
@@ -63,28 +62,6 @@ class ReportHint(msgspec.Struct, gc=False):
     hint: str
 
 
-class ReportEpisode(msgspec.Struct, gc=False):
-    """One alert from its raise to its clearing, in seconds of the job's elapsed time."""
-
-    kind: str
-    severity: str
-    ranks: list[int]
-    waiting: list[int]
-    message: str
-    raised_s: float
-    attempt: int
-    first_severity: str | None
-    first_kind: str | None
-    escalated_s: float | None
-    cleared_s: float | None
-    closed_by: str | None
-    waited_s: float | None
-    waited_at_s: float | None
-    phase: str | None
-    hint: str
-    lost_share: float | None
-
-
 class ReportAttempt(msgspec.Struct, gc=False):
     """The verdict of one attempt of a restarted job."""
 
@@ -115,7 +92,7 @@ class ReportDocument(msgspec.Struct, kw_only=True, gc=False):
     ranks: list[ReportRank]
     culprits: list[ReportCulprit]
     hints: list[ReportHint]
-    episodes: list[ReportEpisode]
+    episodes: list[EpisodeEntry]
     time_lost: list[TimeLost]
     attempts: list[ReportAttempt]
     series: dict[str, dict[str, int | list[list[float]]]]

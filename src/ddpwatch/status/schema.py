@@ -31,6 +31,7 @@ __all__ = [
     "AttemptVerdict",
     "CollectiveCounts",
     "CollectiveWait",
+    "EpisodeEntry",
     "FinalCollective",
     "HistoryEntry",
     "HostRow",
@@ -265,6 +266,34 @@ class TimeLost(msgspec.Struct, gc=False):
     slowed_s: float | None
     rank: int
     seconds: float
+    text: str = ""
+
+
+class EpisodeEntry(msgspec.Struct, gc=False):
+    """One alert from its raise to its clearing (or the end of what was judged), in seconds
+    of the job's elapsed time, as it last stood: its most severe ``severity`` and what it was
+    raised as (``first_severity``, ``first_kind``) when it escalated, every rank it said
+    waited, its last fix; ``closed_by`` ``new_attempt`` where its attempt ended first; and
+    ``duration_s``, how long it was up as of the verdict."""
+
+    kind: str
+    severity: str
+    ranks: list[int]
+    waiting: list[int]
+    message: str
+    raised_s: float
+    attempt: int
+    first_severity: str | None
+    first_kind: str | None
+    escalated_s: float | None
+    cleared_s: float | None
+    closed_by: str | None
+    waited_s: float | None
+    waited_at_s: float | None
+    phase: str | None
+    hint: str
+    lost_share: float | None
+    duration_s: float = 0.0
 
 
 class AttemptVerdict(msgspec.Struct, gc=False):
@@ -278,8 +307,11 @@ class AttemptVerdict(msgspec.Struct, gc=False):
 class Verdict(msgspec.Struct, kw_only=True, gc=False):
     """``verdict``: the run judged as of this document (``diagnosis/verdict.py``), what the
     end-of-run summary, ``ddpwatch status`` and the report say: the sentence, the ranks the
-    last attempt's verdict blames, each attempt's, how long the job ran, its median step
-    and the time lost per culprit, most first."""
+    last attempt's verdict blames, each attempt's, how long the job ran, its median step,
+    the time lost per culprit, most first, each in words too (``text``), and the alert
+    episodes it rests on. ``final``: judged as the watch ended (a rank still running "was
+    still running when the watch ended"), else as of a document the watch goes on after.
+    Every output reads these: none judges the run again."""
 
     text: str
     named: list[int]
@@ -287,6 +319,8 @@ class Verdict(msgspec.Struct, kw_only=True, gc=False):
     run_s: float | None
     median_step_s: float | None
     time_lost: list[TimeLost]
+    final: bool = False
+    episodes: list[EpisodeEntry] = []
 
 
 class StatusDocument(msgspec.Struct, kw_only=True, gc=False):

@@ -74,7 +74,8 @@ def alerts_raised(document: StatusDocument) -> int:
 
 def ended_banner(document: StatusDocument) -> str:
     """The alerts panel's first line once the job ended: how many alerts, and the verdict
-    (``outputs.summary.verdict``, what the end-of-run summary says)."""
+    (``outputs.summary.verdict``, what the end-of-run summary says); a large job's summary
+    reply holds no verdict (it is judged over every rank): the line says where it is."""
     from ddpwatch.outputs.summary import verdict
 
     if not any(row.state != RankState.NOT_CONNECTED for row in document.ranks) and not isinstance(
@@ -84,7 +85,8 @@ def ended_banner(document: StatusDocument) -> str:
     count = alerts_raised(document)
     alerts = f"{count} alert{'s' if count != 1 else ''}" if count else "no alerts"
     ran = "" if isinstance(document, SummaryReply) else _ran(document)
-    return f"the job finished{ran}: {alerts} in its run · verdict: {verdict(document)}"
+    said = verdict(document) if document.verdict is not None else "ddpwatch status gives it"
+    return f"the job finished{ran}: {alerts} in its run · verdict: {said}"
 
 
 def _ran(document: StatusDocument) -> str:
