@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from ddpwatch.status.schema import StatusDocument, SummaryReply
+from ddpwatch.status.schema import RankEntry, StatusDocument, SummaryReply
 
 T0 = 1_760_000_000.0
 """The fixed server_time of tick 0."""
@@ -23,16 +23,13 @@ STARTED = T0 - 3725.0
 """When the fixed server started: uptime 1h02m05s at tick 0."""
 GIB = 1 << 30
 
-CONTRACT_FIELDS = (
-    "rank", "local_rank", "world_size", "host", "pid", "device", "device_uuid", "state",
-    "phase", "step", "loss", "step_time_s", "mem_allocated_bytes", "mem_reserved_bytes",
-    "gpu_mem_used_bytes", "gpu_mem_total_bytes", "collective", "last_seen_s", "stack", "error",
-)  # fmt: skip
-EXTRA_FIELDS = (
-    "local_world_size", "node_rank", "launcher", "device_name", "device_index",
-    "avg_step_time_s", "data_wait_s", "collective_time_s", "mem_peak_bytes", "gpu_pids",
-    "exit_code", "exit_signal", "simulated", "input_wait_s", "compute_s", "grad_wait_s",
-)  # fmt: skip
+RANK_DEFAULTS: dict[str, Any] = {
+    f.name: msgspec.to_builtins(f.default)
+    for f in msgspec.structs.fields(RankEntry)
+    if f.default is not msgspec.NODEFAULT
+}
+"""Every field of a rank entry with the value the server writes when it knows nothing of it:
+derived from ``RankEntry``, so a field added there is in every fixture rank."""
 
 WAITING_STACK = """\
 Thread 0x7f3a1c2b5740 (most recent call first):
@@ -75,8 +72,8 @@ def typed(document: dict[str, Any]) -> StatusDocument:
 
 def rank_entry(rank: int, world_size: int, **values: Any) -> dict[str, Any]:
     """One rank as the status document shows it: every field present, unknown ones None."""
-    entry: dict[str, Any] = dict.fromkeys(CONTRACT_FIELDS + EXTRA_FIELDS)
-    entry.update(rank=rank, world_size=world_size, state="not_connected", simulated=False)
+    entry: dict[str, Any] = dict(RANK_DEFAULTS)
+    entry.update(rank=rank, world_size=world_size, state="not_connected")
     entry.update(values)
     return entry
 
