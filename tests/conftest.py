@@ -173,10 +173,40 @@ def judged(document: StatusDocument, *, final: bool = True) -> StatusDocument:
     return msgspec.structs.replace(document, verdict=judge(document, final=final))
 
 
+_VALIDATORS: dict[str, Any] = {}
+
+
+def published(kind: str, document: Any) -> Any:
+    """``document`` (JSON values), checked against the published JSON Schema ``kind``
+    (``status/schemas/``): every document a test reads this way holds to the contract."""
+    import json
+
+    import jsonschema
+
+    from ddpwatch.status.contract import schema_text
+
+    if kind not in _VALIDATORS:
+        _VALIDATORS[kind] = jsonschema.Draft202012Validator(json.loads(schema_text(kind)))
+    _VALIDATORS[kind].validate(document)
+    return document
+
+
 def as_json(document: Any) -> Any:
     """A status document (``status.schema``) as the JSON values it goes on the wire as: what
-    a test that reads it by key wants (None stays None)."""
-    return None if document is None else msgspec.to_builtins(document)
+    a test that reads it by key wants (None stays None), checked against its published
+    schema on the way."""
+    from ddpwatch.status.schema import PageReply, SummaryReply
+
+    if document is None:
+        return None
+    values = msgspec.to_builtins(document)
+    if isinstance(document, SummaryReply):
+        return published("summary", values)
+    if isinstance(document, PageReply):
+        return published("page", values)
+    if isinstance(document, StatusDocument):
+        return published("status", values)
+    return values
 
 
 def poll_status(server: Any, predicate: Callable[[dict[str, Any]], Any], timeout: float) -> Any:
