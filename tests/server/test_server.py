@@ -308,7 +308,9 @@ def test_records_of_many_new_ranks_leave_the_cyclic_collectors_full_passes(
         tracked = {id(o) for o in gc.get_objects()}
         assert not any(id(record) in tracked for record in state.ranks.values())
         take([sample(r, world_size=64) for r in range(40, 60)], 60)  # 20 more: not yet
-        assert gc.get_freeze_count() == frozen
+        # no new freeze (a frozen object that dies by its refcount lowers the count: one
+        # another test of this worker left frozen)
+        assert gc.get_freeze_count() <= frozen
         assert id(state.ranks[59]) in {id(o) for o in gc.get_objects()}
     finally:
         collector.close()
