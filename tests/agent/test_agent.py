@@ -155,8 +155,10 @@ def test_a_sample_never_pairs_a_step_with_an_earlier_steps_loss(
             ddpwatch.step(torch.tensor(float(i)))
         return read_memory()
 
-    monkeypatch.setattr(watcher, "_host_memory", steps_end_meanwhile)
     with watcher._beat_lock:  # not beside the publisher's own first beat
+        # patched under the lock: a publisher's first beat late under load would run the
+        # steps itself, before the sample this test builds
+        monkeypatch.setattr(watcher, "_host_memory", steps_end_meanwhile)
         first = watcher._sample()
         second = watcher._sample()
     assert first is not None and second is not None
