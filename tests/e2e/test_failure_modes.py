@@ -211,8 +211,14 @@ def test_rank_zero_evaluating_alone_every_epoch_held_the_others_up_and_failed_no
     assert {c.kind for c in raised} == {"straggler"}, account
     assert any("busy: its stack moves" in c.message for c in raised), account
     assert result.returncode == 0, account
+    # rank 0 is named only on a report it sent after the others entered the barrier: on a
+    # starved machine (CI, 3 jobs on 2 cores) its publisher can miss one evaluation's window,
+    # and that wait goes unnamed rather than named on stale evidence. The account then says
+    # so: its count is the episodes the live server raised, 2 or 3 of the 3 waits.
+    episodes = sum(1 for c in raised if c.event == "raised")
+    assert episodes in (2, 3), account
     assert result.verdict.startswith(
-        "the job finished: every rank exited 0; rank 0 held ranks 1, 2 up 3 times"
+        f"the job finished: every rank exited 0; rank 0 held ranks 1, 2 up {episodes} times"
     ), account
     assert "fail" not in result.verdict, account
 
