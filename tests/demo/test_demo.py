@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import pytest
+from conftest import published
 
 from ddpwatch.demo import runner
 from ddpwatch.demo.runner import DemoOptions, descendants, run_demo
@@ -25,7 +26,7 @@ def _read_changes(proc: subprocess.Popen[str], until: float, want: set[str]) -> 
         line = proc.stdout.readline()
         if not line:
             break
-        change = json.loads(line)
+        change = published("change", json.loads(line))  # the stream's contract
         if change["event"] != "cleared":  # raised, or escalated from a warning
             seen.setdefault(change["alert"]["kind"], time.monotonic() - started)
     return seen

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Recording, free_port_pair, replayed
+from conftest import ROOT, Recording, free_port_pair, published, replayed
 
 from ddpwatch.cli import main
 from ddpwatch.commands.replay import parse_speed
@@ -267,7 +267,7 @@ def test_replay_cli_headless_prints_the_live_stream(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=30, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    lines = [published("change", json.loads(line)) for line in result.stdout.splitlines()]
     assert lines == [c.to_dict() for c in live.changes]
     assert "partial record" in result.stderr and "3 bytes" in result.stderr
 

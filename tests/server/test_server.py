@@ -14,7 +14,7 @@ import time
 import msgspec
 import pytest
 import zmq
-from conftest import ROOT, AppliedState, LiveServer, free_port_pair, push_frames
+from conftest import ROOT, AppliedState, LiveServer, free_port_pair, published, push_frames
 
 from ddpwatch.cli import fetch_status, format_status, main
 from ddpwatch.core.protocol import Collective, ErrorInfo, Event, Sample, encode
@@ -399,7 +399,7 @@ def test_serve_headless_prints_alert_lines_and_exits_on_sigterm() -> None:
             assert said, "serve ended before it listened"
         push_frames(port, [sample(0, step=1), sample(1, step=1), sample(2, step=1)])
         line = proc.stdout.readline()  # all three go silent after 1 s
-        change = json.loads(line)
+        change = published("change", json.loads(line))  # the stream's contract
         assert change["event"] == "raised" and change["alert"]["kind"] == "silent"
     finally:
         proc.send_signal(signal.SIGTERM)
