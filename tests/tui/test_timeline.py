@@ -227,3 +227,20 @@ async def test_the_timelines_hint_says_when_the_culprits_stack_has_not_come() ->
         screen.follow()
         await pilot.pause()
         assert "(the detail pane: press enter on rank 3)" in _panel(screen)
+
+
+def test_a_finished_large_jobs_banner_says_where_its_verdict_is() -> None:
+    """A summary reply (the dashboard past 4,096 ranks) holds no verdict: the banner says where
+    to read it rather than judge the worst ranks it holds as if they were the job."""
+    from ddpwatch.status.schema import RankEntry, Summary, SummaryPageInfo, SummaryReply
+    from ddpwatch.tui.data.story import ended_banner
+
+    reply = SummaryReply(
+        server_time=100.0,
+        ranks=[RankEntry(rank=0, state="exited", exit_code=0)],
+        summary=Summary(ranks=8192, states={"exited": 8192}, hosts=[]),
+        page=SummaryPageInfo(view="summary", total=8192, matched=8192, worst=1),
+    )
+    assert ended_banner(reply) == (
+        "the job finished: no alerts in its run · verdict: ddpwatch status gives it"
+    )
