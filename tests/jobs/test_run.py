@@ -298,3 +298,34 @@ def run_restarted(tmp_path: Path, script: str) -> tuple[subprocess.Popen[str], s
     finally:
         stop_job(proc, grace=1.0)
     return proc, err
+
+
+def test_a_port_taken_between_its_pick_and_the_bind_is_tried_again_on_another(
+    monkeypatch, capsys
+) -> None:
+    """Two ``ddpwatch run`` started at once on one node: the pair one picked free is bound by
+    the other before its own bind. The collector binds another pair, never a traceback; a
+    port never free is one line."""
+    import socket
+
+    from ddpwatch.jobs import launch
+
+    taken = free_port_pair()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", taken))
+    holder.listen()
+    picks = iter([taken])
+    monkeypatch.setattr(launch, "pick_port", lambda preferred: next(picks))
+    try:
+        bound = launch._bound_local_server(taken, None, None)
+        assert bound is not None
+        port, server = bound
+        server.collector.close()
+        assert port != taken
+        monkeypatch.setattr(launch, "free_port_pair", lambda: taken)
+        monkeypatch.setattr(launch, "pick_port", lambda preferred: taken)
+        assert launch._bound_local_server(taken, None, None) is None
+    finally:
+        holder.close()
+    said = capsys.readouterr().err
+    assert said.startswith("ddpwatch run: no port for its collector: ") and "Traceback" not in said

@@ -27,7 +27,7 @@ from typing import IO, Any
 
 from ddpwatch.agent.auto import AUTO_ENV
 from ddpwatch.core.port_holder import holder_of
-from ddpwatch.core.ports import pick_port
+from ddpwatch.core.ports import free_port_pair, pick_port
 from ddpwatch.core.protocol import DEFAULT_PORT
 from ddpwatch.core.vocabulary import JobStop
 from ddpwatch.diagnosis.alerts import Thresholds
@@ -97,15 +97,13 @@ def run_command(
         if not tui:
             print(_banner(command, addr, False, preferred_port), file=sys.stderr)
         return _run_with_remote_server(command, addr, relay)
-    port = pick_port(preferred_port)
-    addr = f"127.0.0.1:{port}"
     printer = None if tui else ChangePrinter(record)
-    server = _local_server(port, chain(printer, notify, otlp), record)
-    if otlp is not None:
-        from ddpwatch.outputs.prometheus import summary_from_query
-
-        otlp.bind(summary_from_query(server.query_json))
-        otlp.start()
+    bound = _bound_local_server(preferred_port, chain(printer, notify, otlp), record)
+    if bound is None:
+        return 1
+    port, server = bound
+    addr = f"127.0.0.1:{port}"
+    _start_otlp(otlp, server)
     if not tui:
         print(_banner(command, addr, True, preferred_port), file=sys.stderr)
     if tui:
@@ -284,6 +282,38 @@ def latest_recording(folder: str | os.PathLike[str] | None = None) -> Path | Non
     except OSError:
         return None
     return max(found)[1] if found else None
+
+
+def _start_otlp(otlp: OtlpExporter | None, server: Server) -> None:
+    """The OTLP export, asked for, reads the local collector's summary every interval."""
+    if otlp is not None:
+        from ddpwatch.outputs.prometheus import summary_from_query
+
+        otlp.bind(summary_from_query(server.query_json))
+        otlp.start()
+
+
+BIND_TRIES = 3
+"""Ports tried for the local collector: a free pair can be taken by another process between
+``pick_port`` and the bind (two ``ddpwatch run`` started at once on one node)."""
+
+
+def _bound_local_server(
+    preferred_port: int, on_change: Any, record: str | None
+) -> tuple[int, Server] | None:
+    """The local collector on the preferred port pair when it is free, else on another free
+    pair, a taken one tried again on a new pair; None, said in one line, when none binds."""
+    from ddpwatch.server.collector import BindError
+
+    problem = ""
+    for attempt in range(BIND_TRIES):
+        port = pick_port(preferred_port) if attempt == 0 else free_port_pair()
+        try:
+            return port, _local_server(port, on_change, record)
+        except BindError as exc:
+            problem = str(exc)
+    print(f"ddpwatch run: no port for its collector: {problem}", file=sys.stderr)
+    return None
 
 
 def _local_server(port: int, on_change: Any, record: str | None) -> Server:
