@@ -29,6 +29,7 @@ from ddpwatch.core.vocabulary import AlertKind, RankState
 from ddpwatch.diagnosis.episodes import Episode, episodes
 from ddpwatch.diagnosis.text import format_ranks
 from ddpwatch.status.fmt import duration
+from ddpwatch.status.order import median_steps
 from ddpwatch.status.schema import StatusDocument, TimeLost
 
 HOLDING = frozenset(
@@ -238,11 +239,7 @@ def figures(document: StatusDocument) -> Figures:
     now_s = document.server_time - started if math.isfinite(started) else None
     found = episodes(document.history, document.alerts, now_s)
     end_s = run_s if run_s is not None else max((e.raised_s for e in found), default=0.0)
-    medians = {
-        r.rank: r.median_step_s
-        for r in document.ranks
-        if r.median_step_s is not None and r.state != RankState.NOT_CONNECTED
-    }
+    medians = median_steps(document.ranks)
     return Figures(run_s, end_s, medians, tuple(time_lost(found, end_s)), tuple(found))
 
 

@@ -18,9 +18,10 @@ import msgspec
 
 from ddpwatch.core.protocol import ProtocolError, Sample, decode
 from ddpwatch.core.vocabulary import HistoryEvent, Severity
-from ddpwatch.outputs.summary import median_steps, summary_lines, told
+from ddpwatch.outputs.summary import summary_lines, told
 from ddpwatch.server.recording import RecordingError, RecordingReader
 from ddpwatch.status.fmt import event_label, hint_pointing_at, step_seconds
+from ddpwatch.status.order import median_steps
 from ddpwatch.status.schema import (
     UNSET,
     AlertEntry,
@@ -332,7 +333,7 @@ def _rank_stats(document: StatusDocument, series: dict[int, RankSeries]) -> list
             kinds = named.setdefault(rank, [])
             if alert.kind not in kinds:
                 kinds.append(alert.kind)
-    medians = median_steps(document)
+    medians = median_steps(document.ranks)
     stats = []
     for rank in sorted(set(entries) | set(series)):
         entry, seen = entries.get(rank), series.get(rank)

@@ -14,6 +14,7 @@ from typing import Any
 
 from ddpwatch.core.vocabulary import RankState
 from ddpwatch.status.fmt import NEW_ATTEMPT, duration, elapsed, step_seconds
+from ddpwatch.status.order import median_steps
 from ddpwatch.status.schema import EpisodeEntry, RankEntry, StatusDocument, Verdict
 
 ALERTS_LISTED = 20
@@ -106,16 +107,6 @@ def lost_line(run: Verdict) -> str | None:
     return f"time lost: {total}: {accounts}"
 
 
-def median_steps(document: StatusDocument) -> dict[int, float]:
-    """Each rank's median step (the server's: every step it timed, one step one vote), for
-    the ranks that reported and timed one."""
-    return {
-        r.rank: r.median_step_s
-        for r in document.ranks
-        if r.median_step_s is not None and r.state != RankState.NOT_CONNECTED
-    }
-
-
 def median_text(medians: dict[int, float]) -> str | None:
     """The ranks' median steps in words: "median step 0.008 s", or where they differ by
     more than 10 %, "median step 0.008-0.012 s (rank 3 the slowest)"; None for none."""
@@ -163,7 +154,7 @@ def _overview(document: StatusDocument, run: Verdict) -> str:
     if steps:
         low, high = min(steps), max(steps)
         parts.append(f"last step {high}" if low == high else f"last steps {low}-{high}")
-    medians = median_text(median_steps(document))
+    medians = median_text(median_steps(document.ranks))
     if medians:
         parts.append(medians)
     return ", ".join(parts)

@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Final
 
 from ddpwatch.core.vocabulary import RANK_STATES, SEVERITIES, RankState
-from ddpwatch.status.schema import HostRow
+from ddpwatch.status.schema import HostRow, RankEntry
 
 STATE_ORDER: Final[dict[str, int]] = {state: n for n, state in enumerate(RANK_STATES)}
 """Each rank state's place, worst first (``vocabulary.RANK_STATES``)."""
@@ -132,3 +132,14 @@ def host_rows(tallies: Mapping[str | None, HostTally], most: int) -> tuple[list[
     how many hosts were left out."""
     names = sorted(tallies, key=lambda h: (h is None, h or ""))
     return [tallies[name].row() for name in names[:most]], len(names[most:])
+
+
+def median_steps(ranks: Iterable[RankEntry]) -> dict[int, float]:
+    """Each rank's median step (the server's: every step it timed, one step one vote), for
+    the ranks that reported and timed one: what the verdict's median and the summary's
+    "median step" are made of."""
+    return {
+        r.rank: r.median_step_s
+        for r in ranks
+        if r.median_step_s is not None and r.state != RankState.NOT_CONNECTED
+    }
