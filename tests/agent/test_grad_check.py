@@ -134,7 +134,7 @@ dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(os.environ["RA
 me = dist.get_rank()
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
-ddp = nn.parallel.DistributedDataParallel(model)
+ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=sys.argv[2] == "1")
 optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
 averaged = {}
 for step in range(1, 7):
@@ -157,10 +157,14 @@ ddpwatch.detach()
 
 
 @pytest.mark.e2e
-def test_ddp_ranks_see_their_own_gradients_not_the_averaged_ones(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["grad-copied", "bucket-view"])
+def test_ddp_ranks_see_their_own_gradients_not_the_averaged_ones(
+    tmp_path: Path, bucket_view: bool
+) -> None:
     """Under gloo, rank 1's infinite gradient at step 3 reaches rank 0's ``.grad`` through the
     all-reduce in the same step; rank 0's own gradients are finite until its parameters are
-    NaN (step 4). So rank 1 reports step 3 and rank 0 step 4, as the rule needs."""
+    NaN (step 4). So rank 1 reports step 3 and rank 0 step 4, as the rule needs: also where
+    ``.grad`` is a view of DDP's bucket, which the all-reduce writes in place."""
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(RANK_SCRIPT))
     method = f"tcp://127.0.0.1:{free_port_pair()}"
@@ -176,7 +180,7 @@ def test_ddp_ranks_see_their_own_gradients_not_the_averaged_ones(tmp_path: Path)
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(script), method],
+                [sys.executable, str(script), method, "1" if bucket_view else "0"],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

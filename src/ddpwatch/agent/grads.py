@@ -3,11 +3,20 @@
 DDP's reducer averages every rank's gradients, so one rank's inf or NaN gradient reaches every
 rank in the same step, and every rank's loss is NaN from the next step on: the losses alone
 cannot tell where it came from. The rank it came from is the one whose *own* gradients went
-bad first. A hook on each parameter's incoming gradient (``Tensor.register_hook``) sees it
-before it is accumulated into ``.grad``, so before the reducer copies it into its bucket
-(checked under gloo, torch 2.13, with and without ``gradient_as_bucket_view``: each rank's
-hook sees its own gradient, ``.grad`` ends averaged). DDP's one communication-hook slot is
-left to the user.
+bad first. A hook on each parameter run once its gradient is accumulated into ``.grad``
+(``Tensor.register_post_accumulate_grad_hook``) reads it before DDP's reducer does: the
+reducer's own hook is a post hook of the same accumulation, which runs after it, so the
+parameter's bucket is not reduced yet (checked under gloo, torch 2.13, with and without
+``gradient_as_bucket_view``: each rank's hook sees its own gradient, ``.grad`` ends
+averaged). DDP's one communication-hook slot is left to the user.
+
+Why after accumulation rather than on the incoming gradient (``Tensor.register_hook``): a
+parameter hooked once keeps torch's Python wrapper for its hooks after the hook is removed,
+and torch calls it every backward. For an incoming-gradient hook that wrapper makes a Python
+object of the gradient each time: ~3.7k instructions a parameter a step, every parameter
+the learning steps below hooked, for the rest of the run (``docs/performance.md``,
+section 1). The accumulation hooks share one wrapper a parameter with the step split's
+(``agent/split.py``), which hooks the same parameters: the check adds no wrapper of its own.
 
 Only the gradient that arrives last is kept checked: a non-finite gradient anywhere flows
 down to every earlier layer's, and the first layer's arrive last (its weight's and its bias's
@@ -100,15 +109,18 @@ class GradCheck:
                 continue
             self._hooked[id(param)] = weakref.ref(param)
             check = functools.partial(self._check, id(param), _stride(param), _sum_dtype(param))
-            handle = param.register_hook(check)
+            handle = param.register_post_accumulate_grad_hook(check)
             self._handles[id(param)] = handle
             handles.append(handle)
         self._learning = LEARN_STEPS  # new parameters: learn their order again
         return handles
 
-    def _check(self, key: int, stride: int, dtype: Any, grad: Any) -> None:
-        """A gradient arrived (the autograd thread; the training thread waits in backward)."""
+    def _check(self, key: int, stride: int, dtype: Any, param: Any) -> None:
+        """A gradient was accumulated into ``param.grad`` (the autograd thread; the training
+        thread waits in backward). Under gradient accumulation ``.grad`` holds the step's
+        micro-batches so far: a non-finite one stays non-finite."""
         try:
+            grad = param.grad
             if type(grad) is not self._tensor:
                 return  # a tensor subclass: its sum might not be a plain local sum
             step = self._reader.step_in_progress()

@@ -29,9 +29,12 @@ reported as unknown rather than at a wrong step."""
 
 
 def find_loss(output: Any) -> Any:
-    """The loss in a model's output: a scalar tensor, or a ``loss`` key or attribute."""
-    if getattr(output, "ndim", None) == 0:
-        return output
+    """The loss in a model's output: a scalar tensor, or a ``loss`` key or attribute. A
+    tensor of more dimensions has no ``loss``: not looked for (a failed attribute lookup
+    raises inside ``getattr``, dearer than the rest of a forward hook)."""
+    ndim = getattr(output, "ndim", None)
+    if ndim is not None:
+        return output if ndim == 0 else None
     if isinstance(output, dict):
         return output.get("loss")
     return getattr(output, "loss", None)

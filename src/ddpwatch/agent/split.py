@@ -407,7 +407,12 @@ def iterator_key(iterator: Any) -> int:
 
 def is_ddp(model: Any) -> bool:
     """A ``DistributedDataParallel`` (or a subclass), without importing torch here."""
-    return any(
-        cls.__name__ == "DistributedDataParallel" and cls.__module__.startswith("torch.")
-        for cls in type(model).__mro__
-    )
+    return ddp_class(model) is not None
+
+
+def ddp_class(model: Any) -> Any:
+    """torch's ``DistributedDataParallel`` if ``model`` is one (or of a subclass), else None."""
+    for cls in type(model).__mro__:
+        if cls.__name__ == "DistributedDataParallel" and cls.__module__.startswith("torch."):
+            return cls
+    return None
