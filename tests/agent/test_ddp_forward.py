@@ -98,3 +98,19 @@ def test_a_ddp_subclass_with_its_own_forward_is_watched_by_hooks(group: Any) -> 
     with torch.no_grad():
         ddp(torch.ones(2, 4))
     assert watcher.progress.forwards == 1  # once: the hooks, not also torch's forward inside
+
+
+def test_an_attached_ddp_model_compiled_after_trains_and_counts_its_steps(group: Any) -> None:
+    """Compiled, the wrapper's compile check folds to True: a compiled forward marks no phase,
+    as the hooks' did (``compiling_check``), and the optimizer still ends the steps."""
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    watcher = _attach(ddp)
+    compiled = torch.compile(ddp, backend="eager")
+    for _ in range(3):
+        compiled(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert watcher.progress.step == 3
+    ddpwatch.detach()
+    assert DistributedDataParallel.forward is TORCH_FORWARD
