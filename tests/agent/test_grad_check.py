@@ -69,6 +69,29 @@ def test_after_learning_only_the_last_gradients_to_arrive_stay_checked() -> None
     assert progress.grads.faults == 0
 
 
+def test_a_hook_that_takes_the_gradient_away_first_does_not_hide_it() -> None:
+    """DeepSpeed's ZeRO 1-3 (``deepspeed.utils.torch.register_grad_hook``, 0.19) and
+    optimizer-in-backward code hook each parameter's accumulation before ddpwatch is attached,
+    and set ``.grad`` to None once they have taken it: the check runs before them."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    taken: list[torch.Tensor] = []
+
+    def take(param: torch.Tensor) -> None:
+        taken.append(param.grad.clone())
+        param.grad = None
+
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(take)
+    progress = Progress()
+    progress.grads.watch(model)
+    for step in range(1, LEARN_STEPS + 4):
+        train_step(model, progress, bad=step >= LEARN_STEPS + 2)  # bad from then on
+    progress.loss.poll()
+    assert progress.loss.grad_nan_step == LEARN_STEPS + 2
+    assert len(taken) == 4 * (LEARN_STEPS + 3)  # theirs still ran, every parameter, every step
+    assert progress.grads.faults == 0
+
+
 def test_gradient_accumulation_checks_every_backward_of_the_step() -> None:
     progress = Progress()
     model = nn.Linear(8, 1)

@@ -110,6 +110,7 @@ class GradCheck:
             self._hooked[id(param)] = weakref.ref(param)
             check = functools.partial(self._check, id(param), _stride(param), _sum_dtype(param))
             handle = param.register_post_accumulate_grad_hook(check)
+            _run_first(param, handle)
             self._handles[id(param)] = handle
             handles.append(handle)
         self._learning = LEARN_STEPS  # new parameters: learn their order again
@@ -171,6 +172,19 @@ class GradCheck:
         self._arrived = []
         self._learning = LEARN_STEPS
         self._sums = []
+
+
+def _run_first(param: Any, handle: Any) -> None:
+    """Move the check before the parameter's other accumulation hooks: DeepSpeed's ZeRO
+    stages and optimizer-in-backward code register theirs first, and take ``.grad`` away
+    (reduced into a bucket, stepped, set to None) before a hook after theirs could read it."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    if not isinstance(hooks, dict) or len(hooks) < 2:
+        return
+    # each other hook taken out and put back behind ours, not ``move_to_end``: torch walks
+    # the dictionary as a dict, in the order its keys went in, which ``move_to_end`` keeps
+    for key in [key for key in hooks if key != handle.id]:
+        hooks[key] = hooks.pop(key)
 
 
 def _stride(param: Any) -> int:
