@@ -127,6 +127,14 @@ def _no_ddpwatch_environment(
     monkeypatch.setenv("DDPWATCH_RECORD_DIR", str(tmp_path_factory.getbasetemp() / "runs"))
 
 
+def rank_zero_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as rank 0 of a world of one: the launcher's variables set, none left over."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+
 @pytest.fixture
 def port() -> int:
     return free_port_pair()

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port_pair
+from conftest import free_port_pair, rank_zero_of_one
 from torch.utils.data import DataLoader, Dataset
 
 import ddpwatch
@@ -38,10 +38,7 @@ class SlowSamples(Dataset[torch.Tensor]):
 
 @pytest.fixture
 def group(monkeypatch: pytest.MonkeyPatch) -> Any:
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    rank_zero_of_one(monkeypatch)
     watcher = ddpwatch.attach(addr=f"127.0.0.1:{free_port_pair()}", interval=60.0)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port_pair()}", rank=0, world_size=1

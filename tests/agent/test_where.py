@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SCRIPTS, LiveServer
+from conftest import SCRIPTS, LiveServer, rank_zero_of_one
 
 import ddpwatch
 from ddpwatch.agent.where import named_phase, stack_phase, torch_phase
@@ -19,10 +19,7 @@ from ddpwatch.core.vocabulary import Phase
 
 @pytest.fixture
 def rank_env(monkeypatch: pytest.MonkeyPatch) -> Any:
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    rank_zero_of_one(monkeypatch)
     yield
     ddpwatch.detach()
 
