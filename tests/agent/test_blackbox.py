@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ddpwatch.agent.blackbox import BlackBox
+from ddpwatch.agent.blackbox import ORPHAN_AFTER_S, BlackBox
 from ddpwatch.agent.calls import CallDigests
 from ddpwatch.agent.progress import Progress
 from ddpwatch.core.blackbox import NAME, read_box
@@ -21,7 +21,7 @@ ABORTING = textwrap.dedent(
     """
     import os, sys, threading, time
     import torch
-    from ddpwatch.agent.blackbox import BlackBox
+    from ddpwatch.agent.blackbox import ORPHAN_AFTER_S, BlackBox
     from ddpwatch.agent.calls import CallDigests
     from ddpwatch.agent.progress import Progress
 
@@ -118,12 +118,29 @@ def test_boxes_of_processes_gone_are_removed_by_the_next_agent(tmp_path: Path) -
     _, path = run_aborting(tmp_path)  # its process is gone, its box left
     assert path.exists()
     (tmp_path / "notes.txt").write_text("not a box")
+    old = path.stat().st_mtime - ORPHAN_AFTER_S
+    os.utime(path, (old, old))
     box = BlackBox.open(1, CallDigests(Progress()).words, str(tmp_path))
     assert box is not None
     try:
         assert not path.exists()
         assert (tmp_path / "notes.txt").exists()  # only box names are touched
         assert os.path.exists(box.path)
+    finally:
+        box.close()
+
+
+def test_a_box_its_reader_has_not_read_yet_is_kept_by_the_next_agent(tmp_path: Path) -> None:
+    """A rank gloo aborted a second ago, while another job's (or the next attempt's) ranks
+    start on the same host: the reader, a second later, still finds the box (the CI run of
+    cd5a582 lost a victim's box, and with it how it called the collective, this way)."""
+    _, path = run_aborting(tmp_path)
+    box = BlackBox.open(1, CallDigests(Progress()).words, str(tmp_path))
+    assert box is not None
+    try:
+        assert path.exists()
+        reading = read_box(str(path))
+        assert reading is not None and reading.signal == "SIGABRT"
     finally:
         box.close()
 

@@ -270,6 +270,8 @@ def test_status_query_needs_the_key(curve_server: Running, keys, monkeypatch, ca
     curve_server.wait_for(lambda s: s["stats"]["received"] == 1, 10)
     monkeypatch.delenv(SERVER_KEY_ENV, raising=False)
     assert fetch_status("127.0.0.1", curve_server.port, 0.5) is None
+    # the failed handshake reaches the collector through its monitor socket, in its own time
+    curve_server.wait_for(lambda s: s["stats"]["refused"] >= 1, 10)
     monkeypatch.setenv(SERVER_KEY_ENV, keys["server_key"])
     assert main(["status", "--port", str(curve_server.port), "--json"]) == 0
     document = json.loads(capsys.readouterr().out)

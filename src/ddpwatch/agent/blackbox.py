@@ -18,7 +18,7 @@ server, which then cannot tell how it called the collective that killed it, nor 
 
 The file is named in the rank's hello (``box``); a ddpwatch process on the same host reads it
 once the rank is late (``core/boxreader.py``). A clean exit removes it; a box whose process is
-gone is removed by the next agent that starts in the same folder.
+gone is removed by the next agent that starts in the same folder, once it is ten minutes old.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import mmap
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,7 @@ from ddpwatch.core.blackbox import (
 log = logging.getLogger("ddpwatch")
 _encode = msgspec.msgpack.Encoder().encode
 _Call = tuple[str, str | None, int | None, str | None, int | None]
+ORPHAN_AFTER_S = 600.0  # a dead rank's box kept this long for a reader that has not read it
 ENCODED_KEPT = 256  # distinct (call, phase) encodings kept: most loops make a handful
 
 
@@ -159,21 +161,27 @@ class BlackBox:
             os.unlink(self.path)
 
 
-def _remove_orphans(folder: str) -> None:
+def _remove_orphans(folder: str, now: float | None = None) -> None:
     """Boxes whose process is gone and that no reader took (a rank killed while no ddpwatch
-    watched on its host): removed, so the folder does not grow run after run."""
+    watched on its host): removed, so the folder does not grow run after run. Only once
+    ``ORPHAN_AFTER_S`` old: a box its reader has not read yet (a rank that died a second
+    ago, while a restarted attempt's or another job's ranks start on the same host) is kept
+    for it."""
     try:
         names = os.listdir(folder)
     except OSError:
         return
+    now = time.time() if now is None else now
     for name in names:
         if not NAME.match(name):
             continue
+        path = os.path.join(folder, name)
         pid = int(name.split("-", 2)[1])
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(folder, name))
+                if now - os.stat(path).st_mtime >= ORPHAN_AFTER_S:
+                    os.unlink(path)
         except OSError:
             pass  # another user's process, or not ours to tell
