@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 from ddpwatch.core.protocol import ErrorInfo
@@ -78,7 +79,8 @@ class Cascade:
     roots: list[Root]
     symptoms: list[RankRecord]  # peer failures (and timeouts when a real root exists)
     stopped: list[RankRecord]  # SIGTERM/SIGINT exits
-    blocked: list[int]  # live ranks waiting in a collective
+    census: Census = field(repr=False)
+    """Where ``blocked`` is read from, when it is read."""
     mismatched: list[RankRecord] = field(default_factory=list)
     """Ranks that died of a collective mismatch: the mismatch rule decides who caused it."""
     missing: list[int] = field(default_factory=list)
@@ -88,6 +90,19 @@ class Cascade:
     held: list[RankRecord] = field(default_factory=list)
     """Ranks that fell silent together, not yet told apart (``_first_to_die``): no culprit
     is named while a late report may still separate them."""
+
+    @cached_property
+    def blocked(self) -> list[int]:
+        """Live ranks waiting in a collective, or in a send or receive: worked out only when
+        an alert lists the victims (a pass over every waiting rank: all but one of 131,072
+        in a hang, which most ticks do not need)."""
+        census = self.census
+        quiet = census.quiet_ranks
+        blocked = [
+            rank for group in census.waits.values() for rank in group.members if rank not in quiet
+        ]
+        blocked.extend(r.rank for r in census.p2p)
+        return blocked
 
 
 def _crash_key(error: ErrorInfo, signature: Signature | None) -> tuple[str, str]:
@@ -153,7 +168,7 @@ def find_cascade(facts: Evidence) -> Cascade:
         roots,
         buckets.symptoms,
         buckets.stopped,
-        buckets.blocked,
+        facts.census,
         buckets.mismatched,
         missing,
         together,
@@ -175,13 +190,12 @@ class _Buckets:
     stopped: list[RankRecord] = field(default_factory=list)
     clean: list[RankRecord] = field(default_factory=list)
     mismatched: list[RankRecord] = field(default_factory=list)
-    blocked: list[int] = field(default_factory=list)
     held: list[RankRecord] = field(default_factory=list)
 
 
 def _classify_ranks(facts: Evidence) -> _Buckets:
-    """The linear pass: each crashed, exited, silent or blocked rank into its bucket."""
-    quiet = facts.quiet
+    """The linear pass: each crashed, exited or silent rank into its bucket (the blocked
+    ones are ``Cascade.blocked``, worked out when read)."""
     buckets = _Buckets()
     mismatch = facts.mismatch  # a crash inside a mismatched collective is that mismatch's doing
     in_mismatch = {r.rank for r in mismatch.culprits + mismatch.others} if mismatch else set()
@@ -214,10 +228,6 @@ def _classify_ranks(facts: Evidence) -> _Buckets:
         else:
             buckets.clean.append(record)
     buckets.silent.extend(r for r in census.quiet if r.rank not in relay_silent)
-    buckets.blocked.extend(
-        rank for group in census.waits.values() for rank in group.members if rank not in quiet
-    )
-    buckets.blocked.extend(r.rank for r in census.p2p)
     return buckets
 
 

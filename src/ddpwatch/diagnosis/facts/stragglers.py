@@ -69,7 +69,8 @@ class Straggle:
         return waiting_ops(self.group, self.waiting)
 
     def waiting_ranks(self) -> list[int]:
-        """The waiting ranks in order (the group's own sorted list when it is all of it)."""
+        """The waiting ranks in order, each once (the group's own sorted list when it is all
+        of it: read it, do not change it)."""
         group = self.group
         if group is not None and len(group) == len(self.waiting):
             return group.sorted_ranks()

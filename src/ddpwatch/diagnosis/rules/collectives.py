@@ -19,6 +19,7 @@ from ddpwatch.diagnosis.text import (
     collective_name,
     first_line,
     format_ranks,
+    format_sorted_ranks,
     in_data_loading,
     verb,
     where,
@@ -48,7 +49,7 @@ def rule_straggler(f: Facts) -> list[Alert]:
     compiling = first.collective is None and is_compiling(first)
     loading = in_data_loading(first.stack)
     detail = _culprit_detail(f, first, subject, compiling, loading)
-    waiters = format_ranks(waiting)  # once: thousands of ranks at scale
+    waiters = format_sorted_ranks(waiting)  # once, and not sorted again: 131,072 at scale
     chain = "".join(
         f"; {format_ranks(hop.ranks)} {verb(len(hop.ranks), 'waits', 'wait')} in {hop.name}"
         + ("" if hop.p2p else f" for {format_ranks(hop.blockers)}")
@@ -73,7 +74,9 @@ def rule_straggler(f: Facts) -> list[Alert]:
             AlertKind.STRAGGLER,
             severity,
             [r.rank for r in culprits],
-            sorted({*waiting, *(rank for hop in found.via for rank in hop.ranks)}),
+            sorted({*waiting, *(rank for hop in found.via for rank in hop.ranks)})
+            if found.via
+            else waiting,
             message,
             hint,
             waited_s=found.age,
