@@ -32,7 +32,7 @@ from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts.census import effective_stall_after
 from ddpwatch.diagnosis.facts.ranks import rank_state
 from ddpwatch.diagnosis.rules import RULES, diagnose, registry
-from ddpwatch.diagnosis.text import format_ranks, location
+from ddpwatch.diagnosis.text import format_ranks, format_sorted_ranks, location
 from ddpwatch.state.state import ServerState
 
 # --------------------------------------------------------------------------- helpers
@@ -55,6 +55,8 @@ from ddpwatch.state.state import ServerState
 )
 def test_format_ranks(ranks: list[int], text: str) -> None:
     assert format_ranks(ranks) == text
+    ordered = sorted(set(ranks))  # what a wait group's sorted list holds: the same words
+    assert format_sorted_ranks(ordered) == text
 
 
 @pytest.mark.parametrize(

@@ -349,8 +349,10 @@ def rule_cascade(f: Facts) -> list[Alert]:
 def rule_clean_exit(f: Facts) -> list[Alert]:
     """A rank that finished while others still train: they hang in their next collective."""
     now = f.now
-    exited = [
-        r for r in f.records if r.exit_time is not None and r.error is None and is_clean_exit(r)
+    exited = [  # the finished ranks only (the census has them): not a pass over every rank
+        r
+        for r in f.census.finished
+        if r.exit_time is not None and r.error is None and is_clean_exit(r)
     ]
     live = f.live
     if not exited or not live or f.cascade.roots:
