@@ -23,7 +23,10 @@ Per mode the table shows:
 * false alerts on the healthy run: every alert it raised;
 * verdict: runs whose end-of-run verdict (``diagnosis/verdict.py``, what ``run``'s summary and
   ``report`` print) blames exactly the expected culprits (for ``healthy``: nobody), judged on
-  the ranks it names (``Account.named``).
+  the ranks it names (``Account.named``);
+* raises per episode and flaps (#32 item 3): the most ``raised`` changes one alert episode
+  had (1: it was raised once, then updated in place), and the raises of a kind about the same
+  ranks within ``FLAP_S`` of its clearing (0: no alert cleared and came back).
 
 Then one ``RATIO diagnosis right_culprit=x/n wrong_blames=k ...`` line. ``--show`` prints
 every alert of every run (time from the fault, kind, ranks, waiting, message) and the job's
@@ -47,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -306,6 +310,8 @@ MODES: dict[str, Mode] = {
 # ----------------------------------------------------------------------------------- running
 
 
+FLAP_S = 5.0  # raised again this soon after its clearing: one problem shown twice
+
 @dataclass(frozen=True)
 class Stamped:
     """One raised or cleared alert with the time the server raised or cleared it."""
@@ -319,6 +325,25 @@ class Stamped:
     message: str
     hint: str
     episode: int = 0  # the alert's episode (history.py): its raise, escalations and clearing
+
+
+def raises_per_episode(changes: list[Stamped]) -> int:
+    """The most ``raised`` events one episode had (1 when each raise is its own episode)."""
+    counts = Counter(c.episode for c in changes if c.event == HistoryEvent.RAISED)
+    return max(counts.values(), default=0)
+
+
+def flaps(changes: list[Stamped], within: float = FLAP_S) -> int:
+    """Raises of the same kind about the same ranks within ``within`` s of its clearing."""
+    cleared: dict[tuple[str, tuple[int, ...]], float] = {}
+    count = 0
+    for c in changes:
+        key = (c.kind, c.ranks)
+        if c.event == HistoryEvent.CLEARED:
+            cleared[key] = c.at
+        elif c.event == HistoryEvent.RAISED and key in cleared and c.at - cleared[key] <= within:
+            count += 1
+    return count
 
 
 def stamp(change: AlertChange, at: float) -> Stamped:
@@ -608,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(header)
     everything: list[dict[str, Any]] = []
-    right = runs = wrong = healthy_alerts = verdicts = 0
+    right = runs = wrong = healthy_alerts = verdicts = flapped = most_raises = 0
     latencies: list[float] = []
     examples: list[str] = []
     misses: list[str] = []
@@ -620,6 +645,8 @@ def main(argv: list[str] | None = None) -> int:
         mode_verdicts = sum(s.verdict_right for s in scores)
         verdicts += mode_verdicts
         mode_wrong = sum(len(s.wrong) for s in scores)
+        flapped += sum(flaps(r.changes) for r in results)
+        most_raises = max([most_raises, *(raises_per_episode(r.changes) for r in results)])
         mode_lat = [s.latency for s in scores if s.latency is not None]
         alerts = sum(s.alerts for s in scores)
         runs += len(results)
@@ -653,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         f"RATIO diagnosis right_culprit={right}/{runs} wrong_blames={wrong} "
         f"right_verdict={verdicts}/{runs} "
         f"median_latency={_median(latencies)} healthy_false_alerts={healthy_alerts} "
+        f"max_raises_per_episode={most_raises} flaps={flapped} "
         f"(modes={len(names)}, reps={args.reps}{', relay' if args.relay else ''})"
     )
     return 0

@@ -32,14 +32,23 @@ import json
 import os
 import subprocess
 import sys
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from diagnosis import BLAMING, ROOT, Mode, RunResult, Stamped, run_mode, stamp
+from diagnosis import (
+    BLAMING,
+    ROOT,
+    Mode,
+    RunResult,
+    Stamped,
+    flaps,
+    raises_per_episode,
+    run_mode,
+    stamp,
+)
 
 from ddpwatch.core.vocabulary import HistoryEvent
 from ddpwatch.diagnosis.alerts import Thresholds
@@ -52,7 +61,6 @@ THRESHOLDS = {
     "tight": Thresholds(stall_after=4.0, silent_after=3.0, startup_after=6.0),
     "default": Thresholds(),
 }
-FLAP_S = 5.0  # raised again this soon after its clearing: one problem shown twice
 QUICK_JOBS = ("checkpoint", "finish-apart")
 QUICK_ARGS = ("--steps", "80")
 
@@ -138,25 +146,6 @@ def false_alarms(changes: list[Stamped]) -> tuple[Stamped, ...]:
         if c.event != HistoryEvent.CLEARED and c.severity in BLAMING and c.ranks:
             first.setdefault(c.episode, c)
     return tuple(first.values())
-
-
-def raises_per_episode(changes: list[Stamped]) -> int:
-    """The most ``raised`` events one episode had (1 when each raise is its own episode)."""
-    counts = Counter(c.episode for c in changes if c.event == HistoryEvent.RAISED)
-    return max(counts.values(), default=0)
-
-
-def flaps(changes: list[Stamped], within: float = FLAP_S) -> int:
-    """Raises of the same kind about the same ranks within ``within`` s of its clearing."""
-    cleared: dict[tuple[str, tuple[int, ...]], float] = {}
-    count = 0
-    for c in changes:
-        key = (c.kind, c.ranks)
-        if c.event == HistoryEvent.CLEARED:
-            cleared[key] = c.at
-        elif c.event == HistoryEvent.RAISED and key in cleared and c.at - cleared[key] <= within:
-            count += 1
-    return count
 
 
 def score_changes(changes: list[Stamped], returncode: int | None = 0) -> Score:
