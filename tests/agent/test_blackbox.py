@@ -21,7 +21,7 @@ ABORTING = textwrap.dedent(
     """
     import os, sys, threading, time
     import torch
-    from ddpwatch.agent.blackbox import ORPHAN_AFTER_S, BlackBox
+    from ddpwatch.agent.blackbox import BlackBox
     from ddpwatch.agent.calls import CallDigests
     from ddpwatch.agent.progress import Progress
 

@@ -161,7 +161,7 @@ class BlackBox:
             os.unlink(self.path)
 
 
-def _remove_orphans(folder: str, now: float | None = None) -> None:
+def _remove_orphans(folder: str) -> None:
     """Boxes whose process is gone and that no reader took (a rank killed while no ddpwatch
     watched on its host): removed, so the folder does not grow run after run. Only once
     ``ORPHAN_AFTER_S`` old: a box its reader has not read yet (a rank that died a second
@@ -171,7 +171,7 @@ def _remove_orphans(folder: str, now: float | None = None) -> None:
         names = os.listdir(folder)
     except OSError:
         return
-    now = time.time() if now is None else now
+    now = time.time()
     for name in names:
         if not NAME.match(name):
             continue
