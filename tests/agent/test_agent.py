@@ -645,3 +645,34 @@ def test_printed_lines_reach_the_server_and_output_is_untouched(
     assert captured.out == "loading shard 3 of 8\n"
     assert captured.err == "warning: slow disk\n"
     assert type(sys.stdout).__name__ != "Tee"
+
+
+TORCH_AFTER_ATTACH = """
+import sys
+import ddpwatch
+watcher = ddpwatch.attach(addr="127.0.0.1:1", interval=5)
+print("torch before:", "torch" in sys.modules)
+import torch
+import torch.distributed as dist
+print("hooked:", getattr(dist.init_process_group, "__ddpwatch__", False),
+      getattr(torch.save, "__ddpwatch__", False))
+ddpwatch.detach()
+print("restored:", not getattr(dist.init_process_group, "__ddpwatch__", False))
+"""
+
+
+def test_attach_does_not_import_torch_and_hooks_it_once_the_program_does() -> None:
+    """A torch-free script is not charged torch's import for being watched; a script that
+    attaches first and imports torch after still gets every torch hook."""
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", TORCH_AFTER_ATTACH],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "torch before: False" in result.stdout
+    assert "hooked: True True" in result.stdout
+    assert "restored: True" in result.stdout
