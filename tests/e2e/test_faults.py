@@ -90,7 +90,7 @@ def endless_job() -> Iterator[tuple[subprocess.Popen[str], int]]:
     """A 2-rank job that trains until stopped, reporting to a port no server holds yet: the
     job, and its port for the tests' servers."""
     port = free_port_pair()
-    job = torchrun(port, 10**9, watch=True)
+    job = torchrun(port, 10**9, watch=True, STEP_SLEEP_S="0.01")  # ~100 steps/s at most
     try:
         yield job, port
     finally:

@@ -1,4 +1,7 @@
-"""A seeded DDP run that prints a checksum of its final parameters (rank 0) and its mean step time."""
+"""A seeded DDP run that prints a checksum of its final parameters (rank 0) and its mean step time.
+
+``STEP_SLEEP_S`` paces each step (an endless job shared by several tests: at full speed its two
+ranks would take both of CI's cores from the other tests for as long as it runs)."""
 
 import os
 import sys
@@ -22,6 +25,7 @@ if os.environ.get("WATCH") == "1":
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 generator = torch.Generator().manual_seed(100 + dist.get_rank())
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 200
+pause_every_step = float(os.environ.get("STEP_SLEEP_S", "0"))  # a paced job: not a CPU burner
 started = time.perf_counter()
 for step in range(steps):
     x = torch.randn(16, 32, generator=generator)
@@ -30,6 +34,8 @@ for step in range(steps):
     loss.backward()
     optimizer.step()
     ddpwatch.step(loss)
+    if pause_every_step:
+        time.sleep(pause_every_step)
     if os.environ.get("PAUSE_AT") == str(step):
         time.sleep(float(os.environ.get("PAUSE_S", "3")))
 elapsed = time.perf_counter() - started
