@@ -17,8 +17,8 @@ from ddpwatch.agent.nvml import Nvml, parse_cuda_visible_devices
 from ddpwatch.agent.probes import DeviceInfo, MemoryInfo, Probes, TorchCuda
 from ddpwatch.core.protocol import Sample, decode, encode
 from ddpwatch.diagnosis.alerts import Thresholds
-from ddpwatch.diagnosis.rules import devices as device_rules
 from ddpwatch.diagnosis.rules.devices import rule_duplicate_device
+from ddpwatch.state import devices as device_rules
 from ddpwatch.state.records import RankRecord
 from ddpwatch.state.state import ServerState
 
@@ -544,7 +544,7 @@ def test_parse_cuda_visible_devices(value: str | None, expected: list[Any] | Non
 
 
 def test_one_parser_for_agent_server_and_doctor() -> None:
-    """The agent, ``ddpwatch doctor`` (through the agent's module) and the server's device rules
+    """The agent, ``ddpwatch doctor`` (through the agent's module) and the server's device index
     use the one parser in ``ddpwatch.core.devices``."""
     assert parse_cuda_visible_devices is ddpwatch.core.devices.parse_cuda_visible_devices
     assert device_rules.parse_cuda_visible_devices is ddpwatch.core.devices.parse_cuda_visible_devices

@@ -25,6 +25,7 @@ from ddpwatch.core.protocol import (
 )
 from ddpwatch.core.vocabulary import EventKind, Phase
 from ddpwatch.state.claims import Claim, NewPid, RankClaims
+from ddpwatch.state.devices import DeviceIndex
 from ddpwatch.state.host_memory import note as note_host_memory
 from ddpwatch.state.host_memory import settled
 from ddpwatch.state.records import CPU_STEP_S, LOG_LINES, RankRecord, note_beat
@@ -111,6 +112,9 @@ class ServerState:
     """How the job ended, as the ``ddpwatch run`` that launched it saw it (``Server.end_job``;
     a replay, from the recording): who stopped it, why it never started."""
     waits: WaitIndex = field(default_factory=WaitIndex, repr=False, compare=False)
+    devices: DeviceIndex = field(default_factory=DeviceIndex, repr=False, compare=False)
+    """Each rank's GPU and the ranks the device rules may name, kept by ``apply``
+    (``state/devices.py``); like ``waits``, records changed by hand are not in it."""
     claims: RankClaims = field(default_factory=RankClaims, repr=False, compare=False)
     """Ranks reported by two live processes at once (``state/claims.py``)."""
     _replaced: dict[int, RankRecord] = field(default_factory=dict, repr=False, compare=False)
@@ -193,6 +197,7 @@ class ServerState:
     ) -> None:
         _apply_identity(record, message)
         record.identity_key = key
+        self.devices.place(record)
         self.generation += 1
         if message.restart_count is not None:  # the launcher's own count
             record.attempt = max(record.attempt, message.restart_count + 1)
@@ -234,6 +239,7 @@ class ServerState:
         if record.attempt > self.attempt:
             self._begin_attempt(record.attempt, now)
         self.ranks[rank] = record
+        self.devices.place(record)  # no identity yet: the last process's GPU is forgotten
         self.generation += 1
         if self.first_report is None:
             self.first_report = now
@@ -249,6 +255,7 @@ class ServerState:
                 old[rank] = record
                 del self.ranks[rank]
                 self.waits.drop(rank)
+                self.devices.drop(rank)
         started = self.attempt_started if self.attempt_started is not None else self.job_started
         self.past_attempts.append(PastAttempt(self.attempt, started, now, old))
         del self.past_attempts[:-PAST_ATTEMPTS_KEPT]

@@ -30,6 +30,7 @@ from ddpwatch.diagnosis.facts.mismatch import MISMATCH_SETTLE_S, Mismatch, find_
 from ddpwatch.diagnosis.facts.ranks import is_silent
 from ddpwatch.diagnosis.facts.stragglers import P2PHold, Straggle, find_p2p_holds, find_straggle
 from ddpwatch.diagnosis.knowledge import Signature, explain_error
+from ddpwatch.state.devices import DeviceIndex
 from ddpwatch.state.records import RankRecord
 from ddpwatch.state.relays import LostRelay, lost_relays
 from ddpwatch.state.state import ServerState
@@ -52,9 +53,11 @@ class Facts:
         th: Thresholds,
         pace: Pace | None = None,
         waits: WaitIndex | None = None,
+        devices: DeviceIndex | None = None,
     ) -> None:
         self.state = state
         self._waits = waits
+        self._devices = devices
         self.clock = now  # the server's clock, for a rule called with these facts
         self.now = state.as_of(now)
         """As of what the server has read: a server behind its queue judges the ranks as
@@ -98,6 +101,12 @@ class Facts:
         return take_census(self.records, self.now - self.th.silent, self.silent, self._waits)
 
     @cached_property
+    def devices(self) -> DeviceIndex:
+        """Each rank's GPU and the ranks the device rules may name (``state/devices.py``):
+        the server's, kept as identities arrive, or one made here from the records."""
+        return DeviceIndex.of(self.records) if self._devices is None else self._devices
+
+    @cached_property
     def lost_relays(self) -> list[LostRelay]:
         """Per-node relays gone quiet while ranks still ran (``state/relays.py``)."""
         state = self.state
@@ -138,8 +147,10 @@ class Facts:
 
     @cached_property
     def signatures(self) -> dict[int, Signature | None]:
-        """The knowledge base's reading of every crashed rank's error."""
-        return {r.rank: explain_error(r.error) for r in self.records if r.error is not None}
+        """The knowledge base's reading of every crashed rank's error (a crashed rank is a
+        finished one: the census's few, not every rank)."""
+        finished = self.census.finished
+        return {r.rank: explain_error(r.error) for r in finished if r.error is not None}
 
     @cached_property
     def cascade(self) -> Cascade:

@@ -4,7 +4,7 @@ the collective it waits in; and the thresholds the job's own step times set."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ddpwatch.diagnosis.alerts import Thresholds
@@ -77,7 +77,13 @@ class Census:
     """Live ranks blocked in a point-to-point op (``send``, ``recv``, a batch's ``isend`` or
     ``irecv``): kept out of ``waits``, since only the one peer each names can release it."""
     quiet_ranks: frozenset[int] = frozenset()
+    finished_ranks: Container[int] = frozenset()
     _by_rank: dict[int, RankRecord] | None = None
+
+    def is_live(self, rank: int) -> bool:
+        """Whether a rank of the state's records is live (neither finished nor quiet), at
+        the cost of two lookups: for rules that start from a few flagged ranks."""
+        return rank not in self.finished_ranks and rank not in self.quiet_ranks
 
     def live_rank(self, rank: int | None) -> RankRecord | None:
         """The live record of ``rank``, None when it is not live (finished, quiet, unknown);
@@ -118,6 +124,7 @@ def take_census(
         r for r in records if r.last_seen < recent and r.rank not in done and silent(r)
     ]
     quiet_ranks = census.quiet_ranks = frozenset(r.rank for r in quiet)
+    census.finished_ranks = done
     if done or quiet:
         census.finished = [r for r in records if r.rank in done] if done else []
         census.live = [r for r in records if r.rank not in done and r.rank not in quiet_ranks]

@@ -173,7 +173,7 @@ class Diagnosis:
 
     def __call__(self, state: ServerState, now: float, th: Thresholds) -> list[Alert]:
         repace = _stale(now, self._paced_at)
-        facts = Facts(state, now, th, None if repace else self._pace, state.waits)
+        facts = Facts(state, now, th, None if repace else self._pace, state.waits, state.devices)
         found = _run(TICK_RULES, facts)
         if repace:
             self._pace, self._paced_at = facts.pace, now

@@ -7,9 +7,7 @@ import re
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from functools import lru_cache
 
-from ddpwatch.core.devices import parse_cuda_visible_devices
 from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
@@ -27,46 +25,24 @@ from ddpwatch.status.fmt import GIB, gib
 _DUPLICATE_PAIR = re.compile(r"rank (\d+) and rank (\d+) both on CUDA device", re.IGNORECASE)
 
 
-def _device_key(record: RankRecord) -> tuple[object, ...] | None:
-    """The physical GPU a rank uses, as far as can be told, or None for CPU ranks."""
-    if not record.host:
-        return None
-    if record.device_uuid:
-        return (record.host, "uuid", record.device_uuid)
-    device = record.device
-    if not device or not device.startswith("cuda"):
-        return None
-    return (record.host, *_physical_gpu(device, record.device_index, record.cuda_visible_devices))
-
-
-@lru_cache(maxsize=4096)
-def _physical_gpu(device: str, index: int | None, visible_devices: str | None) -> tuple[str, str]:
-    """Map a CUDA ordinal through CUDA_VISIBLE_DEVICES (cuda:0 under "1" is physical GPU 1)."""
-    if index is None and ":" in device:
-        tail = device.split(":", 1)[1]
-        index = int(tail) if tail.isdecimal() and len(tail) <= 9 else None  # "cuda:²", huge
-    visible = parse_cuda_visible_devices(visible_devices) or []  # as the rank's CUDA reads it
-    if index is not None and index < len(visible):
-        return ("visible", str(visible[index]))
-    return ("device", device if index is None else f"cuda:{index}")
-
-
-def _duplicate_groups(live: Sequence[RankRecord]) -> list[list[RankRecord]]:
-    groups: dict[tuple[object, ...], list[RankRecord]] = defaultdict(list)
-    for r in live:
-        if r.device_uuid or (r.device and r.device.startswith("cuda")):
-            key = _device_key(r)
-            if key is not None:
-                groups[key].append(r)
-    return [sorted(g, key=lambda r: r.rank) for g in groups.values() if len(g) > 1]
+def _duplicate_groups(f: Facts) -> list[list[RankRecord]]:
+    """Live ranks that share a GPU, by GPU, each group by rank, the group of the lowest
+    rank first: from the GPUs the index saw reported twice, not from every rank."""
+    ranks, is_live = f.state.ranks, f.census.is_live
+    groups = []
+    for members in f.devices.shared.values():
+        live = sorted(r for r in members if is_live(r))
+        if len(live) > 1:
+            groups.append([ranks[r] for r in live])
+    return sorted(groups, key=lambda g: g[0].rank)
 
 
 def _duplicates(f: Facts) -> list[list[RankRecord]]:
-    return f.memo("duplicate_groups", lambda: _duplicate_groups(f.live))
+    return f.memo("duplicate_groups", lambda: _duplicate_groups(f))
 
 
 def _suspects(f: Facts) -> list[RankRecord]:
-    return f.memo("ordinal_suspects", lambda: _ordinal_suspects(f.live))
+    return f.memo("ordinal_suspects", lambda: _live_flagged(f, f.devices.ordinal))
 
 
 def _duplicate_culprits(group: list[RankRecord]) -> list[RankRecord]:
@@ -115,18 +91,10 @@ _DUP_HINT = (
 )
 
 
-def _ordinal_suspects(live: Sequence[RankRecord]) -> list[RankRecord]:
-    """Live ranks that use their global rank as the CUDA index where that is wrong."""
-    found = []
-    for r in live:
-        if not (r.device or "").startswith("cuda") or r.local_rank is None:
-            continue
-        if r.device_index != r.rank or r.rank == r.local_rank:
-            continue
-        multi_node = bool(r.world_size and r.local_world_size and r.world_size > r.local_world_size)
-        if multi_node or (r.device_count is not None and r.rank >= r.device_count):
-            found.append(r)
-    return found
+def _live_flagged(f: Facts, flagged: set[int]) -> list[RankRecord]:
+    """The live ones of the ranks an index flagged, by rank."""
+    ranks, is_live = f.state.ranks, f.census.is_live
+    return [ranks[r] for r in sorted(flagged) if is_live(r)]
 
 
 def _local_rank_clause(records: list[RankRecord]) -> str:
@@ -217,19 +185,7 @@ def rule_local_rank_mismatch(f: Facts) -> list[Alert]:
     """A rank on a GPU other than cuda:<local rank> (often all ranks on cuda:0)."""
     flagged = {r.rank for g in _duplicates(f) for r in _duplicate_culprits(g)}
     flagged |= {r.rank for r in _suspects(f)}
-    odd = sorted(
-        (
-            r
-            for r in f.live
-            if (r.device or "").startswith("cuda")
-            and (r.device_count or 0) > 1
-            and r.local_rank is not None
-            and r.device_index is not None
-            and r.device_index != r.local_rank
-            and r.rank not in flagged
-        ),
-        key=lambda r: r.rank,
-    )
+    odd = [r for r in _live_flagged(f, f.devices.off_local) if r.rank not in flagged]
     if not odd:
         return []
     first = odd[0]
