@@ -93,6 +93,41 @@ def test_ranks_silent_together_are_named_only_once_the_tie_has_lasted() -> None:
     assert [(a.kind, a.ranks) for a in alerts] == [("silent", (0, 1))]
 
 
+@pytest.mark.parametrize("heard_after", [0.0, 0.3])
+def test_a_rank_last_heard_with_its_peers_lost_connections_is_their_lost_peer(
+    heard_after: float,
+) -> None:
+    """Seen in the full suite under 2 CPU hogs (tests/e2e/test_e2e.py's killed rank): rank 1's
+    last heartbeat and ranks 0 and 2's "Connection reset by peer" applied in one receive, at
+    one time. Every failure is a lost peer, and rank 1 the only rank that stopped talking:
+    it is named, once silent a tie window past the threshold (its own report could still
+    come until then); never while the window lasts."""
+
+    def tie() -> ServerState:
+        state = job(3, step=7)
+        failed = NOW - TH.silent - 1.0
+        state.ranks[1] = rank(1, 3, step=7, last_seen=failed + heard_after)
+        for r in (0, 2):
+            state.ranks[r] = rank(r, 3, step=7, error=PEER, error_time=failed)
+        return state
+
+    assert diagnose(tie(), NOW, TH) == []  # held: neither rank 1 nor "no culprit"
+    later = NOW + 2 * TH.interval + 0.5
+    alerts = diagnose(tie(), later, TH)
+    assert [(a.kind, a.ranks, a.waiting) for a in alerts] == [("silent", (1,), (0, 2))]
+
+
+def test_a_rank_heard_well_after_its_peers_lost_connections_is_not_named() -> None:
+    """Heard 3 s after the failures, the silent rank was alive when they happened: the peer
+    they lost is someone ddpwatch does not see."""
+    state = job(3, step=7)
+    state.ranks[1] = rank(1, 3, step=7, last_seen=NOW - TH.silent - 3.0)
+    for r in (0, 2):
+        state.ranks[r] = rank(r, 3, step=7, error=PEER, error_time=NOW - TH.silent - 6.0)
+    alerts = diagnose(state, NOW, TH)
+    assert [(a.kind, a.ranks) for a in alerts] == [("crashed", ())]
+
+
 def test_silent_rank_makes_its_waiting_peers_victims() -> None:
     state = job(3)
     state.ranks[1] = rank(1, 3, last_seen=NOW - 8.0)  # SIGSTOPped or hung holding the GIL

@@ -304,13 +304,39 @@ def _place_silent(facts: Evidence, buckets: _Buckets) -> None:
         buckets.mismatched.extend(lost)
         silent = [r for r in silent if r not in lost]
     early = [r for r in silent if r.last_seen < cutoff]
-    buckets.stopped.extend(r for r in silent if r.last_seen >= cutoff)
+    tied = _tied_with_lost_peers(facts, buckets, silent, cutoff)
+    early += tied
+    buckets.stopped.extend(
+        r for r in silent if r.last_seen >= cutoff and r not in tied and r not in buckets.held
+    )
     early = _first_to_die(facts, buckets, early)
     if early:
         root = Root(
             AlertKind.SILENT, [r.rank for r in early], min(r.last_seen for r in early), early
         )
         buckets.primary[(AlertKind.SILENT,)] = root
+
+
+def _tied_with_lost_peers(
+    facts: Evidence, buckets: _Buckets, silent: list[RankRecord], cutoff: float
+) -> list[RankRecord]:
+    """Silent ranks last heard as the first failure arrived, within a tie window, where
+    every failure is a lost peer: the peer they lost is the rank that stopped talking.
+
+    Seen under load (2 CPU hogs on 2 cores): rank 1 killed by SIGKILL, its last heartbeat
+    and ranks 0 and 2's "Connection reset by peer" applied in one receive, at one time; a
+    strict "silent before" made rank 1 a victim and the job had no culprit. A rank heard
+    within a heartbeat or two of a failure was not shown alive after it (its heartbeat may
+    have been sent before). Named only once it has been silent a tie window past the
+    threshold (``Cascade.held`` until then): its own report may still be on its way."""
+    if buckets.primary or buckets.stopped or buckets.timeouts or buckets.mismatched:
+        return []  # a failure of its own, or a stop from outside: the usual order tells it
+    window = 2 * facts.th.interval + 0.5
+    tied = [r for r in silent if cutoff <= r.last_seen < cutoff + window]
+    if tied and facts.now - max(r.last_seen for r in tied) < facts.th.silent + window:
+        buckets.held.extend(tied)
+        return []
+    return tied
 
 
 def _first_to_die(facts: Evidence, buckets: _Buckets, early: list[RankRecord]) -> list[RankRecord]:

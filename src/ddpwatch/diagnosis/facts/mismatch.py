@@ -5,9 +5,10 @@ dtype, reduce op or root), and ranks whose count at a marked step differs from t
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from collections.abc import Callable
+from collections import Counter, defaultdict
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter, contains, itemgetter
 
 from ddpwatch.core.protocol import CallSeen, Collective
 from ddpwatch.core.vocabulary import CollectiveSource
@@ -35,36 +36,36 @@ class OddMark:
         return self.own - self.usual
 
 
-def odd_at_mark(
-    live: list[RankRecord], marks_of: Callable[[RankRecord], dict[int, int]]
-) -> OddMark | None:
-    """At the latest step every live rank has marked (each mark: step -> its count then), the
-    ranks whose count differs from a strict majority's; None when every live rank has not
-    marked, fewer than 3 have, all agree, or no side is a clear majority."""
-    marked = [r for r in live if marks_of(r)]
-    if len(marked) < 3 or len(marked) < len(live):
+def odd_at_mark(live: list[RankRecord], marks: str) -> OddMark | None:
+    """At the latest step every live rank has marked (``marks`` names the record's marks:
+    step -> its count then), the ranks whose count differs from a strict majority's; None
+    when every live rank has not marked, fewer than 3 have, all agree, or no side is a clear
+    majority. A lockstep job, where all agree, costs a list of counts and their tally."""
+    marked = list(map(attrgetter(marks), live))
+    if len(marked) < 3 or not all(marked):
         return None
-    step = _latest_common_mark([marks_of(r) for r in marked])
+    step = _latest_common_mark(marked)
     if step is None:
         return None
-    by_count: dict[int, list[RankRecord]] = defaultdict(list)
-    for r in marked:
-        by_count[marks_of(r)[step]].append(r)
-    if len(by_count) < 2:
+    counts = list(map(itemgetter(step), marked))
+    tally = Counter(counts)
+    if len(tally) < 2:
         return None
-    ranked = sorted(by_count.items(), key=lambda item: (-len(item[1]), item[0]))
-    (usual, majority), (_, second) = ranked[0], ranked[1]
-    if len(majority) <= len(second) or len(majority) * 2 <= len(marked):
+    (usual, most), (_, second) = sorted(tally.items(), key=lambda item: (-item[1], item[0]))[:2]
+    if most <= second or most * 2 <= len(marked):
         return None  # no clear majority: which side is odd cannot be told
-    odd = sorted((r for _, group in ranked[1:] for r in group), key=lambda r: r.rank)
-    return OddMark(step, usual, majority, odd, marks_of(odd[0])[step])
+    majority = [r for r, count in zip(live, counts, strict=True) if count == usual]
+    odd = sorted(
+        (r for r, count in zip(live, counts, strict=True) if count != usual), key=lambda r: r.rank
+    )
+    return OddMark(step, usual, majority, odd, getattr(odd[0], marks)[step])
 
 
 def _latest_common_mark(marks: list[dict[int, int]]) -> int | None:
     """The latest step every rank has marked. Usually the earliest of their latest marks
     (ranks keep the last few); only when some rank lacks it, the full intersection."""
-    step = min(max(m) for m in marks)
-    if all(step in m for m in marks):
+    step = min(map(max, marks))  # map, not a generator: a C loop over 131,072 ranks
+    if all(map(contains, marks, repeat(step))):
         return step
     common = set.intersection(*(set(m) for m in marks))
     return max(common) if common else None

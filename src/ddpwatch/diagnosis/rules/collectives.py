@@ -191,7 +191,7 @@ def rule_evaluation_desync(f: Facts) -> list[Alert]:
     model; one whose count differs from a strict majority's is named."""
     if f.mismatch is not None:
         return []  # in flight, the mismatch says more
-    found = odd_at_mark(f.live, lambda r: r.evals_marked)
+    found = odd_at_mark(f.live, "evals_marked")
     if found is None:
         return []
     odd, diff = found.odd, found.diff
@@ -224,7 +224,7 @@ def rule_collective_desync(f: Facts) -> list[Alert]:
     """
     if f.mismatch is not None or _mismatch_from_crashes(f):
         return []  # the mismatch says more
-    found = odd_at_mark(f.live, lambda r: r.step_marks)
+    found = odd_at_mark(f.live, "step_marks")
     if found is None:
         return []
     odd, diff = found.odd, found.diff
@@ -264,7 +264,7 @@ def rule_collective_arguments(f: Facts) -> list[Alert]:
         return []  # the mismatch says more
     live = f.live
     found = odd_calls(live)
-    if found is None or odd_at_mark(live, lambda r: r.step_marks) is not None:
+    if found is None or odd_at_mark(live, "step_marks") is not None:
         return []
     odd, majority = found.odd, found.majority
     odd_text = format_ranks(r.rank for r in odd)

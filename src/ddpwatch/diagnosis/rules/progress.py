@@ -192,7 +192,7 @@ def rule_batch_desync(f: Facts) -> list[Alert]:
     it has drawn from its training DataLoader (``batch_marks``); a rank that differs from a
     strict majority at the latest step all live ranks marked is named.
     """
-    found = odd_at_mark(f.live, lambda r: r.drawn_marks)
+    found = odd_at_mark(f.live, "drawn_marks")
     if found is None:
         return []
     odd, diff = found.odd, found.diff
@@ -225,9 +225,9 @@ def rule_backward_desync(f: Facts) -> list[Alert]:
     (``backward_marks``); one that differs from a strict majority at the latest step all live
     ranks marked is named. Where their DataLoaders tell it (``rule_batch_desync``), that
     says it."""
-    if odd_at_mark(f.live, lambda r: r.drawn_marks) is not None:
+    if odd_at_mark(f.live, "drawn_marks") is not None:
         return []
-    found = odd_at_mark(f.live, lambda r: r.backwards_marked)
+    found = odd_at_mark(f.live, "backwards_marked")
     if found is None:
         return []
     odd, diff = found.odd, found.diff
