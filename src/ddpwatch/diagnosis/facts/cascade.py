@@ -265,6 +265,12 @@ def _blame_clean_exits(buckets: _Buckets, now: float) -> None:
             )
 
 
+def _tie_window(th: Thresholds) -> float:
+    """How close two reports' arrival times may be and still not tell their order: a
+    heartbeat or two, and a receive's spread."""
+    return 2 * th.interval + 0.5
+
+
 def _silent_together(facts: Evidence, buckets: _Buckets) -> bool:
     """Two or more ranks fell silent within about one report interval of each other, with
     no failure and no rank still live: the job or the path to us is gone."""
@@ -279,7 +285,7 @@ def _silent_together(facts: Evidence, buckets: _Buckets) -> bool:
     if len(silent) < 2 or failed or facts.live:
         return False
     seen = [r.last_seen for r in silent]
-    return max(seen) - min(seen) <= 2 * facts.th.interval + 0.5
+    return max(seen) - min(seen) <= _tie_window(facts.th)
 
 
 def _place_silent(facts: Evidence, buckets: _Buckets) -> None:
@@ -331,7 +337,7 @@ def _tied_with_lost_peers(
     threshold (``Cascade.held`` until then): its own report may still be on its way."""
     if buckets.primary or buckets.stopped or buckets.timeouts or buckets.mismatched:
         return []  # a failure of its own, or a stop from outside: the usual order tells it
-    window = 2 * facts.th.interval + 0.5
+    window = _tie_window(facts.th)
     tied = [r for r in silent if cutoff <= r.last_seen < cutoff + window]
     if tied and facts.now - max(r.last_seen for r in tied) < facts.th.silent + window:
         buckets.held.extend(tied)
@@ -355,7 +361,7 @@ def _first_to_die(facts: Evidence, buckets: _Buckets, early: list[RankRecord]) -
     if len(early) < 2:
         return early
     seen = [r.last_seen for r in early]
-    window = 2 * facts.th.interval + 0.5
+    window = _tie_window(facts.th)
     if max(seen) - min(seen) > window:
         return early
     dying = [r for r in early if oom_note(r)]

@@ -215,8 +215,8 @@ def rule_uneven_memory(f: Facts) -> list[Alert]:
     """A rank that uses far more GPU memory than the others (often rank 0).
 
     NVML's figure is the whole GPU's: where ranks share one (gloo over CUDA tensors allows
-    it), they all report the same and none would stand out,
-    so their allocators' own reservations are compared instead."""
+    it), they all report the same and none would stand out, so their allocators' own
+    reservations are compared instead."""
     shared = any(group[0].device_uuid for group in _duplicates(f))  # one GPU, by its UUID
     ranks, values = _memory_figures(f.live, shared=shared)
     if len(values) < 2:
