@@ -232,7 +232,7 @@ def breakdown(count: int, ranks: int, reps: int = 5) -> dict[str, float]:
             state_module._apply_identity(r, m) for r, m in pairs
         ],
         "  _apply_sample (13 fields, phase, history)": lambda: [
-            state_module._apply_sample(r, m, 3.0) for r, m in pairs
+            state_module._apply_sample(r, m, 3.0, state.marks) for r, m in pairs
         ],
     }
     times: dict[str, list[float]] = {name: [] for name in stages}

@@ -445,7 +445,9 @@ def test_serve_max_ranks_from_the_command_line() -> None:
                 break
             time.sleep(0.1)
         assert document is not None
-        assert document["stats"] | {"lag_s": 0} == {
+        # ``refused`` counts failed handshakes from anything on the machine (another test's
+        # port probe met it once, loaded): not this test's frames
+        assert document["stats"] | {"lag_s": 0, "refused": 0} == {
             "received": 2,
             "rejected": 1,
             "shed": 0,

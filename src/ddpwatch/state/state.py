@@ -28,6 +28,7 @@ from ddpwatch.state.claims import Claim, NewPid, RankClaims
 from ddpwatch.state.devices import DeviceIndex
 from ddpwatch.state.host_memory import note as note_host_memory
 from ddpwatch.state.host_memory import settled
+from ddpwatch.state.marks import MarkIndex
 from ddpwatch.state.records import CPU_STEP_S, LOG_LINES, RankRecord, note_beat
 from ddpwatch.state.relays import RelayRecord
 from ddpwatch.state.step_times import SHORTEST_S, StepTimes
@@ -35,7 +36,6 @@ from ddpwatch.state.waits import WaitIndex
 from ddpwatch.status.schema import JobEnd
 
 MAX_WORLD = 1 << 20  # never iterate a bogus world size further than this
-MARKS_KEPT = 32
 WINDOWS_KEPT = 4  # a rank's latest windows of calls (``RankRecord.call_windows``)
 
 _IDENTITY_SLICE = slice(
@@ -115,6 +115,9 @@ class ServerState:
     devices: DeviceIndex = field(default_factory=DeviceIndex, repr=False, compare=False)
     """Each rank's GPU and the ranks the device rules may name, kept by ``apply``
     (``state/devices.py``); like ``waits``, records changed by hand are not in it."""
+    marks: MarkIndex = field(default_factory=MarkIndex, repr=False, compare=False)
+    """How many ranks hold each value at each marked step, kept by ``apply``
+    (``state/marks.py``); like ``waits``, records changed by hand are not in it."""
     claims: RankClaims = field(default_factory=RankClaims, repr=False, compare=False)
     """Ranks reported by two live processes at once (``state/claims.py``)."""
     _replaced: dict[int, RankRecord] = field(default_factory=dict, repr=False, compare=False)
@@ -181,7 +184,7 @@ class ServerState:
                 self._take_identity(record, message, key, now)
             if isinstance(message, Sample):
                 idle = placed and record.collective is None
-                _apply_sample(record, message, now)
+                _apply_sample(record, message, now, self.marks)
                 if self.stepping_since is None and record.step is not None:
                     self.stepping_since = now
                 if idle and record.collective is None:
@@ -238,6 +241,9 @@ class ServerState:
             self._replaced[rank] = previous  # its attempt's last word on the rank, so far
         if record.attempt > self.attempt:
             self._begin_attempt(record.attempt, now)
+        replaced = self.ranks.get(rank)  # ``previous``, unless its attempt just ended
+        if replaced is not None:
+            self.marks.drop(replaced)
         self.ranks[rank] = record
         self.devices.place(record)  # no identity yet: the last process's GPU is forgotten
         self.generation += 1
@@ -256,6 +262,7 @@ class ServerState:
                 del self.ranks[rank]
                 self.waits.drop(rank)
                 self.devices.drop(rank)
+                self.marks.drop(record)
         started = self.attempt_started if self.attempt_started is not None else self.job_started
         self.past_attempts.append(PastAttempt(self.attempt, started, now, old))
         del self.past_attempts[:-PAST_ATTEMPTS_KEPT]
@@ -331,7 +338,7 @@ def _note_cpu(record: RankRecord, cpu_s: float, now: float) -> None:
         record.cpu_mark_s, record.cpu_grew_at = cpu_s, now
 
 
-def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # noqa: C901, PLR0912, PLR0915 -- hot path: every heartbeat of every rank, kept flat
+def _apply_sample(record: RankRecord, sample: Sample, now: float, marks: MarkIndex) -> None:  # noqa: C901, PLR0912, PLR0915 -- hot path: every heartbeat of every rank, kept flat
     """Store a heartbeat's measurements (each replaces the last, ``None`` included) and what
     follows from them: progress, phase, the collective timer, step marks and NaN bookkeeping.
 
@@ -397,17 +404,17 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     if batch_marks != record.batch_marks:  # equal: ``drawn_marks`` already holds them
         record.batch_marks = batch_marks
         if batch_marks:
-            _keep_marks(record.drawn_marks, batch_marks)
+            marks.keep(record, "drawn_marks", batch_marks)
     backward_marks = sample.backward_marks
     if backward_marks != record.backward_marks:  # equal: ``backwards_marked`` holds them
         record.backward_marks = backward_marks
         if backward_marks:
-            _keep_marks(record.backwards_marked, backward_marks)
+            marks.keep(record, "backwards_marked", backward_marks)
     eval_marks = sample.eval_sync_marks
     if eval_marks != record.eval_sync_marks:  # equal: ``evals_marked`` holds them
         record.eval_sync_marks = eval_marks
         if eval_marks:
-            _keep_marks(record.evals_marked, eval_marks)
+            marks.keep(record, "evals_marked", eval_marks)
     rss = sample.host_rss_bytes
     workers = sample.workers_rss_bytes
     record.host_rss_bytes = rss
@@ -436,16 +443,16 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float) -> None:  # no
     if moved and collective_time_s is not None:
         record.beats = note_beat(record.beats, _beat(sample, now - stepped_at))
     if counts is not None:
-        marks = counts.marks
-        if marks:
-            if before is not None and before.marks == marks:
+        step_marks = counts.marks
+        if step_marks:
+            if before is not None and before.marks == step_marks:
                 # ``step_marks`` already holds these (updating again and trimming to the same
                 # bound would change nothing): keep the record's list of them
                 counts = replace(counts, marks=before.marks)
             else:
-                _keep_marks(record.step_marks, marks)
+                marks.keep(record, "step_marks", step_marks)
         if counts.digests is not None or counts.window is not None or counts.earlier:
-            counts = _keep_calls(record, before, counts)
+            counts = _keep_calls(record, before, counts, marks)
     record.collectives = counts
     record.grad_nan_step = sample.grad_nan_step
     nan_step = sample.nan_step
@@ -546,15 +553,8 @@ def _take_stack(record: RankRecord, stack: str | None, now: float) -> None:
     record.stack = stack
 
 
-def _keep_marks(kept: dict[int, int], marks: list[tuple[int, int]]) -> None:
-    """Fold a heartbeat's step marks (step -> count) into a record's, the newest ``MARKS_KEPT``."""
-    kept.update(marks)
-    while len(kept) > MARKS_KEPT:
-        del kept[min(kept)]
-
-
 def _keep_calls(
-    record: RankRecord, before: CollectiveCounts | None, counts: CollectiveCounts
+    record: RankRecord, before: CollectiveCounts | None, counts: CollectiveCounts, marks: MarkIndex
 ) -> CollectiveCounts:
     """Fold a heartbeat's call digests and windows into the record's (as the step marks:
     what repeats the last heartbeat's is not stored again; the earlier windows, once folded,
@@ -564,7 +564,7 @@ def _keep_calls(
         if before is not None and before.digests == digests:
             counts = replace(counts, digests=before.digests)
         else:
-            _keep_marks(record.call_digests, digests)
+            marks.keep(record, "call_digests", digests)
     windows = record.call_windows
     if earlier:
         for told in earlier:

@@ -26,11 +26,20 @@ from ddpwatch.diagnosis.facts.census import (
     take_census,
 )
 from ddpwatch.diagnosis.facts.launch import RENDEZVOUS_HOLD_S, Difference, rendezvous_split
-from ddpwatch.diagnosis.facts.mismatch import MISMATCH_SETTLE_S, Mismatch, find_mismatch
+from ddpwatch.diagnosis.facts.mismatch import (
+    MISMATCH_SETTLE_S,
+    Mismatch,
+    OddCalls,
+    OddMark,
+    find_mismatch,
+    odd_at_mark,
+    odd_calls,
+)
 from ddpwatch.diagnosis.facts.ranks import is_silent
 from ddpwatch.diagnosis.facts.stragglers import P2PHold, Straggle, find_p2p_holds, find_straggle
 from ddpwatch.diagnosis.knowledge import Signature, explain_error
 from ddpwatch.state.devices import DeviceIndex
+from ddpwatch.state.marks import MarkIndex, MarkKind
 from ddpwatch.state.records import RankRecord
 from ddpwatch.state.relays import LostRelay, lost_relays
 from ddpwatch.state.state import ServerState
@@ -54,10 +63,12 @@ class Facts:
         pace: Pace | None = None,
         waits: WaitIndex | None = None,
         devices: DeviceIndex | None = None,
+        marks: MarkIndex | None = None,
     ) -> None:
         self.state = state
         self._waits = waits
         self._devices = devices
+        self._marks = marks
         self.clock = now  # the server's clock, for a rule called with these facts
         self.now = state.as_of(now)
         """As of what the server has read: a server behind its queue judges the ranks as
@@ -105,6 +116,34 @@ class Facts:
         """Each rank's GPU and the ranks the device rules may name (``state/devices.py``):
         the server's, kept as identities arrive, or one made here from the records."""
         return DeviceIndex.of(self.records) if self._devices is None else self._devices
+
+    @cached_property
+    def marks(self) -> MarkIndex:
+        """How many ranks hold each value at each marked step (``state/marks.py``): the
+        server's, kept as marks arrive, or one made here from the records."""
+        return MarkIndex.of(self.records) if self._marks is None else self._marks
+
+    def odd_at_mark(self, kind: MarkKind) -> OddMark | None:
+        """``odd_at_mark`` over the live ranks, once per call of ``diagnose``; no pass over
+        every rank where the marks' tally shows that the live ranks agree."""
+        return self.memo(
+            f"odd_at_mark {kind}",
+            lambda: None if self._agreed(kind) else odd_at_mark(self.live, kind),
+        )
+
+    @cached_property
+    def odd_calls(self) -> OddCalls | None:
+        """``odd_calls`` over the live ranks; none where the digests' tally agrees."""
+        return None if self._agreed("call_digests") else odd_calls(self.live)
+
+    def _agreed(self, kind: MarkKind) -> bool:
+        """The tally proves every live rank agrees on ``kind`` (``MarkIndex.agreed``), taking
+        off the records that are not live, when they are the fewer."""
+        census = self.census
+        others = census.quiet + census.finished
+        return len(others) <= len(census.live) and self.marks.agreed(
+            kind, len(census.live), others
+        )
 
     @cached_property
     def lost_relays(self) -> list[LostRelay]:

@@ -173,7 +173,8 @@ class Diagnosis:
 
     def __call__(self, state: ServerState, now: float, th: Thresholds) -> list[Alert]:
         repace = _stale(now, self._paced_at)
-        facts = Facts(state, now, th, None if repace else self._pace, state.waits, state.devices)
+        pace = None if repace else self._pace
+        facts = Facts(state, now, th, pace, state.waits, state.devices, state.marks)
         found = _run(TICK_RULES, facts)
         if repace:
             self._pace, self._paced_at = facts.pace, now

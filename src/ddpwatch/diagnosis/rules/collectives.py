@@ -10,7 +10,7 @@ from ddpwatch.core.vocabulary import AlertKind, CollectiveSource, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.facts.census import world_complete
-from ddpwatch.diagnosis.facts.mismatch import Mismatch, OddCalls, call_words, odd_at_mark, odd_calls
+from ddpwatch.diagnosis.facts.mismatch import Mismatch, OddCalls, call_words
 from ddpwatch.diagnosis.facts.ranks import is_busy, is_compiling, normal_op, working_start
 from ddpwatch.diagnosis.facts.stragglers import Straggle
 from ddpwatch.diagnosis.knowledge import named_ranks
@@ -191,7 +191,7 @@ def rule_evaluation_desync(f: Facts) -> list[Alert]:
     model; one whose count differs from a strict majority's is named."""
     if f.mismatch is not None:
         return []  # in flight, the mismatch says more
-    found = odd_at_mark(f.live, "evals_marked")
+    found = f.odd_at_mark("evals_marked")
     if found is None:
         return []
     odd, diff = found.odd, found.diff
@@ -224,7 +224,7 @@ def rule_collective_desync(f: Facts) -> list[Alert]:
     """
     if f.mismatch is not None or _mismatch_from_crashes(f):
         return []  # the mismatch says more
-    found = odd_at_mark(f.live, "step_marks")
+    found = f.odd_at_mark("step_marks")
     if found is None:
         return []
     odd, diff = found.odd, found.diff
@@ -262,9 +262,8 @@ def rule_collective_arguments(f: Facts) -> list[Alert]:
     """
     if f.mismatch is not None or _mismatch_from_crashes(f):
         return []  # the mismatch says more
-    live = f.live
-    found = odd_calls(live)
-    if found is None or odd_at_mark(live, "step_marks") is not None:
+    found = f.odd_calls
+    if found is None or f.odd_at_mark("step_marks") is not None:
         return []
     odd, majority = found.odd, found.majority
     odd_text = format_ranks(r.rank for r in odd)

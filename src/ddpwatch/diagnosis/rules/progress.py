@@ -10,7 +10,6 @@ from collections import defaultdict
 from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
 from ddpwatch.diagnosis.facts import Facts
-from ddpwatch.diagnosis.facts.mismatch import odd_at_mark
 from ddpwatch.diagnosis.facts.ranks import is_busy, is_compiling
 from ddpwatch.diagnosis.facts.stragglers import Lag, lag_since_episode, timed
 from ddpwatch.diagnosis.rules.registry import alert, odd_alert, rule
@@ -192,7 +191,7 @@ def rule_batch_desync(f: Facts) -> list[Alert]:
     it has drawn from its training DataLoader (``batch_marks``); a rank that differs from a
     strict majority at the latest step all live ranks marked is named.
     """
-    found = odd_at_mark(f.live, "drawn_marks")
+    found = f.odd_at_mark("drawn_marks")
     if found is None:
         return []
     odd, diff = found.odd, found.diff
@@ -225,9 +224,9 @@ def rule_backward_desync(f: Facts) -> list[Alert]:
     (``backward_marks``); one that differs from a strict majority at the latest step all live
     ranks marked is named. Where their DataLoaders tell it (``rule_batch_desync``), that
     says it."""
-    if odd_at_mark(f.live, "drawn_marks") is not None:
+    if f.odd_at_mark("drawn_marks") is not None:
         return []
-    found = odd_at_mark(f.live, "backwards_marked")
+    found = f.odd_at_mark("backwards_marked")
     if found is None:
         return []
     odd, diff = found.odd, found.diff
