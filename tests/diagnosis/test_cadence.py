@@ -4,6 +4,10 @@ that read only identities and liveness when those change, the drifting measureme
 
 from __future__ import annotations
 
+from typing import Any
+
+import ddpwatch.diagnosis.facts as facts_module
+import ddpwatch.diagnosis.rules as rules
 from ddpwatch.core.protocol import Collective, CollectiveCounts, Sample
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.facts.census import take_census
@@ -119,3 +123,32 @@ def test_the_census_groups_one_collective_however_it_is_written() -> None:
         ("fr", "0", 3): [3, 4, 5],
         ("py", None, 3): [6],
     }
+
+
+def test_the_thresholds_take_their_turn_with_the_paced_rules(monkeypatch: Any) -> None:
+    """At 131,072 ranks the budget pays one pass over every rank a second: the job's
+    step-time thresholds (a pass too) and a paced rule fell on the same tick every second,
+    270 ms of it. Here 4 ranks get that budget: never two passes on one tick, and both the
+    thresholds and every paced rule come round."""
+    monkeypatch.setattr(rules, "RANK_SCANS_PER_S", 4)
+    renewed: list[float] = []
+    real = facts_module.effective_stall_after
+
+    def counted(state: ServerState, th: Thresholds) -> float:
+        renewed.append(state.received)
+        return real(state, th)
+
+    monkeypatch.setattr(facts_module, "effective_stall_after", counted)
+    state = ServerState(started=T0)
+    diagnosis = Diagnosis()
+    ticks = 8 * (len(rules.PACED_RULES) + 2)  # two rounds of a second each
+    for tick in range(ticks):
+        now = T0 + tick * 0.25
+        for rank in range(4):
+            beat(state, rank, now)
+        before = len(renewed)
+        diagnosis(state, now, TH)
+        passes = len(renewed) - before + sum(at == now for at in diagnosis._ran.values())
+        assert passes <= 1 or tick == 0, f"tick {tick}: {passes} passes over every rank"
+    assert len(renewed) >= 3  # the first tick's, and in turn
+    assert set(diagnosis._ran) == {rule.__name__ for rule in rules.PACED_RULES}

@@ -99,6 +99,30 @@ def test_step_skew() -> None:
     assert rule_step_skew(state, NOW, TH) == []
 
 
+@pytest.mark.parametrize(
+    "outsider",
+    [
+        {"step": None},  # no step yet
+        {"step": 100, "last_seen": NOW - 1.8},  # heard, but before the last two heartbeats
+        {"step": 100, "last_progress": NOW - 60.0},  # idle past the stall threshold
+    ],
+)
+def test_step_skew_names_the_same_rank_whichever_ranks_it_leaves_out(
+    outsider: dict[str, Any],
+) -> None:
+    """Most runs find every live rank fresh and stepping, which one C loop per field tells;
+    a rank whose step is no evidence of where it is now is left out, and the rank behind is
+    named in the same words."""
+    state = job(5)
+    state.ranks[3] = rank(3, world=5, step=450)
+    expected = only(rule_step_skew(state, NOW, TH), "step_skew")
+    assert (expected.ranks, "50 steps behind rank 0" in expected.message) == ((3,), True)
+    state.ranks[4] = rank(4, world=5, **outsider)
+    assert rule_step_skew(state, NOW, TH) == [expected]
+    state.ranks[3] = rank(3, world=5, step=495)  # in lockstep again: nobody behind
+    assert rule_step_skew(state, NOW, TH) == []
+
+
 def test_step_skew_allows_for_a_server_behind_its_queue() -> None:
     """``benchmarks/scale.py`` with 65,536 ranks for 60 s through per-node relays, on a server
     short of CPU: it had read some relays' backlogs further than others', so the heartbeats it

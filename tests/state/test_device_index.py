@@ -4,7 +4,8 @@ from the records.
 
 A rank missed by the index would be a duplicate GPU never told; one left in it after its
 process moved, a wrong culprit. The streams below change everything the index follows: hosts,
-devices by ordinal, by UUID and through CUDA_VISIBLE_DEVICES, local ranks and GPU counts; a
+devices by ordinal, by UUID and through CUDA_VISIBLE_DEVICES, local ranks and GPU counts, the
+processes each GPU lists (its own alone, another rank's, another job's); a
 restarted worker (a new pid) taking over its rank with another GPU, or none yet; a launcher's
 new attempt; crashes and exits; silences.
 """
@@ -21,6 +22,7 @@ from ddpwatch.diagnosis.facts import Facts
 from ddpwatch.diagnosis.rules import (
     rule_device_ordinal,
     rule_duplicate_device,
+    rule_foreign_memory,
     rule_local_rank_mismatch,
 )
 from ddpwatch.state.devices import DeviceIndex
@@ -29,7 +31,12 @@ from ddpwatch.state.state import ServerState
 TH = Thresholds()
 T0 = 9000.0
 WORLD = 10
-DEVICE_RULES = (rule_duplicate_device, rule_device_ordinal, rule_local_rank_mismatch)
+DEVICE_RULES = (
+    rule_duplicate_device,
+    rule_device_ordinal,
+    rule_local_rank_mismatch,
+    rule_foreign_memory,
+)
 
 
 def _identity(rng: random.Random, rank: int) -> dict[str, object]:
@@ -70,12 +77,14 @@ def _message(
         return Event(**base, event=rng.choice(["crash", "exit"]), error=error)
     if roll < 0.35:  # the rank's identity changes (a set_device, a hello)
         return Sample(**base, pid=pids[rank], world_size=WORLD, step=1, **_identity(rng, rank))
-    return Sample(**base, pid=pids[rank], step=rng.randrange(100))  # a plain heartbeat
+    pid = pids[rank]
+    listed = rng.choice([[pid], [pid], [pid, 555], [pid, pids[(rank + 1) % WORLD]], [7], [], None])
+    return Sample(**base, pid=pid, step=rng.randrange(100), gpu_pids=listed)  # a plain heartbeat
 
 
 def _index_view(index: DeviceIndex) -> tuple[object, ...]:
     shared = {key: frozenset(members) for key, members in index.shared.items()}
-    return shared, frozenset(index.ordinal), frozenset(index.off_local)
+    return shared, frozenset(index.ordinal), frozenset(index.off_local), frozenset(index.sharing)
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -1,6 +1,7 @@
 """Which GPU each rank is on, kept as identities arrive: the device rules (two ranks on one
-GPU, the global rank used as the CUDA index, a GPU other than cuda:<local rank>) read only
-the ranks this index flags, not every rank every time they run.
+GPU, the global rank used as the CUDA index, a GPU other than cuda:<local rank>, a process of
+another job on a rank's GPU) read only the ranks this index flags, not every rank every time
+they run.
 
 A rank's identity changes a few times in its life (its hello, its ``set_device``), while
 the rules rerun on every new generation (a checkpoint, an exit): at 131,072 ranks a pass over
@@ -54,6 +55,12 @@ def uses_rank_as_ordinal(r: RankRecord) -> bool:
     return multi_node or (r.device_count is not None and r.rank >= r.device_count)
 
 
+def shares_gpu(r: RankRecord) -> bool:
+    """Its GPU's process list (``gpu_pids``) holds another process, or not its own: all that
+    ``foreign_memory`` looks at (a rank alone on its GPU, as most are, does not)."""
+    return bool(r.gpu_pids) and r.gpu_pids != [r.pid]
+
+
 def off_local_rank(r: RankRecord) -> bool:
     """On a host of several GPUs, the rank is on one other than cuda:<local rank>."""
     return (
@@ -78,6 +85,8 @@ class DeviceIndex:
         """Ranks for which ``uses_rank_as_ordinal`` holds."""
         self.off_local: set[int] = set()
         """Ranks for which ``off_local_rank`` holds."""
+        self.sharing: set[int] = set()
+        """Ranks for which ``shares_gpu`` holds."""
 
     @classmethod
     def of(cls, records: Iterable[RankRecord]) -> DeviceIndex:
@@ -102,6 +111,14 @@ class DeviceIndex:
             self.ordinal.add(rank)
         if off_local_rank(record):
             self.off_local.add(rank)
+        self.place_pids(record)
+
+    def place_pids(self, record: RankRecord) -> None:
+        """Where ``record``'s GPU process list puts it: called when the list changes."""
+        if shares_gpu(record):
+            self.sharing.add(record.rank)
+        else:
+            self.sharing.discard(record.rank)
 
     def drop(self, rank: int) -> None:
         """The rank is no longer in the job's state (its attempt ended), or is placed anew."""
@@ -115,3 +132,4 @@ class DeviceIndex:
                 del self._members[key]
         self.ordinal.discard(rank)
         self.off_local.discard(rank)
+        self.sharing.discard(rank)

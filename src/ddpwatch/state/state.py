@@ -184,9 +184,7 @@ class ServerState:
                 self._take_identity(record, message, key, now)
             if isinstance(message, Sample):
                 idle = placed and record.collective is None
-                _apply_sample(record, message, now, self.marks)
-                if self.stepping_since is None and record.step is not None:
-                    self.stepping_since = now
+                self._take_sample(record, message, now)
                 if idle and record.collective is None:
                     return  # in no collective still: ``waits`` has it there (most heartbeats)
         elif isinstance(message, Event):
@@ -194,6 +192,14 @@ class ServerState:
             if message.event in _GENERATION_EVENTS:
                 self.generation += 1
         self.waits.place(record)
+
+    def _take_sample(self, record: RankRecord, sample: Sample, now: float) -> None:
+        pids = record.gpu_pids
+        _apply_sample(record, sample, now, self.marks)
+        if record.gpu_pids is not pids:  # a new list (an equal one is not stored)
+            self.devices.place_pids(record)
+        if self.stepping_since is None and record.step is not None:
+            self.stepping_since = now
 
     def _take_identity(
         self, record: RankRecord, message: Identity, key: tuple[object, ...], now: float

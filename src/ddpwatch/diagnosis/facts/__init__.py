@@ -167,6 +167,12 @@ class Facts:
         stall_after = effective_stall_after(self.state, self.th)
         return Pace(stall_after, collective_threshold(self.live, stall_after))
 
+    def renew_pace(self) -> None:
+        """Work the step-time thresholds out from the ranks, not take the given ones (a
+        ticking server's, on its slow cadence); before any rule has read them."""
+        self._pace = None
+        self.__dict__.pop("pace", None)
+
     @property
     def stall_after(self) -> float:
         return self.pace.stall_after

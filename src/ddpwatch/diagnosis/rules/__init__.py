@@ -158,7 +158,8 @@ class Diagnosis:
     """``diagnose`` for a server that ticks four times a second: ``tick`` rules every call;
     a ``change`` rule when ``state.generation`` or the set of silent ranks moved since it
     last ran; a ``slow`` rule every ``SLOW_S`` (see ``registry.Cadence``); of those due, the
-    longest waiting first, as many as the ``RANK_SCANS_PER_S`` budget allows. In between, a
+    longest waiting first, as many as the ``RANK_SCANS_PER_S`` budget allows, the job's
+    step-time thresholds (``Pace``, redone every ``SLOW_S``) among them. In between, a
     rule's last alerts stand. So the alerts are those ``diagnose`` gives, the paced ones a
     little late, and no tick at 65,536 ranks rescans every rank for devices and memory."""
 
@@ -172,19 +173,26 @@ class Diagnosis:
         self._scans_at = -math.inf
 
     def __call__(self, state: ServerState, now: float, th: Thresholds) -> list[Alert]:
-        repace = _stale(now, self._paced_at)
-        pace = None if repace else self._pace
-        facts = Facts(state, now, th, pace, state.waits, state.devices, state.marks)
-        found = _run(TICK_RULES, facts)
-        if repace:
-            self._pace, self._paced_at = facts.pace, now
+        facts = Facts(state, now, th, self._pace, state.waits, state.devices, state.marks)
         read = (state.generation, facts.quiet)
         scan = max(1, len(state.ranks))
         self._earn(now, scan)
-        for rule in self._due(now, read):
+        runs: list[Rule] = []
+        repace = self._pace is None
+        for job in self._due(now, read):
             if self._scans < scan:
                 break
             self._scans -= scan
+            if isinstance(job, _Pace):
+                repace = True
+            else:
+                runs.append(job)
+        if repace:
+            facts.renew_pace()
+        found = _run(TICK_RULES, facts)
+        if repace:
+            self._pace, self._paced_at = facts.pace, now
+        for rule in runs:
             name = rule.__name__
             self._kept[name] = _run((rule,), facts)
             self._ran[name] = now
@@ -200,15 +208,26 @@ class Diagnosis:
         self._scans = min(cap, self._scans + elapsed * RANK_SCANS_PER_S)
         self._scans_at = now
 
-    def _due(self, now: float, read: tuple[int, frozenset[int]]) -> list[Rule]:
-        """The paced rules due now, the longest waiting first."""
-        due: list[tuple[float, Rule]] = []
+    def _due(self, now: float, read: tuple[int, frozenset[int]]) -> list[Rule | _Pace]:
+        """The paced rules due now, and the job's step-time thresholds (``_PACE``, a pass
+        over every rank too) when ``SLOW_S`` old, the longest waiting first: at 131,072
+        ranks the thresholds took one tick a second with a paced rule on it, 270 ms."""
+        due: list[tuple[float, Rule | _Pace]] = []
+        if _stale(now, self._paced_at):
+            due.append((self._paced_at, _PACE))
         for rule in PACED_RULES:
             name = rule.__name__
             last = self._ran.get(name, -math.inf)
             if self._read.get(name) != read if rule.every == "change" else _stale(now, last):
                 due.append((last, rule))
-        return [rule for _, rule in sorted(due, key=lambda item: item[0])]
+        return [job for _, job in sorted(due, key=lambda item: item[0])]
+
+
+class _Pace:
+    """The job's step-time thresholds, among the paced rules' runs (``Diagnosis._due``)."""
+
+
+_PACE = _Pace()
 
 
 def _stale(now: float, last: float) -> bool:

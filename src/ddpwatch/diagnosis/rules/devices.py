@@ -7,6 +7,7 @@ import re
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
+from operator import attrgetter
 
 from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
@@ -22,6 +23,7 @@ from ddpwatch.diagnosis.text import (
 from ddpwatch.state.records import RankRecord
 from ddpwatch.status.fmt import GIB, gib
 
+_GPU_USED, _RESERVED = attrgetter("gpu_mem_used_bytes"), attrgetter("mem_reserved_bytes")
 _DUPLICATE_PAIR = re.compile(r"rank (\d+) and rank (\d+) both on CUDA device", re.IGNORECASE)
 
 
@@ -222,6 +224,9 @@ def rule_uneven_memory(f: Facts) -> list[Alert]:
     if len(values) < 2:
         return []
     median = statistics.median(values)
+    most = max(values)
+    if most <= 1.5 * median or most - median < GIB:
+        return []  # not even the heaviest: no rank looked at one by one
     heavy = [
         (ranks[i], float(v)) for i, v in enumerate(values) if v > 1.5 * median and v - median >= GIB
     ]
@@ -250,24 +255,33 @@ def rule_uneven_memory(f: Facts) -> list[Alert]:
 
 def _memory_figures(
     live: Sequence[RankRecord], *, shared: bool
-) -> tuple[list[RankRecord], list[int]]:
+) -> tuple[Sequence[RankRecord], list[int]]:
     """The live ranks that report GPU memory and their figures: NVML's, unless ranks share
     a GPU (each would report the whole GPU's) or none has it; else their allocators'. Two
-    flat lists, no object per rank: at 131,072 ranks a tuple each woke the collector of
-    the oldest generation for half the rule's time."""
-    if not shared:
-        nvml = [r for r in live if r.gpu_mem_used_bytes is not None]
-        if nvml:
-            return nvml, [r.gpu_mem_used_bytes or 0 for r in nvml]
-    own = [r for r in live if r.mem_reserved_bytes is not None]
-    return own, [r.mem_reserved_bytes or 0 for r in own]
+    flat lists, no object per rank (at 131,072 ranks a tuple each woke the collector of
+    the oldest generation for half the rule's time), in C loops where every rank has one."""
+    for field, usable in ((_GPU_USED, not shared), (_RESERVED, True)):
+        if not usable:
+            continue
+        values = list(map(field, live))
+        if None not in values:
+            return live, values
+        ranks = [r for r, v in zip(live, values, strict=True) if v is not None]
+        if ranks or field is _RESERVED:
+            return ranks, [v for v in values if v is not None]
+    return [], []
 
 
-def _sharing_gpus(live: Sequence[RankRecord]) -> list[RankRecord]:
+def _sharing_gpus(f: Facts) -> list[RankRecord]:
     """Ranks whose GPU lists processes besides their own, on hosts where the lists can be
     read: inside containers NVML may report host pids that never match the ranks' own, so
     only hosts where at least one rank finds itself in its GPU's list count. A rank alone on
-    its GPU, as most are, costs one look at its list."""
+    its GPU, as most are, costs nothing: the device index has only the others
+    (``DeviceIndex.sharing``), and none of them live means no rank to look at."""
+    census = f.census
+    if not any(map(census.is_live, f.devices.sharing)):
+        return []
+    live = census.live
     comparable: set[str] = set()
     others: list[RankRecord] = []
     for r in live:
@@ -285,7 +299,7 @@ def _sharing_gpus(live: Sequence[RankRecord]) -> list[RankRecord]:
 @rule(AlertKind.FOREIGN_MEMORY, every="slow")
 def rule_foreign_memory(f: Facts) -> list[Alert]:
     """Processes that are not ranks of this job hold memory on a rank's GPU."""
-    others = _sharing_gpus(f.live)
+    others = _sharing_gpus(f)
     if not others:
         return []
     hosts = {r.host for r in others}
