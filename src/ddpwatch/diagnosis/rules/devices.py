@@ -8,6 +8,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from operator import attrgetter
+from typing import cast
 
 from ddpwatch.core.vocabulary import AlertKind, Severity
 from ddpwatch.diagnosis.alerts import Alert
@@ -260,16 +261,23 @@ def _memory_figures(
     a GPU (each would report the whole GPU's) or none has it; else their allocators'. Two
     flat lists, no object per rank (at 131,072 ranks a tuple each woke the collector of
     the oldest generation for half the rule's time), in C loops where every rank has one."""
-    for field, usable in ((_GPU_USED, not shared), (_RESERVED, True)):
-        if not usable:
-            continue
-        values = list(map(field, live))
-        if None not in values:
-            return live, values
-        ranks = [r for r, v in zip(live, values, strict=True) if v is not None]
-        if ranks or field is _RESERVED:
-            return ranks, [v for v in values if v is not None]
-    return [], []
+    if not shared:
+        nvml = _reporting(live, _GPU_USED)
+        if nvml[0]:
+            return nvml
+    return _reporting(live, _RESERVED)
+
+
+def _reporting(
+    live: Sequence[RankRecord], field: attrgetter[int | None]
+) -> tuple[Sequence[RankRecord], list[int]]:
+    """The ranks that report ``field``, and its values: most ticks every rank does, and the
+    live list itself is the answer."""
+    values = list(map(field, live))
+    if None not in values:
+        return live, cast(list[int], values)
+    ranks = [r for r, v in zip(live, values, strict=True) if v is not None]
+    return ranks, [v for v in values if v is not None]
 
 
 def _sharing_gpus(f: Facts) -> list[RankRecord]:
