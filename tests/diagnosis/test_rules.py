@@ -8,6 +8,7 @@ scenarios go through ``ServerState.apply`` with real protocol messages.
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 import pytest
@@ -252,3 +253,15 @@ def test_a_rule_that_raises_loses_only_its_own_alerts(monkeypatch: pytest.Monkey
     assert kinds(rules.diagnose(state, NOW, TH)) == ["slow_rank"]
     assert kinds(rules.diagnose(state, NOW, TH)) == ["slow_rank"]
     assert rules.RULE_FAILURES == {"broken": 2}
+
+
+def test_an_alert_from_a_sorted_waiting_list_lists_the_same_waiters() -> None:
+    """The straggler passes its wait group's own sorted list (131,071 ranks at scale), which
+    is not put in a set and sorted again: the same waiters, no culprit among them."""
+    rng = random.Random(7)
+    for _ in range(200):
+        waiting = sorted(rng.sample(range(40), rng.randrange(0, 30)))
+        culprits = rng.sample(range(40), rng.randrange(1, 4))
+        args = ("straggler", "error", culprits)
+        plain = registry.alert(*args, waiting, "m", "h")
+        assert registry.alert(*args, waiting, "m", "h", waiting_sorted=True) == plain

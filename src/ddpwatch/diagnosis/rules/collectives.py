@@ -81,6 +81,7 @@ def rule_straggler(f: Facts) -> list[Alert]:
             hint,
             waited_s=found.age,
             phase=first.phase,
+            waiting_sorted=True,  # the group's sorted list, or a sorted set
         )
     ]
 
