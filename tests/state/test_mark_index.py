@@ -1,6 +1,7 @@
 """The marks' tally the server keeps as heartbeats arrive (``state/marks.py``) is exactly the
 one built from the records, and the desync rules that read it raise exactly the alerts they
-raise from a pass over every rank.
+raise from a pass over every rank; so are the ranks flagged unstepped or non-finite
+(``state/flags.py``), which the start-up and NaN rules read.
 
 A value left in the tally after its record left would hide a desync (the tally would show two
 values where the live ranks agree, or one where they do not); a mark missed, the same. The
@@ -11,6 +12,7 @@ overlapping windows, now and then with a rank that skipped or added one; a resta
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -24,7 +26,10 @@ from ddpwatch.diagnosis.rules import (
     rule_collective_arguments,
     rule_collective_desync,
     rule_evaluation_desync,
+    rule_nan_loss,
+    rule_startup_hang,
 )
+from ddpwatch.state.flags import RankFlags
 from ddpwatch.state.marks import MARK_KINDS, MARKS_KEPT, MarkIndex
 from ddpwatch.state.records import RankRecord
 from ddpwatch.state.state import ServerState
@@ -32,7 +37,9 @@ from ddpwatch.state.state import ServerState
 TH = Thresholds()
 T0 = 9000.0
 WORLD = 7
-DESYNC_RULES = (
+KEPT_RULES = (
+    rule_nan_loss,
+    rule_startup_hang,
     rule_collective_desync,
     rule_collective_arguments,
     rule_evaluation_desync,
@@ -64,8 +71,15 @@ def _message(
         return Hello(**base, pid=pids[rank], world_size=WORLD, restart_count=attempt[0] - 1)
     if roll < 0.06:
         error = ErrorInfo(type="RuntimeError", message="boom")
-        return Event(**base, event=rng.choice(["crash", "exit"]), error=error)
+        return Event(**base, event=rng.choice(["crash", "exit"]), error=error, step=job_step)
+    if roll < 0.1:  # still starting: no step yet
+        return Sample(**base, pid=pids[rank], phase="init_process_group")
     step = max(0, job_step - rng.randrange(12))
+    bad = rng.random() < 0.05 and rank == 2  # rank 2's loss or gradients go bad now and then
+    health = {
+        "loss": math.nan if bad and rng.random() < 0.5 else 1.0,
+        "grad_nan_step": step if bad else None,
+    }
     odd = 1 if rank == 5 and rng.random() < 0.5 else 0  # rank 5 is off now and then
     kinds = {
         "batch_marks": _marks(rng, step, odd),
@@ -76,7 +90,7 @@ def _message(
         py=step, marks=_marks(rng, step, odd), digests=_marks(rng, step, rank == 4)
     )
     chosen = {k: v for k, v in kinds.items() if rng.random() < 0.8}
-    return Sample(**base, pid=pids[rank], step=step, collectives=counts, **chosen)
+    return Sample(**base, pid=pids[rank], step=step, collectives=counts, **chosen, **health)
 
 
 def _tallies(index: MarkIndex) -> dict[str, dict[int, dict[int, int]]]:
@@ -101,11 +115,17 @@ def test_the_kept_tally_is_the_one_built_from_the_records(seed: int) -> None:
             continue  # some ranks go quiet for a while
         state.apply(_message(rng, rank, pids, attempt, n // 2), now)
         assert _tallies(state.marks) == _tallies(MarkIndex.of(state.ranks.values()))
+        flags = RankFlags.of(state.ranks.values())
+        assert (state.flags.unstepped, state.flags.non_finite) == (
+            flags.unstepped,
+            flags.non_finite,
+        )
         assert all(len(getattr(r, k)) <= MARKS_KEPT for r in state.ranks.values() for k in MARK_KINDS)
         if n % 10 == 0:
             judged = now + rng.choice([0.0, 3.0, 40.0])  # silences count too
-            kept = Facts(state, judged, TH, None, state.waits, state.devices, state.marks)
-            for rule in DESYNC_RULES:
+            kept_indexes = (state.waits, state.devices, state.marks, state.flags)
+            kept = Facts(state, judged, TH, None, *kept_indexes)
+            for rule in KEPT_RULES:
                 found = rule(state, judged, TH, kept)
                 assert found == rule(state, judged, TH), rule.__name__
                 raised += len(found)

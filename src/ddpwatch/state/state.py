@@ -26,6 +26,7 @@ from ddpwatch.core.protocol import (
 from ddpwatch.core.vocabulary import EventKind, Phase
 from ddpwatch.state.claims import Claim, NewPid, RankClaims
 from ddpwatch.state.devices import DeviceIndex
+from ddpwatch.state.flags import RankFlags
 from ddpwatch.state.host_memory import note as note_host_memory
 from ddpwatch.state.host_memory import settled
 from ddpwatch.state.marks import MarkIndex
@@ -115,6 +116,9 @@ class ServerState:
     devices: DeviceIndex = field(default_factory=DeviceIndex, repr=False, compare=False)
     """Each rank's GPU and the ranks the device rules may name, kept by ``apply``
     (``state/devices.py``); like ``waits``, records changed by hand are not in it."""
+    flags: RankFlags = field(default_factory=RankFlags, repr=False, compare=False)
+    """The ranks with no step yet and those whose loss or gradients went bad, kept by
+    ``apply`` (``state/flags.py``); like ``waits``, records changed by hand are not in it."""
     marks: MarkIndex = field(default_factory=MarkIndex, repr=False, compare=False)
     """How many ranks hold each value at each marked step, kept by ``apply``
     (``state/marks.py``); like ``waits``, records changed by hand are not in it."""
@@ -189,6 +193,7 @@ class ServerState:
                     return  # in no collective still: ``waits`` has it there (most heartbeats)
         elif isinstance(message, Event):
             _apply_event(record, message, now)
+            self.flags.note(record)
             if message.event in _GENERATION_EVENTS:
                 self.generation += 1
         self.waits.place(record)
@@ -196,6 +201,7 @@ class ServerState:
     def _take_sample(self, record: RankRecord, sample: Sample, now: float) -> None:
         pids = record.gpu_pids
         _apply_sample(record, sample, now, self.marks)
+        self.flags.note(record)
         if record.gpu_pids is not pids:  # a new list (an equal one is not stored)
             self.devices.place_pids(record)
         if self.stepping_since is None and record.step is not None:
@@ -252,6 +258,7 @@ class ServerState:
             self.marks.drop(replaced)
         self.ranks[rank] = record
         self.devices.place(record)  # no identity yet: the last process's GPU is forgotten
+        self.flags.note(record)
         self.generation += 1
         if self.first_report is None:
             self.first_report = now
@@ -268,6 +275,7 @@ class ServerState:
                 del self.ranks[rank]
                 self.waits.drop(rank)
                 self.devices.drop(rank)
+                self.flags.drop(rank)
                 self.marks.drop(record)
         started = self.attempt_started if self.attempt_started is not None else self.job_started
         self.past_attempts.append(PastAttempt(self.attempt, started, now, old))

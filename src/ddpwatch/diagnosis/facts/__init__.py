@@ -39,6 +39,7 @@ from ddpwatch.diagnosis.facts.ranks import is_silent
 from ddpwatch.diagnosis.facts.stragglers import P2PHold, Straggle, find_p2p_holds, find_straggle
 from ddpwatch.diagnosis.knowledge import Signature, explain_error
 from ddpwatch.state.devices import DeviceIndex
+from ddpwatch.state.flags import RankFlags
 from ddpwatch.state.marks import MarkIndex, MarkKind
 from ddpwatch.state.records import RankRecord
 from ddpwatch.state.relays import LostRelay, lost_relays
@@ -64,11 +65,13 @@ class Facts:
         waits: WaitIndex | None = None,
         devices: DeviceIndex | None = None,
         marks: MarkIndex | None = None,
+        flags: RankFlags | None = None,
     ) -> None:
         self.state = state
         self._waits = waits
         self._devices = devices
         self._marks = marks
+        self._flags = flags
         self.clock = now  # the server's clock, for a rule called with these facts
         self.now = state.as_of(now)
         """As of what the server has read: a server behind its queue judges the ranks as
@@ -116,6 +119,12 @@ class Facts:
         """Each rank's GPU and the ranks the device rules may name (``state/devices.py``):
         the server's, kept as identities arrive, or one made here from the records."""
         return DeviceIndex.of(self.records) if self._devices is None else self._devices
+
+    @cached_property
+    def flags(self) -> RankFlags:
+        """The ranks with no step yet and those whose loss or gradients went bad
+        (``state/flags.py``): the server's, kept as messages arrive, or made here."""
+        return RankFlags.of(self.records) if self._flags is None else self._flags
 
     @cached_property
     def marks(self) -> MarkIndex:

@@ -173,7 +173,8 @@ class Diagnosis:
         self._scans_at = -math.inf
 
     def __call__(self, state: ServerState, now: float, th: Thresholds) -> list[Alert]:
-        facts = Facts(state, now, th, self._pace, state.waits, state.devices, state.marks)
+        kept = (state.waits, state.devices, state.marks, state.flags)
+        facts = Facts(state, now, th, self._pace, *kept)
         read = (state.generation, facts.quiet)
         scan = max(1, len(state.ranks))
         self._earn(now, scan)

@@ -517,6 +517,8 @@ def rule_nan_loss(f: Facts) -> list[Alert]:
     finite at that step (an agent reports the exact first bad step; a heartbeat's step is
     only an upper bound); until then, a heartbeat at most, nothing is said.
     """
+    if not f.flags.non_finite:
+        return []  # no rank's loss or gradients went bad: no rank looked at one by one
     bad = sorted((r for r in f.records if r.nan_step is not None), key=lambda r: r.rank)
     if not bad:
         return []  # gradients alone (a GradScaler's overflow, a skipped step) are no alert

@@ -87,6 +87,8 @@ def rule_startup_hang(f: Facts) -> list[Alert]:
     and never named beside one that is; a phase every rank of the job is in names no
     culprit: none holds the others.
     """
+    if not any(map(f.census.is_live, f.flags.unstepped)):
+        return []  # every live rank has stepped: no rank looked at one by one
     now, th = f.now, f.th
     live = f.live
     train = len(STARTUP_PHASES) - 1
