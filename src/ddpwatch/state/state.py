@@ -199,6 +199,7 @@ class ServerState:
         self.waits.place(record)
 
     def _take_sample(self, record: RankRecord, sample: Sample, now: float) -> None:
+        """A heartbeat's measurements, and the indexes they move (marks, flags, GPU lists)."""
         pids = record.gpu_pids
         _apply_sample(record, sample, now, self.marks)
         self.flags.note(record)
