@@ -773,6 +773,17 @@ def _run_jobs(jobs: dict[str, tuple[str, int, dict[str, str] | None]], out: Path
     return caught
 
 
+def _rank_output(out: Path, key: str, rank: int) -> str:
+    """What rank ``rank`` of job ``key`` printed, for a failure's message: a missing record
+    says why only there (a store that never bound, a SIGTERM after another rank failed)."""
+    tails = []
+    for suffix in ("", ".err"):
+        path = out / f"{key}.{rank}{suffix}"
+        text = path.read_text(errors="replace") if path.exists() else "(no file)"
+        tails.append(f"--- {path.name}\n{text[-3000:]}")
+    return f"no CAUGHT record from rank {rank} of {key!r}\n" + "\n".join(tails)
+
+
 def _records(output: str) -> list[dict]:
     """Every ``CAUGHT {json}`` record in the output, wherever the line breaks fell."""
     decoder = json.JSONDecoder()
@@ -805,6 +816,7 @@ def test_the_texts_torch_prints_today_are_known(tmp_path: Path) -> None:
     caught = _run_jobs(jobs, tmp_path)
 
     def reading(key: str, rank: int) -> tuple[str | None, tuple[int, ...], int | None]:
+        assert rank in caught[key], _rank_output(tmp_path, key, rank)
         error = _as_error(caught[key][rank])
         signature = explain_error(error)
         return (signature.name if signature else None), named_ranks(error), reporting_rank(error)

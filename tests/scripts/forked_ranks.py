@@ -25,10 +25,18 @@ import torch.distributed as dist
 MONITOR_INTERVAL_S = 0.1  # torchrun's --monitor-interval default
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: each is held until all are picked, so two jobs of one
+    run never draw the same MASTER_PORT (a job whose store cannot bind leaves its ranks
+    waiting in init, and their records never come)."""
+    held = [socket.socket() for _ in range(count)]
+    try:
+        for sock in held:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in held]
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def be_rank(script: str, args: list[str], env: dict[str, str], out: str) -> None:
@@ -58,14 +66,14 @@ def main() -> None:
     script, outdir, jobs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     sys.stdout.flush()
     job_of: dict[int, str] = {}
-    for job in jobs:
+    for job, port in zip(jobs, free_ports(len(jobs)), strict=True):
         nproc = job["nproc"]
         common = {
             **job.get("env", {}),
             "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc),
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
+            "MASTER_PORT": str(port),
         }
         for rank in range(nproc):
             env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
