@@ -323,7 +323,8 @@ class NodeBatches:
             self.beats.frame(rank, cycle, now - age / 1e6, identity)
             for rank, age in zip(ranks, ages, strict=True)
         ]
-        return self._encoded(node, now, frames, ages), len(frames)
+        plain = [] if identity else list(range(len(frames)))  # finite losses: plain but those
+        return self._encoded(node, now, frames, ages, list(ranks), plain), len(frames)
 
     def _encoded(
         self,
@@ -331,12 +332,16 @@ class NodeBatches:
         now: float,
         frames: list[bytes] | None = None,
         ages: list[int] | None = None,
+        ranks: list[int] | None = None,
+        plain: list[int] | None = None,
     ) -> bytes:
-        """Node ``node``'s next batch, named and sequenced as its relay's, with what it owes."""
+        """Node ``node``'s next batch, named and sequenced as its relay's, with what it owes
+        and, as a relay says them, its frames' ranks and plain heartbeats (``Batch.plain``)."""
         name = f"node-{(self.lo + node * RANKS_PER_NODE) // RANKS_PER_NODE}"
         batch = self.Batch(
             v=self.v, relay=f"{name}:1", t=now, host=name, seq=self.seq[node],
             frames=frames or [], ages_us=ages or [], coalesced=self.owed[node],
+            ranks=ranks or [], plain=plain or [],
         )  # fmt: skip
         return self.encode(batch)
 

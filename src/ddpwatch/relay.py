@@ -19,6 +19,9 @@ What the relay keeps, and why:
   bounded by its ranks, not by how long the server was away. ``BACKLOG_FRAMES`` bounds the
   rest (the oldest go first, counted in ``dropped``), and what a stopping relay could not
   send is counted too.
+- **What a newer batch may supersede**: each batch says its frames' ranks and which are
+  plain heartbeats (``Batch.ranks``, ``Batch.plain``), so that a server behind can leave out
+  an older batch's heartbeats that its next one supersedes without decoding them.
 - **Each rank's identity**: a restarted server hears it again as soon as it is back (the
   ranks' own connection, to the relay, did not change, so they would not resend it soon).
 
@@ -62,6 +65,7 @@ from ddpwatch.core.protocol import (
     decode,
     encode,
     keeps_news,
+    plain_beat,
 )
 from ddpwatch.core.security import apply_client_curve
 from ddpwatch.core.vocabulary import EventKind
@@ -489,10 +493,14 @@ class Relay:
         while self._pending or beat:
             frames = self._next_frames()
             sent = time.monotonic()
-            ages = [
-                int((sent - waiting.arrived) * 1e6)
-                for waiting in itertools.islice(self._pending, len(frames))
-            ]
+            ages: list[int] = []
+            ranks: list[int] = []
+            plain: list[int] = []  # positions of plain heartbeats (``Batch.plain``)
+            for i, waiting in enumerate(itertools.islice(self._pending, len(frames))):
+                ages.append(int((sent - waiting.arrived) * 1e6))
+                ranks.append(waiting.rank)
+                if waiting.beat is not None and plain_beat(waiting.beat):
+                    plain.append(i)
             batch = Batch(
                 v=PROTOCOL_VERSION,
                 relay=self.name,
@@ -504,6 +512,8 @@ class Relay:
                 rejected=self._rejected_unsent,
                 dropped=self._dropped_unsent,
                 coalesced=self._coalesced_unsent,
+                ranks=ranks,
+                plain=plain,
             )
             try:
                 self._push.send(encode(batch), zmq.NOBLOCK)

@@ -666,6 +666,14 @@ def test_a_relay_held_back_keeps_each_ranks_newest_heartbeat_and_every_event(
             assert isinstance(mine[3], Event) and mine[0].pid == 100 + rank
             assert math.isnan(mine[1].loss)
         assert sum(batch.coalesced for batch in batches) == 9
+        # each batch says its frames' ranks and which are plain heartbeats (``Batch.plain``):
+        # not the identity, the NaN or the event
+        for batch in batches:
+            told = [decode_wire(frame) for frame in batch.frames]
+            assert batch.ranks == [m.rank for m in told]
+            assert [getattr(told[i], "step", None) for i in batch.plain] == [
+                m.step for m in told if isinstance(m, Sample) and m.step in (4, 6)
+            ]
         # the relay's thread counts a batch forwarded once its send returned, and leaves held
         # once all is sent: the server can have them first (seen under load: forwarded 0)
         wait_for(lambda: not relay._held, 10.0, "the relay to see all sent")

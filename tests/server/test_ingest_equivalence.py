@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import fields
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 from conftest import AppliedState, free_port_pair, push_frames
@@ -38,8 +39,11 @@ from ddpwatch.core.protocol import (
     Hello,
     Sample,
     encode,
+    plain_beat,
 )
+from ddpwatch.server import ingest
 from ddpwatch.server.collector import Collector
+from ddpwatch.server.ingest import _holdable, superseded
 from ddpwatch.state.records import RankRecord
 from ddpwatch.state.state import ServerState
 from ddpwatch.state.step_times import StepTimes
@@ -804,3 +808,145 @@ def test_the_windows_closed_between_two_heartbeats_are_kept_too() -> None:
     record = state.ranks[0]
     assert record.call_windows == {8: [call], 16: [call], 24: [call]}
     assert record.collectives is not None and record.collectives.earlier is None
+
+
+# ---------------------------------------------------------------- superseded relay batches
+
+
+def _hinted(relay: str, seq: int, messages: list[AnyMessage], rng: random.Random) -> Batch:
+    """A relay's batch as ``relay.Relay._send`` builds it: each frame's rank, and where its
+    plain heartbeats are (``Batch.ranks``, ``Batch.plain``)."""
+    return Batch(
+        v=1,
+        relay=relay,
+        t=0.0,
+        seq=seq,
+        frames=[encode(m) for m in messages],
+        ages_us=[rng.randrange(500_000) for _ in messages],
+        ranks=[m.rank for m in messages],
+        plain=[i for i, m in enumerate(messages) if plain_beat(m)],
+    )
+
+
+def _through_relays(rng: random.Random, messages: list[AnyMessage], by_rank: bool) -> list[Batch | AnyMessage]:
+    """``messages`` as two relays and the ranks themselves would send them, each rank's in
+    order: by rank (even ranks through relay a, odd through b, the two new ranks directly),
+    or each message by a path drawn at random (ranks that move between relays and back)."""
+    open_: dict[str, list[AnyMessage]] = {"a:1": [], "b:1": []}
+    seqs = dict.fromkeys(open_, 0)
+    sent: list[Batch | AnyMessage] = []
+    last_path: dict[int, str] = {}
+
+    def close(relay: str) -> None:
+        if open_[relay]:
+            sent.append(_hinted(relay, seqs[relay], open_[relay], rng))
+            seqs[relay] += 1
+            open_[relay] = []
+
+    for message in messages:
+        rank = message.rank
+        if by_rank:
+            path = "direct" if rank >= 12 else ("a:1", "b:1")[rank % 2]
+        else:
+            path = rng.choice(["a:1", "a:1", "b:1", "direct"])
+        was = last_path.get(rank)
+        if was is not None and was != path and was != "direct":
+            close(was)  # a rank's frames leave in order whatever its path
+        last_path[rank] = path
+        if path == "direct":
+            sent.append(message)
+        else:
+            open_[path].append(message)
+            if rng.random() < 0.08:
+                close(path)
+    for relay in open_:
+        close(relay)
+    return sent
+
+
+@pytest.mark.parametrize("shedding", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_batch_superseded_by_its_relays_next_leaves_the_records_as_coalescing(
+    port: int, seed: int, shedding: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Behind, a receive that holds two batches of one relay leaves out, unread, the older
+    one's heartbeats that the newer supersedes (``ingest.superseded``). The records must
+    come out exactly as from the same batches without the relays' hints (nothing left out
+    unread), field by field; only ``shed`` differs. Two relays and direct frames, ranks
+    fixed to a path or moving between them, coalescing or shedding."""
+    rng = random.Random(seed)
+    ranks = 12
+    messages = _random_backlog(rng, ranks, 600)
+    sent = _through_relays(rng, messages, by_rank=seed % 2 == 0)
+    hinted = [encode(m) for m in sent]
+    unhinted = [
+        encode(msgspec.structs.replace(m, ranks=[], plain=[]) if isinstance(m, Batch) else m)
+        for m in sent
+    ]
+    total = len(messages)
+    want = _take_in_one_receive(port, unhinted, total, shedding=shedding, ranks=ranks)
+    left_out: list[int] = []
+
+    def counted(*args: Any) -> set[int]:
+        found = superseded(*args)
+        left_out.append(len(found))
+        return found
+
+    monkeypatch.setattr(ingest, "superseded", counted)
+    got = _take_in_one_receive(free_port_pair(), hinted, total, shedding=shedding, ranks=ranks)
+    assert (got.received, got.rejected) == (want.received, want.rejected)
+    assert sorted(got.ranks) == sorted(want.ranks)
+    for rank in want.ranks:
+        assert snapshot(got.ranks[rank]) == snapshot(want.ranks[rank]), rank
+    assert got.generation == want.generation
+    assert sum(left_out) > 10  # some were left out unread: counted as shed
+    if shedding:  # most of them it sheds anyway (not one after a heartbeat that is not plain)
+        assert want.shed <= got.shed < want.shed + sum(left_out)
+    else:
+        assert got.shed == want.shed + sum(left_out)
+    for name, relay in want.relays.items():
+        assert (got.relays[name].batches, got.relays[name].frames) == (relay.batches, relay.frames)
+
+
+def _batch(messages: list[AnyMessage], **told: Any) -> Batch:
+    hints = {
+        "ranks": [m.rank for m in messages],
+        "plain": [i for i, m in enumerate(messages) if plain_beat(m)],
+    }
+    return Batch(v=1, relay="r:1", t=0.0, frames=[encode(m) for m in messages], **{**hints, **told})
+
+
+def test_what_a_newer_batch_supersedes_by_hand() -> None:
+    """Only a known rank's last frame in the older batch, a plain heartbeat, whose first
+    frame in the newer batch is a plain heartbeat too."""
+    older = _batch(
+        [
+            beat(rank=0, step=1),  # not rank 0's last here
+            beat(rank=0, step=2),  # superseded
+            beat(rank=1, step=1, loss=NAN),  # not plain
+            beat(rank=2, step=1),  # rank 2's first in the newer batch is an event
+            beat(rank=3, step=1),  # rank 3 is not in the newer batch
+            beat(rank=4, step=1),  # not known before the receive
+            beat(rank=5, step=1, pid=7),  # tells its identity
+            event("log", rank=6, text="x"),  # an event
+            beat(rank=7, step=1),  # rank 7's first in the newer batch tells its identity
+        ]
+    )
+    newer = _batch(
+        [
+            event("stack", rank=2, stack="s"),
+            beat(rank=2, step=2),
+            *(beat(rank=r, step=3) for r in (0, 1, 4, 5, 6)),
+            beat(rank=7, step=2, pid=9),
+        ]
+    )
+    assert superseded(older, newer, known=set(range(8)) - {4}) == {1}
+    assert superseded(older, older, known=range(8)) == {1, 3, 4, 5, 8}
+
+
+def test_a_batch_whose_hints_do_not_fit_its_frames_is_read_whole() -> None:
+    messages: list[AnyMessage] = [beat(rank=0, step=1), beat(rank=1, step=1)]
+    assert _holdable(_batch(messages))
+    assert not _holdable(_batch(messages, ranks=[0]))  # a rank for each frame, or none
+    assert not _holdable(_batch(messages, plain=[2]))  # a position past the frames
+    assert not _holdable(_batch([]))

@@ -270,6 +270,12 @@ class Batch(
     """Heartbeats the relay left out since its last batch, each superseded by a newer one of
     the same rank while the server was not taking more (``keeps_news`` said so): taken in,
     like those the server coalesces itself when behind, not lost."""
+    ranks: Annotated[list[RankId], msgspec.Meta(max_length=MAX_BATCH_FRAMES)] = []
+    """Each frame's rank, as the relay read it (empty from relays that do not say)."""
+    plain: Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_BATCH_FRAMES)] = []
+    """The positions of the frames that are plain heartbeats (``plain_beat``). With
+    ``ranks``, they let a server behind leave out, undecoded, what a newer batch of the same
+    relay supersedes (``server/ingest.py``), the way it coalesces a backlog anyway."""
 
 
 WireMessage = Hello | Sample | Event | Batch
@@ -283,6 +289,15 @@ def keeps_news(superseded: Sample, newer: Sample) -> bool:
     if superseded.loss is not None and not math.isfinite(superseded.loss):
         return True
     return tells_identity(superseded) and not tells_identity(newer)
+
+
+def plain_beat(message: AnyMessage) -> bool:
+    """A heartbeat that a newer one of its rank supersedes whatever the newer says
+    (``keeps_news`` is False for it): a finite loss or none, and no identity."""
+    if type(message) is not Sample:
+        return False
+    loss = message.loss
+    return (loss is None or math.isfinite(loss)) and not tells_identity(message)
 
 
 def tells_identity(sample: Sample) -> bool:

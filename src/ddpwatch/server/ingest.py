@@ -11,12 +11,19 @@ refuses (the collector's rank cap). Accepted frames go to the optional ``recorde
 their receive time. A frame whose handling raises all the same (a bug in ddpwatch) is
 isolated as a diagnosis rule that raises is: counted in ``state.failed``, logged once per
 rank and kind, and dropped (``frame_failed``); the frames after it are taken in as usual.
+
+A relay's batch that says its frames' ranks and plain heartbeats (``Batch.ranks``,
+``Batch.plain``) is put in place with its heads unread until the same relay's next batch in
+the receive, or the receive's end: the heartbeats the next one supersedes (``superseded``)
+are then counted, unread, as ``shed``; they are those coalescing would count and not apply.
+Behind by a beat or more, a receive holds two batches of most relays, so about half the
+backlog costs a batch's decode instead of a decode and a coalescing per heartbeat.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -80,6 +87,14 @@ class Receive:
         self.last: dict[int, int] = {}
         """The position of each rank's last heartbeat, by rank."""
         self.pending: dict[int, tuple[Sample, float]] = {}
+        self.skipped: dict[int, set[int]] = {}
+        """By the position of a relay's batch: its frames that the relay's next batch in this
+        receive supersedes (``superseded``), left out undecoded."""
+        self._held: dict[str, tuple[int, Batch]] = {}
+        """Each relay's newest batch of the receive so far, by relay, with its first frame's
+        position: its frames are in place, their heads not read until the relay's next batch
+        says which it supersedes, or the end of the receive."""
+        self._held_ranks: dict[int, str] = {}  # the ranks of the held batches, by rank
         self._head_of = _heads.decode if self.shed is None else _shed_heads.decode
         self._read_ahead = True  # every head read: ``last`` and ``shed`` can be trusted
 
@@ -96,11 +111,16 @@ class Receive:
         frames = self.frames
         position = len(frames)
         kind = head.type
+        rank = head.rank
         if kind == "sample":
-            if type(head.rank) is int:
-                self.last[head.rank] = position
+            if type(rank) is int:
+                if self._held_ranks and rank in self._held_ranks:
+                    self._release(self._held_ranks[rank])
+                self.last[rank] = position
         elif kind not in _RANK_TYPES:
             return False
+        elif self._held_ranks and type(rank) is int and rank in self._held_ranks:
+            self._release(self._held_ranks[rank])  # its frames before this one, in order
         if self.shed is not None:
             self.shed.note(head, position)
         frames.append(frame)
@@ -121,6 +141,9 @@ class Receive:
             frames.append(frame)
             return 0
         self.batches.append((len(frames), message))
+        if _holdable(message):
+            self._hold(message)
+            return len(message.frames)
         add = self.add
         for relayed in message.frames:
             if not add(relayed):  # refused when taken in, in its place
@@ -129,12 +152,70 @@ class Receive:
                     self._read_ahead = False
         return len(message.frames)
 
+    def _hold(self, batch: Batch) -> None:
+        """Put a relay's batch in place, its heads unread: the relay's batch before it in
+        this receive, if any, is read now, less what this one supersedes; so is a batch of
+        another relay that holds one of its ranks (a rank that moved), so that each rank's
+        frames are read in order."""
+        start = len(self.frames)
+        self.frames.extend(batch.frames)
+        name = batch.relay
+        earlier = self._held.get(name)
+        if earlier is not None:
+            self._release(name, batch)
+        held_ranks = self._held_ranks
+        for rank in batch.ranks:
+            other = held_ranks.get(rank)
+            if other is not None and other != name:
+                self._release(other)
+            held_ranks[rank] = name
+        self._held[name] = (start, batch)
+
+    def _release(self, name: str, newer: Batch | None = None) -> None:
+        """Read the heads of relay ``name``'s held batch in its place, but of the frames that
+        ``newer`` (the relay's next batch) supersedes: those are counted when taken, unread."""
+        start, batch = self._held.pop(name)
+        held_ranks = self._held_ranks
+        for rank in batch.ranks:
+            if held_ranks.get(rank) == name:
+                del held_ranks[rank]
+        skipped = superseded(batch, newer, self.state.ranks) if newer is not None else None
+        if skipped:
+            self.skipped[start] = skipped
+        place = self._place
+        for i, frame in enumerate(batch.frames):
+            if skipped is None or i not in skipped:
+                place(frame, start + i)
+
+    def _release_all(self) -> None:
+        """The end of the receive: the newest batch of each relay is read whole."""
+        for name in list(self._held):
+            self._release(name)
+
+    def _place(self, frame: bytes, position: int) -> None:
+        """``add`` for a frame already in place (a held batch's): read its head."""
+        try:
+            head = self._head_of(frame)
+        except _HEAD_ERRORS:
+            head = None
+        kind = None if head is None else head.type
+        if head is None or (kind != "sample" and kind not in _RANK_TYPES):
+            if _decodes(frame):  # its head could not be read: never
+                self._read_ahead = False
+            return
+        rank = head.rank
+        if kind == "sample" and type(rank) is int and position > self.last.get(rank, -1):
+            self.last[rank] = position
+        if self.shed is not None:
+            self.shed.note(head, position)
+
     # ---------------------------------------------------------------- into the state
 
     def take_all(self, answer_waiting: Callable[[], None], every: int) -> None:
         """Take in the frames added, in order (but what ``shed`` says to shed), calling
         ``answer_waiting`` every ``every`` messages; a heartbeat held back for a newer one
         that did not come (refused) is applied at the end."""
+        self._release_all()
         if not self._read_ahead:  # no heartbeat is known to be the last of its rank
             self.last, self.shed = {}, None
         frames, take, now = self.frames, self._take, self.now
@@ -177,8 +258,15 @@ class Receive:
         frames = batch.frames
         ages = batch.ages_us if len(batch.ages_us) == len(frames) else [0] * len(frames)
         take, most = self._take, MAX_RELAY_AGE_US
+        skipped = self.skipped.get(position) if self.skipped else None
         for i, (frame, age) in enumerate(zip(frames, ages, strict=True)):
             at = now - (age if age < most else most) / 1e6  # not min(): a call a frame
+            if skipped is not None and i in skipped:  # superseded: counted, as if shed
+                state.received += 1
+                state.shed += 1
+                if self.recorder is not None:
+                    self.recorder.frame(at, frame)
+                continue
             try:
                 rank = take(frame, position + i, at, True)
             except Exception as exc:  # isolated: counted, logged
@@ -250,6 +338,42 @@ class Receive:
         """The frame's handling raised: counted and logged with its rank and kind, dropped."""
         rank, kind = _rank_and_kind(frame)
         frame_failed(self.state, rank, kind, exc)
+
+
+def _holdable(batch: Batch) -> bool:
+    """Whether a batch says which of its frames a newer one may supersede: each frame's
+    rank, and plain heartbeats' positions within it (relays before these fields say none)."""
+    count = len(batch.frames)
+    plain = batch.plain
+    return count > 0 and len(batch.ranks) == count and (not plain or max(plain) < count)
+
+
+def superseded(batch: Batch, newer: Batch, known: Container[int]) -> set[int]:
+    """The positions in ``batch`` of the heartbeats that ``newer``, the same relay's next
+    batch, supersedes as coalescing would (``Receive._take``): each a plain heartbeat, its
+    rank's last frame in ``batch``, of a rank known before the receive whose first frame in
+    ``newer`` is a plain heartbeat. Coalescing would count each of them and apply none, and
+    would treat the frames around them the same with or without them (their neighbours are
+    compared with a plain heartbeat either way), so the records come out the same."""
+    newer_plain = set(newer.plain)
+    firsts: set[int] = set()
+    covered: set[int] = set()
+    for j, rank in enumerate(newer.ranks):
+        if rank not in firsts:
+            firsts.add(rank)
+            if j in newer_plain:
+                covered.add(rank)
+    seen: set[int] = set()
+    found: set[int] = set()
+    ranks, plain = batch.ranks, set(batch.plain)
+    for i in range(len(ranks) - 1, -1, -1):  # each rank's last frame first
+        rank = ranks[i]
+        if rank in seen:
+            continue
+        seen.add(rank)
+        if i in plain and rank in covered and rank in known:
+            found.add(i)
+    return found
 
 
 def frame_failed(state: ServerState, rank: int | None, kind: str, exc: Exception) -> None:
