@@ -30,6 +30,9 @@ mean reported ("steady", the 2 Hz load). Arms:
   to ``BEHIND_BEATS`` heartbeats per rank a receive, coalescing (``Collector._receive``);
 * ``shedding direct`` / ``shedding relay``: that backlog, with the collector's queue last
   found empty ``FAR_BEHIND_S`` ago (``state.heard_until``): it sheds (``SHED_AFTER_S``);
+* ``backlog unhinted`` / ``shedding unhinted``: the relay arms of the two above, with
+  batches that do not say their frames' ranks and plain heartbeats (relays before
+  ``Batch.ranks``): every heartbeat is read, none left out as superseded unread;
 * ``decode direct`` / ``decode relay``: ``protocol.decode`` of each frame, or
   ``decode_wire`` of each batch and ``decode`` of its frames, on frames in memory, each
   dropped at once;
@@ -38,8 +41,9 @@ mean reported ("steady", the 2 Hz load). Arms:
 
 A warm-up run (1,024 ranks, untimed) goes first. Prints µs per heartbeat, ``RATIO
 apply/collector`` (the share of the thread's ingest cost a whole beat of ``apply`` would be)
-and ``RATIO shedding/backlog`` (what a heartbeat costs a server far behind against one just
-behind).
+``RATIO shedding/backlog`` (what a heartbeat costs a server far behind against one just
+behind) and ``RATIO hinted/unhinted`` (a relay's backlog with the batches' hints against
+without: what leaving superseded batches unread saves).
 ``--profile`` adds a cProfile of the direct collector arm's steady beats. Compare versions by
 running the same command on each; on a shared machine, repeat and compare medians.
 """
@@ -128,17 +132,20 @@ def sample(rank: int, world: int, beat: int) -> Any:
     )
 
 
-def beat_frames(ranks: int, beat: int, per_relay: int) -> list[bytes]:
+def beat_frames(ranks: int, beat: int, per_relay: int, hints: bool = True) -> list[bytes]:
     """Every rank's frame of one beat: alone (``per_relay`` 0) or in relays' ``Batch`` frames,
-    built as ``relay.Relay._send`` builds them."""
-    from ddpwatch.core.protocol import PROTOCOL_VERSION, Batch, encode
+    built as ``relay.Relay._send`` builds them (without ``hints``: as relays before
+    ``Batch.ranks`` and ``Batch.plain`` did, which a server behind reads whole)."""
+    from ddpwatch.core.protocol import PROTOCOL_VERSION, Batch, encode, plain_beat
 
-    frames = [encode(sample(rank, ranks, beat)) for rank in range(ranks)]
+    messages = [sample(rank, ranks, beat) for rank in range(ranks)]
+    frames = [encode(message) for message in messages]
     if not per_relay:
         return frames
     batches = []
     for node, lo in enumerate(range(0, ranks, per_relay)):
         inner = frames[lo : lo + per_relay]
+        told = messages[lo : lo + per_relay]
         batch = Batch(
             v=PROTOCOL_VERSION,
             relay=f"gpu-node-{node:05d}:{RELAY_PID}",
@@ -149,14 +156,17 @@ def beat_frames(ranks: int, beat: int, per_relay: int) -> list[bytes]:
             ages_us=[(lo + i) % 500_000 for i in range(len(inner))],
             rejected=0,
             dropped=0,
+            ranks=[m.rank for m in told] if hints else [],
+            plain=[i for i, m in enumerate(told) if plain_beat(m)] if hints else [],
         )
         batches.append(encode(batch))
     return batches
 
 
 def sender(conn: Connection) -> None:
-    """Child process: ``("beat", ranks, beat, per_relay)`` builds that beat's frames (untimed),
-    then pushes them once told ``go``; ``("connect", endpoint)`` opens a fresh socket."""
+    """Child process: ``("beat", ranks, beat, per_relay, hints)`` builds that beat's frames
+    (untimed), then pushes them once told ``go``; ``("connect", endpoint)`` opens a fresh
+    socket."""
     import zmq
 
     context = zmq.Context()
@@ -173,8 +183,8 @@ def sender(conn: Connection) -> None:
             sock.connect(command[1])
             conn.send("connected")
             continue
-        _, ranks, beat, per_relay = command
-        frames = beat_frames(ranks, beat, per_relay)
+        _, ranks, beat, per_relay, hints = command
+        frames = beat_frames(ranks, beat, per_relay, hints)
         conn.send("built")
         conn.recv()  # "go"
         for frame in frames:
@@ -252,6 +262,7 @@ def collector_arm(
     profile: cProfile.Profile | None,
     backlog: int = 1,
     far_behind: bool = False,
+    hints: bool = True,
 ) -> Cost:
     """A real ``Collector`` fed by the sender process over TCP, one beat at a time; steady
     beats ``backlog`` at a time (all sent before the collector reads: it falls behind and
@@ -273,7 +284,7 @@ def collector_arm(
         conn.recv()
         queued = 0  # steady beats sent and not yet read
         for beat in range(beats):
-            conn.send(("beat", ranks, beat, per_relay))
+            conn.send(("beat", ranks, beat, per_relay, hints))
             if conn.recv() != "built":
                 raise RuntimeError("sender failed")
             conn.send("go")
@@ -366,6 +377,14 @@ def measure(
             "shedding relay",
             lambda: collector_arm(conn, ranks, beats, per_relay, None, backlog, True),
         ),
+        (
+            "backlog unhinted",
+            lambda: collector_arm(conn, ranks, beats, per_relay, None, backlog, hints=False),
+        ),
+        (
+            "shedding unhinted",
+            lambda: collector_arm(conn, ranks, beats, per_relay, None, backlog, True, False),
+        ),
     ]
     for name, arm in arms:
         gc.collect()
@@ -442,6 +461,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{shedding.steady_us / backlog.steady_us:.3f} (backlog of {args.backlog} beats:"
                 f" {backlog.steady_us:.2f} us/heartbeat coalescing, {shedding.steady_us:.2f}"
                 " shedding)"
+            )
+    for size, costs in results.items():
+        for arm in ("backlog", "shedding"):
+            hinted, unhinted = costs[f"{arm} relay"], costs[f"{arm} unhinted"]
+            print(
+                f"RATIO hinted/unhinted {arm} relay {size} = "
+                f"{hinted.steady_us / unhinted.steady_us:.3f} ({hinted.steady_us:.2f} us/heartbeat"
+                f" with the relays' Batch.ranks and Batch.plain, {unhinted.steady_us:.2f} without)"
             )
     if profile is not None:
         text = io.StringIO()
