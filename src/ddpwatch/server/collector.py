@@ -47,11 +47,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("ddpwatch.server")
 
 RECV_BATCH = 10_000
-BEHIND_BEATS = 2
+BEHIND_BEATS = 4
 """Behind, a receive takes up to this many heartbeats per known rank (``RECV_BATCH`` at
 least), so that it holds most ranks more than once and applies only each one's newest: with
 tens of thousands of ranks, ``RECV_BATCH`` holds no rank twice, nothing is coalesced, and a
-server that fell behind by a little stays behind (measured in ``docs/performance.md``, §7)."""
+server that fell behind by a little stays behind (measured in ``docs/performance.md``, §7).
+Four, not two: a relay's batches that the next one in the receive supersedes are left
+unread (``ingest.superseded``), so three in four cost a batch's decode; at 65,536 ranks
+through relays a heartbeat of a backlog costs 7.3 µs, against 9.9 at two (``ingest_cpu``)."""
+CONNECT_BACKLOG = 4096
+"""Connections the kernel queues for the server before it accepts them (``listen``'s backlog;
+ZeroMQ's default is 100, the kernel caps it at ``net.core.somaxconn``). Thousands of relays or
+ranks connect within a second at a job's start; past the backlog their connects are dropped
+and retried 1, 3, 7 s later, and ranks that were running look as if they never came (seen in
+``benchmarks/scale.py`` at 32,768 ranks: 2,816 ranks unheard 11 s after the start)."""
 SHED_AFTER_S = 10.0
 """Behind for longer than this (since the queue was last found empty), the server sheds: a
 plain heartbeat (no identity, a finite loss) of a known rank that a newer one of the same
@@ -63,7 +72,7 @@ so a server far behind spends less a heartbeat and catches up sooner (``docs/per
 heartbeat still counts as its successor."""
 SHED_BEATS = 4
 """Shedding, a receive takes up to this many heartbeats per known rank (``BEHIND_BEATS``
-otherwise): three of four are then shed, not one of two."""
+otherwise): three of four are then shed."""
 ANSWER_EVERY = 8192
 """Within a receive, a status query that waits is answered every this many heartbeats (tens
 of milliseconds): behind, at tens of thousands of ranks, a receive lasts a second, longer
@@ -129,6 +138,7 @@ class Collector:
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._pull.setsockopt(zmq.RCVHWM, 100_000)
+        self._pull.setsockopt(zmq.BACKLOG, CONNECT_BACKLOG)
         self._query = self._context.socket(zmq.REP)
         self._query.setsockopt(zmq.MAXMSGSIZE, MAX_QUERY_BYTES)
         for sock in (self._pull, self._query):
