@@ -709,14 +709,30 @@ def _random_backlog(rng: random.Random, ranks: int, length: int) -> list[AnyMess
     return messages
 
 
+class _Recorded:
+    """What a ``Recorder`` is given: every rank frame, with its time, in order."""
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[float, bytes]] = []
+
+    def frame(self, t: float, data: bytes) -> None:
+        self.frames.append((t, data))
+
+
 def _take_in_one_receive(
-    port: int, frames: list[bytes], messages: int, shedding: bool, ranks: int
+    port: int,
+    frames: list[bytes],
+    messages: int,
+    shedding: bool,
+    ranks: int,
+    recorder: _Recorded | None = None,
 ) -> ServerState:
     """The known ranks' identities, then ``frames`` (``messages`` rank messages, all valid)
     in one receive of a collector behind its queue: for 100 s (it sheds) or just now (it
     coalesces only). The clock stands still."""
     state = ServerState(started=0.0)
-    collector = Collector(state, lambda: b"{}", "127.0.0.1", port, clock=lambda: 1000.0)
+    clock = lambda: 1000.0  # noqa: E731
+    collector = Collector(state, lambda: b"{}", "127.0.0.1", port, clock=clock, recorder=recorder)
     try:
         push_frames(port, [encode(beat(rank=r, **{**IDENT, "pid": 100 + r})) for r in range(ranks)])
         deadline = time.monotonic() + 10
@@ -884,7 +900,11 @@ def test_a_batch_superseded_by_its_relays_next_leaves_the_records_as_coalescing(
         for m in sent
     ]
     total = len(messages)
-    want = _take_in_one_receive(port, unhinted, total, shedding=shedding, ranks=ranks)
+    recorded = _Recorded() if seed % 3 == 0 else None  # recorded: every frame, in its place
+    want_recorded = _Recorded() if recorded is not None else None
+    want = _take_in_one_receive(
+        port, unhinted, total, shedding=shedding, ranks=ranks, recorder=want_recorded
+    )
     left_out: list[int] = []
 
     def counted(*args: Any) -> set[int]:
@@ -893,7 +913,12 @@ def test_a_batch_superseded_by_its_relays_next_leaves_the_records_as_coalescing(
         return found
 
     monkeypatch.setattr(ingest, "superseded", counted)
-    got = _take_in_one_receive(free_port_pair(), hinted, total, shedding=shedding, ranks=ranks)
+    got = _take_in_one_receive(
+        free_port_pair(), hinted, total, shedding=shedding, ranks=ranks, recorder=recorded
+    )
+    if recorded is not None and want_recorded is not None:
+        assert recorded.frames == want_recorded.frames
+        assert len(recorded.frames) == ranks + total
     assert (got.received, got.rejected) == (want.received, want.rejected)
     assert sorted(got.ranks) == sorted(want.ranks)
     for rank in want.ranks:
@@ -942,6 +967,11 @@ def test_what_a_newer_batch_supersedes_by_hand() -> None:
     )
     assert superseded(older, newer, known=set(range(8)) - {4}) == {1}
     assert superseded(older, older, known=range(8)) == {1, 3, 4, 5, 8}
+    # the usual: the same ranks, one plain heartbeat each, in both
+    node = _batch([beat(rank=r, step=1) for r in range(8)])
+    assert superseded(node, node, known=set(range(8)) - {4}) == set(range(8)) - {4}
+    twice = _batch([beat(rank=r % 4, step=1) for r in range(8)])  # a rank twice: its last
+    assert superseded(twice, twice, known=range(8)) == {4, 5, 6, 7}
 
 
 def test_a_batch_whose_hints_do_not_fit_its_frames_is_read_whole() -> None:

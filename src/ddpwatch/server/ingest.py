@@ -259,7 +259,14 @@ class Receive:
         ages = batch.ages_us if len(batch.ages_us) == len(frames) else [0] * len(frames)
         take, most = self._take, MAX_RELAY_AGE_US
         skipped = self.skipped.get(position) if self.skipped else None
-        for i, (frame, age) in enumerate(zip(frames, ages, strict=True)):
+        indices: range | list[int] = range(len(frames))
+        if skipped is not None and self.recorder is None:  # none to record: counted at once
+            state.received += len(skipped)
+            state.shed += len(skipped)
+            indices = [i for i in indices if i not in skipped]
+            skipped = None
+        for i in indices:
+            frame, age = frames[i], ages[i]
             at = now - (age if age < most else most) / 1e6  # not min(): a call a frame
             if skipped is not None and i in skipped:  # superseded: counted, as if shed
                 state.received += 1
