@@ -980,3 +980,33 @@ def test_a_batch_whose_hints_do_not_fit_its_frames_is_read_whole() -> None:
     assert not _holdable(_batch(messages, ranks=[0]))  # a rank for each frame, or none
     assert not _holdable(_batch(messages, plain=[2]))  # a position past the frames
     assert not _holdable(_batch([]))
+
+
+def test_a_receive_whose_holding_raises_takes_every_frame_all_the_same(
+    port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Holding batches is new code on the collector's reading path: if it raises (a bug),
+    the failure is counted and logged like a frame's, and the records come out as from
+    batches with no hints (every frame taken, coalesced as it comes), not lost."""
+    rng = random.Random(7)
+    ranks = 12
+    messages = _random_backlog(rng, ranks, 300)
+    sent = _through_relays(rng, messages, by_rank=True)
+    hinted = [encode(m) for m in sent]
+    unhinted = [
+        encode(msgspec.structs.replace(m, ranks=[], plain=[]) if isinstance(m, Batch) else m)
+        for m in sent
+    ]
+    want = _take_in_one_receive(port, unhinted, len(messages), shedding=False, ranks=ranks)
+
+    def broken(*args: Any) -> set[int]:
+        raise RuntimeError("a bug in superseded")
+
+    monkeypatch.setattr(ingest, "superseded", broken)
+    got = _take_in_one_receive(
+        free_port_pair(), hinted, len(messages), shedding=False, ranks=ranks
+    )
+    assert got.failed >= 1 and want.failed == 0
+    assert (got.received, got.rejected) == (want.received, want.rejected)
+    for rank in want.ranks:
+        assert snapshot(got.ranks[rank]) == snapshot(want.ranks[rank]), rank

@@ -16,8 +16,10 @@ A relay's batch that says its frames' ranks and plain heartbeats (``Batch.ranks`
 ``Batch.plain``) is put in place with its heads unread until the same relay's next batch in
 the receive, or the receive's end: the heartbeats the next one supersedes (``superseded``)
 are then counted, unread, as ``shed``; they are those coalescing would count and not apply.
-Behind by a beat or more, a receive holds two batches of most relays, so about half the
-backlog costs a batch's decode instead of a decode and a coalescing per heartbeat.
+Behind, a receive holds up to four batches of each relay (``collector.BEHIND_BEATS``), so up
+to three in four of a backlog cost a batch's decode instead of a decode and a coalescing per
+heartbeat. Holding is isolated like a frame: if it raises, the receive goes on with every
+frame in place and none read ahead (``_guarded``).
 """
 
 from __future__ import annotations
@@ -115,12 +117,12 @@ class Receive:
         if kind == "sample":
             if type(rank) is int:
                 if self._held_ranks and rank in self._held_ranks:
-                    self._release(self._held_ranks[rank])
+                    self._guarded(self._release, self._held_ranks[rank])
                 self.last[rank] = position
         elif kind not in _RANK_TYPES:
             return False
         elif self._held_ranks and type(rank) is int and rank in self._held_ranks:
-            self._release(self._held_ranks[rank])  # its frames before this one, in order
+            self._guarded(self._release, self._held_ranks[rank])  # its frames first, in order
         if self.shed is not None:
             self.shed.note(head, position)
         frames.append(frame)
@@ -142,7 +144,7 @@ class Receive:
             return 0
         self.batches.append((len(frames), message))
         if _holdable(message):
-            self._hold(message)
+            self._guarded(self._hold, message)
             return len(message.frames)
         add = self.add
         for relayed in message.frames:
@@ -160,8 +162,7 @@ class Receive:
         start = len(self.frames)
         self.frames.extend(batch.frames)
         name = batch.relay
-        earlier = self._held.get(name)
-        if earlier is not None:
+        if name in self._held:
             self._release(name, batch)
         held_ranks = self._held_ranks
         for rank in batch.ranks:
@@ -192,6 +193,19 @@ class Receive:
         for name in list(self._held):
             self._release(name)
 
+    def _guarded(self, step: Callable[..., None], *args: Any) -> None:
+        """A step of holding batches; one that raises (a bug in ddpwatch) is counted and
+        logged once, like a frame that raises, and the receive goes on: every frame stays in
+        its place, to be taken, and none is trusted as read ahead (each rank's heartbeats are
+        then coalesced as they come)."""
+        try:
+            step(*args)
+        except Exception as exc:
+            frame_failed(self.state, None, "batch", exc)
+            self._held.clear()
+            self._held_ranks.clear()
+            self._read_ahead = False
+
     def _place(self, frame: bytes, position: int) -> None:
         """``add`` for a frame already in place (a held batch's): read its head."""
         try:
@@ -215,7 +229,7 @@ class Receive:
         """Take in the frames added, in order (but what ``shed`` says to shed), calling
         ``answer_waiting`` every ``every`` messages; a heartbeat held back for a newer one
         that did not come (refused) is applied at the end."""
-        self._release_all()
+        self._guarded(self._release_all)
         if not self._read_ahead:  # no heartbeat is known to be the last of its rank
             self.last, self.shed = {}, None
         frames, take, now = self.frames, self._take, self.now
