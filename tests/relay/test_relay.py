@@ -792,3 +792,38 @@ def test_a_relay_reads_the_black_box_of_its_nodes_rank_that_a_signal_ended(
     finally:
         push.close(linger=0)
         node.stop()
+
+
+def test_a_server_behind_its_relay_leaves_the_superseded_batches_unread(
+    port: int, listen: str
+) -> None:
+    """A real relay's batches queue at a server that does not read for a while; once it
+    reads, behind, the batches that the relay's later ones supersede are counted unread
+    (``stats.shed``), and each rank's record holds its newest heartbeat."""
+    state = ServerState(started=time.time())
+    collector = Collector(state, lambda: b"{}", port=port)
+    relay = Relay(upstream(port), listen, beat_s=0.1).start()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(listen)
+    try:
+        for rank in range(4):  # known ranks, read at once
+            push.send(_beat(rank, 0, pid=100 + rank))
+        wait_for(lambda: (collector.poll(0.05), len(state.ranks) == 4)[1], 5.0, "the ranks")
+        steps = 12
+        for step in range(1, steps + 1):  # a batch every beat, the server not reading
+            for rank in range(4):
+                push.send(_beat(rank, step))
+            time.sleep(0.1)
+        wait_for(lambda: relay.stats.forwarded >= 4 + 4 * steps, 10.0, "the relay to send all")
+        time.sleep(0.3)  # all queued at the server
+        collector._behind = True
+        wait_for(
+            lambda: (collector.poll(0.05), state.received >= 4 + 4 * steps)[1], 10.0, "all in"
+        )
+        assert state.shed > 0  # superseded batches left unread
+        assert all(state.ranks[r].step == steps for r in range(4))
+        assert state.received == 4 + 4 * steps and state.rejected == 0
+    finally:
+        push.close(linger=0)
+        relay.stop()
+        collector.close()
