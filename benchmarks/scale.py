@@ -2,7 +2,8 @@
 
     python benchmarks/scale.py [--sizes 8192,32768,65536] [--modes relay,direct,nodes|none]
         [--seconds 20] [--warmup 10] [--procs 4] [--ranks-per-relay N] [--status-every 5]
-        [--publisher-nice 5] [--no-offline] [--profile] [--json FILE] [--quick]
+        [--publisher-nice 5] [--no-offline] [--profile] [--node-fault dies|slow] [--json FILE]
+        [--quick]
 
 For each size, first **in memory**: every rank's heartbeats decoded and applied straight into a
 ``ServerState`` (no sockets) for 4 s of training and 3 s of a straggler, then ``diagnose``, the
@@ -40,6 +41,12 @@ else running. Then, for each mode, fresh processes (multiprocessing, spawn):
   summary, alert index, history rings, worst-first rows: ``tui/data/model.py``; drawing the
   visible rows is not included, ``tui_tick.py`` measures it).
 
+``--node-fault`` (``nodes`` only) strikes one node half the job away from the culprit's: it
+``dies`` (its relay and ranks go silent) 3 s before the straggler's onset, and only
+``relay_lost`` or ``silent`` may name its ranks, once it is gone (how soon: "named ... s after
+it died"); or it is ``slow`` (every batch it sends arrives 2 s late, all run), and nothing may
+name its ranks. Either way the straggler must still be named, and nobody else.
+
 Publishers, relays and the prober run ``--publisher-nice`` steps nicer than the server: they
 stand for other machines, so on a small machine the server gets the CPU first.
 
@@ -76,6 +83,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
@@ -88,6 +96,11 @@ STEP_S = 0.25  # the simulated job's step time
 RANKS_PER_NODE = 8
 MAX_RELAYS_PER_PROC = 64  # each Relay has its own ZeroMQ context (an I/O thread) and thread
 START_MARGIN_S = 1.0  # between "every process is ready" and the first beat
+NODE_DIES_BEFORE_S = 3.0  # ``--node-fault dies``: the node goes silent this long before onset
+SLOW_NODE_S = 2.0  # ``--node-fault slow``: how much later the node's batches arrive
+NODE_LOST_KINDS = frozenset({"relay_lost", "silent"})
+"""What may name a dead node's ranks (``--node-fault dies``): any other alert naming them is
+a wrong blame, as is any alert naming a slow node's."""
 DRAIN_MAX_S = 30.0  # after the run: how long the server may take to empty its queue
 DRAIN_QUIET_S = 3.0  # drained: nothing new for this long (longer than a tick or a status reply)
 
@@ -106,6 +119,8 @@ class PublisherSpec:
     ranks_per_relay: int
     culprit: int
     nice: int = 0
+    fault: str | None = None  # ``--node-fault``: "dies" or "slow", for ``fault_node``
+    fault_node: int = -1  # the node (first rank // RANKS_PER_NODE) the fault is on
 
 
 @dataclass
@@ -305,6 +320,10 @@ class NodeBatches:
         from ddpwatch.core.protocol import PROTOCOL_VERSION, Batch, encode
 
         self.beats = beats
+        spec = beats.spec
+        self.fault = spec.fault
+        self.fault_index = spec.fault_node - spec.lo // RANKS_PER_NODE  # this process's, or not
+        self.late: deque[tuple[float, int, bytes]] = deque()  # a slow node's batches, when due
         self.lo, self.hi = beats.spec.lo, beats.spec.hi
         self.count = math.ceil((self.hi - self.lo) / RANKS_PER_NODE)
         self.v, self.Batch, self.encode = PROTOCOL_VERSION, Batch, encode
@@ -314,7 +333,28 @@ class NodeBatches:
         self.seq = [0] * self.count
         self.coalesced = 0  # counted in batches the server took
 
-    def batch(self, node: int, cycle: int, now: float) -> tuple[bytes, int]:
+    def batch(self, node: int, cycle: int, now: float) -> tuple[bytes | None, int]:
+        """The node's batch of this beat; None for the faulty node's (``--node-fault``):
+        once it died, nothing; slow, its batch leaves ``SLOW_NODE_S`` later (``due``)."""
+        if node == self.fault_index and self.fault is not None:
+            if self.fault == "dies":
+                if now >= self.beats.onset - NODE_DIES_BEFORE_S:
+                    return None, 0
+            else:
+                frame, heartbeats = self._batch(node, cycle, now)
+                self.late.append((now + SLOW_NODE_S, node, frame))
+                return None, heartbeats
+        return self._batch(node, cycle, now)
+
+    def due(self, now: float) -> list[tuple[int, bytes]]:
+        """The slow node's batches whose time has come."""
+        out = []
+        while self.late and self.late[0][0] <= now:
+            _, node, frame = self.late.popleft()
+            out.append((node, frame))
+        return out
+
+    def _batch(self, node: int, cycle: int, now: float) -> tuple[bytes, int]:
         first = self.lo + node * RANKS_PER_NODE
         ranks = range(first, min(self.hi, first + RANKS_PER_NODE))
         ages = self.ages_us[: len(ranks)]
@@ -405,7 +445,7 @@ def publisher(conn: Connection, spec: PublisherSpec) -> None:
         conn.send("ready")
         t0, onset, end = conn.recv()
         beats = Beats(spec, t0, onset)
-        build: Callable[[int, int, float], tuple[bytes, int]] = beats.alone
+        build: Callable[[int, int, float], tuple[bytes | None, int]] = beats.alone
         units = n
         batches = None
         if spec.mode == "nodes":
@@ -477,7 +517,7 @@ def _run_relay(relay: Any, stop: threading.Event, cpu: list[float]) -> None:
 
 def _beat_loop(
     units: int,
-    build: Callable[[int, int, float], tuple[bytes, int]],
+    build: Callable[[int, int, float], tuple[bytes | None, int]],
     sockets: list[Any],
     per_socket: int,
     t0: float,
@@ -506,9 +546,20 @@ def _beat_loop(
             result.skipped += due - n - g
             g = due - n
         chunk_end = min(due, g + 2000)  # look at the clock again every 2,000 frames
+        if nodes is not None and nodes.late:
+            for i, frame in nodes.due(now):  # a slow node's batches, late
+                try:
+                    sockets[i].send(frame, noblock)
+                    sent[i] += 1
+                except zmq.Again:
+                    result.sender_drops += RANKS_PER_NODE
         while g < chunk_end:
             cycle, i = divmod(g, n)
             frame, heartbeats = build(i, cycle, now)
+            if frame is None:  # the faulty node: dead, or its batch leaves later
+                result.offered += heartbeats
+                g += 1
+                continue
             k = i // per_socket
             try:
                 sockets[k].send(frame, noblock)
@@ -789,6 +840,8 @@ class Row:
     culprit_kind: str | None
     wrong: dict[str, list[int]] = field(default_factory=dict)
     wrong_at: dict[str, float] = field(default_factory=dict)
+    fault: str | None = None  # ``--node-fault``
+    fault_named_s: float | None = None  # the dead node named (relay_lost, silent) after it died
     view_ages: list[tuple[float, float, float]] = field(default_factory=list)
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)
     profile: str = ""
@@ -803,6 +856,17 @@ def _percentile(values: list[float], q: float) -> float:
 
 def pick_culprit(size: int, seed: int) -> int:
     return random.Random(seed * 1_000_003 + size).randrange(size)
+
+
+def fault_node(size: int, culprit: int) -> int:
+    """The node ``--node-fault`` strikes: half the job away from the culprit's."""
+    nodes = math.ceil(size / RANKS_PER_NODE)
+    return (culprit // RANKS_PER_NODE + nodes // 2) % nodes
+
+
+def fault_ranks(size: int, culprit: int) -> list[int]:
+    first = fault_node(size, culprit) * RANKS_PER_NODE
+    return list(range(first, min(size, first + RANKS_PER_NODE)))
 
 
 def run_one(
@@ -827,7 +891,10 @@ def run_one(
         lo, hi = p * per_proc, min(size, (p + 1) * per_proc)
         if lo >= hi:
             break
-        spec = PublisherSpec(p, lo, hi, size, mode, upstream, rpr, culprit, args.publisher_nice)
+        spec = PublisherSpec(
+            p, lo, hi, size, mode, upstream, rpr, culprit, args.publisher_nice,
+            args.node_fault, fault_node(size, culprit) if args.node_fault else -1,
+        )  # fmt: skip
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=publisher, args=(child, spec), daemon=True)
         proc.start()
@@ -910,8 +977,16 @@ def summarize_run(
     )
     wrong: dict[str, list[int]] = {}
     wrong_at: dict[str, float] = {}  # the first such alert of each kind, seconds into the run
+    faulty = set(fault_ranks(size, culprit)) if args.node_fault else set()
+    allowed = NODE_LOST_KINDS if args.node_fault == "dies" else frozenset()
+    died = onset - NODE_DIES_BEFORE_S
+    fault_named = [
+        first
+        for kind, ranks, first, _ in server["alerts"]
+        if kind in allowed and ranks and set(ranks) <= faulty and died <= first <= t_end
+    ]
     for kind, ranks, first, _ in server["alerts"]:
-        others = [r for r in ranks if r != culprit]
+        others = [r for r in ranks if r != culprit and not (r in faulty and kind in allowed)]
         if others and first <= t_end:
             wrong.setdefault(kind, []).extend(others)
             wrong_at[kind] = min(wrong_at.get(kind, math.inf), first - t_start)
@@ -971,6 +1046,8 @@ def summarize_run(
         drained_s=server["drained_s"],
         culprit=culprit,
         culprit_latency_s=min(right) - onset if right else None,
+        fault=args.node_fault,
+        fault_named_s=min(fault_named) - died if fault_named else None,
         culprit_late_s=min(late) - onset if late and not right else None,
         culprit_kind=culprit_kind,
         wrong={k: sorted(set(v)) for k, v in wrong.items()},
@@ -1241,6 +1318,12 @@ def detail_line(row: Row) -> str:
             f" counted {row.relay_lost_batches} lost batches; {row.relay_reconnects} reconnects"
         )
         parts.extend(f"SHORT {text}" for text in row.relay_short)
+    if row.fault is not None:
+        named = _fmt(row.fault_named_s, ".2f", "never")
+        parts.append(
+            f"node fault: {row.fault} on ranks {_ranks_text(fault_ranks(row.ranks, row.culprit))}"
+            + (f", named {named} s after it died" if row.fault == "dies" else "")
+        )
     parts.append(
         f"culprit rank {row.culprit} ({row.culprit_kind or 'not named'}); load {row.load[0]:.1f}"
     )
@@ -1293,6 +1376,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="cProfile the server thread")
     parser.add_argument("--seed", type=int, default=13)
     parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument(
+        "--node-fault",
+        choices=("dies", "slow"),
+        default=None,
+        help=f"nodes mode: one node, away from the culprit's, dies {NODE_DIES_BEFORE_S:.0f} s "
+        f"before the straggler's onset (relay and ranks silent), or its batches arrive "
+        f"{SLOW_NODE_S:.0f} s late all run",
+    )
     parser.add_argument("--quick", action="store_true", help="512 ranks, 6 s, 2 processes")
     args = parser.parse_args(argv)
     if args.quick:
@@ -1302,6 +1393,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip() not in ("", "none")]
     if any(m not in ("relay", "direct", "nodes") for m in modes):
         parser.error("--modes takes relay, direct and/or nodes")
+    if args.node_fault and modes != ["nodes"]:
+        parser.error("--node-fault needs --modes nodes")
     if args.warmup + 2.5 > args.seconds:
         parser.error("--seconds must leave at least 2.5 s after --warmup (the collective limit)")
     for size in sizes:
@@ -1354,6 +1447,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{row.received / max(1, row.offered):.4f} ({short}), drops={row.drops}, "
             f"server_cores={row.server_cores:.2f}, tick_p99_ms={_fmt(row.tick_p99_ms, '.0f')}, "
             f"rss_mib={row.rss_mib:.0f}, culprit={culprit_text(row)}"
+            + (
+                f", node_{row.fault}_named_s={_fmt(row.fault_named_s, '.2f', 'never')}"
+                if row.fault
+                else ""
+            )
         )
     for o in offlines:
         print(
