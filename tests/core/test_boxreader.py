@@ -203,3 +203,27 @@ def test_two_ranks_aborted_at_once_get_a_message_only_where_it_says_whose(
     reader.note_abort(same)  # word for word the same: each one's
     events = reader.due(state.ranks.values(), 12.0, late_s=1.0)
     assert sorted(e.rank for e, _ in events if e.error is not None) == [1, 3]
+
+
+def test_once_the_job_has_ended_the_boxes_of_ranks_that_said_how_they_ended_are_removed(
+    aborted: tuple[Path, str, int], tmp_path: Path
+) -> None:
+    """A rank removes its box once it has said how it ended; one killed while it flushed
+    that word leaves it (seen once, loaded). At the job's end the reader removes it if its
+    process is gone, and tells nothing from it; a live process's stays, for its agent."""
+    name, pid = copy_of(aborted, tmp_path)  # a process long gone
+    state, reader = watching(tmp_path, name, pid, "node-a")
+    state.apply(Event(v=1, rank=1, t=11.0, event="exit", signal="SIGTERM"), 11.0)
+    assert reader.due(state.ranks.values(), 11.5, late_s=1.0) == []  # not over: kept
+    assert (tmp_path / name).exists()
+    assert reader.due(state.ranks.values(), 12.0, late_s=1.0, ended=True) == []
+    assert not (tmp_path / name).exists()
+    box = BlackBox.open(1, CallDigests(Progress()).exact, str(tmp_path))  # this process
+    assert box is not None
+    try:
+        state, reader = watching(tmp_path, box.name, os.getpid(), "node-a")
+        state.apply(Event(v=1, rank=1, t=11.0, event="exit", exit_code=0), 11.0)
+        assert reader.due(state.ranks.values(), 12.0, late_s=1.0, ended=True) == []
+        assert (tmp_path / box.name).exists()
+    finally:
+        box.close()

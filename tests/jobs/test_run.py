@@ -228,7 +228,8 @@ def test_a_rank_gloo_aborts_is_told_with_the_backends_own_words(tmp_path: Path) 
     verdict = next(line for line in summary if "verdict:" in line)
     assert "verdict: rank 1 made collective calls that did not match the others'" in verdict
     assert "failed because of it" in verdict, summary
-    assert not list(tmp_path.glob("*.box")), "boxes left behind"
+    left = sorted(p.name for p in tmp_path.glob("*.box"))
+    assert not left, ("boxes left behind", left, summary)
 
 
 def _collector_failed(err: str) -> bool:

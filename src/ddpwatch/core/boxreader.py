@@ -110,6 +110,8 @@ class BoxReader:
             # by host alone: a rank's box is named in a later hello than its first one
             # (the boot hook's early hello comes before the agent opens its box)
             self._local = [r for r in ranks if r.host in (self.host, None)]
+        if ended:
+            self._sweep_finished()
         found: list[tuple[BoxReading, Watched, float]] = []
         for record in self._local:
             box = self._due_box(record, now, late_s, ended)
@@ -130,6 +132,23 @@ class BoxReader:
                 events.append((crash_event(abort, reading, record), died))
             events.append((exit_event(reading, record), died))
         return events
+
+    def _sweep_finished(self) -> None:
+        """The job is over: the boxes of this host's ranks that said how they ended, and whose
+        process is gone, are removed. A rank removes its own once it has said so, but one
+        killed while it flushed its exit (seen once, loaded: torchrun ending a gloo-aborted
+        job's last rank) leaves it; nothing in it is news, and no reader would take it."""
+        for record in self._local:
+            box = record.box
+            if box is None or record.host != self.host or not NAME.match(box):
+                continue
+            if record.exit_time is None and record.error is None:
+                continue  # read as a late rank's, below
+            if _alive(int(box.split("-", 2)[1])):
+                continue  # still flushing: its agent removes it
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.directory, box))
+                self._done.add((record.rank, box))
 
     def _due_box(self, record: Watched, now: float, late_s: float, ended: bool) -> str | None:
         """The box of ``record`` to read now, if any: a rank of this host that has not said
@@ -204,6 +223,17 @@ class BoxReader:
         with contextlib.suppress(OSError):
             os.unlink(path)  # read: nothing is left for anyone
         return reading
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (another user's counts as alive: not ours)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def exit_event(reading: BoxReading, record: Watched) -> Event:
