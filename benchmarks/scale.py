@@ -44,8 +44,10 @@ else running. Then, for each mode, fresh processes (multiprocessing, spawn):
 ``--node-fault`` (``nodes`` only) strikes one node half the job away from the culprit's: it
 ``dies`` (its relay and ranks go silent) 3 s before the straggler's onset, and only
 ``relay_lost`` or ``silent`` may name its ranks, once it is gone (how soon: "named ... s after
-it died"); or it is ``slow`` (every batch it sends arrives 2 s late, all run), and nothing may
-name its ranks. Either way the straggler must still be named, and nobody else.
+it died"); or it is ``slow`` (every batch it sends arrives 2 s late, all run, its frames'
+``ages_us`` saying they waited that long in the relay) or ``late`` (the same 2 s spent in
+transit after the relay sent them, which no age tells), and nothing may name its ranks.
+Either way the straggler must still be named, and nobody else.
 
 Publishers, relays and the prober run ``--publisher-nice`` steps nicer than the server: they
 stand for other machines, so on a small machine the server gets the CPU first.
@@ -97,7 +99,7 @@ RANKS_PER_NODE = 8
 MAX_RELAYS_PER_PROC = 64  # each Relay has its own ZeroMQ context (an I/O thread) and thread
 START_MARGIN_S = 1.0  # between "every process is ready" and the first beat
 NODE_DIES_BEFORE_S = 3.0  # ``--node-fault dies``: the node goes silent this long before onset
-SLOW_NODE_S = 2.0  # ``--node-fault slow``: how much later the node's batches arrive
+SLOW_NODE_S = 2.0  # ``--node-fault slow`` or ``late``: how much later the node's batches arrive
 NODE_LOST_KINDS = frozenset({"relay_lost", "silent"})
 """What may name a dead node's ranks (``--node-fault dies``): any other alert naming them is
 a wrong blame, as is any alert naming a slow node's."""
@@ -335,13 +337,15 @@ class NodeBatches:
 
     def batch(self, node: int, cycle: int, now: float) -> tuple[bytes | None, int]:
         """The node's batch of this beat; None for the faulty node's (``--node-fault``):
-        once it died, nothing; slow, its batch leaves ``SLOW_NODE_S`` later (``due``)."""
+        once it died, nothing; slow or late, its batch leaves ``SLOW_NODE_S`` later (``due``),
+        its frames' ages saying so (slow: the relay held them) or not (late: in transit)."""
         if node == self.fault_index and self.fault is not None:
             if self.fault == "dies":
                 if now >= self.beats.onset - NODE_DIES_BEFORE_S:
                     return None, 0
             else:
-                frame, heartbeats = self._batch(node, cycle, now)
+                held = SLOW_NODE_S if self.fault == "slow" else 0.0
+                frame, heartbeats = self._batch(node, cycle, now, held)
                 self.late.append((now + SLOW_NODE_S, node, frame))
                 return None, heartbeats
         return self._batch(node, cycle, now)
@@ -354,10 +358,10 @@ class NodeBatches:
             out.append((node, frame))
         return out
 
-    def _batch(self, node: int, cycle: int, now: float) -> tuple[bytes, int]:
+    def _batch(self, node: int, cycle: int, now: float, held: float = 0.0) -> tuple[bytes, int]:
         first = self.lo + node * RANKS_PER_NODE
         ranks = range(first, min(self.hi, first + RANKS_PER_NODE))
-        ages = self.ages_us[: len(ranks)]
+        ages = [age + int(held * 1e6) for age in self.ages_us[: len(ranks)]]
         identity = self.owe_identity[node] or cycle % self.beats.identity_every == 0
         frames = [
             self.beats.frame(rank, cycle, now - age / 1e6, identity)
@@ -1378,11 +1382,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the rows to this file")
     parser.add_argument(
         "--node-fault",
-        choices=("dies", "slow"),
+        choices=("dies", "slow", "late"),
         default=None,
         help=f"nodes mode: one node, away from the culprit's, dies {NODE_DIES_BEFORE_S:.0f} s "
         f"before the straggler's onset (relay and ranks silent), or its batches arrive "
-        f"{SLOW_NODE_S:.0f} s late all run",
+        f"{SLOW_NODE_S:.0f} s late all run: slow (the relay held them, their ages say so) or "
+        "late (in transit after it sent them, their ages do not)",
     )
     parser.add_argument("--quick", action="store_true", help="512 ranks, 6 s, 2 processes")
     args = parser.parse_args(argv)
