@@ -361,14 +361,15 @@ class NodeBatches:
     def _batch(self, node: int, cycle: int, now: float, held: float = 0.0) -> tuple[bytes, int]:
         first = self.lo + node * RANKS_PER_NODE
         ranks = range(first, min(self.hi, first + RANKS_PER_NODE))
-        ages = [age + int(held * 1e6) for age in self.ages_us[: len(ranks)]]
+        ages = self.ages_us[: len(ranks)]
         identity = self.owe_identity[node] or cycle % self.beats.identity_every == 0
         frames = [
             self.beats.frame(rank, cycle, now - age / 1e6, identity)
             for rank, age in zip(ranks, ages, strict=True)
         ]
         plain = [] if identity else list(range(len(frames)))  # finite losses: plain but those
-        return self._encoded(node, now, frames, ages, list(ranks), plain), len(frames)
+        told = [age + int(held * 1e6) for age in ages]  # a relay that held them says how long
+        return self._encoded(node, now, frames, told, list(ranks), plain), len(frames)
 
     def _encoded(
         self,
