@@ -44,6 +44,8 @@ from ddpwatch.core.blackbox import (
     RECORD_HEAD,
     RECORD_SIZE,
     box_dir,
+    box_pid,
+    process_gone,
 )
 
 log = logging.getLogger("ddpwatch")
@@ -176,12 +178,7 @@ def _remove_orphans(folder: str) -> None:
         if not NAME.match(name):
             continue
         path = os.path.join(folder, name)
-        pid = int(name.split("-", 2)[1])
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if process_gone(box_pid(name)):  # not another user's, nor one still running
             with contextlib.suppress(OSError):
                 if now - os.stat(path).st_mtime >= ORPHAN_AFTER_S:
                     os.unlink(path)
-        except OSError:
-            pass  # another user's process, or not ours to tell

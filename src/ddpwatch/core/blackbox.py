@@ -36,6 +36,22 @@ Call = tuple[str, str | None, int | None, str | None, int | None]
 """A call as the box keeps it: op, dtype, element count, reduce op, root."""
 
 
+def box_pid(name: str) -> int:
+    """The pid in a box's file name (one that matches ``NAME``)."""
+    return int(name.split("-", 2)[1])
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` no longer exists; another user's counts as there (not ours)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def box_dir(environ: dict[str, str] | None = None) -> str:
     """The folder boxes are kept in: ``$DDPWATCH_BOX_DIR``, else one per user in the temp
     folder (the reader, on the same host and as the same user, looks in the same one)."""

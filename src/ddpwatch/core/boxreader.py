@@ -33,7 +33,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
-from ddpwatch.core.blackbox import NAME, BoxReading, box_dir, read_box
+from ddpwatch.core.blackbox import NAME, BoxReading, box_dir, box_pid, process_gone, read_box
 from ddpwatch.core.protocol import PROTOCOL_VERSION, Collective, ErrorInfo, Event
 from ddpwatch.core.vocabulary import CollectiveSource, EventKind
 
@@ -144,8 +144,8 @@ class BoxReader:
                 continue
             if record.exit_time is None and record.error is None:
                 continue  # read as a late rank's, below
-            if _alive(int(box.split("-", 2)[1])):
-                continue  # still flushing: its agent removes it
+            if not process_gone(box_pid(box)):
+                continue  # still flushing (its agent removes it), or not ours
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.directory, box))
                 self._done.add((record.rank, box))
@@ -223,17 +223,6 @@ class BoxReader:
         with contextlib.suppress(OSError):
             os.unlink(path)  # read: nothing is left for anyone
         return reading
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` still exists (another user's counts as alive: not ours)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def exit_event(reading: BoxReading, record: Watched) -> Event:
