@@ -140,6 +140,24 @@ def test_step_skew_allows_for_a_server_behind_its_queue() -> None:
     assert only(rule_step_skew(state, NOW, TH), "step_skew").ranks == (3,)
 
 
+def test_step_skew_reads_each_ranks_step_at_the_time_its_sender_dated_it() -> None:
+    """``scale.py --node-fault late``: one node's frames spend 2 s in transit, which no age
+    from its relay says, and step_skew named its 8 lockstep ranks 8 steps behind the others.
+    By the senders' clocks their steps are 2 s older than the leads': 20 steps at 0.1 s. A
+    gap that the dates do not explain is still named, in the same words; a sender whose clock
+    runs ahead is never made to look further behind."""
+    state = job(4, timed_step=500, timed_sent=NOW - 0.3)
+    state.ranks[3] = rank(3, step=480, timed_step=480, timed_sent=NOW - 2.3)
+    assert rule_step_skew(state, NOW, TH) == []  # 20 steps behind, dated 2 s earlier
+    state.ranks[3] = rank(3, step=480)  # the same gap, undated (an older agent, a replay)
+    assert only(rule_step_skew(state, NOW, TH), "step_skew").ranks == (3,)
+    state.ranks[3] = rank(3, step=450, timed_step=450, timed_sent=NOW - 2.3)
+    alert = only(rule_step_skew(state, NOW, TH), "step_skew")  # 50 behind: 30 unexplained
+    assert alert.ranks == (3,) and "up to 50 steps behind rank 0" in alert.message
+    state.ranks[3] = rank(3, step=480, timed_step=480, timed_sent=NOW + 5.0)  # clock ahead
+    assert only(rule_step_skew(state, NOW, TH), "step_skew").ranks == (3,)
+
+
 def test_nan_loss_message() -> None:
     state = job(4)
     state.ranks[2] = rank(2, loss=math.nan, nan_step=311)

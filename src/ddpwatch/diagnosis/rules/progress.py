@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from operator import attrgetter
 
 from ddpwatch.core.vocabulary import AlertKind, Severity
@@ -152,8 +153,14 @@ def rule_step_skew(f: Facts) -> list[Alert]:
     top = max(steps)
     if min(steps) >= top - allowed:
         return []  # lockstep: a C loop each, no rank looked at one by one
-    lead = min((r for r in ranks if (r.step or 0) == top), key=lambda r: r.rank)
-    behind = sorted((r for r in ranks if (r.step or 0) < top - allowed), key=lambda r: r.rank)
+    leads = [r for r in ranks if (r.step or 0) == top]
+    lead = min(leads, key=lambda r: r.rank)
+    late = _late_by(leads, min(times))
+    behind = sorted(
+        (r for r in ranks if (r.step or 0) + late(r) < top - allowed), key=lambda r: r.rank
+    )
+    if not behind:
+        return []
     last = min(behind, key=lambda r: (r.step or 0, r.rank))
     gap = top - (last.step or 0)
     who = format_ranks(r.rank for r in behind)
@@ -169,6 +176,26 @@ def rule_step_skew(f: Facts) -> list[Alert]:
     return [
         alert(AlertKind.STEP_SKEW, Severity.WARNING, [r.rank for r in behind], [], message, hint)
     ]
+
+
+def _late_by(leads: list[RankRecord], step_s: float) -> Callable[[RankRecord], float]:
+    """How many steps a rank's evidence may be older than the leads', by the senders' clocks:
+    ``timed_sent`` dates the heartbeat that took each rank to its step. A node whose frames
+    spend seconds in transit reports steps that old, and an age added by a relay cannot say
+    so (seen: ``scale.py --node-fault late``, a node's 8 lockstep ranks named 8 steps behind on
+    evidence 2 s old). Only ever subtracted from a gap, never added: hosts' clocks that
+    disagree can then hide a small skew (a gap that grows shows later), never invent one."""
+    dated = [r.timed_sent for r in leads if r.timed_step is not None and r.timed_step == r.step]
+    if not dated:
+        return lambda r: 0.0
+    newest = max(dated)
+
+    def late(r: RankRecord) -> float:
+        if r.timed_step is None or r.timed_step != r.step or r.timed_sent >= newest:
+            return 0.0
+        return (newest - r.timed_sent) / step_s
+
+    return late
 
 
 _STEP, _SEEN, _PROGRESS = attrgetter("step"), attrgetter("last_seen"), attrgetter("last_progress")
