@@ -31,7 +31,13 @@ from ddpwatch.core.protocol import Collective, CollectiveCounts, Sample, encode
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.facts.ranks import rank_state
 from ddpwatch.diagnosis.rules import diagnose
-from ddpwatch.server.collector import PAUSE_S, RECV_BATCH, Collector, PauseWatch
+from ddpwatch.server.collector import (
+    LISTEN_AFRESH_S,
+    PAUSE_S,
+    RECV_BATCH,
+    Collector,
+    PauseWatch,
+)
 from ddpwatch.server.document import status_document
 from ddpwatch.state.state import ServerState
 
@@ -238,8 +244,39 @@ def test_the_collector_moves_its_horizon_only_when_it_has_read_everything(port: 
         collector.close()
     assert state.received == RECV_BATCH + 5_000
     assert state.heard_until is not None and state.heard_until > first
-    # it was behind: silence counts afresh from when it caught up
-    assert first < state.listening_since <= state.heard_until
+    # behind for well under LISTEN_AFRESH_S: no sender dropped a thing, silence counts on
+    assert state.listening_since == -math.inf
+
+
+def test_silence_counts_afresh_after_a_backlog_long_enough_to_lose_heartbeats(
+    port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Behind for ``LISTEN_AFRESH_S`` or more, senders may have dropped heartbeats: silence
+    counts from the catch-up. Behind for less, it does not (``scale.py --node-fault dies`` at
+    32,768 ranks: a server briefly behind several times a second never named a dead node)."""
+    clock = [1000.0]
+    state = ServerState(started=clock[0])
+    collector = Collector(state, lambda: b"", "127.0.0.1", port, clock=lambda: clock[0])
+    monkeypatch.setattr(collector._pauses, "paused", lambda idle_s: False)  # a loaded host's
+    try:
+        collector.poll(0.05)
+        assert state.heard_until == 1000.0
+        frame = encode(Sample(v=1, rank=0, t=0.0, step=1))
+        for backlog_s, afresh in ((LISTEN_AFRESH_S - 1.0, False), (LISTEN_AFRESH_S, True)):
+            push_frames(port, [frame] * (RECV_BATCH + 5_000))
+            expected, deadline = state.received + RECV_BATCH + 5_000, time.monotonic() + 20
+            time.sleep(0.2)  # let ZeroMQ queue them all
+            while state.received + 5_000 < expected and time.monotonic() < deadline:
+                collector.poll(0.1)  # behind: one receive's worth taken, more queued
+            assert state.received < expected  # the rest waits in the queue
+            clock[0] += backlog_s
+            while state.received < expected and time.monotonic() < deadline:
+                collector.poll(0.1)
+            collector.poll(0.0)
+            assert state.heard_until == clock[0]
+            assert (state.listening_since == clock[0]) == afresh, (backlog_s, state)
+    finally:
+        collector.close()
 
 
 def test_pause_watch_tells_a_pause_from_work_and_from_waiting() -> None:

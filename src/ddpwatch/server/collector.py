@@ -17,9 +17,9 @@ Python's cyclic garbage collector's passes (``FREEZE_AFTER_RANKS``).
 
 The collector also tells diagnosis how far its view is complete: ``state.heard_until`` is
 the last time it found its queue empty, and ``state.listening_since`` moves forward when it
-has been behind (senders may have dropped heartbeats meanwhile) or was not running at all
-(a suspended laptop, SIGSTOP, a starved host). A rank is never called silent for a quiet
-spell the server did not really listen through.
+has been behind long enough that senders may have dropped heartbeats (``LISTEN_AFRESH_S``)
+or was not running at all (a suspended laptop, SIGSTOP, a starved host). A rank is never
+called silent for a quiet spell the server did not really listen through.
 """
 
 from __future__ import annotations
@@ -89,6 +89,14 @@ reference count all the same), yet every full collection walked all of them, hun
 milliseconds at the largest jobs (``docs/performance.md``, §7), landing on whichever diagnosis
 tick allocated when one was due. Garbage is
 collected first, so nothing unreachable is frozen; ``close`` unfreezes."""
+LISTEN_AFRESH_S = 10.0
+"""Behind for this long (since the queue was last found empty), senders may have dropped
+messages, so silence counts afresh once the server has caught up. Not sooner: an agent's
+queue holds ``SEND_HWM`` messages (1,000: minutes of heartbeats, less where it sends stacks
+and events too) and a relay keeps every rank's newest state, so a backlog of seconds loses no
+rank's latest news. At 32,768 ranks the server finds its queue non-empty several times a
+second; counting afresh after each such receive, a node that died was never called silent
+(``benchmarks/scale.py --node-fault dies``). After a pause (``PauseWatch``), always."""
 PAUSE_S = 1.0
 """Wall time this much longer than the server's own CPU time and waits: it was not running."""
 RECEIVE_GAP_S = 0.01
@@ -129,6 +137,7 @@ class Collector:
         self._query_reply = query
         self._clock = clock
         self._behind = False  # the last receive left messages queued
+        self._paused = False  # ... or the server was not running meanwhile (``PauseWatch``)
         self._frozen_ranks = 0  # how many ranks there were at the last gc.freeze
         self._received_at = -math.inf  # when the last receive ended (``RECEIVE_GAP_S``)
         self._pauses = PauseWatch()
@@ -196,7 +205,7 @@ class Collector:
         waiting = time.time()
         events = dict(self._poller.poll(int(timeout_s * 1000)))
         if self._pauses.paused(idle_s=min(time.time() - waiting, timeout_s)):
-            self._behind = True  # what arrives next may be late or lost: listen afresh
+            self._behind = self._paused = True  # what arrives next may be late or lost
         count = 0
         if self._pull in events:
             early = self._received_at + RECEIVE_GAP_S - time.monotonic()
@@ -307,12 +316,14 @@ class Collector:
 
     def _caught_up(self, now: float) -> None:
         """The queue was found empty at ``now``: the state is complete up to then; after a
-        backlog or a pause, silence counts afresh from here."""
+        pause or a backlog of ``LISTEN_AFRESH_S`` or more, silence counts afresh from here."""
         state = self.state
+        heard = state.started if state.heard_until is None else state.heard_until
         state.heard_until = now
         if self._behind:
-            self._behind = False
-            state.listening_since = now
+            if self._paused or now - heard >= LISTEN_AFRESH_S:
+                state.listening_since = now
+            self._behind = self._paused = False
 
     def _drop_multipart(self) -> None:
         """The protocol is one frame per message: a multipart message is one reject."""
