@@ -2,7 +2,8 @@
 
     python benchmarks/scale.py [--sizes 8192,32768,65536] [--modes relay,direct,nodes|none]
         [--seconds 20] [--warmup 10] [--procs 4] [--ranks-per-relay N] [--status-every 5]
-        [--publisher-nice 5] [--no-offline] [--profile] [--node-fault dies|slow] [--json FILE]
+        [--publisher-nice 5] [--no-offline] [--profile] [--node-fault dies|slow|late]
+        [--pause-server S] [--json FILE]
         [--quick]
 
 For each size, first **in memory**: every rank's heartbeats decoded and applied straight into a
@@ -49,6 +50,12 @@ it died"); or it is ``slow`` (every batch it sends arrives 2 s late, all run, it
 transit after the relay sent them, which no age tells), and nothing may name its ranks.
 Either way the straggler must still be named, and nobody else.
 
+``--pause-server S`` stops the server's process (SIGSTOP, as a suspended laptop or a
+starved host would) for ``S`` seconds, ending ``PAUSE_ENDS_BEFORE_S`` before the straggler's
+onset, then lets it go on (SIGCONT): the senders' queues fill, relays are held back, and the
+server catches up on what waited. Nothing may be named but the straggler, and its RSS peak is
+the one that counts ("also when the server is paused 10 s", #35).
+
 Publishers, relays and the prober run ``--publisher-nice`` steps nicer than the server: they
 stand for other machines, so on a small machine the server gets the CPU first.
 
@@ -80,6 +87,7 @@ import pstats
 import random
 import resource
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -98,6 +106,7 @@ STEP_S = 0.25  # the simulated job's step time
 RANKS_PER_NODE = 8
 MAX_RELAYS_PER_PROC = 64  # each Relay has its own ZeroMQ context (an I/O thread) and thread
 START_MARGIN_S = 1.0  # between "every process is ready" and the first beat
+PAUSE_ENDS_BEFORE_S = 2.0  # ``--pause-server``: the pause ends this long before the onset
 NODE_DIES_BEFORE_S = 3.0  # ``--node-fault dies``: the node goes silent this long before onset
 SLOW_NODE_S = 2.0  # ``--node-fault slow`` or ``late``: how much later the node's batches arrive
 NODE_LOST_KINDS = frozenset({"relay_lost", "silent"})
@@ -846,6 +855,7 @@ class Row:
     wrong: dict[str, list[int]] = field(default_factory=dict)
     wrong_at: dict[str, float] = field(default_factory=dict)
     fault: str | None = None  # ``--node-fault``
+    paused_s: float = 0.0  # ``--pause-server``: how long the server's process was stopped
     fault_named_s: float | None = None  # the dead node named (relay_lost, silent) after it died
     view_ages: list[tuple[float, float, float]] = field(default_factory=list)
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -921,10 +931,20 @@ def run_one(
         probe_end.send((t0, end))
         for _, parent in pubs:
             parent.send((t0, onset, end))
+        pause = None
+        if args.pause_server:
+            pause = threading.Thread(
+                target=_pause_process,
+                args=(host.pid, onset - PAUSE_ENDS_BEFORE_S - args.pause_server, args.pause_server),
+                daemon=True,
+            )
+            pause.start()
         for _, parent in pubs:
             if parent.recv() != "flushed":
                 raise RuntimeError("a publisher failed")
         load = os.getloadavg()
+        if pause is not None:
+            pause.join()
         host_end.send("drain")
         server = host_end.recv()
         for _, parent in pubs:
@@ -940,6 +960,19 @@ def run_one(
             if proc.is_alive():
                 proc.kill()
     return summarize_run(size, mode, args, rpr, culprit, onset, results, server, probed, load)
+
+
+def _pause_process(pid: int | None, at: float, seconds: float) -> None:
+    """``--pause-server``: SIGSTOP the server's process at ``at`` (wall clock), SIGCONT it
+    ``seconds`` later."""
+    if pid is None:
+        return
+    time.sleep(max(0.0, at - time.time()))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def summarize_run(
@@ -1052,6 +1085,7 @@ def summarize_run(
         culprit=culprit,
         culprit_latency_s=min(right) - onset if right else None,
         fault=args.node_fault,
+        paused_s=args.pause_server,
         fault_named_s=min(fault_named) - died if fault_named else None,
         culprit_late_s=min(late) - onset if late and not right else None,
         culprit_kind=culprit_kind,
@@ -1329,6 +1363,11 @@ def detail_line(row: Row) -> str:
             f"node fault: {row.fault} on ranks {_ranks_text(fault_ranks(row.ranks, row.culprit))}"
             + (f", named {named} s after it died" if row.fault == "dies" else "")
         )
+    if row.paused_s:
+        parts.append(
+            f"server process stopped for {row.paused_s:g} s, until"
+            f" {PAUSE_ENDS_BEFORE_S:g} s before the onset"
+        )
     parts.append(
         f"culprit rank {row.culprit} ({row.culprit_kind or 'not named'}); load {row.load[0]:.1f}"
     )
@@ -1390,6 +1429,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{SLOW_NODE_S:.0f} s late all run: slow (the relay held them, their ages say so) or "
         "late (in transit after it sent them, their ages do not)",
     )
+    parser.add_argument(
+        "--pause-server",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help=f"stop the server's process (SIGSTOP) for S seconds, until "
+        f"{PAUSE_ENDS_BEFORE_S:g} s before the straggler's onset",
+    )
     parser.add_argument("--quick", action="store_true", help="512 ranks, 6 s, 2 processes")
     args = parser.parse_args(argv)
     if args.quick:
@@ -1401,6 +1448,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--modes takes relay, direct and/or nodes")
     if args.node_fault and modes != ["nodes"]:
         parser.error("--node-fault needs --modes nodes")
+    if args.pause_server and args.warmup < args.pause_server + PAUSE_ENDS_BEFORE_S + 2.0:
+        parser.error("--warmup must leave 2 s before the pause (--pause-server + 4 s at least)")
     if args.warmup + 2.5 > args.seconds:
         parser.error("--seconds must leave at least 2.5 s after --warmup (the collective limit)")
     for size in sizes:
@@ -1458,6 +1507,8 @@ def main(argv: list[str] | None = None) -> int:
                 if row.fault
                 else ""
             )
+            + (f", paused_s={row.paused_s:g}" if row.paused_s else "")
+            + (f", wrong={sum(len(v) for v in row.wrong.values())}" if row.wrong else "")
         )
     for o in offlines:
         print(
