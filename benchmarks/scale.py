@@ -13,7 +13,7 @@ else running. Then, for each mode, fresh processes (multiprocessing, spawn):
 
 * **server host**: a real ``Server`` (``server/service.py``) on a free port pair, ``run()`` on a
   thread, as ``ddpwatch serve`` runs it. ``tick()`` is timed (wall and the thread's CPU), and so
-  is the status reply built on the server thread (``Collector._answer``). The host's main
+  is the status reply built on the server thread (``Collector._reply``). The host's main
   thread samples the process's CPU time (the Python server thread plus libzmq's I/O thread),
   the server thread's own (``/proc/self/task/TID/stat``), VmHWM against the VmRSS baseline
   taken before the server started, and how stale the server's view is (now - ``last_seen``
@@ -631,16 +631,18 @@ def server_host(conn: Connection, profile: bool = False) -> None:
             self.ticks: list[tuple[float, float, float, int]] = []  # (end, wall, cpu, ranks)
             self.first_alerts: dict[tuple[str, tuple[int, ...]], tuple[float, str]] = {}
             self.answers: list[tuple[float, float, float]] = []  # (end, wall, cpu)
-            answer = self.collector._answer
+            reply = self.collector._reply
 
-            def timed_answer() -> None:
+            def timed_reply(request: bytes) -> bytes:  # status replies, not the relays' pace
                 c0, w0 = time.thread_time(), time.perf_counter()
-                answer()
-                self.answers.append(
-                    (time.time(), time.perf_counter() - w0, time.thread_time() - c0)
-                )
+                answer = reply(request)
+                if request.strip() == b"status":
+                    self.answers.append(
+                        (time.time(), time.perf_counter() - w0, time.thread_time() - c0)
+                    )
+                return answer
 
-            self.collector._answer = timed_answer  # type: ignore[method-assign]
+            self.collector._reply = timed_reply  # type: ignore[method-assign]
 
         def tick(self) -> Any:
             c0, w0 = time.thread_time(), time.perf_counter()

@@ -71,7 +71,7 @@ def test_refused_is_in_the_document_and_every_query_reply() -> None:
         msgspec.json.decode(engine.query_json(b"status?view=summary"))["stats"],
         msgspec.json.decode(engine.query_json(b"status?limit=1"))["stats"],
     ):
-        assert list(stats) == ["received", "rejected", "shed", "failed", "lag_s", "refused"]
+        assert list(stats) == ["received", "rejected", "shed", "failed", "lag_s", "pace", "refused"]
         assert stats["refused"] == 3
     replay = Engine(two_ranks_heard_until(1.0), Thresholds(), Clock(2.0))
     assert replay.document().stats.refused == 0  # no collector: none refused

@@ -245,6 +245,10 @@ AnyMessage = Hello | Sample | Event
 MAX_BATCH_FRAMES = 65_536
 
 
+MAX_PACE = 4
+"""The most beats a relay lets pass between its batches at the server's request."""
+
+
 class Batch(
     msgspec.Struct, tag="batch", tag_field="type", kw_only=True, omit_defaults=True, gc=False
 ):
@@ -276,6 +280,10 @@ class Batch(
     """The positions of the frames that are plain heartbeats (``plain_beat``). With
     ``ranks``, they let a server behind leave out, undecoded, what a newer batch of the same
     relay supersedes (``server/ingest.py``), the way it coalesces a backlog anyway."""
+    every: Annotated[int, msgspec.Meta(ge=1, le=MAX_PACE)] = 1
+    """The relay's pace: one batch every this many beats, as the server asked (``pace`` on the
+    query port) while it was behind; between them the relay keeps each rank's newest
+    heartbeat (``coalesced``). The server allows its ranks and itself that much longer."""
 
 
 WireMessage = Hello | Sample | Event | Batch

@@ -38,6 +38,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ddpwatch.core.protocol import MAX_FRAME_BYTES, MAX_QUERY_BYTES, AnyMessage
 from ddpwatch.server.ingest import Receive
+from ddpwatch.server.pace import PACE_REQUEST, Pace
 from ddpwatch.state.state import ServerState
 
 if TYPE_CHECKING:
@@ -99,6 +100,9 @@ second; counting afresh after each such receive, a node that died was never call
 (``benchmarks/scale.py --node-fault dies``). After a pause (``PauseWatch``), always."""
 PAUSE_S = 1.0
 """Wall time this much longer than the server's own CPU time and waits: it was not running."""
+ANSWERS_A_POLL = 256
+"""Queries answered in one go (``Collector._answer_all``): thousands of relays ask for their
+pace every ``relay.PACE_ASK_S``, a few microseconds each."""
 RECEIVE_GAP_S = 0.01
 """The least time from one receive to the next: frames that come meanwhile wait for it, so a
 server that keeps up takes them tens or hundreds at a time rather than one by one (each
@@ -141,6 +145,8 @@ class Collector:
         self._frozen_ranks = 0  # how many ranks there were at the last gc.freeze
         self._received_at = -math.inf  # when the last receive ended (``RECEIVE_GAP_S``)
         self._pauses = PauseWatch()
+        self.pace = Pace()
+        """The pace asked of relays (``server/pace.py``), moved by the lag after every poll."""
         self._context = zmq.Context()
         self._auth: Any = None
         self._monitors: list[zmq.Socket[Any]] = []
@@ -216,8 +222,13 @@ class Collector:
             self._received_at = time.monotonic()
         else:
             self._caught_up(self._clock())
+        now = self._clock()
+        heard = self.state.heard_until
+        if self.pace.update(0.0 if heard is None else max(0.0, now - heard), now):
+            self.state.pace = self.pace.every
+            log.info("ddpwatch: relays are asked for one batch every %d beats", self.pace.every)
         if self._query in events:
-            self._answer()
+            self._answer_all()
         for monitor in self._monitors:
             if monitor in events:
                 self._count_refused(monitor)
@@ -335,29 +346,41 @@ class Collector:
                 return
 
     def _answer_waiting(self) -> None:
-        """Answer a status query that waits, if any (``ANSWER_EVERY``)."""
+        """Answer the queries that wait, if any (``ANSWER_EVERY``)."""
         if cast(int, self._query.get(zmq.EVENTS)) & zmq.POLLIN:
-            self._answer()
+            self._answer_all()
 
-    def _answer(self) -> None:
-        """``status``: ``snapshot()``; any other request: ``query(request)`` when given (the
-        summaries and pages of ``status?...``), else an error. Always a reply: a REP socket
-        that does not answer is stuck."""
+    def _answer_all(self) -> None:
+        """Answer up to ``ANSWERS_A_POLL`` waiting queries: one a poll would leave thousands
+        of relays' ``pace`` requests queued behind each other, and a status query behind
+        them."""
+        for _ in range(ANSWERS_A_POLL):
+            if not self._answer():
+                return
+
+    def _answer(self) -> bool:
+        """``status``: ``snapshot()``; ``pace``: the relays' pace; any other request:
+        ``query(request)`` when given (the summaries and pages of ``status?...``), else an
+        error. Always a reply: a REP socket that does not answer is stuck. False when no
+        query waited."""
         try:
             request = b"".join(self._query.recv_multipart(zmq.NOBLOCK))
         except zmq.Again:
-            return
+            return False
         try:
             reply = self._reply(request)
         except Exception as exc:  # answered all the same: a REP socket left unanswered is stuck
             log.exception("a status query failed; it is answered with an error")
             reply = msgspec.json.encode({"error": f"the server failed: {type(exc).__name__}"})
         self._query.send(reply)
+        return True
 
     def _reply(self, request: bytes) -> bytes:
         """The bytes that answer ``request`` (``_answer``)."""
         if request.strip() == b"status":
             return self._snapshot()
+        if request == PACE_REQUEST:
+            return self.pace.reply()
         if self._query_reply is not None:
             return self._query_reply(request)
         return b'{"error": "unknown request; send the bytes status"}'

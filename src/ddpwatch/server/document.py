@@ -202,6 +202,7 @@ def document_around(
             shed=state.shed,
             failed=state.failed,
             lag_s=round(now - state.as_of(now), 3),
+            pace=state.pace,
         ),
         history=history or [],
         job_started=state.job_started,

@@ -241,7 +241,7 @@ class Receive:
                     answer_at = position + every
                     answer_waiting()
                 try:  # next to nothing until it raises (a frame that raises is isolated)
-                    take(frames[position], position, now, False)
+                    take(frames[position], position, now, 0)
                 except Exception as exc:  # isolated: counted, logged
                     self._failed(frames[position], exc)
             if batch is not None:
@@ -271,7 +271,7 @@ class Receive:
         carried = None if relay is None else relay.ranks
         frames = batch.frames
         ages = batch.ages_us if len(batch.ages_us) == len(frames) else [0] * len(frames)
-        take, most = self._take, MAX_RELAY_AGE_US
+        take, most, pace = self._take, MAX_RELAY_AGE_US, batch.every
         skipped = self.skipped.get(position) if self.skipped else None
         indices: range | list[int] = range(len(frames))
         if skipped is not None and self.recorder is None:  # none to record: counted at once
@@ -289,7 +289,7 @@ class Receive:
                     self.recorder.frame(at, frame)
                 continue
             try:
-                rank = take(frame, position + i, at, True)
+                rank = take(frame, position + i, at, pace)
             except Exception as exc:  # isolated: counted, logged
                 self._failed(frame, exc)
                 continue
@@ -297,7 +297,7 @@ class Receive:
                 carried.add(rank)
 
     def _take(  # noqa: C901, PLR0912 -- hot path: every rank message, kept flat
-        self, frame: bytes, position: int, at: float, relayed: bool
+        self, frame: bytes, position: int, at: float, relayed: int
     ) -> int | None:
         """Take in the rank frame at ``position`` that arrived ``at``, through a relay or not:
         shed (counted from its head, recorded like the others, so a recording holds every
@@ -438,7 +438,7 @@ def _rank_and_kind(frame: bytes) -> tuple[int | None, str]:
     return rank, f"{kind}:{head.event}" if head.event is not None else kind
 
 
-def _mark_relayed(state: ServerState, rank: int, relayed: bool) -> None:
+def _mark_relayed(state: ServerState, rank: int, relayed: int) -> None:
     """Note the path the rank's last frame took on its record, if it has one now: ``apply``
     may have started a new record (a new process), or taken the frame into the last
     attempt's (an old process's late event, for a rank whose record moved there)."""

@@ -107,8 +107,9 @@ class RankRecord:
     attempt: int = 1
     """The launcher's attempt this process belongs to: ``restart_count + 1`` where the
     launcher says, else one more than the rank's last process if that one had ended."""
-    relayed: bool = False
-    """Its last frame came through a per-node relay, which holds frames up to one beat."""
+    relayed: int = 0
+    """How its last frame came: 0 directly, else through a per-node relay that sends a batch
+    every this many beats (``Batch.every``) and holds frames that long."""
     identity_key: tuple[object, ...] | None = None
     """The identity fields last applied: heartbeats repeat them, unchanged, every time."""
     # measurements

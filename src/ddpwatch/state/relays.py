@@ -22,7 +22,8 @@ HELD_S = 0.75
 slack): a relay lost with its ranks is known by the time they count as silent."""
 RELAY_HOLD_S = 0.5
 """A relay sends one batch per beat (``ddpwatch.relay.BEAT_S``): a relayed rank's frames may
-reach the server this much later than a direct rank's."""
+reach the server this much later than a direct rank's; at a slower pace (``Batch.every``),
+that many beats later. The allowances above scale the same way, relay by relay."""
 TOGETHER_S = 1.5
 """A rank whose last frame came within this of its relay's last batch went silent with it
 (a relay beats every 0.5 s; frames it held go out in its last batch)."""
@@ -42,6 +43,7 @@ class RelayRecord:
     coalesced: int = 0  # heartbeats it left out, superseded while the server took no more
     lost_batches: int = 0  # gaps in its batch sequence numbers: batches lost on the way
     next_seq: int = 0
+    every: int = 1  # its pace: one batch every this many beats (``Batch.every``), as last said
     ranks: set[int] = field(default_factory=set)
 
 
@@ -54,6 +56,7 @@ def note_batch(relays: dict[str, RelayRecord], batch: Batch, now: float) -> Rela
         record = RelayRecord(batch.relay, batch.host, first_seen=now, last_seen=now)
         relays[batch.relay] = record
     record.last_seen = now
+    record.every = batch.every
     if batch.seq > record.next_seq and record.batches:
         record.lost_batches += batch.seq - record.next_seq
     record.next_seq = batch.seq + 1
@@ -76,6 +79,7 @@ def relay_entry(record: RelayRecord, now: float) -> RelayEntry:
         dropped=record.dropped,
         coalesced=record.coalesced,
         lost_batches=record.lost_batches,
+        every=record.every,
     )
 
 
@@ -108,22 +112,25 @@ def lost_relays(
     ``silent_after`` is the job's silent threshold (``Thresholds.silent``)."""
     if not relays or not live:
         return []
-    quiet_after = max(RELAY_QUIET_S, silent_after - HELD_S)
     lost: list[LostRelay] = []
     for relay in relays.values():
+        every = relay.every  # a slower pace: each of its beats' allowances that many times
+        slower = RELAY_HOLD_S * (every - 1)  # what its ranks' silence allowance grows by
+        quiet_after = max(RELAY_QUIET_S * every, silent_after - HELD_S) + slower
         if now - max(relay.last_seen, since) <= quiet_after:
             continue
+        together = TOGETHER_S * every
         carried = [ranks[r] for r in sorted(relay.ranks) if r in ranks]
         unfinished = [r for r in carried if not r.finished]
         silent = tuple(
-            r for r in unfinished if is_silent(r) and r.last_seen >= relay.last_seen - TOGETHER_S
+            r for r in unfinished if is_silent(r) and r.last_seen >= relay.last_seen - together
         )
-        moved = tuple(r for r in unfinished if r.last_seen > relay.last_seen + TOGETHER_S)
+        moved = tuple(r for r in unfinished if r.last_seen > relay.last_seen + together)
         settled = {r.rank for r in silent} | {r.rank for r in moved}
         going = tuple(
             r
             for r in unfinished
-            if r.rank not in settled and r.last_seen >= relay.last_seen - TOGETHER_S
+            if r.rank not in settled and r.last_seen >= relay.last_seen - together
         )
         if silent or moved:
             lost.append(LostRelay(relay, silent, moved, going))

@@ -96,6 +96,9 @@ class ServerState:
     """Every message sent before this time has been read (the collector last found its
     queue empty then); None: no collector says, take ``now``. Diagnosis runs as of it, so
     a server that falls behind its ranks sees them as they were, never as silent."""
+    pace: int = 1
+    """The pace the server asks of its relays (``server/pace.py``): one batch every this many
+    beats; above 1 only while it is, or lately was, behind its queue."""
     listening_since: float = -math.inf
     """Since when the collector has kept up without a break (a backlog that may have made
     senders drop heartbeats, or the server itself paused): silence counts from here."""

@@ -203,6 +203,7 @@ class Stats(msgspec.Struct, gc=False):
     shed: int = 0
     failed: int = 0
     lag_s: float = 0.0
+    pace: int = 1
     refused: int | UnsetType = UNSET
 
 
@@ -218,6 +219,7 @@ class RelayEntry(msgspec.Struct, gc=False):
     dropped: int = 0
     coalesced: int = 0
     lost_batches: int = 0
+    every: int = 1
 
 
 class PastAttemptEntry(msgspec.Struct, gc=False):

@@ -52,12 +52,12 @@ def silent_after(record: RankRecord, th: Thresholds, stepping: bool = False) -> 
     ``stepping`` (``ServerState.stepping_since``): in lockstep, the peers' steps say this
     rank started too, and one that only never reported a step (killed at step 12 in the
     job's first second) is not starting (seen: named silent 15 s late). A relayed rank gets
-    the beat its relay may hold its frames on top.
+    the beats its relay may hold its frames on top (``RankRecord.relayed``: its pace).
     """
     limit = th.silent
     if not stepping and record.step is None and (record.phase is None or record.phase in _STARTING):
         limit = max(limit, th.startup_silent)
-    return limit + RELAY_HOLD_S if record.relayed else limit
+    return limit + RELAY_HOLD_S * record.relayed
 
 
 def is_silent(

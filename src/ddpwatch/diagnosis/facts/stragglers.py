@@ -17,6 +17,7 @@ from ddpwatch.diagnosis.facts.census import Census, median_step_time
 from ddpwatch.diagnosis.facts.ranks import WaitKey, entered, is_p2p, normal_op, wait_key
 from ddpwatch.diagnosis.text import collective_name
 from ddpwatch.state.records import BEAT_WIDTH, Beat, RankRecord
+from ddpwatch.state.relays import RELAY_HOLD_S
 from ddpwatch.state.waits import WaitGroup
 
 
@@ -131,7 +132,8 @@ def _not_entered(
     for r in census.live_outside(group):
         evidence = entered(r, key)
         seen = r.sample_seen or 0.0
-        if evidence is False and (seen if seen < sent_by else sent_by) >= began:
+        vouched = sent_by if r.relayed < 2 else sent_by - RELAY_HOLD_S * (r.relayed - 1)
+        if evidence is False and (seen if seen < vouched else vouched) >= began:
             if began <= r.wait_ended_at and now - r.wait_ended_at < RELEASED_S:
                 continue  # just released from another wait: on its way here (not stale yet)
             found.append(r)
@@ -345,7 +347,8 @@ def _also_waiting(
 SENT_BEFORE_READ_S = 1.0
 """How long before the server's horizon (``ServerState.heard_until``: its queue found empty) a
 frame it reads later may have been sent: a relay holds frames up to its beat (0.5 s), then
-transit. Its arrival time says no more than that about when the rank reported."""
+transit. Its arrival time says no more than that about when the rank reported. A relay at a
+slower pace (``Batch.every``) holds them a beat longer for each beat it lets pass."""
 
 
 def _first_entry(group: WaitGroup, waiting: list[RankRecord]) -> float:
