@@ -22,6 +22,9 @@ What the relay keeps, and why:
 - **What a newer batch may supersede**: each batch says its frames' ranks and which are
   plain heartbeats (``Batch.ranks``, ``Batch.plain``), so that a server behind can leave out
   an older batch's heartbeats that its next one supersedes without decoding them.
+- **The server's pace**: a server behind its queue asks for one batch every second beat
+  (``relay_pacer.py``, ``server/pace.py``); between two, the relay keeps each rank's newest
+  heartbeat as when held back, and events still leave at once.
 - **Each rank's identity**: a restarted server hears it again as soon as it is back (the
   ranks' own connection, to the relay, did not change, so they would not resend it soon).
 
@@ -69,6 +72,7 @@ from ddpwatch.core.protocol import (
 )
 from ddpwatch.core.security import apply_client_curve
 from ddpwatch.core.vocabulary import EventKind
+from ddpwatch.relay_pacer import Pacer
 
 log = logging.getLogger("ddpwatch.relay")
 
@@ -275,6 +279,9 @@ class Relay:
         self._context = zmq.Context()
         self._pull = self._context.socket(zmq.PULL)
         self._push = self._context.socket(zmq.PUSH)
+        self.pacer = Pacer(self._context, upstream)
+        """The server's pace: one batch every ``pacer.every`` beats (``relay_pacer.py``)."""
+        self._beats = 0  # beats since the start: a batch on those the pace does not skip
         self._monitor: zmq.Socket[bytes] | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -348,11 +355,18 @@ class Relay:
                 send_at = min(send_at, time.monotonic() + EVENT_FLUSH_S)
             self._note_handshakes()
             now = time.monotonic()
-            if now >= next_beat:
+            self.pacer.poll(now)
+            on_beat = now >= next_beat
+            event_due = send_at < next_beat and now >= send_at  # an event waits: send now
+            if on_beat:
                 self._read_boxes()
-            if now >= next_beat or now >= send_at:
-                self._send(beat=now >= next_beat)
-                if now >= next_beat:
+                self._beats += 1
+            if on_beat and not event_due and self._beats % self.pacer.every:
+                self._hold()  # a beat the server's pace skips: each rank's newest waits
+            elif on_beat or event_due:
+                self._send(beat=on_beat)
+            if on_beat or event_due:
+                if on_beat:
                     next_beat = max(next_beat + self.beat_s, now)
                 send_at = next_beat
         self._take()
@@ -514,6 +528,7 @@ class Relay:
                 coalesced=self._coalesced_unsent,
                 ranks=ranks,
                 plain=plain,
+                every=self.pacer.every,
             )
             try:
                 self._push.send(encode(batch), zmq.NOBLOCK)
@@ -552,6 +567,7 @@ class Relay:
             self._monitor = None
         self._pull.close(linger=0)
         self._push.close()
+        self.pacer.close()
         self._context.term()
         path = _ipc_path(self.listen)
         if path is not None and not relay_listening(self.listen):

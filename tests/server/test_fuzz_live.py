@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddpwatch.cli import fetch_status
-from ddpwatch.core.protocol import MAX_FRAME_BYTES, ProtocolError, decode
+from ddpwatch.core.protocol import MAX_FRAME_BYTES, PACE_REQUEST, ProtocolError, decode
 from ddpwatch.server.collector import (
     MAX_QUERY_BYTES,
     RANK_CEILING,
@@ -31,7 +31,6 @@ from ddpwatch.server.collector import (
     UNKNOWN_WORLD_RANKS,
     Collector,
 )
-from ddpwatch.server.pace import PACE_REQUEST
 from ddpwatch.server.service import Server
 from ddpwatch.state.state import ServerState
 

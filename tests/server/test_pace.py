@@ -9,13 +9,13 @@ import msgspec
 import pytest
 import zmq
 
-from ddpwatch.core.protocol import Batch, Sample, encode
+from ddpwatch.core.protocol import Batch, PaceReply, Sample, encode
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.facts.ranks import silent_after
 from ddpwatch.diagnosis.rules import diagnose
 from ddpwatch.server.collector import Collector
 from ddpwatch.server.ingest import Receive
-from ddpwatch.server.pace import DOWN_AFTER_S, MOST, UP_AFTER_S, Pace, PaceReply
+from ddpwatch.server.pace import DOWN_AFTER_S, MOST, UP_AFTER_S, Pace
 from ddpwatch.state.records import RankRecord
 from ddpwatch.state.state import ServerState
 

@@ -247,6 +247,16 @@ MAX_BATCH_FRAMES = 65_536
 
 MAX_PACE = 4
 """The most beats a relay lets pass between its batches at the server's request."""
+PACE_REQUEST = b"pace"
+"""What a relay sends on the server's query port (port + 1) to learn its pace."""
+
+
+class PaceReply(msgspec.Struct, gc=False):
+    """The server's answer to ``pace`` (JSON): one batch every ``every`` beats, and how far
+    behind its queue it is (``server/pace.py``)."""
+
+    every: int
+    lag_s: float
 
 
 class Batch(

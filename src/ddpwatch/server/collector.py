@@ -36,9 +36,9 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from ddpwatch.core.protocol import MAX_FRAME_BYTES, MAX_QUERY_BYTES, AnyMessage
+from ddpwatch.core.protocol import MAX_FRAME_BYTES, MAX_QUERY_BYTES, PACE_REQUEST, AnyMessage
 from ddpwatch.server.ingest import Receive
-from ddpwatch.server.pace import PACE_REQUEST, Pace
+from ddpwatch.server.pace import Pace
 from ddpwatch.state.state import ServerState
 
 if TYPE_CHECKING:

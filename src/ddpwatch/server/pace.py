@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import msgspec
 
-PACE_REQUEST = b"pace"
-"""What a relay sends on the query port to learn the pace."""
+from ddpwatch.core.protocol import PaceReply
+
 MOST = 2
 """The slowest pace asked: one batch every second beat (the wire allows up to
 ``protocol.MAX_PACE``)."""
@@ -27,13 +27,6 @@ UP_LAG_S = 1.0
 UP_AFTER_S = 2.0
 DOWN_LAG_S = 0.25
 DOWN_AFTER_S = 20.0
-
-
-class PaceReply(msgspec.Struct, gc=False):
-    """The answer to ``pace``: the pace to send at, and how far behind the server is."""
-
-    every: int
-    lag_s: float
 
 
 class Pace:
