@@ -1,7 +1,7 @@
 """Diagnosis accuracy on real failure modes: does ddpwatch blame the rank that caused it?
 
     python benchmarks/diagnosis.py [--reps 3] [--modes exit-zero,nan] [--show] [--json F]
-        [--relay]
+        [--relay [--pace 2]]
 
 Each mode of ``examples/failures.py`` (a bug from a public issue, cited there) runs ``--reps``
 times as a real ``torchrun --nproc-per-node 3`` job (4 for allgather-size; gloo, CPU,
@@ -32,7 +32,9 @@ Then one ``RATIO diagnosis right_culprit=x/n wrong_blames=k ...`` line. ``--show
 every alert of every run (time from the fault, kind, ranks, waiting, message) and the job's
 tracebacks, exit codes and torchrun's root cause; ``--json`` writes all of it.
 ``--relay``: each run's ranks report through a per-node relay (``ddpwatch.relay.Relay`` on a
-thread here, on its own ``ipc://`` socket), as ``ddpwatch run --addr`` sets them up.
+thread here, on its own ``ipc://`` socket), as ``ddpwatch run --addr`` sets them up;
+``--pace 2`` has the server ask it for one batch every second beat all run, as a server
+behind its queue does (``server/pace.py``), so that every mode is judged at that pace.
 The functions here (``MODES``, ``run_mode``, ``score``, ``describe``) are what
 ``tests/e2e/test_failure_modes.py`` uses.
 """
@@ -418,15 +420,20 @@ def run_mode(
     watch_s: float | None = None,
     relay: bool = False,
     record: Path | None = None,
+    pace: int = 1,
 ) -> RunResult:
     """Run one mode once under a live server (its ranks through a per-node relay when
-    ``relay``, as ``ddpwatch run --addr`` sets it up; recording to ``record`` when given, as
+    ``relay``, as ``ddpwatch run --addr`` sets it up, the server asking it for one batch
+    every ``pace`` beats as it does when behind; recording to ``record`` when given, as
     ``serve --record`` does); the job is always stopped before returning."""
     mode = MODES[mode] if isinstance(mode, str) else mode
     watch = mode.watch_s if watch_s is None else watch_s
     port = free_port_pair()
     recorder = _Recorder()
     server = Server("127.0.0.1", port, thresholds, on_change=recorder, record=record)
+    if pace > 1:
+        server.collector.pace.hold(pace)
+        server.state.pace = pace
     thread = threading.Thread(target=server.run, name="diagnosis-server", daemon=True)
     thread.start()
     result = RunResult(mode.name, started=time.time())
@@ -606,6 +613,14 @@ def main(argv: list[str] | None = None) -> int:
         "--relay", action="store_true", help="ranks report through a per-node relay"
     )
     parser.add_argument(
+        "--pace",
+        type=int,
+        default=1,
+        choices=(1, 2, 4),
+        help="with --relay: the server asks for one batch every this many beats all run, as "
+        "it does while behind (server/pace.py)",
+    )
+    parser.add_argument(
         "--nproc", type=int, help="ranks per job instead of each mode's own (a variation)"
     )
     parser.add_argument(
@@ -614,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
         help="flags for every job's script, e.g. '--pg-timeout 6' (a timeout instead of a hang)",
     )
     args = parser.parse_args(argv)
+    if args.pace > 1 and not args.relay:
+        parser.error("--pace needs --relay: only relays take the server's pace")
     extra = tuple(shlex.split(args.extra))
     names = [n.strip() for n in args.modes.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODES]
@@ -624,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         f"diagnosis: {len(names)} modes x {args.reps} runs, real torchrun jobs (gloo, CPU), "
         f"stall_after {THRESHOLDS.stall_after} s, heartbeat {THRESHOLDS.interval} s"
         + (", ranks through a per-node relay" if args.relay else "")
+        + (f" at pace {args.pace}" if args.pace > 1 else "")
         + (f", {args.nproc} ranks" if args.nproc else "")
         + (f", script flags {args.extra!r}" if extra else "")
     )
@@ -639,7 +657,9 @@ def main(argv: list[str] | None = None) -> int:
     misses: list[str] = []
     for name in names:
         mode = MODES[name] if not args.nproc else replace(MODES[name], nproc=args.nproc)
-        results = [run_mode(mode, relay=args.relay, extra=extra) for _ in range(args.reps)]
+        results = [
+            run_mode(mode, relay=args.relay, extra=extra, pace=args.pace) for _ in range(args.reps)
+        ]
         scores = [score(r, mode) for r in results]
         mode_right = sum(s.right for s in scores)
         mode_verdicts = sum(s.verdict_right for s in scores)

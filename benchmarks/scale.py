@@ -50,6 +50,9 @@ it died"); or it is ``slow`` (every batch it sends arrives 2 s late, all run, it
 transit after the relay sent them, which no age tells), and nothing may name its ranks.
 Either way the straggler must still be named, and nobody else.
 
+The simulated relays follow the pace the server asks (``server/pace.py``: one batch every
+second beat while it is behind), as relays do; ``--no-pace`` has them ignore it.
+
 ``--pause-server S`` stops the server's process (SIGSTOP, as a suspended laptop or a
 starved host would) for ``S`` seconds, ending ``PAUSE_ENDS_BEFORE_S`` before the straggler's
 onset, then lets it go on (SIGCONT): the senders' queues fill, relays are held back, and the
@@ -132,6 +135,7 @@ class PublisherSpec:
     nice: int = 0
     fault: str | None = None  # ``--node-fault``: "dies" or "slow", for ``fault_node``
     fault_node: int = -1  # the node (first rank // RANKS_PER_NODE) the fault is on
+    pace: bool = True  # ``nodes``: follow the server's pace, as relays do (``--no-pace``: not)
 
 
 @dataclass
@@ -139,6 +143,8 @@ class PublisherResult:
     offered: int = 0
     sender_drops: int = 0  # zmq.Again on a non-blocking send: the beat is lost at the sender
     coalesced: int = 0  # left out by a relay (simulated or real) held back, counted by it
+    pace_max: int = 1  # the slowest pace the simulated relays were asked for
+    paced_beats: int = 0  # node-beats they let pass at the server's pace
     skipped: int = 0  # beats never offered because the process ran more than a beat behind
     intended: int = 0  # beats the schedule asked for
     cpu_s: float = 0.0  # the whole process (publisher loop, relays, ZeroMQ threads)
@@ -327,11 +333,18 @@ class NodeBatches:
     does: the node's next batch carries its ranks' newest heartbeats, with their identity if
     the refused one had it, and counts the refused ones in ``coalesced``."""
 
-    def __init__(self, beats: Beats) -> None:
+    def __init__(self, beats: Beats, context: Any) -> None:
         from ddpwatch.core.protocol import PROTOCOL_VERSION, Batch, encode
+        from ddpwatch.relay_pacer import Pacer
 
         self.beats = beats
         spec = beats.spec
+        self.pacer = Pacer(context, spec.upstream) if spec.pace else None
+        """One asker for the process's nodes (a real relay asks for itself: the server's cost
+        of answering thousands of relays is measured apart, ``test_pace``)."""
+        self.every = 1
+        self.pace_max = 1
+        self.paced_beats = 0
         self.fault = spec.fault
         self.fault_index = spec.fault_node - spec.lo // RANKS_PER_NODE  # this process's, or not
         self.late: deque[tuple[float, int, bytes]] = deque()  # a slow node's batches, when due
@@ -347,7 +360,15 @@ class NodeBatches:
     def batch(self, node: int, cycle: int, now: float) -> tuple[bytes | None, int]:
         """The node's batch of this beat; None for the faulty node's (``--node-fault``):
         once it died, nothing; slow or late, its batch leaves ``SLOW_NODE_S`` later (``due``),
-        its frames' ages saying so (slow: the relay held them) or not (late: in transit)."""
+        its frames' ages saying so (slow: the relay held them) or not (late: in transit). A
+        beat the server's pace skips sends nothing: the node's ranks are coalesced into its next
+        batch, as a relay at that pace does."""
+        if self.every > 1 and cycle % self.every:
+            first = self.lo + node * RANKS_PER_NODE
+            heartbeats = min(self.hi, first + RANKS_PER_NODE) - first
+            self.refused(node, cycle, heartbeats)
+            self.paced_beats += 1
+            return None, heartbeats
         if node == self.fault_index and self.fault is not None:
             if self.fault == "dies":
                 if now >= self.beats.onset - NODE_DIES_BEFORE_S:
@@ -358,6 +379,13 @@ class NodeBatches:
                 self.late.append((now + SLOW_NODE_S, node, frame))
                 return None, heartbeats
         return self._batch(node, cycle, now)
+
+    def poll_pace(self) -> None:
+        """Take the server's pace, if it has answered."""
+        if self.pacer is not None:
+            self.pacer.poll(time.monotonic())
+            self.every = self.pacer.every
+            self.pace_max = max(self.pace_max, self.every)
 
     def due(self, now: float) -> list[tuple[int, bytes]]:
         """The slow node's batches whose time has come."""
@@ -395,7 +423,7 @@ class NodeBatches:
         batch = self.Batch(
             v=self.v, relay=f"{name}:1", t=now, host=name, seq=self.seq[node],
             frames=frames or [], ages_us=ages or [], coalesced=self.owed[node],
-            ranks=ranks or [], plain=plain or [],
+            ranks=ranks or [], plain=plain or [], every=self.every,
         )  # fmt: skip
         return self.encode(batch)
 
@@ -463,7 +491,7 @@ def publisher(conn: Connection, spec: PublisherSpec) -> None:
         units = n
         batches = None
         if spec.mode == "nodes":
-            batches = NodeBatches(beats)
+            batches = NodeBatches(beats, context)
             build, units = batches.batch, batches.count
             result.relays = units
         cpu0 = time.process_time()
@@ -471,6 +499,9 @@ def publisher(conn: Connection, spec: PublisherSpec) -> None:
         if batches is not None:
             batches.flush(sockets, time.time() + 10.0)
             result.coalesced = batches.coalesced
+            result.pace_max, result.paced_beats = batches.pace_max, batches.paced_beats
+            if batches.pacer is not None:
+                batches.pacer.close()
             result.sender_drops += sum(batches.owed)  # never taken, even after the run
         deadline = time.time() + 5.0  # let frames in flight reach their relay and leave it
         while relays and time.time() < deadline:
@@ -560,6 +591,8 @@ def _beat_loop(
             result.skipped += due - n - g
             g = due - n
         chunk_end = min(due, g + 2000)  # look at the clock again every 2,000 frames
+        if nodes is not None:
+            nodes.poll_pace()
         if nodes is not None and nodes.late:
             for i, frame in nodes.due(now):  # a slow node's batches, late
                 try:
@@ -858,6 +891,8 @@ class Row:
     wrong_at: dict[str, float] = field(default_factory=dict)
     fault: str | None = None  # ``--node-fault``
     paused_s: float = 0.0  # ``--pause-server``: how long the server's process was stopped
+    pace_max: int = 1  # ``nodes``: the slowest pace the server asked of the simulated relays
+    paced_beats: int = 0  # node-beats left out at that pace (their ranks coalesced)
     fault_named_s: float | None = None  # the dead node named (relay_lost, silent) after it died
     view_ages: list[tuple[float, float, float]] = field(default_factory=list)
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -910,7 +945,7 @@ def run_one(
             break
         spec = PublisherSpec(
             p, lo, hi, size, mode, upstream, rpr, culprit, args.publisher_nice,
-            args.node_fault, fault_node(size, culprit) if args.node_fault else -1,
+            args.node_fault, fault_node(size, culprit) if args.node_fault else -1, args.pace,
         )  # fmt: skip
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=publisher, args=(child, spec), daemon=True)
@@ -1088,6 +1123,8 @@ def summarize_run(
         culprit_latency_s=min(right) - onset if right else None,
         fault=args.node_fault,
         paused_s=args.pause_server,
+        pace_max=max((r.pace_max for r in results), default=1),
+        paced_beats=sum(r.paced_beats for r in results),
         fault_named_s=min(fault_named) - died if fault_named else None,
         culprit_late_s=min(late) - onset if late and not right else None,
         culprit_kind=culprit_kind,
@@ -1365,6 +1402,11 @@ def detail_line(row: Row) -> str:
             f"node fault: {row.fault} on ranks {_ranks_text(fault_ranks(row.ranks, row.culprit))}"
             + (f", named {named} s after it died" if row.fault == "dies" else "")
         )
+    if row.mode == "nodes":
+        parts.append(
+            f"pace: up to one batch every {row.pace_max} beats asked,"
+            f" {row.paced_beats} node-beats left out for it"
+        )
     if row.paused_s:
         parts.append(
             f"server process stopped for {row.paused_s:g} s, until"
@@ -1439,6 +1481,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"stop the server's process (SIGSTOP) for S seconds, until "
         f"{PAUSE_ENDS_BEFORE_S:g} s before the straggler's onset",
     )
+    parser.add_argument(
+        "--no-pace",
+        dest="pace",
+        action="store_false",
+        help="nodes mode: the simulated relays ignore the pace the server asks for",
+    )
     parser.add_argument("--quick", action="store_true", help="512 ranks, 6 s, 2 processes")
     args = parser.parse_args(argv)
     if args.quick:
@@ -1510,6 +1558,7 @@ def main(argv: list[str] | None = None) -> int:
                 else ""
             )
             + (f", paused_s={row.paused_s:g}" if row.paused_s else "")
+            + (f", pace_max={row.pace_max}" if row.mode == "nodes" else "")
             + (f", wrong={sum(len(v) for v in row.wrong.values())}" if row.wrong else "")
         )
     for o in offlines:

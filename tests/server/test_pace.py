@@ -45,6 +45,13 @@ def test_a_lag_that_comes_and_goes_never_flips_the_pace() -> None:
     assert pace.every == 1
 
 
+def test_a_held_pace_does_not_move_with_the_lag() -> None:
+    pace = Pace()
+    pace.hold(2)
+    assert not pace.update(0.0, 0.0) and not pace.update(0.0, 10 * DOWN_AFTER_S)
+    assert pace.every == 2
+
+
 def test_the_reply_says_the_pace_and_the_lag() -> None:
     pace = Pace()
     assert msgspec.json.decode(pace.reply(), type=PaceReply) == PaceReply(1, 0.0)

@@ -35,14 +35,22 @@ class Pace:
     def __init__(self) -> None:
         self.every = 1
         self.lag_s = 0.0
+        self._held = False  # ``hold``: the pace no longer moves
         self._high_since: float | None = None  # behind by more than UP_LAG_S since then
         self._low_since: float | None = None  # behind by less than DOWN_LAG_S since then
         self._reply = b""
         self._replied = (0, -1.0)  # the (every, lag) the reply says
 
+    def hold(self, every: int) -> None:
+        """Ask ``every`` whatever the lag from now on (``benchmarks/diagnosis.py --pace``: what
+        relays at that pace do to every failure mode's diagnosis)."""
+        self.every, self._held = every, True
+
     def update(self, lag_s: float, now: float) -> bool:
         """Take the lag measured at ``now``; True when the pace changed."""
         self.lag_s = lag_s
+        if self._held:
+            return False
         if lag_s > UP_LAG_S:
             self._low_since = None
             if self._high_since is None:
