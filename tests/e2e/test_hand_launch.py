@@ -16,7 +16,7 @@ from conftest import SCRIPTS, LiveServer, ddpwatch_run, free_port_pair
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
-INIT_TIMEOUT_S = 30  # long enough for every rank to reach the rendezvous on a loaded machine
+INIT_TIMEOUT_S = 20  # long enough for every rank to reach the rendezvous on a loaded machine
 
 
 def hand_launch(server: LiveServer, *options: str) -> int:
