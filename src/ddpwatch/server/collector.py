@@ -102,7 +102,7 @@ PAUSE_S = 1.0
 """Wall time this much longer than the server's own CPU time and waits: it was not running."""
 ANSWERS_A_POLL = 256
 """Queries answered in one go (``Collector._answer_all``): thousands of relays ask for their
-pace every ``relay.PACE_ASK_S``, a few microseconds each."""
+pace every ``relay_pacer.PACE_ASK_S``, a few microseconds each."""
 RECEIVE_GAP_S = 0.01
 """The least time from one receive to the next: frames that come meanwhile wait for it, so a
 server that keeps up takes them tens or hundreds at a time rather than one by one (each
