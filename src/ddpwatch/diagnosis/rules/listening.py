@@ -37,12 +37,10 @@ def rule_server_behind(f: Facts) -> list[Alert]:
             "silent or stalled"
         )
         return [alert(AlertKind.SERVER_BEHIND, Severity.WARNING, [], [], message, _REPORT_HINT)]
-    pace = f.state.pace
-    asked = f"; its relays are asked for one batch every {pace} beats" if pace > 1 else ""
     message = (
         f"the server has not caught up with its ranks' messages for {seconds(f.lag)} "
         f"({len(f.state.ranks)} ranks): it judges every rank as of then and names none "
-        f"silent or stalled until it catches up{asked}"
+        "silent or stalled until it catches up"
     )
     hint = (
         "one server takes about 60,000 heartbeats a second (30,000 ranks) on a core it shares "
