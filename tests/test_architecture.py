@@ -41,6 +41,7 @@ PARTS = {
     "integrations": "Lightning, DeepSpeed, Hugging Face: framework hooks over the agent",
     "boot": "the ``sitecustomize`` through which ``ddpwatch run`` attaches to every rank",
     "relay": "the per-node relay between ranks and the server",
+    "relay_pacer": "the relay's side of the server's pace: ask for it, never wait",
     "state": "what the server knows of the job: rank records, the state and its indexes",
     "server": "the collector, ingest, recording, the engine and the status document",
     "diagnosis": "pure rules from the server's state to alerts, their history and verdicts",
@@ -80,7 +81,11 @@ MAY_IMPORT: dict[str, dict[str, str]] = {
         "agent.auto": "the auto-attach a launcher's ranks boot with",
         "integrations": "each framework registers the hooks it boots",
     },
-    "relay": {"core": "the protocol it batches, the ports and keys it binds"},
+    "relay": {
+        "core": "the protocol it batches, the ports and keys it binds",
+        "relay_pacer": "the pace it sends its batches at",
+    },
+    "relay_pacer": {"core": "the pace request and reply, the server's ports and keys"},
     "state": {
         "core": "the protocol's records it keeps",
         "status": "the contract's JobEnd and RelayEntry it holds, sizes in its wording",

@@ -398,6 +398,7 @@ def test_query_endpoint_is_read_only() -> None:
             "failed": 0,
             "refused": 0,
             "lag_s": 0,
+            "pace": 1,
         }
         assert status["ranks"] == []
     finally:
