@@ -433,7 +433,6 @@ def run_mode(
     server = Server("127.0.0.1", port, thresholds, on_change=recorder, record=record)
     if pace > 1:
         server.collector.pace.hold(pace)
-        server.state.pace = pace
     thread = threading.Thread(target=server.run, name="diagnosis-server", daemon=True)
     thread.start()
     result = RunResult(mode.name, started=time.time())

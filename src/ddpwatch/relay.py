@@ -439,9 +439,10 @@ class Relay:
         return True
 
     def _hold(self) -> None:
-        """The server took no more: from now until all is sent, coalesce; what already
-        waits is coalesced as if it had come now (a burst within one beat, or a server that
-        was keeping up until this beat, leaves one heartbeat a rank, not all of them)."""
+        """The server took no more, or its pace skips this beat: from now until all is sent,
+        coalesce; what already waits is coalesced as if it had come now (a burst within one
+        beat, or a server that was keeping up until this beat, leaves one heartbeat a rank,
+        not all of them)."""
         if self._held:
             return
         self._held = True

@@ -31,7 +31,7 @@ class Pacer:
 
     def __init__(self, context: zmq.Context[Any], upstream: str) -> None:
         host, port = host_port(upstream)
-        self.endpoint = None if port is None else f"tcp://{host.removeprefix('tcp://')}:{port + 1}"
+        self.endpoint = None if port is None else f"tcp://{host}:{port + 1}"
         self.every = 1
         self._context = context
         self._sock: zmq.Socket[bytes] | None = None

@@ -225,8 +225,8 @@ class Collector:
         now = self._clock()
         heard = self.state.heard_until
         if self.pace.update(0.0 if heard is None else max(0.0, now - heard), now):
-            self.state.pace = self.pace.every
             log.info("ddpwatch: relays are asked for one batch every %d beats", self.pace.every)
+        self.state.pace = self.pace.every  # a pace held from outside (``Pace.hold``) too
         if self._query in events:
             self._answer_all()
         for monitor in self._monitors:
