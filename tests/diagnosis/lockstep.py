@@ -79,14 +79,21 @@ def rank(r: int, world: int = 4, **changes: Any) -> RankRecord:
 
 
 def beats(
-    n: int = 10, *, step: float, waited: float, gap: float = 0.5, **parts: float
+    n: int = 10,
+    *,
+    step: float,
+    waited: float,
+    gap: float = 0.5,
+    stands_for: float = 1.0,
+    **parts: float,
 ) -> array[float]:
     """``RankRecord.beats``: ``n`` like heartbeats ``gap`` apart, each of steps of ``step``
-    seconds that waited ``waited`` for the others; ``parts`` the other ``Beat`` columns by
-    name (``grad_wait``, ``input_wait``, ``compute``, ``data_wait``), NaN (untimed) if left
-    out."""
+    seconds that waited ``waited`` for the others and standing for ``stands_for`` heartbeats
+    (a paced relay's); ``parts`` the other ``Beat`` columns by name (``grad_wait``,
+    ``input_wait``, ``compute``, ``data_wait``), NaN (untimed) if left out."""
     one = [math.nan] * len(Beat)
     one[Beat.GAP], one[Beat.STEP], one[Beat.WAITED] = gap, step, waited
+    one[Beat.STANDS_FOR] = stands_for
     for name, value in parts.items():
         one[Beat[name.upper()]] = value
     return array("d", one * n)

@@ -395,6 +395,28 @@ def test_slow_rank_waits_for_windows_past_warm_up() -> None:
     assert rule_slow_rank(state, NOW, TH) == []  # the others' windows are young still
 
 
+def test_slow_rank_counts_the_heartbeats_a_paced_relays_beats_stand_for() -> None:
+    """Through relays at pace 4, each beat is a rank's newest of 4 heartbeats: 5 beats stand
+    for 20 and settle, as 10 direct ones do; 4 (16 heartbeats) are too few for a median, and
+    5 direct ones too young."""
+    for n, pace, named in ((5, 4.0, True), (4, 4.0, False), (5, 1.0, False), (5, 2.0, True)):
+        state = job(4, beats=beats(n, step=0.2, waited=0.1, gap=0.5 * pace, stands_for=pace))
+        state.ranks[3] = rank(
+            3, beats=beats(n, step=0.2, waited=0.01, gap=0.5 * pace, stands_for=pace)
+        )
+        assert kinds(rule_slow_rank(state, NOW, TH)) == (["slow_rank"] if named else []), n
+
+
+def test_slow_rank_names_no_paced_rank_on_a_minority_of_its_beats() -> None:
+    """Five paced beats, two of them short waits (jitter, or the last to arrive twice): the
+    median still waits as the others do."""
+    window = beats(3, step=0.2, waited=0.1, gap=2.0, stands_for=4.0)
+    window += beats(2, step=0.2, waited=0.01, gap=2.0, stands_for=4.0)
+    state = job(4, beats=beats(5, step=0.2, waited=0.1, gap=2.0, stands_for=4.0))
+    state.ranks[3] = rank(3, beats=window)
+    assert rule_slow_rank(state, NOW, TH) == []
+
+
 def test_slow_rank_counts_no_beat_before_an_episode() -> None:
     """A step gap past the collective limit (a stall, a stop) starts every window afresh:
     10 beats of rank 3 lagging before it, 9 after, are not enough."""

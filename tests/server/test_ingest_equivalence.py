@@ -286,7 +286,7 @@ def expected_after_life() -> dict[str, Any]:
 
 def _beat(gap: float, waited: float) -> list[Any]:
     """One ``records.Beat`` of ``beat()``'s: 0.5 s steps, 0.01 s data wait, no step split."""
-    return [gap, 0.5, waited, "nan", "nan", "nan", 0.01]
+    return [gap, 0.5, waited, "nan", "nan", "nan", 0.01, 1.0]
 
 
 def test_a_ranks_life_lands_field_by_field() -> None:

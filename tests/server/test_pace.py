@@ -25,15 +25,18 @@ def test_the_pace_slows_after_two_seconds_behind_and_comes_back_only_after_twent
     assert not pace.update(3.0, 100.0) and pace.every == 1  # behind, but only just now
     assert not pace.update(3.0, 100.0 + UP_AFTER_S - 0.1)
     assert pace.update(3.0, 100.0 + UP_AFTER_S) and pace.every == 2
+    assert not pace.update(9.0, 100.0 + 2 * UP_AFTER_S - 0.1)  # each step needs as long again
+    assert pace.update(9.0, 100.0 + 2 * UP_AFTER_S) and pace.every == 4
     assert not pace.update(9.0, 110.0) and not pace.update(9.0, 130.0)  # at its slowest
-    assert pace.every == MOST == 2
+    assert pace.every == MOST == 4
     t = 200.0
     assert not pace.update(0.1, t)  # caught up: not yet
     assert not pace.update(0.5, t + 10.0)  # neither far behind nor caught up: both reset
     assert not pace.update(0.1, t + 11.0)
-    assert not pace.update(0.1, t + 11.0 + DOWN_AFTER_S - 0.1) and pace.every == 2
-    assert pace.update(0.1, t + 11.0 + DOWN_AFTER_S) and pace.every == 1
-    assert not pace.update(0.1, t + 100.0) and pace.every == 1
+    assert not pace.update(0.1, t + 11.0 + DOWN_AFTER_S - 0.1) and pace.every == 4
+    assert pace.update(0.1, t + 11.0 + DOWN_AFTER_S) and pace.every == 2
+    assert pace.update(0.1, t + 11.0 + 2 * DOWN_AFTER_S) and pace.every == 1
+    assert not pace.update(0.1, t + 200.0) and pace.every == 1
 
 
 def test_a_lag_that_comes_and_goes_never_flips_the_pace() -> None:

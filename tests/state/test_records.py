@@ -140,3 +140,51 @@ def test_the_record_notes_when_the_ranks_cpu_time_last_grew() -> None:
     assert record.cpu_rate == pytest.approx(0.15)  # 0.15 s of CPU from 1.0 to 2.0
     state.apply(Sample(v=1, rank=0, t=0.0, pid=7, phase="starting", cpu_s=0.05), 9.5)
     assert (record.cpu_mark_s, record.cpu_grew_at, record.cpu_rate) == (0.05, 9.5, None)
+
+
+def test_a_window_keeps_sixteen_heartbeats_counting_what_each_paced_beat_stands_for() -> None:
+    """A paced relay's beat stands for its pace of heartbeats (``Beat.STANDS_FOR``): a window
+    of pace-4 beats keeps 5 of them (``MIN_BEATS``, 20 heartbeats), not 16 (64), so it
+    follows a change as soon as a direct rank's does; direct beats keep 16."""
+    import math
+
+    from ddpwatch.state.records import BEAT_WIDTH, BEATS, MIN_BEATS, Beat, note_beat, stands_for
+
+    def one(pace: float) -> tuple[float, ...]:
+        values = [math.nan] * BEAT_WIDTH
+        values[Beat.GAP], values[Beat.STANDS_FOR] = 0.5 * pace, pace
+        return tuple(values)
+
+    direct = None
+    for _ in range(40):
+        direct = note_beat(direct, one(1.0))
+    assert direct is not None and len(direct) == BEATS * BEAT_WIDTH
+    paced = None
+    for _ in range(40):
+        paced = note_beat(paced, one(4.0))
+    assert paced is not None and len(paced) == MIN_BEATS * BEAT_WIDTH
+    assert stands_for(paced) == 20.0
+    paced2 = None
+    for _ in range(40):
+        paced2 = note_beat(paced2, one(2.0))
+    assert paced2 is not None and stands_for(paced2) == BEATS == 2 * len(paced2) / BEAT_WIDTH
+    assert direct is not None
+    for _ in range(3):  # the pace slows: the window keeps 16 heartbeats' worth
+        direct = note_beat(direct, one(4.0))
+    assert stands_for(direct) >= BEATS and stands_for(direct) - direct[Beat.STANDS_FOR] < BEATS
+
+
+def test_a_heartbeat_through_a_paced_relay_stands_for_its_pace() -> None:
+    from ddpwatch.core.protocol import Sample
+    from ddpwatch.state.records import Beat
+    from ddpwatch.state.state import ServerState
+
+    state = ServerState(started=0.0)
+    for step in range(1, 4):
+        if step > 1:
+            state.ranks[0].relayed = 4  # as ingest notes it, from the batch, before applying
+        beat = Sample(v=1, rank=0, t=float(step), step=step, collective_time_s=0.01)
+        state.apply(beat, float(step))
+    beats = state.ranks[0].beats
+    assert beats is not None
+    assert list(beats[Beat.STANDS_FOR :: len(Beat)]) == [1.0, 4.0, 4.0]

@@ -20,9 +20,11 @@ import msgspec
 
 from ddpwatch.core.protocol import PaceReply
 
-MOST = 2
-"""The slowest pace asked: one batch every second beat (the wire allows up to
-``protocol.MAX_PACE``)."""
+MOST = 4
+"""The slowest pace asked: one batch every fourth beat, 2 s after pace 2 (the wire's
+``protocol.MAX_PACE``). A relayed rank's silence allowance grows by ``RELAY_HOLD_S`` a beat
+skipped (2.5 s becomes 4.5 s at pace 4), and slow_rank's window counts the heartbeats each
+beat stands for (``records.Beat.STANDS_FOR``)."""
 UP_LAG_S = 1.0
 UP_AFTER_S = 2.0
 DOWN_LAG_S = 0.25

@@ -35,21 +35,41 @@ class Beat(IntEnum):
     INPUT_WAIT = 4  # in DataLoader iterators
     COMPUTE = 5  # the rest of the step, less the waits
     DATA_WAIT = 6  # from the step's end to the next forward pass (the last step)
+    STANDS_FOR = 7
+    """The heartbeats this one stands for: its relay's pace when it came (1 direct). A relay
+    at pace 4 sends a rank's newest heartbeat of every 4 (``server/pace.py``), so a window
+    counted in beats would span four times the seconds, and follow a change four times
+    slower."""
 
 
 BEAT_WIDTH = len(Beat)
+MIN_BEATS = 5
+"""Beats a window keeps however many heartbeats each stands for: a median of fewer is one
+jittery step away from another verdict, on some rank of a large job."""
 
 
 def note_beat(beats: array[float] | None, values: tuple[float, ...]) -> array[float]:
     """Add one heartbeat's ``values`` (one per ``Beat`` column) to a rank's window, dropping
-    the oldest past ``BEATS``: one ``array`` of floats per rank, nothing the garbage
-    collector scans."""
+    the oldest past ``BEATS`` heartbeats (``Beat.STANDS_FOR``; ``MIN_BEATS`` beats at least):
+    one ``array`` of floats per rank, nothing the garbage collector scans. A beat that
+    stands for one heartbeat, nearly every beat, costs one length check."""
     if beats is None:
         return array("d", values)
     beats.extend(values)
-    if len(beats) > BEATS * BEAT_WIDTH:
+    if values[Beat.STANDS_FOR] == 1.0:
+        if len(beats) > BEATS * BEAT_WIDTH:
+            del beats[:BEAT_WIDTH]
+        return beats
+    held = stands_for(beats)
+    while len(beats) > MIN_BEATS * BEAT_WIDTH and held - beats[Beat.STANDS_FOR] >= BEATS:
+        held -= beats[Beat.STANDS_FOR]
         del beats[:BEAT_WIDTH]
     return beats
+
+
+def stands_for(beats: array[float]) -> float:
+    """The heartbeats a window's beats stand for (``Beat.STANDS_FOR``)."""
+    return sum(beats[Beat.STANDS_FOR :: BEAT_WIDTH])
 
 
 CPU_STEP_S = 0.1

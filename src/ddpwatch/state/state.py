@@ -310,8 +310,9 @@ def _apply_identity(record: RankRecord, message: Identity) -> None:
             setattr(record, name, value)
 
 
-def _beat(sample: Sample, gap_s: float) -> tuple[float, ...]:
-    """A heartbeat's ``records.Beat`` columns: NaN for what its agent did not time."""
+def _beat(sample: Sample, gap_s: float, pace: int) -> tuple[float, ...]:
+    """A heartbeat's ``records.Beat`` columns: NaN for what its agent did not time; it stands
+    for its relay's ``pace`` of heartbeats (0: direct)."""
     nan = math.nan
     grad = sample.grad_wait_s
     inputs, compute, data = sample.input_wait_s, sample.compute_s, sample.data_wait_s
@@ -323,6 +324,7 @@ def _beat(sample: Sample, gap_s: float) -> tuple[float, ...]:
         nan if inputs is None else inputs,
         nan if compute is None else compute,
         nan if data is None else data,
+        float(pace) if pace > 1 else 1.0,
     )
 
 
@@ -460,7 +462,9 @@ def _apply_sample(record: RankRecord, sample: Sample, now: float, marks: MarkInd
         record.collective_seen = None
     record.sample_seen = now
     if moved and collective_time_s is not None:
-        record.beats = note_beat(record.beats, _beat(sample, now - stepped_at))
+        record.beats = note_beat(
+            record.beats, _beat(sample, now - stepped_at, record.relayed)
+        )
     if counts is not None:
         step_marks = counts.marks
         if step_marks:

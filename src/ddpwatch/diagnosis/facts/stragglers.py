@@ -16,7 +16,7 @@ from ddpwatch.core.protocol import Collective
 from ddpwatch.diagnosis.facts.census import Census, median_step_time
 from ddpwatch.diagnosis.facts.ranks import WaitKey, entered, is_p2p, normal_op, wait_key
 from ddpwatch.diagnosis.text import collective_name
-from ddpwatch.state.records import BEAT_WIDTH, Beat, RankRecord
+from ddpwatch.state.records import BEAT_WIDTH, Beat, RankRecord, stands_for
 from ddpwatch.state.relays import RELAY_HOLD_S
 from ddpwatch.state.waits import WaitGroup
 
@@ -484,7 +484,12 @@ class Lag:
         self._window = window
         self._medians: dict[Beat, tuple[float, int] | None] = {}
         self.beats = len(window) // BEAT_WIDTH
-        """Heartbeats since the episode: how much evidence the medians hold."""
+        """Beats since the episode: how much evidence the medians hold."""
+
+    @property
+    def heartbeats(self) -> float:
+        """The heartbeats its beats stand for (``Beat.STANDS_FOR``): how long it spans."""
+        return stands_for(self._window)
 
     def median(self, column: Beat) -> float | None:
         """The column's median over the beats that timed it; None where none did."""

@@ -16,7 +16,7 @@ from ddpwatch.diagnosis.facts.ranks import is_busy, is_compiling
 from ddpwatch.diagnosis.facts.stragglers import Lag, lag_since_episode, timed
 from ddpwatch.diagnosis.rules.registry import alert, odd_alert, rule
 from ddpwatch.diagnosis.text import format_ranks, record_location, verb
-from ddpwatch.state.records import BEAT_WIDTH, Beat, RankRecord
+from ddpwatch.state.records import BEAT_WIDTH, MIN_BEATS, Beat, RankRecord, stands_for
 from ddpwatch.status.fmt import STACKS_IN, seconds, wait
 
 COMPILE_LONG_S = 1200.0
@@ -296,7 +296,9 @@ def rule_backward_desync(f: Facts) -> list[Alert]:
 SETTLED_BEATS = 10
 """Heartbeats since a rank's last episode (``Lag``) before slow_rank reads it: medians of 10
 (5 s at 2 Hz) hold neither a warm-up's first second (DataLoader workers starting, first
-compilations) nor the stall or stop before them."""
+compilations) nor the stall or stop before them. Counted as the heartbeats its beats stand
+for (``Beat.STANDS_FOR``), ``MIN_BEATS`` beats at least: through a relay at pace 4, 5 beats
+(10 s), not 10 (20 s)."""
 SLOW_COST = 0.075
 """The share of the step the others lose waiting from which slow_rank speaks: a rank that
 costs the job 10 % is named within seconds (once it lags on most beats of the window), one
@@ -365,16 +367,17 @@ def rule_slow_rank(f: Facts) -> list[Alert]:
 
 def _judged(f: Facts) -> list[RankRecord]:
     """The live ranks slow_rank compares, by what their records say at a glance: moving or
-    inside a collective, ``SETTLED_BEATS`` beats kept, their steps timed; only those that
-    time DDP's wait where any does (one that cannot see it would look the slowest: an
-    older agent, a model on a GPU)."""
+    inside a collective, ``SETTLED_BEATS`` heartbeats kept (``_settles``), their steps
+    timed; only those that time DDP's wait where any does (one that cannot see it would
+    look the slowest: an older agent, a model on a GPU)."""
     moved = f.now - f.stall_after  # ``idle(r) <= stall_after``, without a call per rank
-    need = SETTLED_BEATS * BEAT_WIDTH
+    least, need = MIN_BEATS * BEAT_WIDTH, SETTLED_BEATS * BEAT_WIDTH
     ranks = [
         r
         for r in f.live
         if r.beats is not None
-        and len(r.beats) >= need
+        and len(r.beats) >= least
+        and (len(r.beats) >= need or stands_for(r.beats) >= SETTLED_BEATS)
         and timed(r.beats, Beat.STEP)
         and (r.collective is not None or r.last_progress >= moved or f.since >= moved)
     ]
@@ -390,13 +393,20 @@ def _spread(ranks: list[RankRecord]) -> list[RankRecord]:
 
 
 def _settled(ranks: list[RankRecord], limit: float) -> list[tuple[RankRecord, Lag]]:
-    """Each rank's ``Lag`` since its last episode, where that holds ``SETTLED_BEATS``."""
+    """Each rank's ``Lag`` since its last episode, where that has settled (``_settles``)."""
     found = []
     for r in ranks:
         lag = lag_since_episode(r, limit)
-        if lag is not None and lag.beats >= SETTLED_BEATS:
+        if lag is not None and _settles(lag):
             found.append((r, lag))
     return found
+
+
+def _settles(lag: Lag) -> bool:
+    """The window holds ``MIN_BEATS`` and stands for ``SETTLED_BEATS`` heartbeats."""
+    return lag.beats >= MIN_BEATS and (
+        lag.beats >= SETTLED_BEATS or lag.heartbeats >= SETTLED_BEATS
+    )
 
 
 def _lagging(
@@ -410,7 +420,7 @@ def _lagging(
         if beats is None or min(beats[Beat.WAITED :: BEAT_WIDTH]) >= below:
             continue
         lag = lag_since_episode(r, limit)
-        if lag is not None and lag.beats >= SETTLED_BEATS and lag.waited_s < below:
+        if lag is not None and _settles(lag) and lag.waited_s < below:
             found.append((r, lag))
     return sorted(found, key=lambda found: found[0].rank)
 
