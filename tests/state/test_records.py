@@ -188,3 +188,6 @@ def test_a_heartbeat_through_a_paced_relay_stands_for_its_pace() -> None:
     beats = state.ranks[0].beats
     assert beats is not None
     assert list(beats[Beat.STANDS_FOR :: len(Beat)]) == [1.0, 4.0, 4.0]
+    # 2 s apart at pace 4 is a beat's gap, not an episode: the 3 beats skipped are left out
+    state.apply(Sample(v=1, rank=0, t=5.0, step=4, collective_time_s=0.01), 5.0)
+    assert beats[Beat.GAP - len(Beat)] == 0.5

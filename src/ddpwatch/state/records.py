@@ -27,8 +27,9 @@ class Beat(IntEnum):
     ended (NaN where the agent did not time it)."""
 
     GAP = 0
-    """Since the rank's step before them ended, by the server's clock: a long one ends an
-    episode (a stall, a stop, the start), after which ``slow_rank`` starts afresh."""
+    """Since the rank's step before them ended, by the server's clock, less the beats a
+    paced relay skipped: a long one ends an episode (a stall, a stop, the start), after
+    which ``slow_rank`` starts afresh."""
     STEP = 1  # the last step's time
     WAITED = 2  # in Python-level collectives (the last step) and in DDP's all-reduce
     GRAD_WAIT = 3  # in DDP's gradient all-reduce alone

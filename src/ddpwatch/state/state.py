@@ -31,7 +31,7 @@ from ddpwatch.state.host_memory import note as note_host_memory
 from ddpwatch.state.host_memory import settled
 from ddpwatch.state.marks import MarkIndex
 from ddpwatch.state.records import CPU_STEP_S, LOG_LINES, RankRecord, note_beat
-from ddpwatch.state.relays import RelayRecord
+from ddpwatch.state.relays import RELAY_HOLD_S, RelayRecord
 from ddpwatch.state.step_times import SHORTEST_S, StepTimes
 from ddpwatch.state.waits import WaitIndex
 from ddpwatch.status.schema import JobEnd
@@ -311,11 +311,15 @@ def _apply_identity(record: RankRecord, message: Identity) -> None:
 
 
 def _beat(sample: Sample, gap_s: float, pace: int) -> tuple[float, ...]:
-    """A heartbeat's ``records.Beat`` columns: NaN for what its agent did not time; it stands
-    for its relay's ``pace`` of heartbeats (0: direct)."""
+    """A heartbeat's ``records.Beat`` columns: NaN for what its agent did not time. Through a
+    relay at ``pace`` (0: direct), it stands for that many heartbeats, and its gap leaves
+    out the beats the relay skipped: else, 2 s apart at pace 4, every beat would end an
+    episode (``Lag``: a gap longer than a collective may wait, 2 s at least)."""
     nan = math.nan
     grad = sample.grad_wait_s
     inputs, compute, data = sample.input_wait_s, sample.compute_s, sample.data_wait_s
+    if pace > 1:
+        gap_s = max(0.0, gap_s - RELAY_HOLD_S * (pace - 1))
     return (
         gap_s,
         nan if sample.step_time_s is None else sample.step_time_s,
