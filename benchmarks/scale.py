@@ -739,7 +739,7 @@ def server_host(conn: Connection, profile: bool = False) -> None:
     profiled = ""
     if profiler is not None:
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(15)
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
         profiled = text.getvalue()
     conn.send(
         {
@@ -807,7 +807,7 @@ def prober(conn: Connection, port: int, every: float, models: int, nice: int) ->
     while True:
         now = time.time()
         if now < next_at:
-            time.sleep(next_at - now)
+            time.sleep(min(next_at, end) - now)  # no request after the end: stop then
         if time.time() >= end:
             break
         started = time.perf_counter()

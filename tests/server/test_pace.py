@@ -13,7 +13,7 @@ from ddpwatch.core.protocol import Batch, PaceReply, Sample, encode
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.facts.ranks import silent_after
 from ddpwatch.diagnosis.rules import diagnose
-from ddpwatch.server.collector import Collector
+from ddpwatch.server.collector import ANSWER_EVERY, Collector
 from ddpwatch.server.ingest import Receive
 from ddpwatch.server.pace import DOWN_AFTER_S, MOST, UP_AFTER_S, Pace
 from ddpwatch.state.records import RankRecord
@@ -90,6 +90,32 @@ def test_the_collector_answers_every_relays_pace_request_in_one_poll(port: int) 
     finally:
         for sock in asking:
             sock.close()
+        collector.close()
+
+
+def test_the_pace_moves_within_one_long_receive(port: int) -> None:
+    """A receive of a backlog can last seconds at the largest jobs; the pace moves while it
+    goes (every ``ANSWER_EVERY`` heartbeats), not only after it. Here each look at the clock
+    takes 2.5 s: one receive of 10,000 heartbeats ends at pace 4, where moving only after
+    it would have stepped once (pace 2)."""
+    clock = iter(float(t) for t in range(1000, 100_000, 5))
+    state = ServerState(started=999.0)
+    collector = Collector(state, lambda: b"{}", "127.0.0.1", port, clock=lambda: next(clock) / 2)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    try:
+        collector.poll(0.0)  # nothing yet: heard up to now
+        push.connect(f"tcp://127.0.0.1:{port}")
+        for i in range(20_000):
+            push.send(encode(Sample(v=1, rank=i % 100, t=0.0, step=i // 100)))
+        deadline = time.monotonic() + 10
+        while collector._pull.get(zmq.EVENTS) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the rest of the backlog queued behind the first
+        assert collector.poll(1.0) >= ANSWER_EVERY
+        assert collector.pace.every == 4 == state.pace
+    finally:
+        push.close()
         collector.close()
 
 
