@@ -807,7 +807,7 @@ def prober(conn: Connection, port: int, every: float, models: int, nice: int) ->
     while True:
         now = time.time()
         if now < next_at:
-            time.sleep(min(next_at, end) - now)  # no request after the end: stop then
+            time.sleep(max(0.0, min(next_at, end) - now))  # none after the end: stop then
         if time.time() >= end:
             break
         started = time.perf_counter()
