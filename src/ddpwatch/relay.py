@@ -22,9 +22,9 @@ What the relay keeps, and why:
 - **What a newer batch may supersede**: each batch says its frames' ranks and which are
   plain heartbeats (``Batch.ranks``, ``Batch.plain``), so that a server behind can leave out
   an older batch's heartbeats that its next one supersedes without decoding them.
-- **The server's pace**: a server behind its queue asks for one batch every second beat
-  (``relay_pacer.py``, ``server/pace.py``); between two, the relay keeps each rank's newest
-  heartbeat as when held back, and events still leave at once.
+- **The server's pace**: a server behind its queue asks for one batch every second or
+  fourth beat (``relay_pacer.py``, ``server/pace.py``); between two, the relay keeps each
+  rank's newest heartbeat as when held back, and events still leave at once.
 - **Each rank's identity**: a restarted server hears it again as soon as it is back (the
   ranks' own connection, to the relay, did not change, so they would not resend it soon).
 

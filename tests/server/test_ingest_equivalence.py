@@ -718,6 +718,9 @@ class _Recorded:
     def frame(self, t: float, data: bytes) -> None:
         self.frames.append((t, data))
 
+    def route(self, t: float, batch: bytes = b"") -> None:
+        """How the frames after came (``Recorder.route``): not what this test compares."""
+
 
 def _take_in_one_receive(
     port: int,

@@ -19,7 +19,7 @@ from conftest import ROOT, Recording, free_port_pair, published, replayed
 
 from ddpwatch.cli import main
 from ddpwatch.commands.replay import parse_speed
-from ddpwatch.core.protocol import ErrorInfo, Event, Sample, encode
+from ddpwatch.core.protocol import Batch, ErrorInfo, Event, Sample, encode
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.history import AlertChange
 from ddpwatch.server.recording import (
@@ -249,6 +249,50 @@ def test_replay_raises_the_same_alerts_as_the_live_server(tmp_path: Path) -> Non
     assert [r.step for r in final.ranks] == [44, 44, 44]
     assert final.stats.received == live.server.state.received
     assert final.replay and final.replay.finished is True
+
+
+def test_a_replay_knows_the_relays_and_their_pace_as_the_live_server_did(tmp_path: Path) -> None:
+    """Rank 0 alone, ranks 1 and 2 through a relay at pace 2: the recording says which frames
+    came in which batch (``route`` records), so the replay's relays and each rank's path
+    (``RankRecord.relayed``: the silent allowance, a beat's weight) are the live server's."""
+    path = tmp_path / "relayed.ddpw"
+    live = Recording(path)
+    try:
+        for step in range(1, 5):
+            frames = [sample(r, step) for r in (1, 2)]
+            batch = Batch(
+                v=1, relay="node-b:9", t=time.time(), host="node-b", seq=step - 1, every=2,
+                frames=frames, ages_us=[1000, 2000], ranks=[1, 2], coalesced=1,
+            )  # fmt: skip
+            live.send(sample(0, step), encode(batch))
+            if step == 4:
+                live.send(sample(0, 5))  # alone again after the batch
+            time.sleep(0.1)
+        live.wait_for(lambda s: s["stats"]["received"] == 17, 5)
+    finally:
+        live.stop()
+    routes = [r for r in read_records(path) if r.kind == "route"]
+    assert [bool(r.data) for r in routes] == [True, False] * 4
+    replay, _ = replayed(path)
+    state, again = live.server.state, replay.engine.state
+    assert {r: rec.relayed for r, rec in again.ranks.items()} == {0: 0, 1: 2, 2: 2}
+    assert {r: rec.relayed for r, rec in state.ranks.items()} == {0: 0, 1: 2, 2: 2}
+    ours, theirs = again.relays["node-b:9"], state.relays["node-b:9"]
+    assert (ours.batches, ours.frames, ours.coalesced, ours.every, ours.ranks) == (
+        theirs.batches, theirs.frames, theirs.coalesced, theirs.every, theirs.ranks
+    ) == (4, 8, 4, 2, {1, 2})  # fmt: skip
+    assert again.received == state.received == 17
+
+
+def test_a_recording_from_before_routes_replays_every_rank_as_direct(tmp_path: Path) -> None:
+    """An older recording has no ``route`` records: its frames came alone, as before."""
+    path = tmp_path / "old.ddpw"
+    recorder = Recorder(path, {"started": 1000.0})
+    for step in range(1, 4):
+        recorder.frame(1000.0 + step, sample(0, step))
+    recorder.close()
+    replay, _ = replayed(path)
+    assert replay.engine.state.ranks[0].relayed == 0 and not replay.engine.state.relays
 
 
 def test_replay_cli_headless_prints_the_live_stream(tmp_path: Path) -> None:

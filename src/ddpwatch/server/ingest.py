@@ -38,6 +38,7 @@ from ddpwatch.core.protocol import (
     Sample,
     decode,
     decode_wire,
+    encode,
     keeps_news,
 )
 from ddpwatch.state.relays import note_batch
@@ -236,6 +237,8 @@ class Receive:
         answer_at = every
         alone = 0  # the position of the next frame that came alone
         for start, batch in [*self.batches, (len(frames), None)]:
+            if alone < start:
+                self._route(None)
             for position in range(alone, start):
                 if position >= answer_at:
                     answer_at = position + every
@@ -248,14 +251,24 @@ class Receive:
                 if start >= answer_at:
                     answer_at = start + every
                     answer_waiting()
+                self._route(batch)
                 self._open(batch, start)
                 alone = start + len(batch.frames)
+        self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        """The heartbeats held back for a newer one of their rank that did not come."""
         state = self.state
         for sample, at in self.pending.values():
             try:
                 state.apply(sample, at)
             except Exception as exc:  # isolated: counted, logged
                 frame_failed(state, sample.rank, "sample", exc)
+
+    def _route(self, batch: Batch | None) -> None:
+        """Tell the recording how the frames it records next came: in ``batch``, or alone."""
+        if self.recorder is not None:
+            self.recorder.route(self.now, b"" if batch is None else batch_head(batch))
 
     def _open(self, batch: Batch, position: int) -> None:
         """Take a relay's frames, each dated by its arrival at the relay; ``position`` is the
@@ -436,6 +449,12 @@ def _rank_and_kind(frame: bytes) -> tuple[int | None, str]:
     rank = head.rank if type(head.rank) is int else None
     kind = str(head.type)
     return rank, f"{kind}:{head.event}" if head.event is not None else kind
+
+
+def batch_head(batch: Batch) -> bytes:
+    """A relay's batch as a recording's ``route`` record keeps it: every field, each frame
+    emptied (its frames are recorded one by one, as if they had come alone)."""
+    return encode(msgspec.structs.replace(batch, frames=[b""] * len(batch.frames), ages_us=[]))
 
 
 def _mark_relayed(state: ServerState, rank: int, relayed: int) -> None:

@@ -4,9 +4,10 @@ A server that falls behind its queue does not catch up by reading faster: readin
 costs about what applying the heartbeats it keeps costs (``docs/design/digests.md``), and the
 backlog lives in its own queue, which is what its memory grows by. So it asks to be sent
 less: relays poll ``pace`` on the query port (``collector.Collector``) and, at a pace of 2,
-send one batch every second beat, each rank's newest heartbeat in it and every event at once
-(``ddpwatch/relay.py``). Diagnosis allows a relayed rank and its relay the beats they skip
-(``Batch.every``, ``RankRecord.relayed``).
+send one batch every second beat (at 4, every fourth), each rank's newest heartbeat in it
+and every event at once (``ddpwatch/relay.py``). Diagnosis allows a relayed rank and its
+relay the beats they skip (``Batch.every``, ``RankRecord.relayed``), and counts a paced
+beat as the heartbeats it stands for (``records.Beat.STANDS_FOR``).
 
 The pace moves with hysteresis: up after ``UP_AFTER_S`` behind by more than ``UP_LAG_S``,
 down only after ``DOWN_AFTER_S`` behind by less than ``DOWN_LAG_S``. A pace that flipped every

@@ -5,15 +5,18 @@ A recording is the 8 bytes ``DDPWREC1`` followed by records, all little-endian::
     u32 length   bytes in body
     u32 crc32    zlib.crc32 of body
     body:
-      u8  kind   0 session, 1 frame, 2 tick, 3 job (others: skipped by readers)
+      u8  kind   0 session, 1 frame, 2 tick, 3 job, 4 route (others: skipped by readers)
       f64 time   the server's clock, unix seconds
       payload    session: UTF-8 JSON object; frame: the accepted frame's bytes;
                  tick: f64 heard_until (NaN: none), f64 listening_since (or empty);
-                 job: UTF-8 JSON object, the status document's ``job_end``
+                 job: UTF-8 JSON object, the status document's ``job_end``;
+                 route: the relay's batch the frames that follow came in, each of its
+                 frames emptied (MessagePack); empty: the frames that follow came alone
 
 A ``session`` record starts each server run that wrote to the file (its thresholds
 and start time); ``frame`` records are the accepted messages with their receive
-time, in the order the server applied them; ``tick`` records are the times the
+time, in the order the server applied them, each ``route`` record saying how those after it
+came (through which relay, at which pace, or alone); ``tick`` records are the times the
 server ran diagnosis; a ``job`` record says how the job ended, as the ``ddpwatch run`` that
 launched it saw it (who stopped it, why it never started: what no rank can report), so a
 replay and ``ddpwatch report`` tell it as the live summary did. A reader stops at the first
@@ -43,13 +46,14 @@ log = logging.getLogger("ddpwatch.server")
 
 MAGIC = b"DDPWREC1"
 FORMAT_VERSION = 1
-KIND_SESSION, KIND_FRAME, KIND_TICK, KIND_JOB = 0, 1, 2, 3
-RecordKind = Literal["session", "frame", "tick", "job"]
+KIND_SESSION, KIND_FRAME, KIND_TICK, KIND_JOB, KIND_ROUTE = 0, 1, 2, 3, 4
+RecordKind = Literal["session", "frame", "tick", "job", "route"]
 _KIND_NAMES: dict[int, RecordKind] = {
     KIND_SESSION: "session",
     KIND_FRAME: "frame",
     KIND_TICK: "tick",
     KIND_JOB: "job",
+    KIND_ROUTE: "route",
 }
 _HEAD = struct.Struct("<II")  # length, crc32
 _BODY = struct.Struct("<Bd")  # kind, time
@@ -197,6 +201,7 @@ class Recorder:
         self.failed = False
         self._lock = threading.Lock()
         self._dirty = False
+        self._routed = False  # the last route written was a relay's batch
         self._last_flush = time.monotonic()
         self._file: BinaryIO | None = _open_for_append(self.path)
         meta = {"format": FORMAT_VERSION, **session}
@@ -208,6 +213,16 @@ class Recorder:
         """One accepted frame and the server's receive time."""
         self._write(encode_record(KIND_FRAME, t, data))
         self.frames += 1
+
+    def route(self, t: float, batch: bytes = b"") -> None:
+        """The frames recorded next came in ``batch`` (a relay's, its frames emptied, as
+        ``ingest`` encodes it), or alone (empty): a replay judges a relayed rank as the live
+        server did, with its relay's pace, and knows the relays. "Alone" is written only
+        after a batch: a recording starts with frames that came alone."""
+        if not batch and not self._routed:
+            return
+        self._write(encode_record(KIND_ROUTE, t, batch))
+        self._routed = bool(batch)
 
     def tick(
         self, t: float, heard_until: float | None = None, listening_since: float = -math.inf

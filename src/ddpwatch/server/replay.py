@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from ddpwatch.core.protocol import DEFAULT_PORT, ProtocolError, decode
+from ddpwatch.core.protocol import DEFAULT_PORT, Batch, ProtocolError, decode, decode_wire
 from ddpwatch.core.vocabulary import HistoryEvent
 from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.history import AlertChange
@@ -29,6 +29,7 @@ from ddpwatch.diagnosis.rules import Diagnosis
 from ddpwatch.server.engine import TICK_S, Engine, OnEngine
 from ddpwatch.server.ingest import frame_failed, kind_of
 from ddpwatch.server.recording import Record, RecordingReader
+from ddpwatch.state.relays import RelayRecord, note_batch
 from ddpwatch.state.state import ServerState
 from ddpwatch.status.schema import JobEnd, ReplayInfo, StatusDocument
 
@@ -131,6 +132,8 @@ class ReplayServer(OnEngine):
             self.clock,
         )
         self.lock = self.engine.lock
+        self._relay: RelayRecord | None = None  # the relay the next frames came through
+        self._pace = 0  # its pace (0: they came alone), as ``RankRecord.relayed`` says it
         self._ticks = False
         self._tick_s = TICK_S
         self._next_tick = start
@@ -200,8 +203,8 @@ class ReplayServer(OnEngine):
             self._end_session()
             self._begin_session(record)
             return
-        if record.kind == "job":
-            self._job_ended(record)
+        if record.kind in ("job", "route"):
+            (self._job_ended if record.kind == "job" else self._take_route)(record)
             return
         if record.kind not in ("frame", "tick"):
             return  # a kind from a newer format
@@ -222,6 +225,26 @@ class ReplayServer(OnEngine):
                 self._next_tick += self._tick_s
         self._apply(record)
 
+    def _take_route(self, record: Record) -> None:
+        """How the frames that follow came: in a relay's batch (noted as the live server
+        noted it: the relay, its pace, what it refused and coalesced) or alone. A batch that
+        does not decode leaves them as if alone, as a recording without paths does."""
+        relay, pace = None, 0
+        if record.data:
+            try:
+                batch = decode_wire(record.data)
+            except ProtocolError:
+                batch = None
+            if type(batch) is Batch:
+                self.clock.wait_until(record.t, self._stop)
+                with self.lock:
+                    state = self.state
+                    state.rejected += batch.rejected
+                    state.received += batch.coalesced
+                    relay, pace = note_batch(state.relays, batch, record.t), batch.every
+                    self.clock.reach(record.t)
+        self._relay, self._pace = relay, pace
+
     def _apply(self, record: Record) -> None:
         try:
             message = decode(record.data)
@@ -230,10 +253,19 @@ class ReplayServer(OnEngine):
                 self.state.rejected += 1
             return
         with self.lock:
+            ranks = self.state.ranks
+            known = ranks.get(message.rank)
+            if known is not None:
+                known.relayed = self._pace  # as ``ingest`` notes it, before applying
             try:
                 self.state.apply(message, record.t)
             except Exception as exc:  # isolated as the live collector isolates it
                 frame_failed(self.state, message.rank, kind_of(message), exc)
+            taken = ranks.get(message.rank)
+            if taken is not None:  # a new record too (a new process)
+                taken.relayed = self._pace
+                if self._relay is not None:
+                    self._relay.ranks.add(message.rank)
             self.clock.reach(record.t)
         self.messages += 1
 
@@ -286,6 +318,7 @@ class ReplayServer(OnEngine):
                 engine.state.started = started
                 engine.diagnosis = Diagnosis()  # the live server's cadence, from its start
             self._next_tick = started
+            self._relay, self._pace = None, 0
             self.clock.restart(started)
 
     def _end_session(self) -> None:
