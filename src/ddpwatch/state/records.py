@@ -53,7 +53,9 @@ def note_beat(beats: array[float] | None, values: tuple[float, ...]) -> array[fl
     """Add one heartbeat's ``values`` (one per ``Beat`` column) to a rank's window, dropping
     the oldest past ``BEATS`` heartbeats (``Beat.STANDS_FOR``; ``MIN_BEATS`` beats at least):
     one ``array`` of floats per rank, nothing the garbage collector scans. A beat that
-    stands for one heartbeat, nearly every beat, costs one length check."""
+    stands for one heartbeat, nearly every beat, costs one length check: it trims by count,
+    so after a slower pace the window holds ``BEATS`` beats, more heartbeats, until the
+    paced ones are gone (more evidence, never less)."""
     if beats is None:
         return array("d", values)
     beats.extend(values)
