@@ -99,7 +99,8 @@ class ServerState:
     pace: int = 1
     """The pace the server asks of its relays (``server/pace.py``): one batch every this many
     beats; above 1 only while it is, or lately was, behind its queue. The status document's
-    ``stats.pace``; no alert's words depend on it, since a recording does not keep it."""
+    ``stats.pace``; no alert's words depend on it, since a recording keeps each batch's pace
+    (``route`` records), not the one asked."""
     listening_since: float = -math.inf
     """Since when the collector has kept up without a break (a backlog that may have made
     senders drop heartbeats, or the server itself paused): silence counts from here."""
