@@ -41,7 +41,7 @@ from ddpwatch.core.protocol import (
     encode,
     keeps_news,
 )
-from ddpwatch.state.relays import note_batch
+from ddpwatch.state.relays import RelayRecord, note_batch
 from ddpwatch.state.state import ServerState
 
 if TYPE_CHECKING:
@@ -274,13 +274,7 @@ class Receive:
         """Take a relay's frames, each dated by its arrival at the relay; ``position`` is the
         first one's among the rank messages of this receive."""
         state, now = self.state, self.now
-        state.rejected += batch.rejected  # frames the relay refused count as ours would
-        state.received += batch.coalesced  # as our own coalescing counts what it leaves out
-        try:
-            relay = note_batch(state.relays, batch, now)
-        except Exception as exc:  # its frames are taken in all the same
-            frame_failed(state, None, "batch", exc)
-            relay = None
+        relay = note_relay(state, batch, now)
         carried = None if relay is None else relay.ranks
         frames = batch.frames
         ages = batch.ages_us if len(batch.ages_us) == len(frames) else [0] * len(frames)
@@ -352,7 +346,7 @@ class Receive:
                     del pending[rank]
                 state.apply(message, at)
                 if message.pid is not None or superseded is not None:
-                    _mark_relayed(state, rank, relayed)  # a new process: a new record
+                    mark_relayed(state, rank, relayed)  # a new process: a new record
             else:
                 pending[rank] = (message, at)
             return rank
@@ -365,7 +359,7 @@ class Receive:
         if earlier is not None:
             state.apply(*earlier)
         state.apply(message, at)
-        _mark_relayed(state, rank, relayed)
+        mark_relayed(state, rank, relayed)
         return rank
 
     def _failed(self, frame: bytes, exc: Exception) -> None:
@@ -457,7 +451,20 @@ def batch_head(batch: Batch) -> bytes:
     return encode(msgspec.structs.replace(batch, frames=[b""] * len(batch.frames), ages_us=[]))
 
 
-def _mark_relayed(state: ServerState, rank: int, relayed: int) -> None:
+def note_relay(state: ServerState, batch: Batch, now: float) -> RelayRecord | None:
+    """A relay's batch arrived ``now``: its relay noted, what it refused and coalesced counted
+    as ours would be; None where the relay is not tracked. Live (``Receive._open``) and in a
+    replay (``route`` records), the same bookkeeping."""
+    state.rejected += batch.rejected  # frames the relay refused count as ours would
+    state.received += batch.coalesced  # as our own coalescing counts what it leaves out
+    try:
+        return note_batch(state.relays, batch, now)
+    except Exception as exc:  # its frames are taken in all the same
+        frame_failed(state, None, "batch", exc)
+        return None
+
+
+def mark_relayed(state: ServerState, rank: int, relayed: int) -> None:
     """Note the path the rank's last frame took on its record, if it has one now: ``apply``
     may have started a new record (a new process), or taken the frame into the last
     attempt's (an old process's late event, for a rank whose record moved there)."""

@@ -27,9 +27,9 @@ from ddpwatch.diagnosis.alerts import Thresholds
 from ddpwatch.diagnosis.history import AlertChange
 from ddpwatch.diagnosis.rules import Diagnosis
 from ddpwatch.server.engine import TICK_S, Engine, OnEngine
-from ddpwatch.server.ingest import frame_failed, kind_of
+from ddpwatch.server.ingest import frame_failed, kind_of, mark_relayed, note_relay
 from ddpwatch.server.recording import Record, RecordingReader
-from ddpwatch.state.relays import RelayRecord, note_batch
+from ddpwatch.state.relays import RelayRecord
 from ddpwatch.state.state import ServerState
 from ddpwatch.status.schema import JobEnd, ReplayInfo, StatusDocument
 
@@ -228,7 +228,7 @@ class ReplayServer(OnEngine):
     def _take_route(self, record: Record) -> None:
         """How the frames that follow came: in a relay's batch (noted as the live server
         noted it: the relay, its pace, what it refused and coalesced) or alone. A batch that
-        does not decode leaves them as if alone, as a recording without paths does."""
+        does not decode leaves them as if alone, as a recording without routes does."""
         relay, pace = None, 0
         if record.data:
             try:
@@ -238,10 +238,7 @@ class ReplayServer(OnEngine):
             if type(batch) is Batch:
                 self.clock.wait_until(record.t, self._stop)
                 with self.lock:
-                    state = self.state
-                    state.rejected += batch.rejected
-                    state.received += batch.coalesced
-                    relay, pace = note_batch(state.relays, batch, record.t), batch.every
+                    relay, pace = note_relay(self.state, batch, record.t), batch.every
                     self.clock.reach(record.t)
         self._relay, self._pace = relay, pace
 
@@ -261,11 +258,9 @@ class ReplayServer(OnEngine):
                 self.state.apply(message, record.t)
             except Exception as exc:  # isolated as the live collector isolates it
                 frame_failed(self.state, message.rank, kind_of(message), exc)
-            taken = ranks.get(message.rank)
-            if taken is not None:  # a new record too (a new process)
-                taken.relayed = self._pace
-                if self._relay is not None:
-                    self._relay.ranks.add(message.rank)
+            mark_relayed(self.state, message.rank, self._pace)  # a new record too
+            if self._relay is not None and message.rank in ranks:
+                self._relay.ranks.add(message.rank)
             self.clock.reach(record.t)
         self.messages += 1
 
