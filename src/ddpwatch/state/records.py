@@ -63,6 +63,8 @@ def note_beat(beats: array[float] | None, values: tuple[float, ...]) -> array[fl
         if len(beats) > BEATS * BEAT_WIDTH:
             del beats[:BEAT_WIDTH]
         return beats
+    if len(beats) <= MIN_BEATS * BEAT_WIDTH:
+        return beats  # nothing to trim: no sum of the window's weights
     held = stands_for(beats)
     while len(beats) > MIN_BEATS * BEAT_WIDTH and held - beats[Beat.STANDS_FOR] >= BEATS:
         held -= beats[Beat.STANDS_FOR]
