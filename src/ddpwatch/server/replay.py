@@ -132,6 +132,12 @@ class ReplayServer(OnEngine):
             self.clock,
         )
         self.lock = self.engine.lock
+        self._whole: dict[str, Callable[[Record], None]] = {
+            "session": self._new_session,
+            "job": self._job_ended,
+            "route": self._take_route,
+        }
+        """The records taken as one, not frames or ticks, by kind."""
         self._relay: RelayRecord | None = None  # the relay the next frames came through
         self._pace = 0  # its pace (0: they came alone), as ``RankRecord.relayed`` says it
         self._ticks = False
@@ -199,12 +205,9 @@ class ReplayServer(OnEngine):
             self.finished.set()
 
     def _take(self, record: Record) -> None:
-        if record.kind == "session":
-            self._end_session()
-            self._begin_session(record)
-            return
-        if record.kind in ("job", "route"):
-            (self._job_ended if record.kind == "job" else self._take_route)(record)
+        taken = self._whole.get(str(record.kind))
+        if taken is not None:
+            taken(record)
             return
         if record.kind not in ("frame", "tick"):
             return  # a kind from a newer format
@@ -224,6 +227,11 @@ class ReplayServer(OnEngine):
                 self.tick(self._next_tick)
                 self._next_tick += self._tick_s
         self._apply(record)
+
+    def _new_session(self, record: Record) -> None:
+        """Another server run wrote what follows: the last one's session ends here."""
+        self._end_session()
+        self._begin_session(record)
 
     def _take_route(self, record: Record) -> None:
         """How the frames that follow came: in a relay's batch (noted as the live server
